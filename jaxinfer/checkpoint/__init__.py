@@ -1,0 +1,1 @@
+"""Checkpoints: HF safetensors import and orbax save/restore."""

@@ -1,0 +1,248 @@
+"""`ModelConfig`: one frozen, hashable config type for every architecture.
+
+Architectures differ only through fields (attention kind, router kind, window
+pattern, sinks, q/k norm, MTP depth, ...), so model code branches on field
+values, never on a model name. `ModelConfig.from_hf` lives in `hf_config.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+AttentionKind = Literal["gqa", "mla"]
+# softmax_topk: softmax over all experts, then top-k (Mixtral, Qwen3-MoE).
+# topk_softmax: top-k of the logits, softmax over the k (GPT-OSS).
+# sigmoid_grouped: sigmoid scores, group-limited top-k chosen with a
+#   selection-only bias (DeepSeek-V3 `e_score_correction_bias`).
+RouterKind = Literal["softmax_topk", "topk_softmax", "sigmoid_grouped"]
+# silu: SwiGLU, silu(gate) * up. clamped_swiglu: GPT-OSS,
+#   (clip(up) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+Activation = Literal["silu", "clamped_swiglu"]
+MoEImpl = Literal["grouped", "dense"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+  """RoPE frequency scaling, as HF's `rope_scaling` / `rope_parameters`."""
+
+  kind: Literal["linear", "llama3", "yarn"]
+  factor: float
+  original_max_position_embeddings: int | None = None
+  # llama3
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  # yarn
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  mscale: float | None = None
+  mscale_all_dim: float | None = None
+  attention_factor: float | None = None
+  truncate: bool = True
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Shape and behaviour of a decoder-only transformer.
+
+  Dimension alphabet (STYLE.md): D d_model, F ffn, N q heads, K kv heads,
+  H head dim, V vocab, E experts, L layers.
+  """
+
+  model_type: str = "llama"  # HF family, used by the checkpoint name maps
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  ffn_dim: int  # dense MLP width (dense layers and dense models)
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = False
+  max_position_embeddings: int = 4096
+
+  # Attention.
+  attention: AttentionKind = "gqa"
+  qkv_bias: bool = False
+  o_bias: bool = False
+  qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k, before RoPE
+  attention_sinks: bool = False  # GPT-OSS: a learned logit per head
+  sliding_window: int = 0  # 0: no sliding window anywhere
+  # Per-layer attention kind, HF `layer_types` ("full_attention" /
+  # "sliding_attention"); empty: every layer slides iff sliding_window > 0.
+  layer_types: tuple[str, ...] = ()
+
+  # Multi-head latent attention (DeepSeek-V2/V3).
+  q_lora_rank: int = 0  # 0: q projected directly (V2-Lite)
+  kv_lora_rank: int = 0
+  qk_nope_head_dim: int = 0
+  qk_rope_head_dim: int = 0
+  v_head_dim: int = 0
+
+  # RoPE.
+  rope_theta: float = 10000.0
+  rope_scaling: RopeScaling | None = None
+  rope_interleave: bool = False  # DeepSeek: rotate (2i, 2i+1) pairs
+
+  # Mixture of experts; num_experts == 0 means a dense model.
+  num_experts: int = 0
+  num_experts_per_tok: int = 0
+  moe_ffn_dim: int = 0
+  num_shared_experts: int = 0
+  router: RouterKind = "softmax_topk"
+  norm_topk_prob: bool = True
+  router_bias: bool = False  # GPT-OSS: bias on the router projection
+  n_group: int = 1
+  topk_group: int = 1
+  routed_scaling_factor: float = 1.0
+  expert_bias: bool = False  # GPT-OSS: biased expert projections
+  dense_layers: tuple[int, ...] = ()  # layers with a dense MLP in a MoE model
+  moe_impl: MoEImpl = "grouped"
+
+  activation: Activation = "silu"
+  swiglu_limit: float = 7.0
+  swiglu_alpha: float = 1.702
+
+  # Multi-token prediction modules (DeepSeek-V3 `num_nextn_predict_layers`).
+  num_mtp_layers: int = 0
+
+  # Param/compute dtype name; None: bfloat16 on GPU/TPU, float32 on CPU.
+  dtype: str | None = None
+  eos_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    _validate(self)
+
+  # Derived properties.
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def qk_head_dim(self) -> int:
+    if self.attention == "mla":
+      return self.qk_nope_head_dim + self.qk_rope_head_dim
+    return self.head_dim
+
+  @property
+  def rope_dim(self) -> int:
+    return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+
+  @property
+  def attn_v_head_dim(self) -> int:
+    return self.v_head_dim if self.attention == "mla" else self.head_dim
+
+  def layer_window(self, i: int) -> int:
+    """Sliding window of layer i (0: full attention)."""
+    if not self.sliding_window:
+      return 0
+    if not self.layer_types:
+      return self.sliding_window
+    return self.sliding_window if self.layer_types[i] == "sliding_attention" else 0
+
+  def layer_is_moe(self, i: int) -> bool:
+    return self.is_moe and i not in self.dense_layers
+
+  def segments(self) -> tuple[tuple[bool, int, int], ...]:
+    """Runs of consecutive layers of one structure: (is_moe, start, count).
+
+    Each segment's params are stacked on a leading layer axis and scanned.
+    """
+    segs: list[list] = []
+    for i in range(self.num_layers):
+      moe = self.layer_is_moe(i)
+      if segs and segs[-1][0] == moe:
+        segs[-1][2] += 1
+      else:
+        segs.append([moe, i, 1])
+    return tuple(tuple(s) for s in segs)
+
+  def softmax_scale(self) -> float:
+    """1/sqrt(qk head dim), times DeepSeek's YaRN mscale^2 when it applies."""
+    scale = self.qk_head_dim ** -0.5
+    rs = self.rope_scaling
+    if self.attention == "mla" and rs is not None and rs.mscale_all_dim:
+      m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+      scale *= m * m
+    return scale
+
+  def compute_dtype(self) -> jnp.dtype:
+    return jnp.dtype(self.dtype) if self.dtype else default_dtype()
+
+  @classmethod
+  def from_hf(cls, hf: dict) -> "ModelConfig":
+    """Maps an HF `config.json` dict; raises on anything it cannot honour."""
+    from jaxinfer import hf_config  # same layer; kept in its own file
+    return hf_config.from_hf(hf)
+
+
+def default_dtype() -> jnp.dtype:
+  """bfloat16 on accelerators; float32 on CPU (XLA:CPU bf16 is ~150x slower)."""
+  return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+  if scale <= 1:
+    return 1.0
+  return 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _validate(c: ModelConfig) -> None:
+  def need(ok, msg):
+    if not ok:
+      raise ValueError(f"ModelConfig: {msg}")
+
+  for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
+    need(getattr(c, name) > 0, f"{name} must be > 0, got {getattr(c, name)}")
+  need(c.attention in ("gqa", "mla"), f"attention must be 'gqa' or 'mla', got {c.attention!r}")
+  if c.attention == "gqa":
+    need(c.head_dim > 0, f"head_dim must be > 0, got {c.head_dim}")
+    need(c.num_heads % c.num_kv_heads == 0,
+         f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")
+  else:
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+      need(getattr(c, name) > 0, f"MLA needs {name} > 0, got {getattr(c, name)}")
+    need(c.q_lora_rank >= 0, f"q_lora_rank must be >= 0, got {c.q_lora_rank}")
+    need(not c.qk_norm and not c.attention_sinks and not c.qkv_bias,
+         "MLA does not support qk_norm, attention_sinks or qkv_bias")
+  need(c.rope_dim % 2 == 0, f"RoPE dim must be even, got {c.rope_dim}")
+  need(c.sliding_window >= 0, f"sliding_window must be >= 0, got {c.sliding_window}")
+  if c.layer_types:
+    need(len(c.layer_types) == c.num_layers,
+         f"layer_types has {len(c.layer_types)} entries for {c.num_layers} layers")
+    bad = sorted(set(c.layer_types) - {"full_attention", "sliding_attention"})
+    need(not bad, f"unsupported layer_types {bad}")
+  if c.is_moe:
+    need(0 < c.num_experts_per_tok <= c.num_experts,
+         f"num_experts_per_tok must be in [1, {c.num_experts}], got {c.num_experts_per_tok}")
+    need(c.moe_ffn_dim > 0, f"moe_ffn_dim must be > 0, got {c.moe_ffn_dim}")
+    need(c.router in ("softmax_topk", "topk_softmax", "sigmoid_grouped"),
+         f"unknown router {c.router!r}")
+    need(c.num_experts % c.n_group == 0,
+         f"num_experts ({c.num_experts}) must be divisible by n_group ({c.n_group})")
+    need(1 <= c.topk_group <= c.n_group, f"topk_group must be in [1, n_group={c.n_group}]")
+    if c.router == "sigmoid_grouped" and c.n_group > 1:
+      need(c.num_experts // c.n_group >= 2, "group-limited routing needs >= 2 experts per group")
+      need(c.topk_group * (c.num_experts // c.n_group) >= c.num_experts_per_tok,
+           "topk_group groups hold fewer experts than num_experts_per_tok")
+    need(c.moe_impl in ("grouped", "dense"), f"moe_impl must be 'grouped' or 'dense', got {c.moe_impl!r}")
+    bad = [i for i in c.dense_layers if not 0 <= i < c.num_layers]
+    need(not bad, f"dense_layers {bad} out of range [0, {c.num_layers})")
+  if not c.is_moe or c.dense_layers:
+    need(c.ffn_dim > 0, f"ffn_dim must be > 0 for dense MLP layers, got {c.ffn_dim}")
+  need(c.activation in ("silu", "clamped_swiglu"), f"unknown activation {c.activation!r}")
+  need(c.num_mtp_layers >= 0, f"num_mtp_layers must be >= 0, got {c.num_mtp_layers}")
+  if c.dtype is not None:
+    need(c.dtype in ("float32", "bfloat16", "float16"),
+         f"dtype must be float32, bfloat16 or float16, got {c.dtype!r}")
+  rs = c.rope_scaling
+  if rs is not None:
+    need(rs.kind in ("linear", "llama3", "yarn"), f"unsupported rope scaling {rs.kind!r}")
+    need(rs.factor > 0, f"rope scaling factor must be > 0, got {rs.factor}")
+    if rs.kind == "llama3":
+      need(rs.original_max_position_embeddings, "llama3 rope scaling needs original_max_position_embeddings")
+      need(rs.high_freq_factor != rs.low_freq_factor, "llama3 rope: high_freq_factor == low_freq_factor")

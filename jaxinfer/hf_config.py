@@ -1,0 +1,234 @@
+"""`ModelConfig.from_hf`: HF `config.json` -> `ModelConfig`.
+
+Every key of the dict is either read, checked to hold a value we honour, or on
+a short list of keys that do not change inference (training-only settings and
+PretrainedConfig bookkeeping). Anything else raises, naming the key: a field we
+would silently ignore is a numerics bug waiting to happen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jaxinfer.config import ModelConfig, RopeScaling
+
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+
+# Keys that carry no inference semantics (PretrainedConfig bookkeeping,
+# generation defaults, training-only losses and dropouts).
+_IGNORED = frozenset("""
+_name_or_path architectures attention_dropout bos_token_id pad_token_id
+chunk_size_feed_forward dtype torch_dtype id2label label2id initializer_range
+is_encoder_decoder output_attentions output_hidden_states problem_type return_dict
+transformers_version use_cache pretraining_tp output_router_logits
+router_aux_loss_coef router_jitter_noise aux_loss_alpha seq_aux tie_encoder_decoder
+torchscript add_cross_attention is_decoder cross_attention_hidden_size
+finetuning_task prefix sep_token_id decoder_start_token_id task_specific_params
+tokenizer_class pruned_heads use_bfloat16 tf_legacy_loss bad_words_ids
+begin_suppress_tokens diversity_penalty do_sample early_stopping
+encoder_no_repeat_ngram_size exponential_decay_length_penalty forced_bos_token_id
+forced_eos_token_id length_penalty max_length min_length no_repeat_ngram_size
+num_beam_groups num_beams num_return_sequences output_scores
+remove_invalid_values repetition_penalty return_dict_in_generate suppress_tokens
+temperature top_k top_p typical_p auto_map num_labels initializer_factor
+model_type attention_implementation _attn_implementation
+""".split())
+
+_ROPE_KEYS = {"rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor"}
+
+
+class _Reader:
+  """Tracks which keys of an HF config were consumed."""
+
+  def __init__(self, hf: dict):
+    self.hf = hf
+    self.used: set[str] = set()
+
+  def get(self, key: str, default: Any = None) -> Any:
+    self.used.add(key)
+    value = self.hf.get(key, default)
+    return default if value is None else value
+
+  def req(self, key: str) -> Any:
+    self.used.add(key)
+    if self.hf.get(key) is None:
+      raise ValueError(f"config.json: required key {key!r} is missing")
+    return self.hf[key]
+
+  def expect(self, key: str, allowed: tuple, default: Any = None) -> Any:
+    value = self.get(key, default)
+    if value not in allowed:
+      raise ValueError(f"config.json: {key}={value!r} is not supported (allowed: {allowed})")
+    return value
+
+  def leftover(self) -> list[str]:
+    return sorted(k for k in self.hf if k not in self.used and k not in _IGNORED)
+
+
+def from_hf(hf: dict) -> ModelConfig:
+  if not isinstance(hf, dict):
+    raise TypeError(f"from_hf expects a config.json dict, got {type(hf).__name__}")
+  model_type = hf.get("model_type")
+  if model_type not in SUPPORTED_MODEL_TYPES:
+    raise ValueError(
+        f"config.json: model_type {model_type!r} is not supported "
+        f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+  r = _Reader(hf)
+  kw: dict[str, Any] = dict(model_type=model_type)
+  d_model = r.req("hidden_size")
+  num_heads = r.req("num_attention_heads")
+  kw.update(
+      vocab_size=r.req("vocab_size"),
+      d_model=d_model,
+      num_layers=r.req("num_hidden_layers"),
+      num_heads=num_heads,
+      num_kv_heads=r.get("num_key_value_heads", num_heads),
+      norm_eps=float(r.get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(r.get("tie_word_embeddings", False)),
+      max_position_embeddings=r.get("max_position_embeddings", 4096),
+      ffn_dim=r.get("intermediate_size", 0),
+  )
+  eos = r.get("eos_token_id")
+  kw["eos_token_ids"] = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+  r.expect("hidden_act", ("silu",), "silu")
+  r.expect("mlp_bias", (False,), False)
+  kw.update(_rope(r))
+
+  build = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
+           "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}[model_type]
+  build(r, kw)
+  leftover = r.leftover()
+  if leftover:
+    raise ValueError(
+        f"config.json ({model_type}): unsupported keys {leftover}; jaxinfer would "
+        "silently ignore them")
+  return ModelConfig(**kw)
+
+
+def _head_dim(r: _Reader, kw: dict) -> int:
+  return r.get("head_dim", kw["d_model"] // kw["num_heads"])
+
+
+def _llama(r: _Reader, kw: dict) -> None:
+  kw["head_dim"] = _head_dim(r, kw)
+  bias = bool(r.get("attention_bias", False))
+  kw.update(qkv_bias=bias, o_bias=bias)
+
+
+def _mixtral(r: _Reader, kw: dict) -> None:
+  _llama(r, kw)
+  r.expect("sliding_window", (None,))
+  kw.update(num_experts=r.req("num_local_experts"), num_experts_per_tok=r.req("num_experts_per_tok"),
+            moe_ffn_dim=kw["ffn_dim"], router="softmax_topk", norm_topk_prob=True)
+
+
+def _qwen3_moe(r: _Reader, kw: dict) -> None:
+  _llama(r, kw)
+  if r.get("use_sliding_window", False):
+    raise ValueError("config.json: use_sliding_window=True is not supported for qwen3_moe")
+  r.get("sliding_window"), r.get("max_window_layers")  # inert without use_sliding_window
+  n = kw["num_layers"]
+  step = r.get("decoder_sparse_step", 1)
+  mlp_only = set(r.get("mlp_only_layers", []))
+  num_experts = r.req("num_experts")
+  # HF Qwen3MoeDecoderLayer: sparse iff not mlp-only and (i + 1) % step == 0.
+  dense = tuple(i for i in range(n) if i in mlp_only or num_experts == 0 or (i + 1) % step)
+  kw.update(qk_norm=True, num_experts=num_experts, num_experts_per_tok=r.req("num_experts_per_tok"),
+            moe_ffn_dim=r.req("moe_intermediate_size"), router="softmax_topk",
+            norm_topk_prob=bool(r.get("norm_topk_prob", False)), dense_layers=dense)
+
+
+def _deepseek_v3(r: _Reader, kw: dict) -> None:
+  if r.get("attention_bias", False):
+    raise ValueError("config.json: attention_bias=True is not supported for deepseek_v3")
+  r.expect("topk_method", ("noaux_tc",), "noaux_tc")
+  r.expect("scoring_func", ("sigmoid",), "sigmoid")
+  r.expect("moe_layer_freq", (1,), 1)
+  r.get("ep_size")  # a deployment hint of the original code, not numerics
+  r.get("head_dim"), r.get("qk_head_dim")  # derived from the MLA dims below
+  n = kw["num_layers"]
+  first_dense = r.get("first_k_dense_replace", 0)
+  kw.update(
+      attention="mla", head_dim=0,
+      q_lora_rank=r.get("q_lora_rank", 0),
+      kv_lora_rank=r.req("kv_lora_rank"),
+      qk_nope_head_dim=r.req("qk_nope_head_dim"),
+      qk_rope_head_dim=r.req("qk_rope_head_dim"),
+      v_head_dim=r.req("v_head_dim"),
+      rope_interleave=bool(r.get("rope_interleave", True)),
+      num_experts=r.req("n_routed_experts"),
+      num_experts_per_tok=r.req("num_experts_per_tok"),
+      moe_ffn_dim=r.req("moe_intermediate_size"),
+      num_shared_experts=r.get("n_shared_experts", 0),
+      router="sigmoid_grouped",
+      norm_topk_prob=bool(r.get("norm_topk_prob", True)),
+      n_group=r.get("n_group", 1),
+      topk_group=r.get("topk_group", 1),
+      routed_scaling_factor=float(r.get("routed_scaling_factor", 1.0)),
+      dense_layers=tuple(range(min(first_dense, n))),
+      num_mtp_layers=r.get("num_nextn_predict_layers", 0),
+  )
+
+
+def _gpt_oss(r: _Reader, kw: dict) -> None:
+  kw["head_dim"] = _head_dim(r, kw)
+  bias = bool(r.get("attention_bias", True))
+  n = kw["num_layers"]
+  layer_types = tuple(r.get("layer_types", ()))
+  window = r.get("sliding_window", 0)
+  kw.update(
+      qkv_bias=bias, o_bias=bias, attention_sinks=True,
+      sliding_window=window if layer_types != ("full_attention",) * n else 0,
+      layer_types=layer_types,
+      num_experts=r.req("num_local_experts"),
+      num_experts_per_tok=r.get("num_experts_per_tok", r.get("experts_per_token")),
+      moe_ffn_dim=kw["ffn_dim"], router="topk_softmax", router_bias=True, expert_bias=True,
+      activation="clamped_swiglu", swiglu_limit=float(r.get("swiglu_limit", 7.0)),
+  )
+  r.get("initial_context_length")  # informational (== rope original_max_position_embeddings)
+  if "quantization_config" in r.hf:
+    raise ValueError(
+        "config.json: quantization_config (MXFP4 experts) is not supported; "
+        "dequantize the checkpoint to bfloat16 first")
+
+
+def _rope(r: _Reader) -> dict:
+  """Reads both `rope_theta` + `rope_scaling` (published checkpoints, old
+  `type` key included) and transformers 5's `rope_parameters`."""
+  params = r.get("rope_parameters")
+  if params and all(isinstance(v, dict) for v in params.values()):
+    # Per-layer-type parameters (transformers 5): accept only if all equal.
+    values = list(params.values())
+    if any(v != values[0] for v in values):
+      raise ValueError("config.json: per-layer-type rope_parameters that differ are not supported")
+    params = values[0]
+  params = dict(params or {})
+  scaling = r.get("rope_scaling")
+  if scaling:
+    params = {**scaling, **params}
+  theta = params.pop("rope_theta", None) or r.get("rope_theta", 10000.0)
+  if r.get("partial_rotary_factor", 1.0) != 1.0 or params.pop("partial_rotary_factor", 1.0) != 1.0:
+    raise ValueError("config.json: partial_rotary_factor != 1 is not supported")
+  kind = params.pop("rope_type", None) or params.pop("type", None) or "default"
+  params.pop("type", None)
+  out: dict[str, Any] = dict(rope_theta=float(theta))
+  if kind == "default":
+    _no_more(params, kind)
+    return out
+  if kind not in ("linear", "llama3", "yarn"):
+    raise ValueError(f"config.json: rope type {kind!r} is not supported (default, linear, llama3, yarn)")
+  fields = dict(kind=kind, factor=float(params.pop("factor")))
+  for key in ("original_max_position_embeddings", "low_freq_factor", "high_freq_factor",
+              "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"):
+    if params.get(key) is not None:
+      fields[key] = params.pop(key)
+    else:
+      params.pop(key, None)
+  _no_more(params, kind)
+  out["rope_scaling"] = RopeScaling(**fields)
+  return out
+
+
+def _no_more(params: dict, kind: str) -> None:
+  if params:
+    raise ValueError(f"config.json: rope parameters {sorted(params)} are not supported for rope type {kind!r}")

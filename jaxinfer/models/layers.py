@@ -1,0 +1,112 @@
+"""Small shared pieces: RMSNorm, RoPE frequencies and rotation, the gated MLP."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig, RopeScaling, yarn_get_mscale
+
+
+def rms_norm(x, weight, eps):
+  """HF RMSNorm: normalise in float32, cast back, then scale."""
+  xf = x.astype(jnp.float32)
+  xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return weight * xf.astype(x.dtype)
+
+
+# ---------------------------------------------------------------- RoPE
+
+def rope_frequencies(cfg: ModelConfig) -> tuple[np.ndarray, float]:
+  """Inverse frequencies [rope_dim / 2] and the cos/sin scale (YaRN's
+  attention factor; 1 otherwise), as transformers' rope init functions."""
+  dim = cfg.rope_dim
+  inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+  rs = cfg.rope_scaling
+  if rs is None:
+    return inv_freq.astype(np.float32), 1.0
+  if rs.kind == "linear":
+    return (inv_freq / rs.factor).astype(np.float32), 1.0
+  if rs.kind == "llama3":
+    return _llama3(inv_freq, rs).astype(np.float32), 1.0
+  return _yarn(cfg, rs, dim)
+
+
+def _llama3(inv_freq, rs: RopeScaling):
+  old_len = rs.original_max_position_embeddings
+  low_wavelen = old_len / rs.low_freq_factor
+  high_wavelen = old_len / rs.high_freq_factor
+  wavelen = 2 * math.pi / inv_freq
+  scaled = np.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+  smooth = (old_len / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+  smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+  medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+  return np.where(medium, smoothed, scaled)
+
+
+def _yarn(cfg: ModelConfig, rs: RopeScaling, dim: int):
+  base, factor = cfg.rope_theta, rs.factor
+  orig = rs.original_max_position_embeddings or cfg.max_position_embeddings
+  attn_factor = rs.attention_factor
+  if attn_factor is None:
+    if rs.mscale and rs.mscale_all_dim:
+      attn_factor = yarn_get_mscale(factor, rs.mscale) / yarn_get_mscale(factor, rs.mscale_all_dim)
+    else:
+      attn_factor = yarn_get_mscale(factor)
+
+  def correction_dim(rotations):
+    return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+  low, high = correction_dim(rs.beta_fast), correction_dim(rs.beta_slow)
+  if rs.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, dim - 1)
+  if low == high:
+    high += 0.001
+  ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+  extrapolation = 1 - ramp  # 1: keep the original frequency, 0: interpolate
+  pos_freqs = base ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+  inv_freq = (1 / (factor * pos_freqs)) * (1 - extrapolation) + (1 / pos_freqs) * extrapolation
+  return inv_freq.astype(np.float32), float(attn_factor)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions):
+  """positions [B, T] -> cos, sin [B, T, rope_dim / 2] in float32."""
+  inv_freq, attn_factor = rope_frequencies(cfg)
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  return jnp.cos(angles) * attn_factor, jnp.sin(angles) * attn_factor
+
+
+def apply_rope(x, cos, sin, interleave: bool = False):
+  """x [B, T, N, R] rotated by position. Pairs (i, i + R/2) as HF's
+  rotate_half; with `interleave`, pairs (2i, 2i + 1) (DeepSeek's layout),
+  emitted de-interleaved as HF does (q and k alike, so q.k is unchanged)."""
+  if interleave:
+    x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+  half = x.shape[-1] // 2
+  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
+  c, s = cos[:, :, None, :], sin[:, :, None, :]
+  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+  return out.astype(x.dtype)
+
+
+# ---------------------------------------------------------------- MLP
+
+def glu(cfg: ModelConfig, gate, up):
+  """The gated activation: SwiGLU, or GPT-OSS's clamped variant."""
+  if cfg.activation == "silu":
+    return jax.nn.silu(gate) * up
+  limit, alpha = cfg.swiglu_limit, cfg.swiglu_alpha
+  gate = jnp.minimum(gate, limit)
+  up = jnp.clip(up, -limit, limit)
+  return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def mlp(cfg: ModelConfig, p, x):
+  """Dense gated MLP. x [..., D]; p: w_gate/w_up [D, F], w_down [F, D]."""
+  gate = jnp.einsum("...D,DF->...F", x, p["w_gate"])
+  up = jnp.einsum("...D,DF->...F", x, p["w_up"])
+  return jnp.einsum("...F,FD->...D", glu(cfg, gate, up), p["w_down"])

@@ -1,0 +1,102 @@
+"""Mixture-of-experts layer: routers and two interchangeable expert paths.
+
+`route` returns, per token, the chosen experts and their combine weights:
+  softmax_topk    p = softmax(logits); top-k of p; renormalise if norm_topk_prob
+                  (Mixtral always, Qwen3-MoE by flag)
+  topk_softmax    top-k of logits (+ bias); softmax over the k (GPT-OSS)
+  sigmoid_grouped s = sigmoid(logits); choose with s + b (b selection-only):
+                  keep the topk_group groups with the largest sum of their top-2
+                  biased scores, then top-k experts inside them; weights are the
+                  unbiased s, renormalised if norm_topk_prob, times
+                  routed_scaling_factor (DeepSeek-V3 `noaux_tc`)
+Routing runs in float32.
+
+Expert paths (`cfg.moe_impl`), same outputs:
+  dense    every expert on every token, masked by the combine weights (a
+           reference: E/k times the FLOPs)
+  grouped  token copies sorted by expert, one grouped matmul per projection
+           (`jax.lax.ragged_dot`), unsorted and combined
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import glu, mlp
+
+
+def route(cfg: ModelConfig, p, x):
+  """x [T, D] -> (expert ids [T, k] int32, weights [T, k] float32)."""
+  k = cfg.num_experts_per_tok
+  logits = jnp.einsum("TD,DE->TE", x.astype(jnp.float32), p["router"].astype(jnp.float32))
+  if cfg.router_bias:
+    logits = logits + p["router_bias"].astype(jnp.float32)
+  if cfg.router == "topk_softmax":
+    top, idx = jax.lax.top_k(logits, k)
+    return idx, jax.nn.softmax(top, axis=-1)
+  if cfg.router == "softmax_topk":
+    weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
+    if cfg.norm_topk_prob:
+      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return idx, weights
+  # sigmoid_grouped (DeepSeek-V3).
+  scores = jax.nn.sigmoid(logits)
+  choice = scores + p["score_bias"].astype(jnp.float32)
+  if cfg.n_group > 1:
+    T, E = choice.shape
+    grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
+    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]
+    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
+    keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
+    keep = jnp.repeat(keep, E // cfg.n_group, axis=1)
+    choice = jnp.where(keep, choice, 0.0)  # HF fills dropped groups with 0, not -inf
+  _, idx = jax.lax.top_k(choice, k)
+  weights = jnp.take_along_axis(scores, idx, axis=-1)
+  if cfg.norm_topk_prob:
+    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+  return idx, weights * cfg.routed_scaling_factor
+
+
+def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
+  T, E = x.shape[0], cfg.num_experts
+  combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(weights)
+  gate = jnp.einsum("TD,EDF->TEF", x, p["w_gate"])
+  up = jnp.einsum("TD,EDF->TEF", x, p["w_up"])
+  if cfg.expert_bias:
+    gate, up = gate + p["b_gate"], up + p["b_up"]
+  y = jnp.einsum("TEF,EFD->TED", glu(cfg, gate, up), p["w_down"])
+  if cfg.expert_bias:
+    y = y + p["b_down"]
+  return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine)
+
+
+def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
+  T, k = idx.shape
+  flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
+  order = jnp.argsort(flat, stable=True)
+  expert_sorted = flat[order]
+  xs = x[order // k]  # [T * k, D], grouped by expert
+  sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
+  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
+  if cfg.expert_bias:
+    gate, up = gate + p["b_gate"][expert_sorted], up + p["b_up"][expert_sorted]
+  ys = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
+  if cfg.expert_bias:
+    ys = ys + p["b_down"][expert_sorted]
+  y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, -1)
+  return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
+
+
+def moe(cfg: ModelConfig, p, x):
+  """x [B, T, D] -> [B, T, D]: routed experts plus shared experts."""
+  B, T, D = x.shape
+  xt = x.reshape(B * T, D)
+  idx, weights = route(cfg, p, xt)
+  experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
+  out = experts(cfg, p, xt, idx, weights).astype(x.dtype)
+  if cfg.num_shared_experts:
+    out = out + mlp(cfg, p["shared"], xt)
+  return out.reshape(B, T, D)

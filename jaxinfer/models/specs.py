@@ -1,0 +1,176 @@
+"""The abstract param tree: one `ParamSpec` per weight.
+
+`param_specs(cfg)` is the single source of shapes, dtypes, logical axes and
+initializers; `init_params`, the shardings and checkpoint restore all derive
+from it, so they cannot drift apart.
+
+Tree layout (nested dicts; segment blocks stacked on a leading `layers` axis):
+  embed [V, D]; final_norm [D]; lm_head [D, V] (untied only)
+  layers: tuple over `cfg.segments()` of block dicts
+    attn_norm, mlp_norm [L, D]
+    attn (gqa): wq [L, D, N, H], wk/wv [L, D, K, H], wo [L, N, H, D],
+                bq [L, N, H], bk/bv [L, K, H], bo [L, D], q_norm/k_norm [L, H], sinks [L, N]
+    attn (mla): wq [L, D, N, Hqk] | wq_a [L, D, Rq], q_norm [L, Rq], wq_b [L, Rq, N, Hqk];
+                wkv_a [L, D, R + Hr], kv_norm [L, R], wkv_b [L, R, N, Hn + Hv], wo [L, N, Hv, D]
+    mlp (dense): w_gate/w_up [L, D, F], w_down [L, F, D]
+    mlp (moe): router [L, D, E], router_bias/score_bias [L, E],
+               w_gate/w_up [L, E, D, F], w_down [L, E, F, D], b_gate/b_up [L, E, F], b_down [L, E, D],
+               shared: {w_gate, w_up [L, D, Fs], w_down [L, Fs, D]}
+  mtp (DeepSeek MTP, stacked over depth M): enorm/hnorm/norm [M, D], eh_proj [M, 2D, D], block
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamSpec:
+  shape: tuple[int, ...]
+  dtype: jnp.dtype
+  logical_axes: tuple[str | None, ...]
+  init: str = "normal"  # normal (fan-in scaled) | ones | zeros
+
+  def __post_init__(self):
+    if len(self.shape) != len(self.logical_axes):
+      raise ValueError(f"ParamSpec: shape {self.shape} vs axes {self.logical_axes}")
+
+
+def is_spec(x) -> bool:
+  return isinstance(x, ParamSpec)
+
+
+def _stack(tree, n: int):
+  """Prepends a `layers` axis of size n to every spec in tree."""
+  return jax.tree.map(
+      lambda s: ParamSpec((n, *s.shape), s.dtype, ("layers", *s.logical_axes), s.init),
+      tree, is_leaf=is_spec)
+
+
+def _attn_specs(cfg: ModelConfig, P: Callable) -> dict:
+  D, N, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads
+  if cfg.attention == "mla":
+    R, Hr, Hn, Hv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    p = {}
+    if cfg.q_lora_rank:
+      Rq = cfg.q_lora_rank
+      p.update(wq_a=P((D, Rq), ("embed", "q_lora")), q_norm=P((Rq,), ("q_lora",), "ones"),
+               wq_b=P((Rq, N, Hn + Hr), ("q_lora", "q_heads", "head_dim")))
+    else:
+      p["wq"] = P((D, N, Hn + Hr), ("embed", "q_heads", "head_dim"))
+    p.update(wkv_a=P((D, R + Hr), ("embed", "kv_lora")), kv_norm=P((R,), ("kv_lora",), "ones"),
+             wkv_b=P((R, N, Hn + Hv), ("kv_lora", "q_heads", "head_dim")),
+             wo=P((N, Hv, D), ("q_heads", "head_dim", "embed")))
+    return p
+  H = cfg.head_dim
+  p = dict(wq=P((D, N, H), ("embed", "q_heads", "head_dim")),
+           wk=P((D, K, H), ("embed", "kv_heads", "head_dim")),
+           wv=P((D, K, H), ("embed", "kv_heads", "head_dim")),
+           wo=P((N, H, D), ("q_heads", "head_dim", "embed")))
+  if cfg.qkv_bias:
+    p.update(bq=P((N, H), ("q_heads", "head_dim"), "zeros"),
+             bk=P((K, H), ("kv_heads", "head_dim"), "zeros"),
+             bv=P((K, H), ("kv_heads", "head_dim"), "zeros"))
+  if cfg.o_bias:
+    p["bo"] = P((D,), ("embed",), "zeros")
+  if cfg.qk_norm:
+    p.update(q_norm=P((H,), ("head_dim",), "ones"), k_norm=P((H,), ("head_dim",), "ones"))
+  if cfg.attention_sinks:
+    p["sinks"] = P((N,), ("q_heads",), "zeros")
+  return p
+
+
+def _dense_mlp_specs(D: int, F: int, P: Callable) -> dict:
+  return dict(w_gate=P((D, F), ("embed", "mlp")), w_up=P((D, F), ("embed", "mlp")),
+              w_down=P((F, D), ("mlp", "embed")))
+
+
+def _moe_specs(cfg: ModelConfig, P: Callable) -> dict:
+  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
+  p = dict(router=P((D, E), ("embed", None)),
+           w_gate=P((E, D, F), ("expert", "embed", "mlp")),
+           w_up=P((E, D, F), ("expert", "embed", "mlp")),
+           w_down=P((E, F, D), ("expert", "mlp", "embed")))
+  if cfg.router_bias:
+    p["router_bias"] = P((E,), (None,), "zeros")
+  if cfg.router == "sigmoid_grouped":
+    p["score_bias"] = P((E,), (None,), "zeros")
+  if cfg.expert_bias:
+    p.update(b_gate=P((E, F), ("expert", "mlp"), "zeros"), b_up=P((E, F), ("expert", "mlp"), "zeros"),
+             b_down=P((E, D), ("expert", "embed"), "zeros"))
+  if cfg.num_shared_experts:
+    p["shared"] = _dense_mlp_specs(D, F * cfg.num_shared_experts, P)
+  return p
+
+
+def block_specs(cfg: ModelConfig, is_moe: bool, dtype) -> dict:
+  """Specs of one transformer block (unstacked)."""
+  P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
+  D = cfg.d_model
+  return dict(attn_norm=P((D,), ("embed",), "ones"), mlp_norm=P((D,), ("embed",), "ones"),
+              attn=_attn_specs(cfg, P),
+              mlp=_moe_specs(cfg, P) if is_moe else _dense_mlp_specs(D, cfg.ffn_dim, P))
+
+
+def param_specs(cfg: ModelConfig, dtype=None) -> dict:
+  """The abstract param tree of `cfg` (see the module docstring)."""
+  dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
+  P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
+  D, V = cfg.d_model, cfg.vocab_size
+  tree = dict(embed=P((V, D), ("vocab", "embed")), final_norm=P((D,), ("embed",), "ones"),
+              layers=tuple(_stack(block_specs(cfg, moe, dtype), n) for moe, _, n in cfg.segments()))
+  if not cfg.tie_embeddings:
+    tree["lm_head"] = P((D, V), ("embed", "vocab"))
+  if cfg.num_mtp_layers:
+    # DeepSeek-V3 MTP: the block after the last main layer is MoE.
+    is_moe = cfg.is_moe and cfg.num_layers not in cfg.dense_layers
+    mtp = dict(enorm=P((D,), ("embed",), "ones"), hnorm=P((D,), ("embed",), "ones"),
+               eh_proj=P((2 * D, D), (None, "embed")), norm=P((D,), ("embed",), "ones"),
+               block=block_specs(cfg, is_moe, dtype))
+    tree["mtp"] = _stack(mtp, cfg.num_mtp_layers)
+  return tree
+
+
+def abstract_params(cfg: ModelConfig, dtype=None):
+  """`jax.ShapeDtypeStruct` tree (no allocation)."""
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype),
+                      param_specs(cfg, dtype), is_leaf=is_spec)
+
+
+def count_params(cfg: ModelConfig) -> int:
+  """Number of parameters, computed from shapes alone."""
+  leaves = jax.tree.leaves(abstract_params(cfg, jnp.float32))
+  return sum(int(x.size) for x in leaves)
+
+
+def _init_leaf(spec: ParamSpec, key):
+  if spec.init == "ones":
+    return jnp.ones(spec.shape, spec.dtype)
+  if spec.init == "zeros":
+    return jnp.zeros(spec.shape, spec.dtype)
+  # Fan-in scaled normal. Projections into the model dim ([N, H, D], [F, D])
+  # take their fan-in from every axis but the last; others from the first.
+  dims = [(n, a) for n, a in zip(spec.shape, spec.logical_axes) if a not in ("layers", "expert")]
+  if dims[0][1] == "vocab":
+    fan_in = 1
+  elif dims[-1][1] == "embed" and len(dims) > 1:
+    fan_in = math.prod(n for n, _ in dims[:-1])
+  else:
+    fan_in = dims[0][0]
+  std = fan_in ** -0.5
+  return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
+
+
+def init_params(cfg: ModelConfig, key, dtype=None):
+  """Random params from the spec tree (normal / ones / zeros per spec)."""
+  specs = param_specs(cfg, dtype)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
+  keys = jax.random.split(key, len(leaves))
+  return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys)])

@@ -1,0 +1,126 @@
+"""The decoder: embed, scanned blocks per segment, final norm, output head.
+
+Pure functions over the param tree of `specs.param_specs`. The contiguous KV
+cache is an explicit pytree threaded through and returned:
+  {"layers": tuple over segments of {k, v [L, B, S, K, H]} or {kv [L, B, S, R + Hr]},
+   "lengths": [B] int32 tokens already cached per sequence}
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import attention as attn_lib
+from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
+from jaxinfer.models.moe import moe
+
+
+def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, window, cache, starts):
+  """One pre-norm transformer block; returns (x, cache slice)."""
+  a, cache = attn_lib.attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps),
+                                cos, sin, window, cache, starts)
+  x = x + a
+  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  return x + (moe(cfg, p["mlp"], h) if is_moe else mlp(cfg, p["mlp"], h)), cache
+
+
+def trunk(cfg: ModelConfig, params, tokens, cache=None):
+  """tokens [B, T] -> (final-normed hidden [B, T, D], new cache or None)."""
+  B, T = tokens.shape
+  x = params["embed"][tokens].astype(cfg.compute_dtype())
+  starts = cache["lengths"] if cache is not None else jnp.zeros((B,), jnp.int32)
+  cos, sin = rope_cos_sin(cfg, starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None])
+  new_layers = []
+  for seg, (is_moe, first, count) in enumerate(cfg.segments()):
+    windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
+    seg_cache = cache["layers"][seg] if cache is not None else None
+
+    def body(x, xs, is_moe=is_moe):
+      p, window, c = xs
+      return block(cfg, is_moe, p, x, cos, sin, window, c, starts)
+
+    x, seg_cache = jax.lax.scan(body, x, (params["layers"][seg], windows, seg_cache))
+    new_layers.append(seg_cache)
+  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+  new_cache = None if cache is None else dict(layers=tuple(new_layers), lengths=starts + T)
+  return x, new_cache
+
+
+def head(cfg: ModelConfig, params, x):
+  """Hidden [..., D] -> float32 logits [..., V]."""
+  if cfg.tie_embeddings:
+    return jnp.einsum("...D,VD->...V", x, params["embed"], preferred_element_type=jnp.float32)
+  return jnp.einsum("...D,DV->...V", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(cfg, params, tokens):
+  x, _ = trunk(cfg, params, tokens)
+  return head(cfg, params, x)
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
+def _forward(cfg, params, tokens, cache):
+  x, cache = trunk(cfg, params, tokens, cache)
+  return head(cfg, params, x), cache
+
+
+def check_tokens(cfg: ModelConfig, tokens, name: str = "tokens") -> None:
+  """Raises a clear error for a bad token batch (shape, dtype, ids out of vocab)."""
+  shape, dtype = getattr(tokens, "shape", None), getattr(tokens, "dtype", None)
+  if shape is None or len(shape) != 2:
+    raise ValueError(f"{name} must be a 2-D [batch, seq] integer array, got shape {shape}")
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {dtype}")
+  if shape[0] == 0 or shape[1] == 0:
+    raise ValueError(f"{name} must be non-empty, got shape {shape}")
+  if not isinstance(tokens, jax.core.Tracer):
+    lo, hi = int(np.min(tokens)), int(np.max(tokens))
+    if lo < 0 or hi >= cfg.vocab_size:
+      raise ValueError(f"{name}: ids must be in [0, {cfg.vocab_size}), got min {lo}, max {hi}")
+
+
+def logits(cfg: ModelConfig, params, tokens):
+  """Full causal forward: int [B, T] -> float32 logits [B, T, V]."""
+  check_tokens(cfg, tokens)
+  if tokens.shape[1] > cfg.max_position_embeddings:
+    raise ValueError(f"tokens: length {tokens.shape[1]} exceeds the context "
+                     f"(max_position_embeddings={cfg.max_position_embeddings})")
+  return _logits(cfg, params, jnp.asarray(tokens, jnp.int32))
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
+  """An empty contiguous KV cache for `batch` sequences of up to max_len tokens."""
+  if batch <= 0 or max_len <= 0:
+    raise ValueError(f"init_cache: batch and max_len must be > 0, got {batch}, {max_len}")
+  if max_len > cfg.max_position_embeddings:
+    raise ValueError(f"init_cache: max_len {max_len} exceeds max_position_embeddings "
+                     f"{cfg.max_position_embeddings}")
+  dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
+  shapes = attn_lib.cache_shapes(cfg, batch, max_len)
+  layers = tuple({k: jnp.zeros((n, *s), dtype) for k, s in shapes.items()}
+                 for _, _, n in cfg.segments())
+  return dict(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def forward(cfg: ModelConfig, params, tokens, cache):
+  """Appends tokens [B, T] to each sequence of the cache.
+
+  Returns (float32 logits [B, T, V], new cache). The cache is donated.
+  """
+  check_tokens(cfg, tokens)
+  B, T = tokens.shape
+  lengths = cache["lengths"]
+  if lengths.shape != (B,):
+    raise ValueError(f"forward: cache holds {lengths.shape[0]} sequences, tokens has batch {B}")
+  max_len = jax.tree.leaves(cache["layers"])[0].shape[2]
+  if not isinstance(lengths, jax.core.Tracer):
+    longest = int(np.max(lengths)) + T
+    if longest > max_len:
+      raise ValueError(f"forward: {longest} tokens would overflow the cache (max_len {max_len})")
+  return _forward(cfg, params, jnp.asarray(tokens, jnp.int32), cache)
