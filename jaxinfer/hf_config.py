@@ -130,7 +130,7 @@ def _qwen3_moe(r: _Reader, kw: dict) -> None:
   n = kw["num_layers"]
   step = r.get("decoder_sparse_step", 1)
   mlp_only = set(r.get("mlp_only_layers", []))
-  num_experts = r.req("num_experts")
+  num_experts = r.get("num_experts", r.get("num_local_experts"))
   # HF Qwen3MoeDecoderLayer: sparse iff not mlp-only and (i + 1) % step == 0.
   dense = tuple(i for i in range(n) if i in mlp_only or num_experts == 0 or (i + 1) % step)
   kw.update(qk_norm=True, num_experts=num_experts, num_experts_per_tok=r.req("num_experts_per_tok"),
@@ -184,6 +184,7 @@ def _gpt_oss(r: _Reader, kw: dict) -> None:
       num_experts_per_tok=r.get("num_experts_per_tok", r.get("experts_per_token")),
       moe_ffn_dim=kw["ffn_dim"], router="topk_softmax", router_bias=True, expert_bias=True,
       activation="clamped_swiglu", swiglu_limit=float(r.get("swiglu_limit", 7.0)),
+      swiglu_alpha=float(r.get("swiglu_alpha", 1.702)),
   )
   r.get("initial_context_length")  # informational (== rope original_max_position_embeddings)
   if "quantization_config" in r.hf:

@@ -1,0 +1,165 @@
+"""Per-architecture maps from HF tensor names to jaxinfer param leaves.
+
+`block_sources(cfg, prefix, is_moe, has)` gives, for every leaf of one block
+(keyed by its path in the block spec tree), a `Source`: the HF tensors it is
+built from, their expected shapes, and the conversion. HF linear weights are
+[out, in]; ours are [in, out] with heads split out (`[D, N, H]`, `[N, H, D]`).
+
+Expert weights come in three layouts, all accepted:
+  per expert  `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: w1/w3/w2),
+              what published checkpoints and transformers' save_pretrained hold
+  fused       `experts.gate_up_proj` [E, 2F, D] (gate rows first) and
+              `experts.down_proj` [E, D, F]: transformers 5's in-memory layout
+  GPT-OSS     `experts.gate_up_proj` [E, D, 2F] with gate/up interleaved on the
+              last axis, `down_proj` [E, F, D], plus their `_bias` tensors
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  names: tuple[str, ...]
+  shapes: tuple[tuple[int, ...], ...]
+  convert: Callable[..., np.ndarray]  # HF arrays (in `names` order) -> our leaf
+
+
+def _one(name, shape, fn=lambda w: w):
+  return Source((name,), (tuple(shape),), fn)
+
+
+def _linear(name, d_in, out_shape):
+  """HF linear [prod(out_shape), d_in] -> ours [d_in, *out_shape]."""
+  n_out = int(np.prod(out_shape))
+  return _one(name, (n_out, d_in), lambda w: w.T.reshape(d_in, *out_shape))
+
+
+def _linear_out(name, in_shape, d_out):
+  """HF linear [d_out, prod(in_shape)] -> ours [*in_shape, d_out]."""
+  n_in = int(np.prod(in_shape))
+  return _one(name, (d_out, n_in), lambda w: w.T.reshape(*in_shape, d_out))
+
+
+def _attn_sources(cfg: ModelConfig, a: str) -> dict:
+  D, N, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads
+  if cfg.attention == "mla":
+    R, Hr, Hn, Hv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    s = {}
+    if cfg.q_lora_rank:
+      Rq = cfg.q_lora_rank
+      s[("wq_a",)] = _linear(f"{a}.q_a_proj.weight", D, (Rq,))
+      s[("q_norm",)] = _one(f"{a}.q_a_layernorm.weight", (Rq,))
+      s[("wq_b",)] = _linear(f"{a}.q_b_proj.weight", Rq, (N, Hn + Hr))
+    else:
+      s[("wq",)] = _linear(f"{a}.q_proj.weight", D, (N, Hn + Hr))
+    s[("wkv_a",)] = _linear(f"{a}.kv_a_proj_with_mqa.weight", D, (R + Hr,))
+    s[("kv_norm",)] = _one(f"{a}.kv_a_layernorm.weight", (R,))
+    s[("wkv_b",)] = _linear(f"{a}.kv_b_proj.weight", R, (N, Hn + Hv))
+    s[("wo",)] = _linear_out(f"{a}.o_proj.weight", (N, Hv), D)
+    return s
+  H = cfg.head_dim
+  s = {("wq",): _linear(f"{a}.q_proj.weight", D, (N, H)),
+       ("wk",): _linear(f"{a}.k_proj.weight", D, (K, H)),
+       ("wv",): _linear(f"{a}.v_proj.weight", D, (K, H)),
+       ("wo",): _linear_out(f"{a}.o_proj.weight", (N, H), D)}
+  if cfg.qkv_bias:
+    for ours, hf, heads in (("bq", "q_proj", N), ("bk", "k_proj", K), ("bv", "v_proj", K)):
+      s[(ours,)] = _one(f"{a}.{hf}.bias", (heads * H,), lambda b, heads=heads: b.reshape(heads, H))
+  if cfg.o_bias:
+    s[("bo",)] = _one(f"{a}.o_proj.bias", (D,))
+  if cfg.qk_norm:
+    s[("q_norm",)] = _one(f"{a}.q_norm.weight", (H,))
+    s[("k_norm",)] = _one(f"{a}.k_norm.weight", (H,))
+  if cfg.attention_sinks:
+    s[("sinks",)] = _one(f"{a}.sinks", (N,))
+  return s
+
+
+def _dense_sources(m: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj"), key=()):
+  g, u, d = names
+  return {(*key, "w_gate"): _linear(f"{m}.{g}.weight", D, (F,)),
+          (*key, "w_up"): _linear(f"{m}.{u}.weight", D, (F,)),
+          (*key, "w_down"): _linear(f"{m}.{d}.weight", F, (D,))}
+
+
+def _stack_experts(name_fmt: str, E: int, shape, fn) -> Source:
+  names = tuple(name_fmt.format(e=e) for e in range(E))
+  return Source(names, (tuple(shape),) * E, lambda *ws: np.stack([fn(w) for w in ws]))
+
+
+def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> dict:
+  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
+  if cfg.model_type == "mixtral" and has(f"{prefix}.block_sparse_moe.gate.weight"):
+    m, expert_names = f"{prefix}.block_sparse_moe", ("w1", "w3", "w2")
+  else:
+    m, expert_names = f"{prefix}.mlp", ("gate_proj", "up_proj", "down_proj")
+  router = f"{m}.router" if cfg.model_type == "gpt_oss" else f"{m}.gate"
+  s = {("router",): _linear(f"{router}.weight", D, (E,))}
+  if cfg.router_bias:
+    s[("router_bias",)] = _one(f"{router}.bias", (E,))
+  if cfg.router == "sigmoid_grouped":
+    s[("score_bias",)] = _one(f"{router}.e_score_correction_bias", (E,))
+  x = f"{m}.experts"
+  if cfg.model_type == "gpt_oss":
+    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 0::2])
+    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 1::2])
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D))
+    s[("b_gate",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 0::2])
+    s[("b_up",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 1::2])
+    s[("b_down",)] = _one(f"{x}.down_proj_bias", (E, D))
+  elif has(f"{x}.gate_up_proj"):
+    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D), lambda w: w[:, :F].transpose(0, 2, 1))
+    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D), lambda w: w[:, F:].transpose(0, 2, 1))
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: w.transpose(0, 2, 1))
+  else:
+    g, u, d = expert_names
+    s[("w_gate",)] = _stack_experts(x + ".{e}." + g + ".weight", E, (F, D), lambda w: w.T)
+    s[("w_up",)] = _stack_experts(x + ".{e}." + u + ".weight", E, (F, D), lambda w: w.T)
+    s[("w_down",)] = _stack_experts(x + ".{e}." + d + ".weight", E, (D, F), lambda w: w.T)
+  if cfg.num_shared_experts:
+    s.update(_dense_sources(f"{m}.shared_experts", D, F * cfg.num_shared_experts, key=("shared",)))
+  return s
+
+
+def block_sources(cfg: ModelConfig, prefix: str, is_moe: bool, has: Callable[[str], bool]) -> dict:
+  """Sources of every leaf of the block at `prefix` (e.g. 'model.layers.3')."""
+  D = cfg.d_model
+  s = {("attn_norm",): _one(f"{prefix}.input_layernorm.weight", (D,)),
+       ("mlp_norm",): _one(f"{prefix}.post_attention_layernorm.weight", (D,))}
+  s.update({("attn", *k): v for k, v in _attn_sources(cfg, f"{prefix}.self_attn").items()})
+  mlp = _moe_sources(cfg, prefix, has) if is_moe else _dense_sources(f"{prefix}.mlp", D, cfg.ffn_dim)
+  s.update({("mlp", *k): v for k, v in mlp.items()})
+  return s
+
+
+def top_sources(cfg: ModelConfig) -> dict:
+  D, V = cfg.d_model, cfg.vocab_size
+  s = {("embed",): _one("model.embed_tokens.weight", (V, D)),
+       ("final_norm",): _one("model.norm.weight", (D,))}
+  if not cfg.tie_embeddings:
+    s[("lm_head",)] = _one("lm_head.weight", (V, D), lambda w: w.T)
+  return s
+
+
+def mtp_sources(cfg: ModelConfig, depth: int, has: Callable[[str], bool]) -> tuple[dict, tuple[str, ...]]:
+  """DeepSeek MTP module `depth` lives at model.layers.{num_layers + depth}.
+
+  Returns its sources and the names it holds that duplicate shared weights
+  (embed_tokens, shared_head.head): consumed, not loaded.
+  """
+  D = cfg.d_model
+  p = f"model.layers.{cfg.num_layers + depth}"
+  is_moe = cfg.is_moe and cfg.num_layers not in cfg.dense_layers
+  s = {("enorm",): _one(f"{p}.enorm.weight", (D,)),
+       ("hnorm",): _one(f"{p}.hnorm.weight", (D,)),
+       ("eh_proj",): _linear(f"{p}.eh_proj.weight", 2 * D, (D,)),
+       ("norm",): _one(f"{p}.shared_head.norm.weight", (D,))}
+  s.update({("block", *k): v for k, v in block_sources(cfg, p, is_moe, has).items()})
+  return s, (f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight")
