@@ -51,7 +51,7 @@ def route(cfg: ModelConfig, p, x):
     _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
     keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
     keep = jnp.repeat(keep, E // cfg.n_group, axis=1)
-    choice = jnp.where(keep, choice, 0.0)  # HF fills dropped groups with 0, not -inf
+    choice = jnp.where(keep, choice, -jnp.inf)
   _, idx = jax.lax.top_k(choice, k)
   weights = jnp.take_along_axis(scores, idx, axis=-1)
   if cfg.norm_topk_prob:

@@ -1,0 +1,19 @@
+"""Test setup: 8 simulated CPU devices (before jax is imported), float32."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pathlib  # noqa: E402
+
+import pytest  # noqa: E402
+
+FIXTURES = pathlib.Path(__file__).parent / "fixtures"
+HF_FIXTURES = ["llama", "llama_sharded", "mixtral", "qwen3_moe", "deepseek_v3",
+               "deepseek_v2lite", "gpt_oss"]
+
+
+@pytest.fixture
+def fixtures_dir():
+  return FIXTURES

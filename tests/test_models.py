@@ -1,0 +1,116 @@
+"""Model behaviour: cached == full forward, grouped MoE == dense MoE, input errors."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import FIXTURES, HF_FIXTURES
+from jaxinfer import ModelConfig, models, presets
+
+ARCH_CONFIGS = {
+    "tiny_dense": presets.get("tiny_dense"),
+    "tiny_moe": presets.get("tiny_moe"),
+    **{n: ModelConfig.from_hf(__import__("json").loads((FIXTURES / "hf" / n / "config.json").read_text()))
+       for n in HF_FIXTURES if n != "llama_sharded"},
+}
+
+
+def _rel(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _setup(cfg, seed=0, B=2, T=11):
+  cfg = dataclasses.replace(cfg, dtype="float32")
+  params = models.init_params(cfg, jax.random.key(seed))
+  tokens = np.random.default_rng(seed).integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+  return cfg, params, tokens
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
+def test_cached_prefill_then_decode_equals_full_forward(name):
+  cfg, params, tokens = _setup(ARCH_CONFIGS[name])
+  full = models.logits(cfg, params, tokens)
+  cache = models.init_cache(cfg, tokens.shape[0], 16)
+  # Prefill in two chunks, then decode token by token.
+  out1, cache = models.forward(cfg, params, tokens[:, :4], cache)
+  out2, cache = models.forward(cfg, params, tokens[:, 4:7], cache)
+  steps = [out1, out2]
+  for t in range(7, tokens.shape[1]):
+    out, cache = models.forward(cfg, params, tokens[:, t:t + 1], cache)
+    steps.append(out)
+  assert _rel(jnp.concatenate(steps, axis=1), full) < 1e-5
+  assert np.array_equal(np.asarray(cache["lengths"]), [tokens.shape[1]] * tokens.shape[0])
+
+
+def test_mla_cache_holds_compressed_latent():
+  cfg = presets.get("tiny_moe")
+  cache = models.init_cache(cfg, 3, 32)
+  for seg in cache["layers"]:
+    assert set(seg) == {"kv"}
+    assert seg["kv"].shape[1:] == (3, 32, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+@pytest.mark.parametrize("name", ["tiny_moe", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss"])
+def test_grouped_moe_equals_dense_moe(name):
+  cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=3)
+  grouped = models.logits(dataclasses.replace(cfg, moe_impl="grouped"), params, tokens)
+  dense = models.logits(dataclasses.replace(cfg, moe_impl="dense"), params, tokens)
+  assert _rel(grouped, dense) < 1e-5
+
+
+def test_layers_are_stacked_and_scanned():
+  cfg = presets.get("deepseek_v3", num_layers=5, dense_layers=(0, 1))
+  specs = models.param_specs(cfg)
+  assert [n for _, _, n in cfg.segments()] == [2, 3]
+  assert specs["layers"][1]["mlp"]["w_gate"].shape[:2] == (3, cfg.num_experts)
+  assert specs["layers"][0]["attn"]["wkv_a"].logical_axes[0] == "layers"
+
+
+def test_sliding_window_changes_output():
+  cfg, params, tokens = _setup(ARCH_CONFIGS["gpt_oss"], T=12)
+  full = models.logits(cfg, params, tokens)
+  no_window = models.logits(dataclasses.replace(cfg, sliding_window=0, layer_types=()), params, tokens)
+  # Positions inside the window agree; later ones differ.
+  w = cfg.sliding_window
+  assert _rel(full[:, :w], no_window[:, :w]) < 1e-6
+  assert _rel(full[:, w + 1:], no_window[:, w + 1:]) > 1e-4
+
+
+def test_init_params_is_deterministic_and_seeded():
+  cfg = presets.get("tiny_dense")
+  a, b = models.init_params(cfg, jax.random.key(0)), models.init_params(cfg, jax.random.key(0))
+  c = models.init_params(cfg, jax.random.key(1))
+  assert all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  assert not np.array_equal(a["embed"], c["embed"])
+  assert a["embed"].dtype == jnp.float32  # CPU default
+
+
+@pytest.mark.parametrize("tokens,exc,match", [
+    (np.zeros((4,), np.int32), ValueError, "2-D"),
+    (np.zeros((1, 4), np.float32), TypeError, "integer"),
+    (np.full((1, 4), 256, np.int32), ValueError, r"\[0, 256\)"),
+    (np.full((1, 4), -1, np.int32), ValueError, "ids must be"),
+    (np.zeros((1, 0), np.int32), ValueError, "non-empty"),
+])
+def test_bad_tokens_raise(tokens, exc, match):
+  cfg = presets.get("tiny_dense")
+  params = models.init_params(cfg, jax.random.key(0))
+  with pytest.raises(exc, match=match):
+    models.logits(cfg, params, tokens)
+
+
+def test_prompt_over_context_and_cache_overflow_raise():
+  cfg = presets.get("tiny_dense", max_position_embeddings=8)
+  params = models.init_params(cfg, jax.random.key(0))
+  with pytest.raises(ValueError, match="exceeds the context"):
+    models.logits(cfg, params, np.zeros((1, 9), np.int32))
+  cache = models.init_cache(cfg, 1, 8)
+  _, cache = models.forward(cfg, params, np.zeros((1, 6), np.int32), cache)
+  with pytest.raises(ValueError, match="overflow the cache"):
+    models.forward(cfg, params, np.zeros((1, 3), np.int32), cache)
+  with pytest.raises(ValueError, match="batch"):
+    models.forward(cfg, params, np.zeros((2, 1), np.int32), cache)
