@@ -1,7 +1,9 @@
 """jaxinfer: a JAX research library for sharded LLM inference."""
 
-from jaxinfer import checkpoint, models, presets
+from jaxinfer import checkpoint, engine, models, presets
 from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.engine import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "RopeScaling", "checkpoint", "models", "presets"]
+__all__ = ["ModelConfig", "RopeScaling", "SamplingParams", "checkpoint", "engine", "models",
+           "presets"]

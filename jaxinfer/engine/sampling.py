@@ -1,0 +1,57 @@
+"""Sampling: `SamplingParams` (validated on the host) and a jittable `sample`
+whose per-row temperature / top-k / top-p are traced arrays, so new values
+never recompile."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SamplingParams:
+  """Per-request sampling settings. temperature 0 is greedy; top_k 0 and
+  top_p 1 disable those filters."""
+
+  max_tokens: int = 16
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  seed: int = 0
+  stop_token_ids: tuple[int, ...] = ()
+
+  def __post_init__(self):
+    if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+      raise ValueError(f"SamplingParams: max_tokens must be an int >= 1, got {self.max_tokens!r}")
+    if not self.temperature >= 0:
+      raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"SamplingParams: top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+
+
+def sample(logits, key, temperature, top_k, top_p):
+  """logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32.
+
+  Rows with temperature 0 take the argmax. Others sample from
+  softmax(logits / T) restricted to the top_k largest (if top_k > 0) and to
+  the smallest set whose probability reaches top_p (nucleus).
+  """
+  B, V = logits.shape
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+  sorted_desc = -jnp.sort(-scaled, axis=-1)
+  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
+  scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+  # Nucleus: keep a token if the mass strictly above it is < top_p.
+  probs_sorted = jax.nn.softmax(jnp.where(sorted_desc < kth, -jnp.inf, sorted_desc), axis=-1)
+  mass_above = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
+  keep_sorted = mass_above < top_p[:, None]
+  cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
+  scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+  sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+  return jnp.where(temperature > 0, sampled, greedy)

@@ -1,0 +1,56 @@
+"""Repository contracts: README's commands match CI; layers never import upward."""
+
+import ast
+import pathlib
+import re
+
+ROOT = pathlib.Path(__file__).parent.parent
+
+# Lower index = lower layer. A module may import its own layer or lower ones.
+LAYERS = [
+    ("pallas_kernels", 0), ("jaxinfer/config.py", 1), ("jaxinfer/hf_config.py", 1),
+    ("jaxinfer/presets.py", 1), ("jaxinfer/ops.py", 1), ("jaxinfer/models", 2),
+    ("jaxinfer/checkpoint", 3), ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5),
+]
+MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
+                "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.models": 2,
+                "jaxinfer.checkpoint": 3, "jaxinfer.engine": 4, "jaxinfer.run": 5}
+
+
+def _layer_of_module(name):
+  for prefix, layer in sorted(MODULE_LAYER.items(), key=lambda kv: -len(kv[0])):
+    if name == prefix or name.startswith(prefix + "."):
+      return layer
+  return None
+
+
+def test_readme_test_command_is_what_ci_runs():
+  readme = (ROOT / "README.md").read_text()
+  block = re.search(r"```bash\n(.*?)```", readme, re.S).group(1)
+  commands = [l for l in block.splitlines() if l and not l.startswith("#")]
+  assert len(commands) == 2
+  test_cmd = commands[1].split("&&")[-1].strip()
+  install = commands[1].split("&&")[-2].strip()
+  ci = (ROOT / ".ci" / "run").read_text()
+  assert test_cmd in ci and install.replace("pip install", "pip install -q") in ci
+
+
+def test_no_upward_imports():
+  bad = []
+  for path_prefix, layer in LAYERS:
+    base = ROOT / path_prefix
+    files = [base] if base.suffix == ".py" else sorted(base.rglob("*.py"))
+    for f in files:
+      for node in ast.walk(ast.parse(f.read_text())):
+        names = []
+        if isinstance(node, ast.Import):
+          names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+          names = [node.module]
+        for n in names:
+          dep = _layer_of_module(n)
+          if path_prefix == "pallas_kernels" and n.startswith("jaxinfer"):
+            bad.append((str(f), n))
+          elif dep is not None and dep > layer:
+            bad.append((str(f.relative_to(ROOT)), n))
+  assert not bad, bad
