@@ -141,4 +141,4 @@ def gpt_oss_120b() -> ModelConfig:
                                beta_fast=32.0, beta_slow=1.0, truncate=False),
       num_experts=128, num_experts_per_tok=4, moe_ffn_dim=2880, router="topk_softmax",
       router_bias=True, expert_bias=True, activation="clamped_swiglu", swiglu_limit=7.0,
-      eos_token_ids=(200002, 199999))
+      eos_token_ids=(200002,))

@@ -201,3 +201,15 @@ def test_load_hf_into_shardings():
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   _, params = checkpoint.load_hf(str(FIXTURES / "hf" / "mixtral"), shardings=replicated)
   assert params["embed"].sharding == replicated
+
+
+def test_bf16_checkpoint_loads_as_float32_and_bfloat16(tmp_path):
+  import ml_dtypes
+  d = _copy("llama", tmp_path)
+  _edit(d, lambda t: t.update({k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}))
+  ref = load_file(d / "model.safetensors")["model.embed_tokens.weight"]
+  _, p32 = checkpoint.load_hf(str(d), dtype=jnp.float32)
+  _, p16 = checkpoint.load_hf(str(d), dtype=jnp.bfloat16)
+  assert p32["embed"].dtype == jnp.float32 and p16["embed"].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(p32["embed"]), ref.astype(np.float32))
+  np.testing.assert_array_equal(np.asarray(p16["embed"]).view(np.uint16), ref.view(np.uint16))

@@ -47,3 +47,20 @@ def test_counting_does_not_allocate():
   import jax
   specs = models.abstract_params(presets.get("llama3_1_405b"))
   assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(specs))
+
+
+PUBLISHED_CONFIGS = ["llama3_8b", "mixtral_8x7b", "qwen3_moe_235b_a22b", "deepseek_v3",
+                     "gpt_oss_120b"]
+
+
+@pytest.mark.parametrize("name", PUBLISHED_CONFIGS)
+def test_published_config_maps_to_preset(name):
+  import json
+  from conftest import FIXTURES
+  from jaxinfer import ModelConfig
+  hf = json.loads((FIXTURES / "published_configs" / f"{name}.json").read_text())
+  if "quantization_config" in hf:
+    with pytest.raises(ValueError, match="quantization_config"):
+      ModelConfig.from_hf(hf)
+    del hf["quantization_config"]
+  assert ModelConfig.from_hf(hf) == presets.get(name)
