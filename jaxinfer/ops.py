@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 _IMPLEMENTATIONS = ("xla",)
+_MASKED = -1e30
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
@@ -43,7 +44,9 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
   mask = (kpos[None, None, :] <= qpos) & (kpos[None, None, :] < kv_lengths[:, None, None])
   window = jnp.asarray(window, jnp.int32)
   mask &= (window == 0) | (qpos - kpos[None, None, :] < window)
-  scores = jnp.where(mask[:, None, None], scores, -jnp.inf)
+  # A large finite negative rather than -inf: a fully masked (padding) row
+  # yields a harmless uniform row instead of NaN.
+  scores = jnp.where(mask[:, None, None], scores, _MASKED)
   if sinks is None:
     probs = jax.nn.softmax(scores, axis=-1)
   else:
@@ -55,3 +58,47 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
   return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+
+
+def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
+                           window=0, sinks=None, scale, implementation: str | None = None):
+  """Attention for a token-flattened mixed batch over a paged KV cache.
+
+  q [T, N, Hk]: the step's tokens, sequence b owning rows
+  cu_q_lens[b]:cu_q_lens[b + 1] (its newest tokens, the last at position
+  kv_lens[b] - 1). k_pages [K, P, page_size, Hk], v_pages [K, P, page_size, Hv];
+  page_table [B, pages_per_seq]; max_q (static) >= every sequence's query count.
+  Rows past cu_q_lens[-1] are padding and return zeros. -> [T, N, Hv].
+  """
+  implementation = implementation or "xla"
+  if implementation not in _IMPLEMENTATIONS:
+    raise ValueError(f"ragged_paged_attention: implementation must be one of "
+                     f"{_IMPLEMENTATIONS}, got {implementation!r}")
+  return _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
+                           window, sinks, scale)
+
+
+def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
+                      sinks, scale):
+  # Reference path: gather each sequence's pages into a contiguous [B, S]
+  # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
+  T = q.shape[0]
+  B, pages = page_table.shape
+  K, _, page_size, _ = k_pages.shape
+
+  def gather(pool):  # [K, P, ps, H] -> [B, pages * ps, K, H]
+    g = pool[:, page_table]  # [K, B, pages, ps, H]
+    return g.reshape(K, B, pages * page_size, pool.shape[-1]).transpose(1, 2, 0, 3)
+
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  row = t - cu_q_lens[seq]
+  valid = t < cu_q_lens[-1]
+  seq_w = jnp.where(valid, seq, B)  # out of bounds: dropped by the scatter
+  q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype).at[seq_w, row].set(q, mode="drop")
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
+  out = _attention_xla(q_pad, gather(k_pages), gather(v_pages), q_pos, kv_lens, window, sinks,
+                       scale)
+  out = out[seq, jnp.minimum(row, max_q - 1)]
+  return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -22,7 +22,7 @@ from jaxinfer.models import transformer
 def _generate(cfg, params, prompts, max_tokens, temperature, top_k, top_p, key):
   B, T = prompts.shape
   cache = transformer.init_cache(cfg, B, T + max_tokens)
-  x, cache = transformer.trunk(cfg, params, prompts, cache)
+  x, cache = transformer.forward_hidden(cfg, params, prompts, cache)
   logits = transformer.head(cfg, params, x[:, -1])
   keys = jax.random.split(key, max_tokens)
   first = sample(logits, keys[0], temperature, top_k, top_p)
@@ -31,7 +31,7 @@ def _generate(cfg, params, prompts, max_tokens, temperature, top_k, top_p, key):
   def step(i, carry):
     out, cache = carry
     prev = jax.lax.dynamic_slice_in_dim(out, i - 1, 1, axis=1)  # [B, 1]
-    x, cache = transformer.trunk(cfg, params, prev, cache)
+    x, cache = transformer.forward_hidden(cfg, params, prev, cache)
     tok = sample(transformer.head(cfg, params, x[:, 0]), keys[i], temperature, top_k, top_p)
     return out.at[:, i].set(tok), cache
 

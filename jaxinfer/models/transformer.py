@@ -16,39 +16,41 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
+from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
 from jaxinfer.models.moe import moe
 
 
-def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, window, cache, starts):
+def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache):
   """One pre-norm transformer block; returns (x, cache slice)."""
   a, cache = attn_lib.attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps),
-                                cos, sin, window, cache, starts)
+                                cos, sin, ctx, window, cache)
   x = x + a
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   return x + (moe(cfg, p["mlp"], h) if is_moe else mlp(cfg, p["mlp"], h)), cache
 
 
-def trunk(cfg: ModelConfig, params, tokens, cache=None):
-  """tokens [B, T] -> (final-normed hidden [B, T, D], new cache or None)."""
-  B, T = tokens.shape
+def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None):
+  """tokens [B, T] -> (final-normed hidden [B, T, D], new layer caches).
+
+  ctx: a KV context (`models/context.py`); layer_caches: a tuple over
+  segments of stacked cache slices, or None for a cacheless forward.
+  """
   x = params["embed"][tokens].astype(cfg.compute_dtype())
-  starts = cache["lengths"] if cache is not None else jnp.zeros((B,), jnp.int32)
-  cos, sin = rope_cos_sin(cfg, starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None])
-  new_layers = []
+  cos, sin = rope_cos_sin(cfg, ctx.token_positions(tokens.shape[1]))
+  new_caches = []
   for seg, (is_moe, first, count) in enumerate(cfg.segments()):
     windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
-    seg_cache = cache["layers"][seg] if cache is not None else None
+    seg_cache = layer_caches[seg] if layer_caches is not None else None
 
     def body(x, xs, is_moe=is_moe):
       p, window, c = xs
-      return block(cfg, is_moe, p, x, cos, sin, window, c, starts)
+      return block(cfg, is_moe, p, x, cos, sin, ctx, window, c)
 
     x, seg_cache = jax.lax.scan(body, x, (params["layers"][seg], windows, seg_cache))
-    new_layers.append(seg_cache)
+    new_caches.append(seg_cache)
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-  new_cache = None if cache is None else dict(layers=tuple(new_layers), lengths=starts + T)
-  return x, new_cache
+  return x, (tuple(new_caches) if layer_caches is not None else None)
 
 
 def head(cfg: ModelConfig, params, x):
@@ -60,14 +62,23 @@ def head(cfg: ModelConfig, params, x):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _logits(cfg, params, tokens):
-  x, _ = trunk(cfg, params, tokens)
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  x, _ = trunk(cfg, params, tokens, FullContext(positions))
   return head(cfg, params, x)
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
 def _forward(cfg, params, tokens, cache):
-  x, cache = trunk(cfg, params, tokens, cache)
+  x, cache = forward_hidden(cfg, params, tokens, cache)
   return head(cfg, params, x), cache
+
+
+def forward_hidden(cfg: ModelConfig, params, tokens, cache):
+  """Cached trunk over the contiguous cache -> (hidden [B, T, D], new cache)."""
+  starts = cache["lengths"]
+  x, layers = trunk(cfg, params, tokens, ContiguousContext(starts), cache["layers"])
+  return x, dict(layers=layers, lengths=starts + tokens.shape[1])
 
 
 def check_tokens(cfg: ModelConfig, tokens, name: str = "tokens") -> None:
@@ -102,8 +113,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     raise ValueError(f"init_cache: max_len {max_len} exceeds max_position_embeddings "
                      f"{cfg.max_position_embeddings}")
   dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
-  shapes = attn_lib.cache_shapes(cfg, batch, max_len)
-  layers = tuple({k: jnp.zeros((n, *s), dtype) for k, s in shapes.items()}
+  entry = attn_lib.cache_entry_shapes(cfg)
+  layers = tuple({k: jnp.zeros((n, batch, max_len, *e), dtype) for k, e in entry.items()}
                  for _, _, n in cfg.segments())
   return dict(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))
 

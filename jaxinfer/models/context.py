@@ -1,0 +1,114 @@
+"""KV contexts: where a forward's keys and values live.
+
+Attention blocks compute q and the new K/V entries, then hand them to a
+context, which writes them into its cache slice and attends. The block code is
+the same for every cache; the context type (not a mode string) decides:
+
+  FullContext        no cache: tokens [B, T] attend causally among themselves
+  ContiguousContext  per-sequence cache slices [B, S, ...]; tokens append at
+                     `starts` (the cached length of each sequence)
+  PagedContext       the engine's page pool; a token-flattened mixed batch of
+                     prefill chunks and decode tokens with per-sequence
+                     metadata (the layout of vLLM v1 / ragged paged attention)
+
+New entries are a dict matching the cache slice: GQA {k [B, T, K, H], v}; MLA
+{kv [B, T, R + Hr]} (normed latent + roped shared key). For MLA the context
+reads k = the whole entry (one KV head) and v = its first `latent_dim` columns.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer import ops
+
+
+def _split(cache: dict, latent_dim: int | None, head_axis: int):
+  if latent_dim is None:
+    return cache["k"], cache["v"]
+  kv = jnp.expand_dims(cache["kv"], head_axis)
+  return kv, kv[..., :latent_dim]
+
+
+@dataclasses.dataclass(frozen=True)
+class FullContext:
+  """Cacheless causal forward over tokens [B, T]."""
+
+  positions: jax.Array  # [B, T]
+  caches_latent = False  # MLA runs in the expanded form
+
+  def token_positions(self, T: int):
+    return self.positions
+
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
+    k, v = _split(new, latent_dim, head_axis=2)
+    T = q.shape[1]
+    lengths = jnp.full((q.shape[0],), T, jnp.int32)
+    out = ops.attention(q, k, v, q_positions=self.positions, kv_lengths=lengths,
+                        window=window, sinks=sinks, scale=scale)
+    return out, cache
+
+
+@dataclasses.dataclass(frozen=True)
+class ContiguousContext:
+  """Tokens [B, T] appended at starts[b] of per-sequence caches [B, S, ...]."""
+
+  starts: jax.Array  # [B] int32
+  caches_latent = True
+
+  def token_positions(self, T: int):
+    return self.starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
+    write = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))
+    cache = {name: write(cache[name], new[name].astype(cache[name].dtype), self.starts)
+             for name in cache}
+    k, v = _split(cache, latent_dim, head_axis=2)
+    T = q.shape[1]
+    out = ops.attention(q, k, v, q_positions=self.token_positions(T), kv_lengths=self.starts + T,
+                        window=window, sinks=sinks, scale=scale)
+    return out, cache
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedContext:
+  """A token-flattened step over the page pool (tokens as a [1, T] batch).
+
+  Pool slices: GQA {k, v [K, P, page_size, H]}; MLA {kv [P, page_size, R + Hr]}.
+  Token t belongs to sequence token_seq[t] at position positions[t]; its K/V
+  go to page page_table[seq, pos // page_size], slot pos % page_size (padding
+  tokens, valid[t] False, write into the reserved null page 0).
+  """
+
+  positions: jax.Array  # [T] int32
+  token_seq: jax.Array  # [T] int32
+  valid: jax.Array  # [T] bool
+  cu_q_lens: jax.Array  # [B + 1] int32: query start offsets
+  kv_lens: jax.Array  # [B] int32: KV length after this step
+  page_table: jax.Array  # [B, pages_per_seq] int32
+  max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
+  caches_latent = True
+
+  def token_positions(self, T: int):
+    return self.positions[None]
+
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
+    first = next(iter(cache.values()))
+    page_size = first.shape[-2]
+    page = self.page_table[self.token_seq, self.positions // page_size]
+    page = jnp.where(self.valid, page, 0)
+    slot = jnp.where(self.valid, self.positions % page_size, 0)
+    if latent_dim is None:  # [K, P, ps, H] <- [T, K, H]
+      cache = {n: cache[n].at[:, page, slot].set(new[n][0].swapaxes(0, 1).astype(cache[n].dtype))
+               for n in cache}
+    else:  # [P, ps, C] <- [T, C]
+      cache = {"kv": cache["kv"].at[page, slot].set(new["kv"][0].astype(cache["kv"].dtype))}
+    k_pages, v_pages = _split(cache, latent_dim, head_axis=0)
+    out = ops.ragged_paged_attention(
+        q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
+        cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale)
+    return out[None], cache
