@@ -2,8 +2,8 @@
 
 from jaxinfer import checkpoint, engine, models, presets
 from jaxinfer.config import ModelConfig, RopeScaling
-from jaxinfer.engine import SamplingParams
+from jaxinfer.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["ModelConfig", "RopeScaling", "SamplingParams", "checkpoint", "engine", "models",
+__all__ = ["Engine", "EngineConfig", "ModelConfig", "RequestOutput", "RopeScaling", "SamplingParams", "checkpoint", "engine", "models",
            "presets"]

@@ -32,8 +32,8 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
 
 def test_sample_filters():
   logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]] * 512, jnp.float32))
-  keys = jax.random.split(jax.random.key(0), 1)[0]
   B = logits.shape[0]
+  keys = jax.random.split(jax.random.key(0), B)
   f = lambda t, k, p: np.asarray(engine.sample(
       logits, keys, jnp.full((B,), t, jnp.float32), jnp.full((B,), k, jnp.int32),
       jnp.full((B,), p, jnp.float32)))

@@ -1,6 +1,9 @@
-"""Engine layer: sampling and generation (the paged engine arrives with the engine issue)."""
+"""Engine layer: the paged-cache Engine, its scheduler and jitted step, sampling,
+and the contiguous-cache reference generation."""
 
 from jaxinfer.engine.contiguous import generate, greedy_reference
+from jaxinfer.engine.engine import Engine, EngineConfig, RequestMetrics, RequestOutput
 from jaxinfer.engine.sampling import SamplingParams, sample
 
-__all__ = ["SamplingParams", "generate", "greedy_reference", "sample"]
+__all__ = ["Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
+           "generate", "greedy_reference", "sample"]

@@ -24,7 +24,7 @@ def _generate(cfg, params, prompts, max_tokens, temperature, top_k, top_p, key):
   cache = transformer.init_cache(cfg, B, T + max_tokens)
   x, cache = transformer.forward_hidden(cfg, params, prompts, cache)
   logits = transformer.head(cfg, params, x[:, -1])
-  keys = jax.random.split(key, max_tokens)
+  keys = jax.random.split(key, (max_tokens, B))
   first = sample(logits, keys[0], temperature, top_k, top_p)
   out = jnp.zeros((B, max_tokens), jnp.int32).at[:, 0].set(first)
 

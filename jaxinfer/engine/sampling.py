@@ -33,8 +33,15 @@ class SamplingParams:
       raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
 
 
-def sample(logits, key, temperature, top_k, top_p):
-  """logits [B, V] float32; temperature/top_p [B] float32; top_k [B] int32.
+def request_keys(seeds, indices):
+  """Per-row PRNG keys from (request seed, index of the token being sampled):
+  a request's samples never depend on what else is in the batch."""
+  return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
+
+
+def sample(logits, keys, temperature, top_k, top_p):
+  """logits [B, V] float32; keys [B] PRNG keys; temperature/top_p [B] float32;
+  top_k [B] int32.
 
   Rows with temperature 0 take the argmax. Others sample from
   softmax(logits / T) restricted to the top_k largest (if top_k > 0) and to
@@ -53,5 +60,5 @@ def sample(logits, key, temperature, top_k, top_p):
   keep_sorted = mass_above < top_p[:, None]
   cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
   scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
-  sampled = jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+  sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy)

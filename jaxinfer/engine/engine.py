@@ -1,0 +1,255 @@
+"""`Engine`: the paged KV cache, the scheduler and the jitted step together.
+
+  engine = Engine(cfg, params, EngineConfig(...))
+  outs = engine.generate(prompts, SamplingParams(...))        # batch form
+  rid = engine.submit(prompt, sampling)                       # streaming form
+  for rid, new_tokens, finished in engine.step(): ...
+  engine.abort(rid); engine.stats()
+
+Every request is validated on submit (ValueError naming the parameter) before
+any device work, so a bad request never disturbs the running ones. The only
+device-to-host read per step is the sampled tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import kv_cache
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import steps
+from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.scheduler import Request, Scheduler
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+  page_size: int = 16
+  num_pages: int | None = None  # None: sized from kv_cache_bytes / free memory
+  kv_cache_bytes: int | None = None
+  kv_cache_memory_fraction: float = 0.5  # of free device (or host, on CPU) memory
+  max_num_seqs: int = 32  # sequences per step
+  max_num_batched_tokens: int = 512  # token budget per step
+  prefill_chunk_size: int | None = None  # None: the token budget
+  max_model_len: int | None = None  # None: the model's max_position_embeddings
+  enable_prefix_caching: bool = True
+  ignore_eos: bool = False
+
+  def __post_init__(self):
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"EngineConfig: {name} must be >= 1, got {getattr(self, name)}")
+    for name in ("num_pages", "kv_cache_bytes", "prefill_chunk_size", "max_model_len"):
+      value = getattr(self, name)
+      if value is not None and value < 1:
+        raise ValueError(f"EngineConfig: {name} must be >= 1 or None, got {value}")
+    if not 0 < self.kv_cache_memory_fraction <= 1:
+      raise ValueError(f"EngineConfig: kv_cache_memory_fraction must be in (0, 1], "
+                       f"got {self.kv_cache_memory_fraction}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+  ttft_s: float | None  # submit -> first token
+  tpot_s: float | None  # mean time per output token after the first
+  prompt_tokens: int
+  cached_prompt_tokens: int  # served from the prefix cache
+  computed_prompt_tokens: int  # prompt tokens computed (more than uncached after a preemption)
+  generated_tokens: int
+  preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  request_id: int
+  prompt_token_ids: list[int]
+  token_ids: list[int]
+  finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+  metrics: RequestMetrics
+
+
+class Engine:
+
+  def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
+               mesh=None, layout=None):
+    if mesh is not None or layout is not None:
+      raise NotImplementedError("Engine(mesh=..., layout=...) arrives with the sharding issue")
+    self.cfg, self.params = cfg, params
+    self.config = config = config or EngineConfig()
+    self.max_model_len = min(cfg.max_position_embeddings,
+                             config.max_model_len or cfg.max_position_embeddings)
+    ps = config.page_size
+    self.max_pages_per_seq = -(-self.max_model_len // ps)
+    dtype = cfg.compute_dtype()
+    num_pages = config.num_pages or self._size_pool(dtype)
+    self.allocator = kv_cache.PageAllocator(num_pages, ps,
+                                            prefix_caching=config.enable_prefix_caching)
+    self.pool = kv_cache.init_pool(cfg, num_pages, ps, dtype)
+    chunk = min(config.prefill_chunk_size or config.max_num_batched_tokens,
+                config.max_num_batched_tokens)
+    self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
+                               max_num_batched_tokens=config.max_num_batched_tokens,
+                               prefill_chunk_size=chunk, max_model_len=self.max_model_len)
+    self._chunk = chunk
+    self._requests: dict[int, Request] = {}
+    self._next_id = 0
+    self._programs: set[steps.StepShapes] = set()
+    self._num_steps = self._num_step_tokens = 0
+
+  def _size_pool(self, dtype) -> int:
+    c = self.config
+    # Never more than max_num_seqs full-length sequences can use (+ the null page).
+    cap = c.max_num_seqs * self.max_pages_per_seq + 1
+    device = jax.local_devices()[0]
+    budget = c.kv_cache_bytes
+    if budget is None and device.platform == "cpu":
+      avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+      budget = int(avail * c.kv_cache_memory_fraction)
+    n = kv_cache.num_pages_for(self.cfg, c.page_size, dtype, kv_cache_bytes=budget,
+                               memory_fraction=c.kv_cache_memory_fraction, device=device)
+    return min(n, cap)
+
+  # ------------------------------------------------------------ requests
+
+  def _validate(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
+    if sampling is None:
+      sampling = SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+      raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or arr.size == 0:
+      raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise TypeError(f"prompt token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= self.cfg.vocab_size:
+      raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got min {lo}, max {hi}")
+    if arr.size >= self.max_model_len:
+      raise ValueError(f"prompt length {arr.size} is at or over the context limit "
+                       f"(max_model_len {self.max_model_len})")
+    longest = min(arr.size + sampling.max_tokens, self.max_model_len)
+    pages = -(-longest // self.config.page_size)
+    if pages > self.allocator.usable_pages:
+      raise ValueError(f"request needs {pages} KV pages (prompt {arr.size} + max_tokens "
+                       f"{sampling.max_tokens}), more than the whole pool "
+                       f"({self.allocator.usable_pages} pages)")
+    return arr.astype(np.int64).tolist(), sampling
+
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> int:
+    """Queues a request; returns its id. Raises on bad input, queueing nothing."""
+    tokens, sampling = self._validate(prompt, sampling)
+    stop = set(sampling.stop_token_ids)
+    if not self.config.ignore_eos:
+      stop |= set(self.cfg.eos_token_ids)
+    rid = self._next_id
+    self._next_id += 1
+    req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop))
+    self._requests[rid] = req
+    self.scheduler.add(req)
+    return rid
+
+  def abort(self, request_id: int) -> RequestOutput:
+    """Stops a request, freeing its pages; returns what it produced."""
+    req = self._requests.get(request_id)
+    if req is None:
+      raise ValueError(f"abort: unknown request_id {request_id}")
+    if not req.finished:
+      self.scheduler.finish(req, "abort")
+    return self.output(request_id)
+
+  def has_unfinished(self) -> bool:
+    return self.scheduler.has_work()
+
+  def output(self, request_id: int) -> RequestOutput:
+    req = self._requests[request_id]
+    tpot = None
+    if req.finish_s is not None and len(req.output) > 1:
+      tpot = (req.finish_s - req.first_token_s) / (len(req.output) - 1)
+    ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
+    metrics = RequestMetrics(ttft_s=ttft, tpot_s=tpot, prompt_tokens=len(req.prompt),
+                             cached_prompt_tokens=req.cached_prompt_tokens,
+                             computed_prompt_tokens=req.prefill_computed,
+                             generated_tokens=len(req.output), preemptions=req.preemptions)
+    return RequestOutput(request_id=req.id, prompt_token_ids=list(req.prompt),
+                         token_ids=list(req.output), finish_reason=req.finish_reason,
+                         metrics=metrics)
+
+  # ------------------------------------------------------------ stepping
+
+  def step(self) -> list[tuple[int, list[int], bool]]:
+    """Runs one device step; returns (request_id, new_token_ids, finished) events."""
+    scheduled = self.scheduler.schedule()
+    if not scheduled:
+      return []
+    c = self.config
+    tokens, positions, token_seq = [], [], []
+    for i, s in enumerate(scheduled):
+      tokens += s.request.tokens[s.start:s.start + s.num_tokens]
+      positions += range(s.start, s.start + s.num_tokens)
+      token_seq += [i] * s.num_tokens
+    q_lens = [s.num_tokens for s in scheduled]
+    shapes = steps.StepShapes(
+        tokens=steps.bucket(len(tokens), c.max_num_batched_tokens),
+        seqs=steps.bucket(len(scheduled), c.max_num_seqs),
+        pages=steps.bucket(max(len(s.request.pages) for s in scheduled), self.max_pages_per_seq),
+        max_q=steps.bucket(max(q_lens), self._chunk))
+    reqs = [s.request for s in scheduled]
+    batch = steps.pad_batch(
+        shapes, tokens=tokens, positions=positions, token_seq=token_seq, q_lens=q_lens,
+        kv_lens=[s.start + s.num_tokens for s in scheduled],
+        page_tables=[r.pages for r in reqs],
+        temperature=[r.sampling.temperature for r in reqs],
+        top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
+        seeds=[r.sampling.seed % (1 << 32) for r in reqs],
+        sample_idx=[len(r.output) for r in reqs])
+    self._programs.add(shapes)
+    sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batch, max_q=shapes.max_q)
+    sampled = np.asarray(sampled)  # the step's one device-to-host read
+    self._num_steps += 1
+    self._num_step_tokens += len(tokens)
+    return self.scheduler.apply(scheduled, sampled[:len(scheduled)])
+
+  def generate(self, prompts: Sequence[Sequence[int]],
+               sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+               *, progress=None) -> list[RequestOutput]:
+    """Runs prompts to completion; outputs in prompt order. All prompts are
+    validated before any is queued. progress: optional callable(num_done)."""
+    if isinstance(sampling, SamplingParams) or sampling is None:
+      sampling = [sampling] * len(prompts)
+    if len(sampling) != len(prompts):
+      raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    for i, (p, s) in enumerate(zip(prompts, sampling)):
+      try:
+        self._validate(p, s)
+      except (ValueError, TypeError) as e:
+        raise type(e)(f"prompts[{i}]: {e}") from None
+    ids = [self.submit(p, s) for p, s in zip(prompts, sampling)]
+    pending, done = set(ids), 0
+    while pending:
+      for rid, _, finished in self.step():
+        if finished and rid in pending:
+          pending.discard(rid)
+          done += 1
+          if progress:
+            progress(done)
+    return [self.output(rid) for rid in ids]
+
+  def stats(self) -> dict:
+    a = self.allocator
+    reqs = self._requests.values()
+    return dict(
+        steps=self._num_steps,
+        tokens_per_step=self._num_step_tokens / max(self._num_steps, 1),
+        compiles=len(self._programs),
+        kv_pages_total=a.usable_pages, kv_pages_used=a.num_used(), kv_pages_cached=a.num_cached(),
+        kv_pages_free=len(a.free), preemptions=self.scheduler.num_preemptions,
+        prompt_tokens=sum(len(r.prompt) for r in reqs),
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in reqs),
+        running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))

@@ -1,0 +1,177 @@
+"""Host scheduler: continuous batching with chunked prefill, prefix caching
+and preemption by recompute. Pure Python; no device work.
+
+A request's tokens are prompt + output; `num_computed` of them have K/V in
+its pages. Each step schedules, per request, the next chunk of uncomputed
+tokens: a decode is simply a chunk of one. When a chunk reaches the end of
+the tokens, the step's sample for that request is its next token. So prefill,
+chunked prefill, decode and recompute after preemption are one code path.
+
+Per step, under a token budget: running requests first (oldest first), then
+waiting ones (FIFO) while pages, budget and sequence slots last. When a
+running request needs a page and none is left, the newest running request is
+preempted: its pages are released (their hashed prefix stays cached) and it
+goes back to the front of the queue to be recomputed. Nothing is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.kv_cache import PageAllocator, hash_page
+
+
+@dataclasses.dataclass
+class Request:
+  id: int
+  prompt: list[int]
+  sampling: SamplingParams
+  stop_ids: frozenset[int]
+  output: list[int] = dataclasses.field(default_factory=list)
+  num_computed: int = 0
+  pages: list[int] = dataclasses.field(default_factory=list)
+  page_hashes: list[bytes] = dataclasses.field(default_factory=list)
+  finish_reason: str | None = None
+  arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+  first_token_s: float | None = None
+  finish_s: float | None = None
+  cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+  prefill_computed: int = 0  # prompt tokens this engine computed for the request
+  admitted: bool = False
+  preemptions: int = 0
+
+  @property
+  def tokens(self) -> list[int]:
+    return self.prompt + self.output
+
+  @property
+  def finished(self) -> bool:
+    return self.finish_reason is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheduled:
+  request: Request
+  num_tokens: int
+  start: int  # first token position of the chunk
+
+
+class Scheduler:
+
+  def __init__(self, allocator: PageAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
+               prefill_chunk_size: int, max_model_len: int):
+    self.alloc = allocator
+    self.max_num_seqs = max_num_seqs
+    self.budget = max_num_batched_tokens
+    self.chunk = prefill_chunk_size
+    self.max_model_len = max_model_len
+    self.waiting: collections.deque[Request] = collections.deque()
+    self.running: list[Request] = []
+    self.num_preemptions = 0
+
+  # ------------------------------------------------------------ scheduling
+
+  def add(self, req: Request) -> None:
+    self.waiting.append(req)
+
+  def has_work(self) -> bool:
+    return bool(self.waiting or self.running)
+
+  def _pages_needed(self, req: Request, n: int) -> int:
+    ps = self.alloc.page_size
+    return -(-(req.num_computed + n) // ps) - len(req.pages)
+
+  def _preempt(self, req: Request) -> None:
+    self.running.remove(req)
+    self.alloc.release(req.pages)
+    req.pages, req.page_hashes, req.num_computed = [], [], 0
+    req.preemptions += 1
+    self.num_preemptions += 1
+    self.waiting.appendleft(req)
+
+  def schedule(self) -> list[Scheduled]:
+    budget, out = self.budget, []
+    preempted = False
+    i = 0
+    while i < len(self.running) and budget > 0:
+      req = self.running[i]
+      n = min(len(req.tokens) - req.num_computed, budget, self.chunk)
+      need = self._pages_needed(req, n)
+      while need > self.alloc.num_available() and req in self.running:
+        self._preempt(self.running[-1])
+        preempted = True
+      if req not in self.running:
+        break  # it was the newest, and preempted itself
+      req.pages += self.alloc.allocate(need) if need > 0 else []
+      out.append(Scheduled(req, n, req.num_computed))
+      budget -= n
+      i += 1
+    while (self.waiting and budget > 0 and not preempted
+           and len(self.running) < self.max_num_seqs):
+      req = self.waiting[0]
+      tokens = req.tokens
+      if not req.pages:
+        # Reuse cached full pages, leaving at least one token to compute.
+        max_pages = (len(tokens) - 1) // self.alloc.page_size
+        req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages)
+        req.num_computed = len(req.pages) * self.alloc.page_size
+      n = min(len(tokens) - req.num_computed, budget, self.chunk)
+      need = self._pages_needed(req, n)
+      if need > self.alloc.num_available():
+        self.alloc.release(req.pages)  # give the matched prefix back; retry next step
+        req.pages, req.page_hashes, req.num_computed = [], [], 0
+        break
+      req.pages += self.alloc.allocate(need) if need > 0 else []
+      if not req.admitted:
+        req.admitted = True
+        req.cached_prompt_tokens = min(req.num_computed, len(req.prompt))
+      self.waiting.popleft()
+      self.running.append(req)
+      out.append(Scheduled(req, n, req.num_computed))
+      budget -= n
+    return out
+
+  # ------------------------------------------------------------ results
+
+  def apply(self, scheduled: list[Scheduled], sampled) -> list[tuple[int, list[int], bool]]:
+    """Advances requests by one step given each one's sampled token.
+    -> events (request id, new tokens, finished)."""
+    now = time.perf_counter()
+    events = []
+    ps = self.alloc.page_size
+    for s, token in zip(scheduled, sampled):
+      req = s.request
+      req.prefill_computed += max(0, min(s.start + s.num_tokens, len(req.prompt)) - s.start)
+      req.num_computed = s.start + s.num_tokens
+      tokens = req.tokens
+      for k in range(len(req.page_hashes), req.num_computed // ps):  # pages now full
+        parent = req.page_hashes[-1] if req.page_hashes else None
+        h = hash_page(parent, tokens[k * ps:(k + 1) * ps])
+        self.alloc.register(req.pages[k], h)
+        req.page_hashes.append(h)
+      if req.num_computed < len(tokens):
+        continue  # a prefill chunk that is not the last: its sample is meaningless
+      token = int(token)
+      req.output.append(token)
+      if req.first_token_s is None:
+        req.first_token_s = now
+      if token in req.stop_ids:
+        self.finish(req, "stop", now)
+      elif len(req.output) >= req.sampling.max_tokens or len(req.tokens) >= self.max_model_len:
+        self.finish(req, "length", now)
+      events.append((req.id, [token], req.finished))
+    return events
+
+  def finish(self, req: Request, reason: str, now: float | None = None) -> None:
+    req.finish_reason = reason
+    req.finish_s = now or time.perf_counter()
+    if req in self.running:
+      self.running.remove(req)
+    elif req in self.waiting:
+      self.waiting.remove(req)
+    if req.pages:
+      self.alloc.release(req.pages)
+      req.pages = []

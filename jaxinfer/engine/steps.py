@@ -1,0 +1,98 @@
+"""The jitted engine step: one mixed batch of prefill chunks and decode tokens.
+
+The scheduler flattens the step's tokens ([T], padded to a bucket) with
+per-sequence metadata ([B], padded to a bucket): query start offsets, KV
+lengths after the step, page tables ([B, pages], padded to a bucket). One
+program runs the model over the page pool (writing the new K/V into the
+pages), picks each sequence's last token, and samples it with that request's
+temperature / top-k / top-p / seed as traced arrays. The pool is donated.
+
+Bucketed dims, and so the compiled programs: (T, B, pages per sequence, max
+query tokens of one sequence). `StepShapes` names one program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.sampling import request_keys, sample
+from jaxinfer.models.context import PagedContext
+from jaxinfer.models.transformer import head, trunk
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+  tokens: jax.Array  # [T] int32
+  positions: jax.Array  # [T] int32
+  token_seq: jax.Array  # [T] int32
+  valid: jax.Array  # [T] bool
+  cu_q_lens: jax.Array  # [B + 1] int32
+  kv_lens: jax.Array  # [B] int32
+  page_table: jax.Array  # [B, pages] int32
+  logits_idx: jax.Array  # [B] int32: each sequence's last token in this step
+  temperature: jax.Array  # [B] float32
+  top_k: jax.Array  # [B] int32
+  top_p: jax.Array  # [B] float32
+  seeds: jax.Array  # [B] uint32
+  sample_idx: jax.Array  # [B] int32: index of the token being sampled in its request
+
+
+@dataclasses.dataclass(frozen=True)
+class StepShapes:
+  tokens: int
+  seqs: int
+  pages: int
+  max_q: int
+
+
+def bucket(n: int, cap: int, minimum: int = 1) -> int:
+  """Smallest power of two >= n (at least `minimum`), capped at `cap`."""
+  b = max(minimum, 1 << max(0, int(n - 1).bit_length()))
+  return min(b, cap) if n <= cap else n
+
+
+def pad_batch(shapes: StepShapes, *, tokens, positions, token_seq, q_lens, kv_lens, page_tables,
+              temperature, top_k, top_p, seeds, sample_idx) -> StepBatch:
+  """Host lists -> a padded StepBatch of numpy arrays (one transfer per step)."""
+  T, B, P = shapes.tokens, shapes.seqs, shapes.pages
+  n, b = len(tokens), len(q_lens)
+
+  def pad(values, size, dtype, fill=0):
+    out = np.full(size, fill, dtype)
+    out[:len(values)] = values
+    return out
+
+  cu = np.zeros(B + 1, np.int32)
+  cu[1:b + 1] = np.cumsum(q_lens)
+  cu[b + 1:] = cu[b]
+  table = np.zeros((B, P), np.int32)
+  for i, pages in enumerate(page_tables):
+    table[i, :len(pages)] = pages
+  last = np.zeros(B, np.int32)
+  last[:b] = cu[1:b + 1] - 1
+  return StepBatch(
+      tokens=pad(tokens, T, np.int32), positions=pad(positions, T, np.int32),
+      token_seq=pad(token_seq, T, np.int32), valid=pad(np.ones(n, bool), T, bool),
+      cu_q_lens=cu, kv_lens=pad(kv_lens, B, np.int32), page_table=table, logits_idx=last,
+      temperature=pad(temperature, B, np.float32), top_k=pad(top_k, B, np.int32),
+      top_p=pad(top_p, B, np.float32, 1.0), seeds=pad(seeds, B, np.uint32),
+      sample_idx=pad(sample_idx, B, np.int32))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q"), donate_argnames=("pool",))
+def step(cfg: ModelConfig, params, pool, batch: StepBatch, *, max_q: int):
+  """-> (sampled token per sequence [B] int32, new pool)."""
+  ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
+                     cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
+                     page_table=batch.page_table, max_q=max_q)
+  x, pool = trunk(cfg, params, batch.tokens[None], ctx, pool)
+  logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
+  keys = request_keys(batch.seeds, batch.sample_idx)
+  return sample(logits, keys, batch.temperature, batch.top_k, batch.top_p), pool

@@ -1,0 +1,184 @@
+"""The paged KV cache: a device page pool and its host allocator.
+
+Device pool (a pytree, donated through every step): a tuple over the model's
+layer segments of stacked per-layer pools
+  GQA {k, v [L, K, num_pages, page_size, H]}  (per layer: pallas paged_attention's layout)
+  MLA {kv [L, num_pages, page_size, R + Hr]}  (the compressed latent + rope key)
+Page 0 is a reserved null page: padded page-table slots and padding tokens
+point at it, and nothing valid is ever read from it.
+
+Host `PageAllocator`: a free list, refcounts, and prefix caching: a full page
+is identified by a hash chained on its parent's hash and its tokens, so equal
+prefixes map to equal hash chains. Pages nobody references but whose content
+is hashed stay cached, in LRU order, until an allocation needs them.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.attention import cache_entry_shapes
+
+NULL_PAGE = 0
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
+  """Bytes of one page across all layers."""
+  per_token = sum(math.prod(e) for e in cache_entry_shapes(cfg).values())
+  return per_token * page_size * cfg.num_layers * jnp.dtype(dtype).itemsize
+
+
+def num_pages_for(cfg: ModelConfig, page_size: int, dtype, *, kv_cache_bytes: int | None = None,
+                  memory_fraction: float = 0.5, device=None) -> int:
+  """Pages that fit a byte budget: kv_cache_bytes, or a fraction of the
+  device's free memory (accelerators report it; CPU does not: pass bytes)."""
+  if kv_cache_bytes is None:
+    device = device or jax.local_devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+      raise ValueError("kv_cache_bytes is required on a device that does not report its memory "
+                       f"({device.platform})")
+    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+    kv_cache_bytes = int(free * memory_fraction)
+  n = kv_cache_bytes // page_bytes(cfg, page_size, dtype)
+  if n < 2:
+    raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {n} pages of "
+                     f"{page_bytes(cfg, page_size, dtype)} bytes; need at least 2 (page 0 is reserved)")
+  return int(n)
+
+
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None):
+  """The zeroed device page pool."""
+  entry = cache_entry_shapes(cfg)
+
+  def shape(n, e):
+    if "kv" in entry:
+      return (n, num_pages, page_size, *e)
+    return (n, e[0], num_pages, page_size, e[1])  # [L, K, P, ps, H]
+
+  def zeros(s):
+    if sharding is None:
+      return jnp.zeros(s, dtype)
+    return jax.jit(lambda: jnp.zeros(s, dtype), out_shardings=sharding)()
+
+  return tuple({k: zeros(shape(n, e)) for k, e in entry.items()} for _, _, n in cfg.segments())
+
+
+def hash_page(parent: bytes | None, tokens) -> bytes:
+  """Chained page hash: equal prefixes give equal chains (stable across processes)."""
+  h = hashlib.blake2b(digest_size=16)
+  h.update(parent or b"root")
+  h.update(np.asarray(tokens, np.int32).tobytes())
+  return h.digest()
+
+
+class PageAllocator:
+  """Host bookkeeping of the page pool: free list, refcounts, prefix cache, LRU."""
+
+  def __init__(self, num_pages: int, page_size: int, *, prefix_caching: bool = True):
+    if num_pages < 2:
+      raise ValueError(f"num_pages must be >= 2 (page 0 is reserved), got {num_pages}")
+    if page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {page_size}")
+    self.num_pages, self.page_size, self.prefix_caching = num_pages, page_size, prefix_caching
+    self.free: collections.deque[int] = collections.deque(range(1, num_pages))
+    self.refcount = np.zeros(num_pages, np.int32)
+    self.page_hash: dict[int, bytes] = {}
+    self.hash_page: dict[bytes, int] = {}
+    self.lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # evictable
+    self.events: list[tuple[str, bytes]] = []  # ("stored" | "evicted", hash) for routers
+
+  @property
+  def usable_pages(self) -> int:
+    return self.num_pages - 1
+
+  def num_available(self) -> int:
+    """Pages an allocation can take now (free plus evictable cached)."""
+    return len(self.free) + len(self.lru)
+
+  def num_used(self) -> int:
+    return int(np.count_nonzero(self.refcount))
+
+  def num_cached(self) -> int:
+    return len(self.page_hash)
+
+  def allocate(self, n: int) -> list[int] | None:
+    """n pages (refcount 1), evicting least recently used cached pages if
+    needed; None (and nothing taken) if fewer than n are available."""
+    if n > self.num_available():
+      return None
+    pages = []
+    for _ in range(n):
+      if self.free:
+        page = self.free.popleft()
+      else:
+        page, _ = self.lru.popitem(last=False)
+        self._forget(page)
+      self.refcount[page] = 1
+      pages.append(page)
+    return pages
+
+  def release(self, pages) -> None:
+    """Drops one reference to each page; unreferenced pages become free, or
+    evictable-cached if their content is hashed."""
+    for page in pages:
+      if page == NULL_PAGE:
+        raise ValueError("cannot release the null page")
+      if self.refcount[page] <= 0:
+        raise ValueError(f"page {page} released more often than allocated")
+      self.refcount[page] -= 1
+      if self.refcount[page] == 0:
+        if page in self.page_hash:
+          self.lru[page] = None
+        else:
+          self.free.append(page)
+
+  def match_prefix(self, tokens, max_pages: int) -> tuple[list[int], list[bytes]]:
+    """Longest run of cached full pages that prefixes `tokens` (at most
+    max_pages); takes a reference to each. -> (pages, their hashes)."""
+    pages, hashes, parent = [], [], None
+    if not self.prefix_caching:
+      return pages, hashes
+    ps = self.page_size
+    for i in range(min(max_pages, len(tokens) // ps)):
+      h = hash_page(parent, tokens[i * ps:(i + 1) * ps])
+      page = self.hash_page.get(h)
+      if page is None:
+        break
+      if self.refcount[page] == 0:
+        self.lru.pop(page, None)
+      self.refcount[page] += 1
+      pages.append(page)
+      hashes.append(h)
+      parent = h
+    return pages, hashes
+
+  def register(self, page: int, h: bytes) -> None:
+    """Marks a full, computed page as holding the content hashed `h`."""
+    if not self.prefix_caching or page in self.page_hash or h in self.hash_page:
+      return  # already cached (another page holds the same content)
+    self.page_hash[page] = h
+    self.hash_page[h] = page
+    self.events.append(("stored", h))
+
+  def _forget(self, page: int) -> None:
+    h = self.page_hash.pop(page, None)
+    if h is not None:
+      del self.hash_page[h]
+      self.events.append(("evicted", h))
+
+  def check_consistency(self) -> None:
+    """Invariants (used by tests): every page is exactly one of referenced,
+    free, or evictable-cached."""
+    free, lru = set(self.free), set(self.lru)
+    referenced = {p for p in range(1, self.num_pages) if self.refcount[p] > 0}
+    assert not free & lru and not free & referenced and not lru & referenced
+    assert free | lru | referenced == set(range(1, self.num_pages)), "page leaked"
+    assert lru <= set(self.page_hash)
