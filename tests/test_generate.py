@@ -16,7 +16,7 @@ def test_greedy_equals_repeated_full_forward(name):
   params = models.init_params(cfg, jax.random.key(2))
   prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (3, 7)).astype(np.int32)
   out = engine.generate(cfg, params, prompts, SamplingParams(max_tokens=12))
-  np.testing.assert_array_equal(out, engine.greedy_reference(cfg, params, prompts, 12))
+  np.testing.assert_array_equal(out, engine.greedy_reference(cfg, params, prompts.tolist(), 12))
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent():

@@ -56,11 +56,23 @@ def generate(cfg: ModelConfig, params, prompts, sampling: SamplingParams):
                    full(sampling.top_p, jnp.float32), jax.random.key(sampling.seed))
 
 
-def greedy_reference(cfg: ModelConfig, params, prompts, max_tokens: int) -> np.ndarray:
+def greedy_reference(cfg: ModelConfig, params, prompts, max_tokens: int) -> list[list[int]]:
   """Greedy decoding by repeated full forward passes (no cache): the ground
-  truth every cached / paged / speculative path must reproduce exactly."""
-  tokens = np.asarray(prompts, np.int32)
+  truth every cached / paged / speculative path must reproduce exactly.
+
+  prompts: token-id lists of any lengths. They are right-padded to one
+  length, which is exact: causal attention makes position t's logits depend
+  on tokens <= t only; so the whole run compiles one program.
+  """
+  seqs = [list(map(int, p)) for p in prompts]
+  width = max(len(s) for s in seqs) + max_tokens - 1
   for _ in range(max_tokens):
-    nxt = np.argmax(np.asarray(transformer.logits(cfg, params, tokens))[:, -1], axis=-1)
-    tokens = np.concatenate([tokens, nxt[:, None].astype(np.int32)], axis=1)
-  return tokens[:, np.asarray(prompts).shape[1]:]
+    padded = np.zeros((len(seqs), width), np.int32)
+    for i, s in enumerate(seqs):
+      padded[i, :len(s)] = s
+    logits = transformer.logits(cfg, params, padded)
+    last = jnp.asarray([len(s) - 1 for s in seqs])
+    nxt = np.asarray(jnp.argmax(logits[jnp.arange(len(seqs)), last], axis=-1))
+    for s, t in zip(seqs, nxt):
+      s.append(int(t))
+  return [s[len(p):] for s, p in zip(seqs, prompts)]

@@ -1,0 +1,243 @@
+"""Engine behaviour: greedy parity for every architecture (chunked prefill,
+preemption, prefix caching), sampling, abort and page accounting, bad input,
+bounded compiles."""
+
+import dataclasses
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from jaxinfer import Engine, EngineConfig, ModelConfig, SamplingParams, engine, models, presets
+
+ARCHS = {
+    "tiny_dense": presets.get("tiny_dense"),
+    "tiny_moe": presets.get("tiny_moe"),
+    **{n: dataclasses.replace(
+        ModelConfig.from_hf(json.loads((FIXTURES / "hf" / n / "config.json").read_text())),
+        max_position_embeddings=512, eos_token_ids=())
+       for n in ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "deepseek_v2lite", "gpt_oss")},
+}
+LENGTHS = [1, 9, 40, 200]
+
+
+def _model(name, seed=0):
+  cfg = dataclasses.replace(ARCHS[name], dtype="float32")
+  return cfg, models.init_params(cfg, jax.random.key(seed))
+
+
+def _prompts(cfg, lengths, seed=0):
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+def _no_leak(eng):
+  eng.allocator.check_consistency()
+  assert eng.stats()["kv_pages_used"] == 0
+  assert eng.stats()["kv_pages_free"] + eng.stats()["kv_pages_cached"] == eng.allocator.usable_pages
+
+
+@pytest.mark.parametrize("name", sorted(ARCHS))
+def test_greedy_matches_repeated_full_forward(name):
+  cfg, params = _model(name)
+  prompts = _prompts(cfg, LENGTHS)
+  # Chunk (32) smaller than the prompts; all submitted together.
+  eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=128, max_num_batched_tokens=48,
+                                         prefill_chunk_size=32))
+  outs = eng.generate(prompts, SamplingParams(max_tokens=5))
+  ref = engine.greedy_reference(cfg, params, prompts, 5)
+  assert [o.token_ids for o in outs] == ref
+  assert all(o.finish_reason == "length" for o in outs)
+  _no_leak(eng)
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "gpt_oss"])
+def test_preemption_recomputes_and_matches(name):
+  cfg, params = _model(name)
+  prompts = _prompts(cfg, [30, 35, 41, 27], seed=1)
+  # 4 requests need ~8 pages each at the end; 14 pages force preemption.
+  eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=15, max_num_batched_tokens=64))
+  outs = eng.generate(prompts, SamplingParams(max_tokens=24))
+  assert eng.stats()["preemptions"] > 0
+  assert [o.token_ids for o in outs] == engine.greedy_reference(cfg, params, prompts, 24)
+  _no_leak(eng)
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
+def test_prefix_cache_reuses_prompt_pages(name):
+  cfg, params = _model(name)
+  prompt = _prompts(cfg, [45], seed=2)[0]
+  eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=64))
+  first = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+  second = eng.generate([prompt], SamplingParams(max_tokens=4))[0]
+  assert first.metrics.cached_prompt_tokens == 0 and first.metrics.computed_prompt_tokens == 45
+  assert second.metrics.cached_prompt_tokens == 40  # 5 full pages of 8
+  assert second.metrics.computed_prompt_tokens == 5
+  assert second.token_ids == first.token_ids
+  _no_leak(eng)
+
+
+def test_streaming_events_and_stop_tokens():
+  cfg, params = _model("tiny_dense")
+  prompt = _prompts(cfg, [12], seed=3)[0]
+  greedy = engine.greedy_reference(cfg, params, [prompt], 8)[0]
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64))
+  rid = eng.submit(prompt, SamplingParams(max_tokens=8, stop_token_ids=(greedy[3],)))
+  streamed, finished = [], False
+  while eng.has_unfinished():
+    for r, new, fin in eng.step():
+      assert r == rid
+      streamed += new
+      finished = fin
+  out = eng.output(rid)
+  stop_at = greedy.index(greedy[3]) + 1
+  assert finished and out.finish_reason == "stop"
+  assert streamed == out.token_ids == greedy[:stop_at]
+  assert out.metrics.ttft_s > 0 and out.metrics.generated_tokens == stop_at
+
+
+def test_eos_from_config_stops_unless_ignored():
+  cfg, params = _model("tiny_dense")
+  prompt = _prompts(cfg, [6], seed=4)[0]
+  greedy = engine.greedy_reference(cfg, params, [prompt], 6)[0]
+  cfg_eos = dataclasses.replace(cfg, eos_token_ids=(greedy[1],))
+  out = Engine(cfg_eos, params, EngineConfig(num_pages=32)).generate([prompt], SamplingParams(max_tokens=6))[0]
+  assert out.finish_reason == "stop" and out.token_ids == greedy[:greedy.index(greedy[1]) + 1]
+  out = Engine(cfg_eos, params, EngineConfig(num_pages=32, ignore_eos=True)).generate(
+      [prompt], SamplingParams(max_tokens=6))[0]
+  assert out.finish_reason == "length" and out.token_ids == greedy
+
+
+def test_sampling_independent_of_batch_composition():
+  cfg, params = _model("tiny_moe")
+  prompts = _prompts(cfg, [7, 20, 3], seed=5)
+  sp = SamplingParams(max_tokens=10, temperature=1.0, seed=11)
+  alone = Engine(cfg, params, EngineConfig(num_pages=64)).generate([prompts[0]], sp)[0]
+  others = [SamplingParams(max_tokens=10, temperature=0.7, seed=s) for s in (1, 2)]
+  mixed = Engine(cfg, params, EngineConfig(num_pages=64, max_num_batched_tokens=16)).generate(
+      [prompts[1], prompts[0], prompts[2]], [others[0], sp, others[1]])
+  assert mixed[1].token_ids == alone.token_ids
+  other_seed = Engine(cfg, params, EngineConfig(num_pages=64)).generate(
+      [prompts[0]], dataclasses.replace(sp, seed=12))[0]
+  assert other_seed.token_ids != alone.token_ids
+
+
+def test_temperature_zero_and_top_k_one_are_greedy():
+  cfg, params = _model("tiny_dense")
+  prompts = _prompts(cfg, [5, 17], seed=6)
+  ref = engine.greedy_reference(cfg, params, prompts, 8)
+  eng = Engine(cfg, params, EngineConfig(num_pages=64))
+  for sp in (SamplingParams(max_tokens=8, temperature=0.0, seed=3),
+             SamplingParams(max_tokens=8, temperature=1.5, top_k=1, seed=3)):
+    assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
+
+
+def test_sampled_frequencies_match_softmax():
+  cfg = dataclasses.replace(presets.get("tiny_dense", vocab_size=6), dtype="float32")
+  params = models.init_params(cfg, jax.random.key(0))
+  params["lm_head"] = params["lm_head"] * 0.05  # a spread-out distribution
+  prompt = [1, 2, 3]
+  probs = np.asarray(jax.nn.softmax(models.logits(cfg, params, np.array([prompt]))[0, -1]))
+  n = 3000
+  eng = Engine(cfg, params, EngineConfig(num_pages=n + 1, page_size=4, max_num_seqs=512,
+                                         max_num_batched_tokens=2048))
+  outs = eng.generate([prompt] * n, [SamplingParams(max_tokens=1, temperature=1.0, seed=s)
+                                     for s in range(n)])
+  counts = np.bincount([o.token_ids[0] for o in outs], minlength=cfg.vocab_size)
+  expected = probs * n
+  assert expected.min() > 50  # every cell well populated
+  chi2 = float(np.sum((counts - expected) ** 2 / expected))
+  assert chi2 < 20.5, (chi2, counts, expected)  # df = 5, p = 0.001
+
+
+def test_abort_frees_pages_and_others_finish():
+  cfg, params = _model("tiny_dense")
+  prompts = _prompts(cfg, [30, 30, 30], seed=7)
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, enable_prefix_caching=False))
+  ids = [eng.submit(p, SamplingParams(max_tokens=20)) for p in prompts]
+  for _ in range(4):
+    eng.step()
+  used = eng.stats()["kv_pages_used"]
+  out = eng.abort(ids[1])
+  assert out.finish_reason == "abort" and len(out.token_ids) == 4
+  # 30 prompt tokens + 3 of its 4 outputs have K/V: 33 tokens in 9 pages of 4.
+  assert eng.stats()["kv_pages_used"] == used - 9
+  while eng.has_unfinished():
+    eng.step()
+  ref = engine.greedy_reference(cfg, params, [prompts[0], prompts[2]], 20)
+  assert [eng.output(i).token_ids for i in (ids[0], ids[2])] == ref
+  _no_leak(eng)
+  with pytest.raises(ValueError, match="request_id"):
+    eng.abort(99)
+
+
+@pytest.mark.parametrize("prompt,sampling,exc,match", [
+    ([], None, ValueError, "prompt must be a non-empty"),
+    ([1, 256], None, ValueError, r"prompt token ids must be in \[0, 256\)"),
+    ([-1], None, ValueError, "prompt token ids"),
+    ([1.5, 2.0], None, TypeError, "integers"),
+    ([1] * 64, None, ValueError, "at or over the context limit"),
+    ([1] * 10, "greedy", TypeError, "SamplingParams"),
+])
+def test_bad_requests_raise_and_others_keep_running(prompt, sampling, exc, match):
+  cfg, params = _model("tiny_dense")
+  good = _prompts(cfg, [10], seed=8)[0]
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, max_model_len=64))
+  rid = eng.submit(good, SamplingParams(max_tokens=6))
+  eng.step()
+  with pytest.raises(exc, match=match):
+    eng.submit(prompt, sampling)
+  while eng.has_unfinished():
+    eng.step()
+  assert eng.output(rid).token_ids == engine.greedy_reference(cfg, params, [good], 6)[0]
+  assert eng.stats()["steps"] == 6
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"), (dict(top_k=-1), "top_k"),
+])
+def test_impossible_sampling_params(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingParams(**kwargs)
+
+
+def test_request_larger_than_pool_and_generate_validates_first():
+  cfg, params = _model("tiny_dense")
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=9))  # 8 usable pages
+  with pytest.raises(ValueError, match="more than the whole pool"):
+    eng.submit([1] * 20, SamplingParams(max_tokens=20))
+  with pytest.raises(ValueError, match=r"prompts\[1\]: prompt must be a non-empty"):
+    eng.generate([[1, 2], []], SamplingParams(max_tokens=2))
+  assert not eng.has_unfinished()  # nothing was queued
+
+
+def test_context_limit_stops_with_length():
+  cfg, params = _model("tiny_dense")
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, max_model_len=20))
+  prompt = _prompts(cfg, [15], seed=9)[0]
+  out = eng.generate([prompt], SamplingParams(max_tokens=50))[0]
+  assert out.finish_reason == "length" and len(out.token_ids) == 5
+  assert out.token_ids == engine.greedy_reference(cfg, params, [prompt], 5)[0]
+
+
+def test_compiled_programs_stay_bounded():
+  cfg, params = _model("tiny_moe")
+  rng = np.random.default_rng(10)
+  lengths = rng.integers(1, 120, 50)
+  prompts = _prompts(cfg, lengths, seed=10)
+  sampling = [SamplingParams(max_tokens=int(m), temperature=float(t), seed=i)
+              for i, (m, t) in enumerate(zip(rng.integers(1, 24, 50), rng.uniform(0, 1, 50)))]
+  eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=160, max_num_seqs=16,
+                                         max_num_batched_tokens=128))
+  outs = eng.generate(prompts, sampling)
+  stats = eng.stats()
+  assert all(o.finish_reason == "length" for o in outs)
+  assert stats["steps"] > 40
+  # Buckets: tokens 1..128 (8), seqs 1..16 (5), pages 1..256 (9), max_q (8); a
+  # run touches a handful of combinations, never one per step.
+  assert stats["compiles"] <= 24, stats
+  assert stats["compiles"] < stats["steps"] / 2
+  _no_leak(eng)
