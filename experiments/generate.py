@@ -1,50 +1,78 @@
-"""Generate text with a jaxinfer model.
+"""Generate completions with the jaxinfer Engine and print a metrics table.
 
-  python experiments/generate.py                       # bundled tiny_moe preset
-  python experiments/generate.py --hf_dir=path/to/hf   # an HF checkpoint (token ids prompt)
-  python experiments/generate.py --preset=tiny_dense --prompt="def main():" --temperature=0.8
+  python experiments/generate.py                                  # bundled tiny_moe preset
+  python experiments/generate.py --prompt="def add(a, b):" --prompt="import os" --temperature=0.8
+  python experiments/generate.py --hf_dir=path/to/hf --prompt="Hello"   # needs tokenizer.json
+  python experiments/generate.py --hf_dir=path/to/hf --prompt_ids=1,2,3
 
 Until the trained default model lands, presets run with random weights: the
-text is noise, the throughput figures are real.
+text is noise, the metrics are real.
 """
 
 from absl import app, flags
 
-from jaxinfer import SamplingParams, run
+from jaxinfer import EngineConfig, SamplingParams, run
+from jaxinfer.tokenizer import load_tokenizer
 
-_PRESET = flags.DEFINE_string("preset", "tiny_moe", "model preset (random weights)")
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (overrides --preset)")
+_MODEL = flags.DEFINE_string("model", "tiny_moe", "model preset (random weights)")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (overrides --model)")
 _CKPT = flags.DEFINE_string("checkpoint_dir", None, "orbax checkpoint from checkpoint.save")
-_PROMPT = flags.DEFINE_string("prompt", "def fibonacci(n):", "text prompt (byte-level models)")
-_PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "prompt token ids (any model)")
-_BATCH = flags.DEFINE_integer("batch", 1, "copies of the prompt to decode together")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "tokens to generate")
+_PROMPT = flags.DEFINE_multi_string("prompt", ["def fibonacci(n):"], "a prompt (repeatable)")
+_PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "a file with one prompt per line")
+_PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "one prompt as token ids (any model)")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "tokens to generate per prompt")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
-_SEED = flags.DEFINE_integer("seed", 0, "sampling and init seed")
+_SEED = flags.DEFINE_integer("seed", 0, "sampling seed of the first prompt (+i for prompt i)")
+_PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "KV page size (tokens)")
+_NUM_PAGES = flags.DEFINE_integer("num_pages", None, "KV pool pages (default: from memory)")
+_MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "sequences per step")
+_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "tokens per step")
 
 
 def main(argv):
   del argv
   source = dict(hf_dir=_HF_DIR.value) if _HF_DIR.value else (
-      dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_PRESET.value))
-  cfg, params = run.load_model(**source, seed=_SEED.value)
-  ids = ([int(i) for i in _PROMPT_IDS.value] if _PROMPT_IDS.value
-         else run.encode_bytes(cfg, _PROMPT.value))
-  sampling = SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value,
-                            top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value)
-  res = run.run_generate(cfg, params, prompts=[ids] * _BATCH.value, sampling=sampling)
+      dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_MODEL.value))
+  cfg, params = run.load_model(**source)
+  if _PROMPT_IDS.value:
+    tok, prompts = None, [[int(i) for i in _PROMPT_IDS.value]]
+  else:
+    tok = load_tokenizer(cfg, _HF_DIR.value)
+    texts = _PROMPT.value
+    if _PROMPTS_FILE.value:
+      with open(_PROMPTS_FILE.value) as f:
+        texts = [line.rstrip("\n") for line in f if line.strip()]
+    prompts = [tok.encode(t) for t in texts]
+  sampling = [SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value,
+                             top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value + i)
+              for i in range(len(prompts))]
+  engine_config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
+                               max_num_seqs=_MAX_SEQS.value,
+                               max_num_batched_tokens=_TOKEN_BUDGET.value)
+  res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
+                       engine_config=engine_config)
+
   print(f"model: {source} ({cfg.model_type}, {cfg.attention}, "
-        f"{'MoE' if cfg.is_moe else 'dense'}, dtype {cfg.compute_dtype().name})")
-  print(f"prompt ({len(ids)} tokens): {ids if cfg.vocab_size != 256 else repr(_PROMPT.value)}")
-  out = res.tokens[0].tolist()
-  print(f"generated ids: {out}")
-  if cfg.vocab_size == 256:
-    print(f"generated text: {run.decode_bytes(out)!r}")
-  print(f"prefill+first token: {res.prefill_s * 1e3:.1f} ms; decode: "
-        f"{res.decode_tokens_per_s:.1f} tokens/s at batch {_BATCH.value} "
-        "(median of 3, this machine)")
+        f"{'MoE' if cfg.is_moe else 'dense'}, {cfg.compute_dtype().name})")
+  for i, out in enumerate(res.outputs):
+    shown = tok.decode(out.token_ids) if tok else out.token_ids
+    print(f"\n[{i}] prompt: {tok.decode(out.prompt_token_ids) if tok else out.prompt_token_ids!r}")
+    print(f"[{i}] completion ({out.finish_reason}): {shown!r}")
+  s = res.summary
+  rows = [
+      ("requests", f"{s['requests']}"),
+      ("generated tokens", f"{s['generated_tokens']}"),
+      ("tokens/s (after warm-up)", f"{s['tokens_per_s']:.1f}"),
+      ("TTFT p50 / p90", f"{s['ttft_p50_s'] * 1e3:.1f} / {s['ttft_p90_s'] * 1e3:.1f} ms"),
+      ("TPOT p50 / p90", f"{s['tpot_p50_s'] * 1e3:.2f} / {s['tpot_p90_s'] * 1e3:.2f} ms"),
+      ("prefix-cache hits", f"{s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens"),
+      ("steps / tokens per step", f"{s['steps']} / {s['tokens_per_step']:.1f}"),
+      ("compiled step programs", f"{s['compiles']}"),
+      ("preemptions", f"{s['preemptions']}"),
+  ]
+  print("\n" + "\n".join(f"  {k:<26} {v}" for k, v in rows))
 
 
 if __name__ == "__main__":

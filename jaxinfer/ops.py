@@ -61,34 +61,43 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
 
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
-                           window=0, sinks=None, scale, implementation: str | None = None):
+                           window=0, sinks=None, scale, v_head_dim=None, layer=None,
+                           implementation: str | None = None):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
   cu_q_lens[b]:cu_q_lens[b + 1] (its newest tokens, the last at position
   kv_lens[b] - 1). k_pages [K, P, page_size, Hk], v_pages [K, P, page_size, Hv];
   page_table [B, pages_per_seq]; max_q (static) >= every sequence's query count.
-  Rows past cu_q_lens[-1] are padding and return zeros. -> [T, N, Hv].
+  v_pages None: the values are the first v_head_dim columns of the keys (MLA's
+  latent, one pool for both). layer: pools carry a leading layer axis
+  ([L, K, P, page_size, H]) and this layer's pages are read (gathered
+  directly, never slicing the layer's whole pool). Rows past cu_q_lens[-1] are padding and return
+  zeros. -> [T, N, Hv].
   """
   implementation = implementation or "xla"
   if implementation not in _IMPLEMENTATIONS:
     raise ValueError(f"ragged_paged_attention: implementation must be one of "
                      f"{_IMPLEMENTATIONS}, got {implementation!r}")
+  if layer is None:
+    k_pages = k_pages[None]
+    v_pages = None if v_pages is None else v_pages[None]
+    layer = 0
   return _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                           window, sinks, scale)
+                           window, sinks, scale, v_head_dim, layer)
 
 
 def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                      sinks, scale):
+                      sinks, scale, v_head_dim, layer):
   # Reference path: gather each sequence's pages into a contiguous [B, S]
   # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
   T = q.shape[0]
   B, pages = page_table.shape
-  K, _, page_size, _ = k_pages.shape
+  _, K, _, page_size, _ = k_pages.shape
 
-  def gather(pool):  # [K, P, ps, H] -> [B, pages * ps, K, H]
-    g = pool[:, page_table]  # [K, B, pages, ps, H]
-    return g.reshape(K, B, pages * page_size, pool.shape[-1]).transpose(1, 2, 0, 3)
+  def gather(pool):  # [L, K, P, ps, H] -> [B, pages * ps, K, H] of `layer`
+    g = pool[layer, :, page_table]  # [B, pages, K, ps, H] (one gather)
+    return g.transpose(0, 1, 3, 2, 4).reshape(B, pages * page_size, K, pool.shape[-1])
 
   t = jnp.arange(T, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
@@ -98,7 +107,8 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
   q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype).at[seq_w, row].set(q, mode="drop")
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
-  out = _attention_xla(q_pad, gather(k_pages), gather(v_pages), q_pos, kv_lens, window, sinks,
-                       scale)
+  k = gather(k_pages)
+  v = k[..., :v_head_dim] if v_pages is None else gather(v_pages)
+  out = _attention_xla(q_pad, k, v, q_pos, kv_lens, window, sinks, scale)
   out = out[seq, jnp.minimum(row, max_q - 1)]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -1,7 +1,7 @@
 """Library entry points the experiment scripts and notebooks call.
 
   load_model(preset=..., hf_dir=..., checkpoint_dir=...) -> (cfg, params)
-  run_generate(cfg, params, prompts=..., sampling=...) -> GenerateResult
+  run_engine(cfg, params, prompts=..., sampling=..., engine_config=...) -> EngineRun
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import tqdm
 
 from jaxinfer import checkpoint, presets
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import contiguous
-from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.engine import Engine, EngineConfig, RequestOutput
 from jaxinfer.models import init_params
 
 
@@ -37,42 +37,37 @@ def load_model(*, preset: str | None = None, hf_dir: str | None = None,
   return cfg, init_params(cfg, jax.random.key(seed))
 
 
-def encode_bytes(cfg: ModelConfig, text: str) -> list[int]:
-  """Byte-level encoding, for the byte-vocabulary (256) presets."""
-  if cfg.vocab_size != 256:
-    raise ValueError(f"text prompts need a byte-level model (vocab 256); this one has "
-                     f"{cfg.vocab_size}: pass token ids instead")
-  return list(text.encode("utf-8"))
-
-
-def decode_bytes(ids) -> str:
-  return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
-
-
 @dataclasses.dataclass
-class GenerateResult:
-  tokens: np.ndarray  # [B, max_tokens]
-  prefill_s: float  # median time of a 1-token generate (prefill + first token)
-  decode_tokens_per_s: float  # B * (max_tokens - 1) / (generate time - prefill time)
+class EngineRun:
+  outputs: list[RequestOutput]
+  summary: dict  # wall_s, tokens_per_s, ttft/tpot percentiles, cache hits, compiles, ...
 
 
-def run_generate(cfg: ModelConfig, params, *, prompts, sampling: SamplingParams,
-                 repeats: int = 3) -> GenerateResult:
-  """Generates (compiling first), and times prefill and decode: medians of
-  `repeats` runs, decode as the difference of a full and a 1-token run."""
-  prompts = np.asarray(prompts, np.int32)
+def run_engine(cfg: ModelConfig, params, *, prompts, sampling, engine_config: EngineConfig,
+               warmup: bool = True, progress: bool = True) -> EngineRun:
+  """Runs prompts through a fresh Engine and summarises the run.
 
-  def timed(sp):
-    contiguous.generate(cfg, params, prompts, sp).block_until_ready()  # compile
-    times, out = [], None
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      out = contiguous.generate(cfg, params, prompts, sp).block_until_ready()
-      times.append(time.perf_counter() - t0)
-    return float(np.median(times)), np.asarray(out)
-
-  t_full, tokens = timed(sampling)
-  t_first, _ = timed(dataclasses.replace(sampling, max_tokens=1))
-  n_decode = prompts.shape[0] * (sampling.max_tokens - 1)
-  rate = n_decode / max(t_full - t_first, 1e-9) if n_decode else 0.0
-  return GenerateResult(tokens=tokens, prefill_s=t_first, decode_tokens_per_s=rate)
+  With warmup, an identical run on a throwaway engine first compiles the step
+  programs, so the timed run measures serving, not compilation.
+  """
+  if warmup:
+    Engine(cfg, params, engine_config).generate(prompts, sampling)
+  eng = Engine(cfg, params, engine_config)
+  bar = tqdm.tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
+  t0 = time.perf_counter()
+  outs = eng.generate(prompts, sampling, progress=lambda n: bar.update(1))
+  wall = time.perf_counter() - t0
+  bar.close()
+  stats = eng.stats()
+  ttft = np.array([o.metrics.ttft_s for o in outs])
+  tpot = np.array([o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None])
+  generated = sum(o.metrics.generated_tokens for o in outs)
+  pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
+  summary = dict(
+      requests=len(outs), wall_s=wall, generated_tokens=generated,
+      tokens_per_s=generated / wall, ttft_p50_s=pct(ttft, 50), ttft_p90_s=pct(ttft, 90),
+      tpot_p50_s=pct(tpot, 50), tpot_p90_s=pct(tpot, 90),
+      prompt_tokens=stats["prompt_tokens"], cached_prompt_tokens=stats["cached_prompt_tokens"],
+      steps=stats["steps"], tokens_per_step=stats["tokens_per_step"],
+      compiles=stats["compiles"], preemptions=stats["preemptions"])
+  return EngineRun(outputs=outs, summary=summary)

@@ -11,9 +11,13 @@ the same for every cache; the context type (not a mode string) decides:
                      prefill chunks and decode tokens with per-sequence
                      metadata (the layout of vLLM v1 / ragged paged attention)
 
-New entries are a dict matching the cache slice: GQA {k [B, T, K, H], v}; MLA
+New entries are a dict matching the cache: GQA {k [B, T, K, H], v}; MLA
 {kv [B, T, R + Hr]} (normed latent + roped shared key). For MLA the context
 reads k = the whole entry (one KV head) and v = its first `latent_dim` columns.
+
+The cache a context receives is (stacked segment cache [L, ...], layer index):
+it reads and writes at [layer] without slicing the layer out, so XLA updates
+the cache in place instead of copying it every step.
 """
 
 from __future__ import annotations
@@ -63,14 +67,15 @@ class ContiguousContext:
     return self.starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
-    write = jax.vmap(lambda c, n, s: jax.lax.dynamic_update_slice_in_dim(c, n, s, axis=0))
-    cache = {name: write(cache[name], new[name].astype(cache[name].dtype), self.starts)
-             for name in cache}
-    k, v = _split(cache, latent_dim, head_axis=2)
-    T = q.shape[1]
-    out = ops.attention(q, k, v, q_positions=self.token_positions(T), kv_lengths=self.starts + T,
+    stack, layer = cache  # {name: [L, B, S, ...]}
+    B, T = q.shape[:2]
+    rows = jnp.arange(B)[:, None]
+    pos = self.token_positions(T)
+    stack = {n: stack[n].at[layer, rows, pos].set(new[n].astype(stack[n].dtype)) for n in stack}
+    k, v = _split({n: stack[n][layer] for n in stack}, latent_dim, head_axis=2)
+    out = ops.attention(q, k, v, q_positions=pos, kv_lengths=self.starts + T,
                         window=window, sinks=sinks, scale=scale)
-    return out, cache
+    return out, (stack, layer)
 
 
 @jax.tree_util.register_dataclass
@@ -97,18 +102,22 @@ class PagedContext:
     return self.positions[None]
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
-    first = next(iter(cache.values()))
-    page_size = first.shape[-2]
+    stack, layer = cache  # GQA {k, v [L, K, P, ps, H]}; MLA {kv [L, P, ps, C]}
+    page_size = next(iter(stack.values())).shape[-2]
     page = self.page_table[self.token_seq, self.positions // page_size]
     page = jnp.where(self.valid, page, 0)
     slot = jnp.where(self.valid, self.positions % page_size, 0)
-    if latent_dim is None:  # [K, P, ps, H] <- [T, K, H]
-      cache = {n: cache[n].at[:, page, slot].set(new[n][0].swapaxes(0, 1).astype(cache[n].dtype))
-               for n in cache}
-    else:  # [P, ps, C] <- [T, C]
-      cache = {"kv": cache["kv"].at[page, slot].set(new["kv"][0].astype(cache["kv"].dtype))}
-    k_pages, v_pages = _split(cache, latent_dim, head_axis=0)
+    if latent_dim is None:  # [L, K, P, ps, H] at [layer, :, page, slot] is [T, K, H]
+      stack = {n: stack[n].at[layer, :, page, slot].set(new[n][0].astype(stack[n].dtype))
+               for n in stack}
+    else:  # [L, P, ps, C] <- [T, C]
+      stack = {"kv": stack["kv"].at[layer, page, slot].set(new["kv"][0].astype(stack["kv"].dtype))}
+    if latent_dim is None:
+      k_pages, v_pages = stack["k"], stack["v"]
+    else:  # one KV head; values are the latent part of the keys, sliced after the gather
+      k_pages, v_pages = stack["kv"][:, None], None
     out = ops.ragged_paged_attention(
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
-        cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale)
-    return out[None], cache
+        cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
+        v_head_dim=latent_dim, layer=layer)
+    return out[None], (stack, layer)

@@ -43,11 +43,17 @@ def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None):
     windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
     seg_cache = layer_caches[seg] if layer_caches is not None else None
 
-    def body(x, xs, is_moe=is_moe):
-      p, window, c = xs
-      return block(cfg, is_moe, p, x, cos, sin, ctx, window, c)
+    # The segment's stacked cache rides in the carry and is updated in place
+    # at [layer]; scanning it as xs/ys would copy the whole cache every step.
+    def body(carry, xs, is_moe=is_moe):
+      x, cache = carry
+      p, window, layer = xs
+      x, cache = block(cfg, is_moe, p, x, cos, sin, ctx, window,
+                       None if cache is None else (cache, layer))
+      return (x, None if cache is None else cache[0]), None
 
-    x, seg_cache = jax.lax.scan(body, x, (params["layers"][seg], windows, seg_cache))
+    layers = jnp.arange(count, dtype=jnp.int32)
+    (x, seg_cache), _ = jax.lax.scan(body, (x, seg_cache), (params["layers"][seg], windows, layers))
     new_caches.append(seg_cache)
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
   return x, (tuple(new_caches) if layer_caches is not None else None)
