@@ -13,8 +13,8 @@ device-to-host read per step is the sampled tokens.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-import math
 import os
 from typing import Sequence
 
@@ -41,6 +41,9 @@ class EngineConfig:
   max_model_len: int | None = None  # None: the model's max_position_embeddings
   enable_prefix_caching: bool = True
   ignore_eos: bool = False
+  # Dispatch step N+1 before reading step N's tokens, so the host's work
+  # overlaps the device's. Off: read each step's tokens before the next.
+  async_scheduling: bool = True
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -101,7 +104,9 @@ class Engine:
     self._requests: dict[int, Request] = {}
     self._next_id = 0
     self._programs: set[steps.StepShapes] = set()
-    self._num_steps = self._num_step_tokens = 0
+    self._num_steps = self._num_step_tokens = self._overlapped = 0
+    self._in_flight: collections.deque = collections.deque()  # (scheduled, samples on device)
+    self._prev_sampled = jnp.zeros((config.max_num_seqs,), jnp.int32)
 
   def _size_pool(self, dtype) -> int:
     c = self.config
@@ -165,7 +170,7 @@ class Engine:
     return self.output(request_id)
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_work()
+    return self.scheduler.has_work() or bool(self._in_flight)
 
   def output(self, request_id: int) -> RequestOutput:
     req = self._requests[request_id]
@@ -184,37 +189,59 @@ class Engine:
   # ------------------------------------------------------------ stepping
 
   def step(self) -> list[tuple[int, list[int], bool]]:
-    """Runs one device step; returns (request_id, new_token_ids, finished) events."""
+    """Dispatches one device step and returns the (request_id, new_token_ids,
+    finished) events that became known: with async scheduling, those of the
+    previous step, read back while this one runs."""
     scheduled = self.scheduler.schedule()
-    if not scheduled:
-      return []
+    if scheduled:
+      self._dispatch(scheduled)
+    keep = 1 if scheduled and self.config.async_scheduling else 0
+    events = []
+    while len(self._in_flight) > keep:
+      done, sampled = self._in_flight.popleft()
+      sampled = np.asarray(sampled)  # the step's one device-to-host read
+      events += self.scheduler.apply(done, sampled[:len(done)])
+    return events
+
+  def _dispatch(self, scheduled) -> None:
     c = self.config
-    tokens, positions, token_seq = [], [], []
+    tokens, from_prev, positions, token_seq = [], [], [], []
     for i, s in enumerate(scheduled):
-      tokens += s.request.tokens[s.start:s.start + s.num_tokens]
+      req = s.request
+      known = req.tokens
+      for pos in range(s.start, s.start + s.num_tokens):
+        if pos < len(known):
+          tokens.append(known[pos])
+          from_prev.append(-1)
+        else:  # sampled by the previous step, not read back yet
+          tokens.append(0)
+          from_prev.append(req.pending_row)
       positions += range(s.start, s.start + s.num_tokens)
       token_seq += [i] * s.num_tokens
     q_lens = [s.num_tokens for s in scheduled]
+    reqs = [s.request for s in scheduled]
     shapes = steps.StepShapes(
         tokens=steps.bucket(len(tokens), c.max_num_batched_tokens),
         seqs=steps.bucket(len(scheduled), c.max_num_seqs),
-        pages=steps.bucket(max(len(s.request.pages) for s in scheduled), self.max_pages_per_seq),
+        pages=steps.bucket(max(len(r.pages) for r in reqs), self.max_pages_per_seq),
         max_q=steps.bucket(max(q_lens), self._chunk))
-    reqs = [s.request for s in scheduled]
     batch = steps.pad_batch(
-        shapes, tokens=tokens, positions=positions, token_seq=token_seq, q_lens=q_lens,
-        kv_lens=[s.start + s.num_tokens for s in scheduled],
+        shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
+        q_lens=q_lens, kv_lens=[s.start + s.num_tokens for s in scheduled],
         page_tables=[r.pages for r in reqs],
         temperature=[r.sampling.temperature for r in reqs],
         top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
         seeds=[r.sampling.seed % (1 << 32) for r in reqs],
-        sample_idx=[len(r.output) for r in reqs])
+        sample_idx=[len(r.output) + r.pending for r in reqs])
     self._programs.add(shapes)
-    sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batch, max_q=shapes.max_q)
-    sampled = np.asarray(sampled)  # the step's one device-to-host read
+    sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batch, self._prev_sampled,
+                                    max_q=shapes.max_q)
+    self._prev_sampled = sampled
+    self.scheduler.on_dispatch(scheduled)
+    self._overlapped += bool(self._in_flight)
+    self._in_flight.append((scheduled, sampled))
     self._num_steps += 1
     self._num_step_tokens += len(tokens)
-    return self.scheduler.apply(scheduled, sampled[:len(scheduled)])
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -252,4 +279,5 @@ class Engine:
         kv_pages_free=len(a.free), preemptions=self.scheduler.num_preemptions,
         prompt_tokens=sum(len(r.prompt) for r in reqs),
         cached_prompt_tokens=sum(r.cached_prompt_tokens for r in reqs),
-        running=len(self.scheduler.running), waiting=len(self.scheduler.waiting))
+        running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+        overlapped_steps=self._overlapped)

@@ -12,6 +12,16 @@ waiting ones (FIFO) while pages, budget and sequence slots last. When a
 running request needs a page and none is left, the newest running request is
 preempted: its pages are released (their hashed prefix stays cached) and it
 goes back to the front of the queue to be recomputed. Nothing is dropped.
+
+Async scheduling: the engine dispatches step N+1 before reading step N's
+samples. So `num_computed` advances at dispatch (`on_dispatch`), and a request
+sampled in a step still in flight has `pending` tokens whose values only the
+device knows yet; the next step reads them from the previous step's output.
+Results arrive in `apply`. A request certain to finish (max_tokens or the
+context reached) is not scheduled again; one that stops on a sampled stop
+token may have one more row computed, which `apply` discards. Device steps
+run in order on the donated pool, so pages released here and reused by the
+next step are never written out of order.
 """
 
 from __future__ import annotations
@@ -42,10 +52,17 @@ class Request:
   prefill_computed: int = 0  # prompt tokens this engine computed for the request
   admitted: bool = False
   preemptions: int = 0
+  pending: int = 0  # sampled tokens still on device
+  pending_row: int = -1  # their row in the last dispatched step's samples
 
   @property
   def tokens(self) -> list[int]:
+    """The known tokens (pending ones excluded)."""
     return self.prompt + self.output
+
+  @property
+  def total_len(self) -> int:
+    return len(self.prompt) + len(self.output) + self.pending
 
   @property
   def finished(self) -> bool:
@@ -57,6 +74,7 @@ class Scheduled:
   request: Request
   num_tokens: int
   start: int  # first token position of the chunk
+  samples: bool  # the chunk reaches the end of the request: its sample is the next token
 
 
 class Scheduler:
@@ -86,11 +104,21 @@ class Scheduler:
 
   def _preempt(self, req: Request) -> None:
     self.running.remove(req)
+    self._register_full_pages(req)  # so its recompute hits the prefix cache
     self.alloc.release(req.pages)
     req.pages, req.page_hashes, req.num_computed = [], [], 0
     req.preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(req)
+
+  def _will_finish(self, req: Request) -> bool:
+    """Certain to finish once its pending token arrives (no more compute)."""
+    return req.pending > 0 and (len(req.output) + req.pending >= req.sampling.max_tokens
+                                or req.total_len >= self.max_model_len)
+
+  def _chunk(self, req: Request, budget: int) -> tuple[int, bool]:
+    n = min(req.total_len - req.num_computed, budget, self.chunk)
+    return n, req.num_computed + n == req.total_len
 
   def schedule(self) -> list[Scheduled]:
     budget, out = self.budget, []
@@ -98,7 +126,10 @@ class Scheduler:
     i = 0
     while i < len(self.running) and budget > 0:
       req = self.running[i]
-      n = min(len(req.tokens) - req.num_computed, budget, self.chunk)
+      if self._will_finish(req):
+        i += 1
+        continue
+      n, samples = self._chunk(req, budget)
       need = self._pages_needed(req, n)
       while need > self.alloc.num_available() and req in self.running:
         self._preempt(self.running[-1])
@@ -106,19 +137,21 @@ class Scheduler:
       if req not in self.running:
         break  # it was the newest, and preempted itself
       req.pages += self.alloc.allocate(need) if need > 0 else []
-      out.append(Scheduled(req, n, req.num_computed))
+      out.append(Scheduled(req, n, req.num_computed, samples))
       budget -= n
       i += 1
     while (self.waiting and budget > 0 and not preempted
            and len(self.running) < self.max_num_seqs):
       req = self.waiting[0]
+      if req.pending:
+        break  # preempted while its last sample is in flight: admit once it lands
       tokens = req.tokens
       if not req.pages:
         # Reuse cached full pages, leaving at least one token to compute.
         max_pages = (len(tokens) - 1) // self.alloc.page_size
         req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages)
         req.num_computed = len(req.pages) * self.alloc.page_size
-      n = min(len(tokens) - req.num_computed, budget, self.chunk)
+      n, samples = self._chunk(req, budget)
       need = self._pages_needed(req, n)
       if need > self.alloc.num_available():
         self.alloc.release(req.pages)  # give the matched prefix back; retry next step
@@ -130,40 +163,56 @@ class Scheduler:
         req.cached_prompt_tokens = min(req.num_computed, len(req.prompt))
       self.waiting.popleft()
       self.running.append(req)
-      out.append(Scheduled(req, n, req.num_computed))
+      out.append(Scheduled(req, n, req.num_computed, samples))
       budget -= n
     return out
+
+  def on_dispatch(self, scheduled: list[Scheduled]) -> None:
+    """The step holding `scheduled` was dispatched to the device."""
+    for row, s in enumerate(scheduled):
+      req = s.request
+      req.num_computed = s.start + s.num_tokens
+      req.prefill_computed += max(0, min(s.start + s.num_tokens, len(req.prompt)) - s.start)
+      if s.samples:
+        req.pending += 1
+        req.pending_row = row
 
   # ------------------------------------------------------------ results
 
   def apply(self, scheduled: list[Scheduled], sampled) -> list[tuple[int, list[int], bool]]:
-    """Advances requests by one step given each one's sampled token.
+    """Takes a finished step's samples (row i: scheduled[i]).
     -> events (request id, new tokens, finished)."""
     now = time.perf_counter()
     events = []
-    ps = self.alloc.page_size
     for s, token in zip(scheduled, sampled):
       req = s.request
-      req.prefill_computed += max(0, min(s.start + s.num_tokens, len(req.prompt)) - s.start)
-      req.num_computed = s.start + s.num_tokens
-      tokens = req.tokens
-      for k in range(len(req.page_hashes), req.num_computed // ps):  # pages now full
-        parent = req.page_hashes[-1] if req.page_hashes else None
-        h = hash_page(parent, tokens[k * ps:(k + 1) * ps])
-        self.alloc.register(req.pages[k], h)
-        req.page_hashes.append(h)
-      if req.num_computed < len(tokens):
-        continue  # a prefill chunk that is not the last: its sample is meaningless
-      token = int(token)
-      req.output.append(token)
-      if req.first_token_s is None:
-        req.first_token_s = now
-      if token in req.stop_ids:
-        self.finish(req, "stop", now)
-      elif len(req.output) >= req.sampling.max_tokens or len(req.tokens) >= self.max_model_len:
-        self.finish(req, "length", now)
-      events.append((req.id, [token], req.finished))
+      if req.finished:
+        continue  # aborted, or stopped on the previous step's token
+      if s.samples:
+        token = int(token)
+        req.pending -= 1
+        req.output.append(token)
+        if req.first_token_s is None:
+          req.first_token_s = now
+        if token in req.stop_ids:
+          self.finish(req, "stop", now)
+        elif (len(req.output) >= req.sampling.max_tokens
+              or len(req.tokens) >= self.max_model_len):
+          self.finish(req, "length", now)
+        events.append((req.id, [token], req.finished))
+      if not req.finished:
+        self._register_full_pages(req)
     return events
+
+  def _register_full_pages(self, req: Request) -> None:
+    """Hashes pages whose tokens are all known and whose K/V is computed."""
+    ps, tokens = self.alloc.page_size, req.tokens
+    full = min(req.num_computed, len(tokens)) // ps
+    for k in range(len(req.page_hashes), min(full, len(req.pages))):
+      parent = req.page_hashes[-1] if req.page_hashes else None
+      h = hash_page(parent, tokens[k * ps:(k + 1) * ps])
+      self.alloc.register(req.pages[k], h)
+      req.page_hashes.append(h)
 
   def finish(self, req: Request, reason: str, now: float | None = None) -> None:
     req.finish_reason = reason
@@ -173,5 +222,6 @@ class Scheduler:
     elif req in self.waiting:
       self.waiting.remove(req)
     if req.pages:
+      self._register_full_pages(req)
       self.alloc.release(req.pages)
       req.pages = []

@@ -30,6 +30,8 @@ from jaxinfer.models.transformer import head, trunk
 @dataclasses.dataclass(frozen=True)
 class StepBatch:
   tokens: jax.Array  # [T] int32
+  from_prev: jax.Array  # [T] int32: row of the previous step's samples holding this
+  #                       token (still on device when this step was built), or -1
   positions: jax.Array  # [T] int32
   token_seq: jax.Array  # [T] int32
   valid: jax.Array  # [T] bool
@@ -58,8 +60,8 @@ def bucket(n: int, cap: int, minimum: int = 1) -> int:
   return min(b, cap) if n <= cap else n
 
 
-def pad_batch(shapes: StepShapes, *, tokens, positions, token_seq, q_lens, kv_lens, page_tables,
-              temperature, top_k, top_p, seeds, sample_idx) -> StepBatch:
+def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_lens, kv_lens,
+              page_tables, temperature, top_k, top_p, seeds, sample_idx) -> StepBatch:
   """Host lists -> a padded StepBatch of numpy arrays (one transfer per step)."""
   T, B, P = shapes.tokens, shapes.seqs, shapes.pages
   n, b = len(tokens), len(q_lens)
@@ -78,7 +80,7 @@ def pad_batch(shapes: StepShapes, *, tokens, positions, token_seq, q_lens, kv_le
   last = np.zeros(B, np.int32)
   last[:b] = cu[1:b + 1] - 1
   return StepBatch(
-      tokens=pad(tokens, T, np.int32), positions=pad(positions, T, np.int32),
+      tokens=pad(tokens, T, np.int32), from_prev=pad(from_prev, T, np.int32, -1), positions=pad(positions, T, np.int32),
       token_seq=pad(token_seq, T, np.int32), valid=pad(np.ones(n, bool), T, bool),
       cu_q_lens=cu, kv_lens=pad(kv_lens, B, np.int32), page_table=table, logits_idx=last,
       temperature=pad(temperature, B, np.float32), top_k=pad(top_k, B, np.int32),
@@ -87,12 +89,17 @@ def pad_batch(shapes: StepShapes, *, tokens, positions, token_seq, q_lens, kv_le
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q"), donate_argnames=("pool",))
-def step(cfg: ModelConfig, params, pool, batch: StepBatch, *, max_q: int):
-  """-> (sampled token per sequence [B] int32, new pool)."""
+def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_q: int):
+  """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
+  fixed size), new pool). prev_sampled [S]: the previous step's output, from
+  which tokens not yet read back by the host are taken (async scheduling)."""
+  tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
+                     batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q)
-  x, pool = trunk(cfg, params, batch.tokens[None], ctx, pool)
+  x, pool = trunk(cfg, params, tokens[None], ctx, pool)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   keys = request_keys(batch.seeds, batch.sample_idx)
-  return sample(logits, keys, batch.temperature, batch.top_k, batch.top_p), pool
+  sampled = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
+  return jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool
