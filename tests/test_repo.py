@@ -10,11 +10,13 @@ ROOT = pathlib.Path(__file__).parent.parent
 LAYERS = [
     ("pallas_kernels", 0), ("jaxinfer/config.py", 1), ("jaxinfer/hf_config.py", 1),
     ("jaxinfer/presets.py", 1), ("jaxinfer/ops.py", 1), ("jaxinfer/models", 2),
-    ("jaxinfer/checkpoint", 3), ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5),
+    ("jaxinfer/checkpoint", 3), ("jaxinfer/kv_cache.py", 3), ("jaxinfer/tokenizer.py", 1),
+    ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5),
 ]
 MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
                 "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.models": 2,
-                "jaxinfer.checkpoint": 3, "jaxinfer.engine": 4, "jaxinfer.run": 5}
+                "jaxinfer.checkpoint": 3, "jaxinfer.kv_cache": 3, "jaxinfer.tokenizer": 1,
+                "jaxinfer.engine": 4, "jaxinfer.run": 5}
 
 
 def _layer_of_module(name):
