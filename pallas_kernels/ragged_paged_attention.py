@@ -1,0 +1,73 @@
+"""Ragged paged attention: one call for an engine step's mixed batch.
+
+  q            [T, N, D]: the step's tokens flattened; sequence b owns rows
+               cu_q_lens[b]:cu_q_lens[b + 1] (prefill chunks and decode tokens alike)
+  k_pages      [K, P, page_size, D]; v_pages [K, P, page_size, Dv] or None
+               (values = the first v_head_dim columns of the keys: MLA)
+  kv_lens      [B] KV tokens of each sequence after this step
+  page_indices [B, pages_per_seq]; max_q (static) >= every sequence's query count
+  -> [T, N, Dv]; rows past cu_q_lens[-1] (padding) are 0.
+
+Each sequence's queries are laid out as a [max_q] block for the paged core
+(causal among them, aligned to the end of its KV), so one kernel launch
+serves prefill chunks and decodes together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+
+from pallas_kernels.paged_attention import (PagedBlocks, paged_attention_core,
+                                            paged_attention_reference, validate_paged)
+
+
+def _to_padded(q, cu_q_lens, max_q):
+  T = q.shape[0]
+  B = cu_q_lens.shape[0] - 1
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  row = t - cu_q_lens[seq]
+  valid = t < cu_q_lens[-1]
+  q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype)
+  q_pad = q_pad.at[jnp.where(valid, seq, B), row].set(q, mode="drop")
+  return q_pad, seq, jnp.minimum(row, max_q - 1), valid
+
+
+def _check(q, cu_q_lens, kv_lens, max_q):
+  if q.ndim != 3:
+    raise ValueError(f"ragged_paged_attention: q must be [T, N, D], got {q.shape}")
+  if cu_q_lens.shape != (kv_lens.shape[0] + 1,):
+    raise ValueError(f"ragged_paged_attention: cu_q_lens must be [B + 1 = {kv_lens.shape[0] + 1}], "
+                     f"got {cu_q_lens.shape}")
+  if not isinstance(max_q, int) or max_q < 1:
+    raise ValueError(f"ragged_paged_attention: max_q must be a static int >= 1, got {max_q!r}")
+
+
+def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
+                           sm_scale=None, window=0, sinks=None, v_head_dim=None,
+                           pages_per_compute_block=1, num_splits=1, interpret=False):
+  _check(q, cu_q_lens, kv_lens, max_q)
+  q_pad, seq, row, valid = _to_padded(q, cu_q_lens, max_q)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  validate_paged(q_pad, k_pages, v_pages, kv_lens, page_indices, window=window, sinks=sinks,
+                 name="ragged_paged_attention", q_lens=q_lens)
+  blocks = PagedBlocks(pages_per_compute_block, num_splits)
+  blocks.validate()
+  scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+  out = paged_attention_core(q_pad, k_pages, v_pages, kv_lens, page_indices, q_lens,
+                             scale=scale, window=window, sinks=sinks, dv=v_head_dim,
+                             blocks=blocks, interpret=interpret)
+  return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,
+                                     max_q, sm_scale=None, window=0, sinks=None, v_head_dim=None):
+  _check(q, cu_q_lens, kv_lens, max_q)
+  q_pad, seq, row, valid = _to_padded(q, cu_q_lens, max_q)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  out = paged_attention_reference(q_pad, k_pages, v_pages, kv_lens, page_indices,
+                                  sm_scale=sm_scale, window=window, sinks=sinks, dv=v_head_dim,
+                                  q_lens=q_lens)
+  return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)

@@ -1,0 +1,166 @@
+"""Paged, MLA and ragged Pallas kernels (interpret mode) vs their references."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+
+
+def _rel(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(out).all(), "NaN/inf in kernel output"
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+def _inputs(rng, *, B, Q, N, K, D, ps, P, pps, dtype, lengths=None, dv=None):
+  q = jnp.asarray(rng.normal(size=(B, Q, N, D)), dtype)
+  kp = jnp.asarray(rng.normal(size=(K, P, ps, D)), dtype)
+  vp = jnp.asarray(rng.normal(size=(K, P, ps, dv or D)), dtype)
+  if lengths is None:
+    lengths = rng.integers(Q, pps * ps + 1, B)
+  lengths = jnp.asarray(lengths, jnp.int32)
+  tables = rng.integers(1, P, (B, pps))
+  for b in range(B):  # slots past the sequence's pages point at the null page 0
+    tables[b, -(-int(lengths[b]) // ps):] = 0
+  return q, kp, vp, lengths, jnp.asarray(tables, jnp.int32)
+
+
+CASES = [  # B, Q, N, K, D, ps, pps, extra
+    (3, 1, 4, 4, 64, 8, 5, {}),                   # GQA 1
+    (2, 1, 8, 2, 72, 16, 4, {}),                  # GQA 4, odd head dim
+    (2, 2, 8, 1, 128, 32, 3, dict(window=9)),     # GQA 8, window
+    (2, 4, 4, 2, 192, 64, 2, dict(sinks=True)),   # Q 4, head dim 192, sinks
+    (4, 3, 6, 3, 64, 8, 7, dict(num_splits=3, pages_per_compute_block=2)),
+    (1, 1, 2, 1, 64, 16, 9, dict(num_splits=4, sinks=True, window=20)),
+]
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_paged_attention_matches_reference(case, dtype, tol):
+  B, Q, N, K, D, ps, pps, extra = CASES[case]
+  rng = np.random.default_rng(case)
+  q, kp, vp, lengths, tables = _inputs(rng, B=B, Q=Q, N=N, K=K, D=D, ps=ps, P=3 * pps + 2,
+                                       pps=pps, dtype=dtype)
+  extra = dict(extra)
+  sinks = jnp.asarray(rng.normal(size=N), jnp.float32) if extra.pop("sinks", False) else None
+  window = extra.pop("window", 0)
+  out = pk.paged_attention(q, kp, vp, lengths, tables, window=window, sinks=sinks,
+                           interpret=True, **extra)
+  ref = pk.paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                     vp.astype(jnp.float32), lengths, tables, window=window,
+                                     sinks=sinks)
+  assert _rel(out, ref) <= tol
+
+
+def test_lengths_edge_cases_and_decode_form():
+  # length 1, exactly one page, a last page with one token, several pages.
+  rng = np.random.default_rng(7)
+  ps = 16
+  q, kp, vp, lengths, tables = _inputs(rng, B=5, Q=1, N=4, K=2, D=64, ps=ps, P=30, pps=6,
+                                       dtype=jnp.float32, lengths=[1, 16, 17, 33, 96])
+  out = pk.paged_attention(q[:, 0], kp, vp, lengths, tables, interpret=True)  # [B, N, D] form
+  assert out.shape == (5, 4, 64)
+  ref = pk.paged_attention_reference(q[:, 0], kp, vp, lengths, tables)
+  assert _rel(out, ref) <= 1e-5
+
+
+def test_every_output_element_is_written():
+  rng = np.random.default_rng(8)
+  q, kp, vp, lengths, tables = _inputs(rng, B=2, Q=2, N=4, K=2, D=64, ps=8, P=10, pps=3,
+                                       dtype=jnp.float32)
+  # Core output buffer [B, K, splits, rows_pad, Dv] prefilled with NaN.
+  poison = jnp.full((2, 2, 2, 16, 64), jnp.nan, jnp.float32)
+  out = pk.paged_attention(q, kp, vp, lengths, tables, num_splits=2, interpret=True,
+                           _out_init=poison)
+  ref = pk.paged_attention_reference(q, kp, vp, lengths, tables)
+  assert _rel(out, ref) <= 1e-5
+
+
+def test_reference_matches_dense_attention():
+  """The reference itself, against jax.nn.dot_product_attention on gathered K/V."""
+  rng = np.random.default_rng(9)
+  B, Q, N, K, D, ps, pps = 2, 3, 4, 2, 32, 8, 3
+  q, kp, vp, lengths, tables = _inputs(rng, B=B, Q=Q, N=N, K=K, D=D, ps=ps, P=8, pps=pps,
+                                       dtype=jnp.float32, lengths=[20, 24])
+  ref = pk.paged_attention_reference(q, kp, vp, lengths, tables)
+  for b in range(B):
+    L = int(lengths[b])
+    k = kp[:, tables[b]].reshape(K, -1, D)[:, :L].transpose(1, 0, 2)[None]
+    v = vp[:, tables[b]].reshape(K, -1, D)[:, :L].transpose(1, 0, 2)[None]
+    mask = jnp.arange(L)[None, :] <= (L - Q + jnp.arange(Q))[:, None]
+    dense = jax.nn.dot_product_attention(q[b:b + 1], k, v, mask=mask[None, None])
+    assert _rel(ref[b], dense[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("Q,splits", [(1, 1), (3, 2)])
+def test_mla_paged_attention(Q, splits):
+  rng = np.random.default_rng(10 + Q)
+  B, N, R, Hr, ps, P, pps = 3, 4, 64, 16, 16, 12, 4
+  q_lat = jnp.asarray(rng.normal(size=(B, Q, N, R)), jnp.float32)
+  q_rope = jnp.asarray(rng.normal(size=(B, Q, N, Hr)), jnp.float32)
+  pages = jnp.asarray(rng.normal(size=(P, ps, R + Hr)), jnp.float32)
+  lengths = jnp.asarray([Q, 17, 64], jnp.int32)
+  tables = jnp.asarray(rng.integers(1, P, (B, pps)), jnp.int32)
+  scale = 1 / math.sqrt(48)
+  out = pk.mla_paged_attention(q_lat, q_rope, pages, lengths, tables, sm_scale=scale,
+                               num_splits=splits, interpret=True)
+  ref = pk.mla_paged_attention_reference(q_lat, q_rope, pages, lengths, tables, sm_scale=scale)
+  assert out.shape == (B, Q, N, R)
+  assert _rel(out, ref) <= 1e-5
+  # Cross-check against expanded dense math for sequence 2.
+  L = 64
+  lat = pages[tables[2]].reshape(-1, R + Hr)[:L]
+  s = (jnp.einsum("qnr,sr->nqs", q_lat[2], lat[:, :R]) +
+       jnp.einsum("qnh,sh->nqs", q_rope[2], lat[:, R:])) * scale
+  s = jnp.where(jnp.arange(L)[None, None] <= (L - Q + jnp.arange(Q))[None, :, None], s, -jnp.inf)
+  dense = jnp.einsum("nqs,sr->qnr", jax.nn.softmax(s, axis=-1), lat[:, :R])
+  assert _rel(out[2], dense) <= 1e-5
+
+
+@pytest.mark.parametrize("mla", [False, True])
+def test_ragged_paged_attention_mixed_batch(mla):
+  rng = np.random.default_rng(11)
+  ps, P, pps = 8, 40, 6
+  q_lens = [5, 1, 1, 8, 0, 0]  # prefill chunks, decodes, and 2 padded sequences
+  kv_lens = [20, 9, 44, 8, 0, 0]
+  B = len(q_lens)
+  K, N, D = (1, 4, 40) if mla else (2, 4, 64)
+  T = 24  # 15 real tokens + padding
+  q = jnp.asarray(rng.normal(size=(T, N, D)), jnp.float32)
+  kp = jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
+  vp = None if mla else jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
+  tables = rng.integers(1, P, (B, pps))
+  tables[4:] = 0  # padded sequences point at the null page
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  kw = dict(max_q=8, v_head_dim=32 if mla else None, window=0 if mla else 6)
+  out = pk.ragged_paged_attention(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
+                                  jnp.asarray(tables, jnp.int32), cu, interpret=True, **kw)
+  ref = pk.ragged_paged_attention_reference(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
+                                            jnp.asarray(tables, jnp.int32), cu, **kw)
+  assert out.shape == (T, N, 32 if mla else D)
+  assert _rel(out, ref) <= 1e-5
+  assert np.all(np.asarray(out[15:]) == 0)  # padding rows
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    (dict(q=np.zeros((2, 1, 5, 64), np.float32)), ValueError, "multiple of KV heads"),
+    (dict(lengths=np.zeros((3,), np.int32)), ValueError, "lengths must be"),
+    (dict(page_indices=np.zeros((2, 3), np.float32)), TypeError, "page_indices must be integer"),
+    (dict(lengths=np.array([100, 1], np.int32)), ValueError, "exceeds pages_per_seq"),
+    (dict(q=np.zeros((2, 1, 4, 32), np.float32)), ValueError, "head dim"),
+    (dict(num_splits=0), ValueError, "num_splits"),
+    (dict(window=-1), ValueError, "window"),
+])
+def test_paged_bad_inputs(kwargs, exc, match):
+  args = dict(q=np.zeros((2, 1, 4, 64), np.float32), k_pages=np.zeros((2, 5, 8, 64), np.float32),
+              v_pages=np.zeros((2, 5, 8, 64), np.float32), lengths=np.array([3, 9], np.int32),
+              page_indices=np.zeros((2, 3), np.int32))
+  args.update(kwargs)
+  args = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+  with pytest.raises(exc, match=match):
+    pk.paged_attention(**args, interpret=True)
