@@ -112,6 +112,9 @@ class ModelConfig:
 
   # Param/compute dtype name; None: bfloat16 on GPU/TPU, float32 on CPU.
   dtype: str | None = None
+  # Attention kernels (jaxinfer/ops.py): None picks Pallas on GPU, XLA
+  # elsewhere; "pallas" on CPU runs the kernels in interpret mode.
+  attention_impl: str | None = None
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
@@ -143,6 +146,10 @@ class ModelConfig:
     if not self.layer_types:
       return self.sliding_window
     return self.sliding_window if self.layer_types[i] == "sliding_attention" else 0
+
+  def window_choices(self) -> tuple[int, ...]:
+    """The distinct per-layer windows (static branches for kernels that need one)."""
+    return tuple(sorted({self.layer_window(i) for i in range(self.num_layers)}))
 
   def layer_is_moe(self, i: int) -> bool:
     return self.is_moe and i not in self.dense_layers
@@ -236,6 +243,8 @@ def _validate(c: ModelConfig) -> None:
     need(c.ffn_dim > 0, f"ffn_dim must be > 0 for dense MLP layers, got {c.ffn_dim}")
   need(c.activation in ("silu", "clamped_swiglu"), f"unknown activation {c.activation!r}")
   need(c.num_mtp_layers >= 0, f"num_mtp_layers must be >= 0, got {c.num_mtp_layers}")
+  need(c.attention_impl in (None, "xla", "pallas"),
+       f"attention_impl must be None, 'xla' or 'pallas', got {c.attention_impl!r}")
   if c.dtype is not None:
     need(c.dtype in ("float32", "bfloat16", "float16"),
          f"dtype must be float32, bfloat16 or float16, got {c.dtype!r}")

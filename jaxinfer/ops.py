@@ -1,16 +1,57 @@
 """The one kernel dispatch. Model code calls these; it never branches on backend.
 
-Only the pure-XLA implementations exist so far; the Pallas kernels plug in here
-(selected per call with `implementation=`) when they land.
+Each op takes `implementation`: "xla" (pure JAX, every backend), "pallas"
+(`pallas_kernels`; compiled on GPU, interpret mode elsewhere), or None: Pallas
+on GPU, XLA otherwise. Models pass `ModelConfig.attention_impl`.
+
+  causal_attention        full causal self-attention (prefill without a cache)
+  attention               queries at arbitrary positions over a padded KV range (XLA)
+  ragged_paged_attention  an engine step's mixed batch over the page pool
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-_IMPLEMENTATIONS = ("xla",)
+import pallas_kernels
+
+_IMPLEMENTATIONS = ("xla", "pallas")
 _MASKED = -1e30
+
+
+def resolve(implementation: str | None) -> tuple[str, bool]:
+  """-> (implementation, interpret): Pallas kernels are interpreted off GPU."""
+  on_gpu = jax.default_backend() == "gpu"
+  impl = implementation or ("pallas" if on_gpu else "xla")
+  if impl not in _IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS} or None, got {impl!r}")
+  return impl, not on_gpu
+
+
+def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scale,
+                     implementation: str | None = None):
+  """Causal self-attention: q [B, T, N, Hk], k [B, T, K, Hk], v [B, T, K, Hv].
+
+  window may be traced (a scanned layer's); the Pallas kernel needs it static,
+  so it then switches over `window_choices` (the model's distinct windows).
+  """
+  impl, interpret = resolve(implementation)
+  if impl == "xla":
+    B, T = q.shape[:2]
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    return _attention_xla(q, k, v, pos, jnp.full((B,), T, jnp.int32), window, sinks, scale)
+  flash = lambda w: functools.partial(pallas_kernels.flash_attention, causal=True, sm_scale=scale,
+                                      window=w, interpret=interpret)
+  if isinstance(window, int):
+    return flash(window)(q, k, v, sinks=sinks)
+  if len(window_choices) == 1:
+    return flash(window_choices[0])(q, k, v, sinks=sinks)
+  index = jnp.argmax(jnp.asarray(window_choices, jnp.int32) == window)
+  return jax.lax.switch(index, [lambda q, k, v, s, w=w: flash(w)(q, k, v, sinks=s)
+                                for w in window_choices], q, k, v, sinks)
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
@@ -25,9 +66,8 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
   sinks [N] or None: a learned logit per head in the softmax denominator
   (GPT-OSS). Returns [B, T, N, Hv] in q's dtype; softmax runs in float32.
   """
-  implementation = implementation or "xla"
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"attention: implementation must be one of {_IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation not in (None, "xla"):
+    raise ValueError(f"attention: only the 'xla' implementation exists, got {implementation!r}")
   return _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale)
 
 
@@ -75,10 +115,11 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   directly, never slicing the layer's whole pool). Rows past cu_q_lens[-1] are padding and return
   zeros. -> [T, N, Hv].
   """
-  implementation = implementation or "xla"
-  if implementation not in _IMPLEMENTATIONS:
-    raise ValueError(f"ragged_paged_attention: implementation must be one of "
-                     f"{_IMPLEMENTATIONS}, got {implementation!r}")
+  impl, interpret = resolve(implementation)
+  if impl == "pallas":
+    return pallas_kernels.ragged_paged_attention(
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
+        window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, interpret=interpret)
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]

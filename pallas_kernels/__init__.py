@@ -1,6 +1,18 @@
 """Standalone Pallas kernels, each paired with a pure-jnp `<op>_reference`.
 
-Empty until the kernels issue lands: flash attention (prefill), paged decode
-attention, MLA decode and ragged paged attention. This package imports nothing
-from `jaxinfer`; `jaxinfer/ops.py` is the only place that picks a kernel.
+  flash_attention          prefill: GQA, causal (queries aligned to the end), window, sinks,
+                           segment ids, Hv != Hqk
+  paged_attention          decode / multi-query verify over the page pool: GQA, window, sinks,
+                           split-K
+  mla_paged_attention      DeepSeek MLA decode, absorbed form over the latent pool
+  ragged_paged_attention   an engine step's mixed prefill + decode batch in one call
+
+This package imports nothing from `jaxinfer`; `jaxinfer/ops.py` picks kernels.
+All kernels run on CPU in Pallas interpret mode (`interpret=True`).
 """
+
+from pallas_kernels.mla_paged_attention import mla_paged_attention, mla_paged_attention_reference
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
+                                                   ragged_paged_attention_reference)
+from pallas_kernels.flash_attention import flash_attention, flash_attention_reference

@@ -43,15 +43,17 @@ class PagedBlocks:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, qlens_ref, window_ref,
+def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, qlens_ref, window_ref, layer_ref,
             o_ref, m_ref, l_ref, *, scale, group, pages_per_split, ppcb, dv, values_from_keys):
   # q_ref [R, D]: rows r = query token (r // group) x head (r % group) of this KV head
-  # k_ref [P, ps, D], v_ref [P, ps, Dv] (or unused when values_from_keys)
-  # tables_ref [pages_per_split]; lengths_ref, qlens_ref, window_ref [1]
+  # k_ref [L, K, P, ps, D], v_ref [L, K, P, ps, Dv]: whole stacked pools (read at
+  #   [layer, kv head, page]; v_ref unused when values_from_keys)
+  # tables_ref [pages_per_split]; lengths_ref, qlens_ref, window_ref, layer_ref [1]
   # o_ref [R, Dv] f32; m_ref, l_ref [R] f32 (unnormalised partials of this split)
-  split = pl.program_id(2)
+  head, split = pl.program_id(1), pl.program_id(2)
+  layer = layer_ref[0]
   rows = q_ref.shape[0]
-  page_size = k_ref.shape[1]
+  page_size = k_ref.shape[3]
   block_k = ppcb * page_size
   kv_len, q_len, window = lengths_ref[0], qlens_ref[0], window_ref[0]
   q = q_ref[...].astype(jnp.float32)
@@ -71,12 +73,12 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, qlens_ref, window_ref,
   def body(blk, carry):
     acc, m, l = carry
     local = blk * ppcb
-    pages = tables_ref[pl.ds(local, ppcb)]
-    k = k_ref[pages].reshape(block_k, k_ref.shape[-1]).astype(jnp.float32)
+    pages = [tables_ref[local + i] for i in range(ppcb)]
+    k = jnp.concatenate([k_ref[layer, head, p] for p in pages]).astype(jnp.float32)
     if values_from_keys:
       v = k[:, :dv]
     else:
-      v = v_ref[pages].reshape(block_k, dv).astype(jnp.float32)
+      v = jnp.concatenate([v_ref[layer, head, p] for p in pages]).astype(jnp.float32)
     s = jnp.dot(q, k.T) * scale  # [R, block_k]
     k_pos = (first_page + local) * page_size + jnp.arange(block_k, dtype=jnp.int32)
     mask = (k_pos[None, :] < kv_len) & (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
@@ -97,11 +99,17 @@ def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, qlens_ref, window_ref,
 
 def paged_attention_core(q, k_pages, v_pages, lengths, page_indices, q_lens, *, scale,
                          window=0, sinks=None, dv=None, blocks: PagedBlocks = PagedBlocks(),
-                         interpret=False, _out_init=None):
+                         layer=None, interpret=False, _out_init=None):
   """q [B, Q, N, D] (each sequence's first q_lens[b] rows are real) -> [B, Q, N, Dv].
-  Shared by paged, MLA and ragged attention; callers validate inputs."""
+  Shared by paged, MLA and ragged attention; callers validate inputs.
+  layer: the pools carry a leading layer axis ([L, K, P, ps, D]) and this
+  (possibly traced) layer is read, without slicing it out of the stack."""
+  if layer is None:
+    k_pages = k_pages[None]
+    v_pages = None if v_pages is None else v_pages[None]
+    layer = 0
   B, Q, N, D = q.shape
-  K, _, page_size, _ = k_pages.shape
+  _, K, _, page_size, _ = k_pages.shape
   values_from_keys = v_pages is None
   dv = dv if values_from_keys else v_pages.shape[-1]
   G = N // K
@@ -119,15 +127,15 @@ def paged_attention_core(q, k_pages, v_pages, lengths, page_indices, q_lens, *, 
   window_arr = jnp.asarray(window, jnp.int32).reshape(1)
   kernel = functools.partial(_kernel, scale=scale, group=G, pages_per_split=pages_per_split,
                              ppcb=ppcb, dv=dv, values_from_keys=values_from_keys)
-  P = k_pages.shape[1]
+  whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s: (0,) * a.ndim)
   in_specs = [
       pl.BlockSpec((None, None, rows_pad, D), lambda b, h, s: (b, h, 0, 0)),
-      pl.BlockSpec((None, P, page_size, D), lambda b, h, s: (h, 0, 0, 0)),
-      (None if values_from_keys else
-       pl.BlockSpec((None, P, page_size, dv), lambda b, h, s: (h, 0, 0, 0))),
+      whole(k_pages),
+      None if values_from_keys else whole(v_pages),
       pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
       pl.BlockSpec((1,), lambda b, h, s: (b,)),
       pl.BlockSpec((1,), lambda b, h, s: (b,)),
+      pl.BlockSpec((1,), lambda b, h, s: (0,)),
       pl.BlockSpec((1,), lambda b, h, s: (0,)),
   ]
   out_shape = [jax.ShapeDtypeStruct((B, K, splits, rows_pad, dv), jnp.float32),
@@ -137,7 +145,7 @@ def paged_attention_core(q, k_pages, v_pages, lengths, page_indices, q_lens, *, 
                pl.BlockSpec((None, None, None, rows_pad), lambda b, h, s: (b, h, s, 0)),
                pl.BlockSpec((None, None, None, rows_pad), lambda b, h, s: (b, h, s, 0))]
   args = [qr, k_pages, v_pages, tables, lengths.astype(jnp.int32), q_lens.astype(jnp.int32),
-          window_arr]
+          window_arr, jnp.asarray(layer, jnp.int32).reshape(1)]
   aliases = {}
   if _out_init is not None:  # tests: a poisoned output buffer
     in_specs.append(out_specs[0])

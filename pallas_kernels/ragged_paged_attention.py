@@ -47,18 +47,21 @@ def _check(q, cu_q_lens, kv_lens, max_q):
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
                            sm_scale=None, window=0, sinks=None, v_head_dim=None,
-                           pages_per_compute_block=1, num_splits=1, interpret=False):
+                           pages_per_compute_block=1, num_splits=1, layer=None, interpret=False):
+  """See the module docstring. layer: pools are stacked [L, K, P, page_size, D]
+  and this (possibly traced) layer is read, e.g. from inside a layer scan."""
   _check(q, cu_q_lens, kv_lens, max_q)
   q_pad, seq, row, valid = _to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-  validate_paged(q_pad, k_pages, v_pages, kv_lens, page_indices, window=window, sinks=sinks,
-                 name="ragged_paged_attention", q_lens=q_lens)
+  one_layer = (lambda a: a if a is None or layer is None else a[0])
+  validate_paged(q_pad, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices,
+                 window=window, sinks=sinks, name="ragged_paged_attention", q_lens=q_lens)
   blocks = PagedBlocks(pages_per_compute_block, num_splits)
   blocks.validate()
   scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
   out = paged_attention_core(q_pad, k_pages, v_pages, kv_lens, page_indices, q_lens,
                              scale=scale, window=window, sinks=sinks, dv=v_head_dim,
-                             blocks=blocks, interpret=interpret)
+                             blocks=blocks, layer=layer, interpret=interpret)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 

@@ -25,7 +25,7 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, sinks=p.get("sinks"),
-                          scale=cfg.softmax_scale())
+                          scale=cfg.softmax_scale(), impl=cfg.attention_impl)
   out = jnp.einsum("BTNH,NHD->BTD", out, p["wo"])
   if cfg.o_bias:
     out = out + p["bo"]
@@ -60,12 +60,14 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     k_rope_n = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
     k = jnp.concatenate([k_nope, k_rope_n], axis=-1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
-    out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale)
+    out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale,
+                            impl=cfg.attention_impl)
   else:
     q_lat = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
     new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
-    out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale)
+    out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
+                                impl=cfg.attention_impl)
     out = jnp.einsum("BTNR,RNH->BTNH", out_lat, w_uv)
   return jnp.einsum("BTNH,NHD->BTD", out, p["wo"]), cache
 

@@ -41,18 +41,17 @@ def _split(cache: dict, latent_dim: int | None, head_axis: int):
 class FullContext:
   """Cacheless causal forward over tokens [B, T]."""
 
-  positions: jax.Array  # [B, T]
+  positions: jax.Array  # [B, T]: arange(T) in every row
+  window_choices: tuple[int, ...] = (0,)  # the model's distinct layer windows
   caches_latent = False  # MLA runs in the expanded form
 
   def token_positions(self, T: int):
     return self.positions
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
     k, v = _split(new, latent_dim, head_axis=2)
-    T = q.shape[1]
-    lengths = jnp.full((q.shape[0],), T, jnp.int32)
-    out = ops.attention(q, k, v, q_positions=self.positions, kv_lengths=lengths,
-                        window=window, sinks=sinks, scale=scale)
+    out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
+                               sinks=sinks, scale=scale, implementation=impl)
     return out, cache
 
 
@@ -66,7 +65,9 @@ class ContiguousContext:
   def token_positions(self, T: int):
     return self.starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
+    # Per-sequence offsets into a contiguous cache: the XLA path (a reference;
+    # the engine's paged path is the one with kernels).
     stack, layer = cache  # {name: [L, B, S, ...]}
     B, T = q.shape[:2]
     rows = jnp.arange(B)[:, None]
@@ -101,7 +102,7 @@ class PagedContext:
   def token_positions(self, T: int):
     return self.positions[None]
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
     stack, layer = cache  # GQA {k, v [L, K, P, ps, H]}; MLA {kv [L, P, ps, C]}
     page_size = next(iter(stack.values())).shape[-2]
     page = self.page_table[self.token_seq, self.positions // page_size]
@@ -119,5 +120,5 @@ class PagedContext:
     out = ops.ragged_paged_attention(
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
-        v_head_dim=latent_dim, layer=layer)
+        v_head_dim=latent_dim, layer=layer, implementation=impl)
     return out[None], (stack, layer)

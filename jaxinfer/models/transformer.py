@@ -70,7 +70,7 @@ def head(cfg: ModelConfig, params, x):
 def _logits(cfg, params, tokens):
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x, _ = trunk(cfg, params, tokens, FullContext(positions))
+  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()))
   return head(cfg, params, x)
 
 
