@@ -90,8 +90,12 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def moe(cfg: ModelConfig, p, x):
-  """x [B, T, D] -> [B, T, D]: routed experts plus shared experts."""
+def moe(cfg: ModelConfig, p, x, ep=None):
+  """x [B, T, D] -> [B, T, D]: routed experts plus shared experts. ep: an
+  `moe_ep.ExpertParallel` plan when the experts are split over mesh axes."""
+  if ep is not None:
+    from jaxinfer.models.moe_ep import moe_ep  # same layer
+    return moe_ep(cfg, p, x, ep, route)
   B, T, D = x.shape
   xt = x.reshape(B * T, D)
   idx, weights = route(cfg, p, xt)

@@ -19,22 +19,24 @@ from jaxinfer.models import attention as attn_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
 from jaxinfer.models.moe import moe
+from jaxinfer.models.moe_ep import plan_from_params
 
 
-def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache):
+def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep=None):
   """One pre-norm transformer block; returns (x, cache slice)."""
   a, cache = attn_lib.attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps),
                                 cos, sin, ctx, window, cache)
   x = x + a
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  return x + (moe(cfg, p["mlp"], h) if is_moe else mlp(cfg, p["mlp"], h)), cache
+  return x + (moe(cfg, p["mlp"], h, ep) if is_moe else mlp(cfg, p["mlp"], h)), cache
 
 
-def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None):
+def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
   """tokens [B, T] -> (final-normed hidden [B, T, D], new layer caches).
 
   ctx: a KV context (`models/context.py`); layer_caches: a tuple over
-  segments of stacked cache slices, or None for a cacheless forward.
+  segments of stacked cache slices, or None for a cacheless forward;
+  ep: an expert-parallel plan (`moe_ep.ExpertParallel`) or None.
   """
   x = params["embed"][tokens].astype(cfg.compute_dtype())
   cos, sin = rope_cos_sin(cfg, ctx.token_positions(tokens.shape[1]))
@@ -49,7 +51,7 @@ def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None):
       x, cache = carry
       p, window, layer = xs
       x, cache = block(cfg, is_moe, p, x, cos, sin, ctx, window,
-                       None if cache is None else (cache, layer))
+                       None if cache is None else (cache, layer), ep)
       return (x, None if cache is None else cache[0]), None
 
     layers = jnp.arange(count, dtype=jnp.int32)
@@ -66,24 +68,24 @@ def head(cfg: ModelConfig, params, x):
   return jnp.einsum("...D,DV->...V", x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _logits(cfg, params, tokens):
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _logits(cfg, params, tokens, ep):
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()))
+  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()), ep=ep)
   return head(cfg, params, x)
 
 
-@functools.partial(jax.jit, static_argnums=0, donate_argnums=3)
-def _forward(cfg, params, tokens, cache):
-  x, cache = forward_hidden(cfg, params, tokens, cache)
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
+def _forward(cfg, params, tokens, cache, ep):
+  x, cache = forward_hidden(cfg, params, tokens, cache, ep)
   return head(cfg, params, x), cache
 
 
-def forward_hidden(cfg: ModelConfig, params, tokens, cache):
+def forward_hidden(cfg: ModelConfig, params, tokens, cache, ep=None):
   """Cached trunk over the contiguous cache -> (hidden [B, T, D], new cache)."""
   starts = cache["lengths"]
-  x, layers = trunk(cfg, params, tokens, ContiguousContext(starts), cache["layers"])
+  x, layers = trunk(cfg, params, tokens, ContiguousContext(starts), cache["layers"], ep)
   return x, dict(layers=layers, lengths=starts + tokens.shape[1])
 
 
@@ -103,12 +105,16 @@ def check_tokens(cfg: ModelConfig, tokens, name: str = "tokens") -> None:
 
 
 def logits(cfg: ModelConfig, params, tokens):
-  """Full causal forward: int [B, T] -> float32 logits [B, T, V]."""
+  """Full causal forward: int [B, T] -> float32 logits [B, T, V].
+
+  Works unchanged on sharded params (`jaxinfer.sharding.shard_params`): when
+  the routed experts are split over mesh axes, MoE layers run expert-parallel.
+  """
   check_tokens(cfg, tokens)
   if tokens.shape[1] > cfg.max_position_embeddings:
     raise ValueError(f"tokens: length {tokens.shape[1]} exceeds the context "
                      f"(max_position_embeddings={cfg.max_position_embeddings})")
-  return _logits(cfg, params, jnp.asarray(tokens, jnp.int32))
+  return _logits(cfg, params, jnp.asarray(tokens, jnp.int32), plan_from_params(params))
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
@@ -140,4 +146,4 @@ def forward(cfg: ModelConfig, params, tokens, cache):
     longest = int(np.max(lengths)) + T
     if longest > max_len:
       raise ValueError(f"forward: {longest} tokens would overflow the cache (max_len {max_len})")
-  return _forward(cfg, params, jnp.asarray(tokens, jnp.int32), cache)
+  return _forward(cfg, params, jnp.asarray(tokens, jnp.int32), cache, plan_from_params(params))

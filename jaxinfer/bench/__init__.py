@@ -1,0 +1,1 @@
+"""Benchmarks that time jaxinfer's pieces against peers and a measured roofline."""

@@ -1,0 +1,621 @@
+"""Times the `pallas_kernels` against their peers and a roofline measured in the same run.
+
+For each kernel a sweep of shapes; for each shape the kernel ("ours"), the peers
+that can run here, and a float32 reference used only to check every output:
+
+  flash   prefill, T = S: jax.nn.dot_product_attention (xla, cudnn), tokamax
+          (mosaic, triton), jax's Pallas GPU `mha` (no GQA: K/V are repeated to
+          N heads outside the timed call)
+  paged   decode / verify over the page pool: `paged_attention_reference` (the
+          XLA baseline), jax's Pallas GPU `paged_attention` (Q = 1 only)
+  mla     absorbed MLA decode over the latent pool: `mla_paged_attention_reference`
+  ragged  one engine step's mixed prefill-chunk + decode batch:
+          `ragged_paged_attention_reference`
+
+The decode kernels also run as "ours_split": the same kernel with split-K
+(`num_splits`) sized to give the GPU about two programs per SM.
+
+Timing: every implementation is jitted, compiled and warmed up; a sample is
+`inner` back-to-back calls, blocked at the end and divided by `inner` (so a
+kernel shorter than a launch is not timed as launch overhead); the time is the
+median of `repeats` samples. On GPU the calls rotate over enough input sets
+(>= 256 MiB) that repeated calls do not run out of the L2 cache. Inputs are
+random normal, never zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import functools
+import importlib
+import json
+import math
+import os
+import re
+import statistics
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+
+KERNELS = ("flash", "paged", "mla", "ragged")
+CONTEXTS = (512, 2048, 8192, 32768)
+PRIMARY = {"flash": "tflops", "paged": "gbps", "mla": "gbps", "ragged": "gbps"}
+CONVENTIONS = {
+    "time_s": "median over `repeats` samples of (wall time of `inner` back-to-back jitted calls, "
+              "block_until_ready at the end) / inner; compile_s is the first call",
+    "flops": "flash: 4*B*T*S*N*H, halved when causal (T == S). paged/mla/ragged: "
+             "2*(D + Dv)*N per (query row, visible key) pair, counted exactly (MLA: D = R + Hr, "
+             "Dv = R). Every implementation is credited the same logical work.",
+    "bytes": "flash: q + k + v + out, each once. paged/ragged: K and V pages actually read "
+             "(ceil(length / page_size) whole pages per sequence, once per KV head) + q + out; "
+             "mla: latent pages read (once for all heads) + q_latent + q_rope + out.",
+    "tflops": "flops / time_s / 1e12", "gbps": "bytes / time_s / 1e9",
+    "frac_peak_flops": "tflops / roofline.matmul_tflops",
+    "frac_peak_bw": "gbps / roofline.hbm_gbps",
+    "roofline_frac": "max(flops / peak flops, bytes / peak bandwidth) / time_s: 1 = at the roofline",
+    "ours_over_peer_time": "time_s(ours) / time_s(peer): < 1 means ours is faster",
+    "rel_err": "||out - ref|| / ||ref|| against the float32 reference on float32 inputs",
+}
+_MiB, _GiB = 1 << 20, 1 << 30
+_TARGET_SAMPLE_S = 0.01  # one timing sample lasts about this long
+_MAX_INNER = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class Impl:
+  """fn(*args) is jitted and timed. prep(*args) -> args runs once per input set,
+  untimed (layout adapters). temp_bytes: memory it needs beyond its inputs; past
+  the run's budget it is skipped. skip: a reason not to run it at all."""
+  fn: Callable
+  prep: Callable | None = None
+  temp_bytes: float = 0.0
+  note: str = ""
+  skip: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One shape of one kernel. make_args(key) -> the inputs (one input set);
+  impls: "ours" first; reference: the float32 check, given float32 inputs."""
+  kernel: str
+  label: str
+  series: str  # curves in the plot: cases of one series differ only in context
+  context: int
+  shape: dict
+  flops: float
+  bytes: float
+  make_args: Callable
+  impls: dict
+  reference: Impl
+
+
+@dataclasses.dataclass(frozen=True)
+class _Env:
+  gpu: bool
+  dtype: Any
+  interpret: bool
+  peers: bool
+  budget: float  # bytes a peer or reference may allocate beyond its inputs
+  sms: int  # programs are sized for this many cores
+
+
+def _normal(key, shape, dtype):
+  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def _optional(module):
+  """-> (module or None, why not)."""
+  try:
+    return importlib.import_module(module), ""
+  except Exception as e:  # noqa: BLE001  (any import failure means "not available")
+    return None, f"not importable: {type(e).__name__}: {e}"
+
+
+def _gpu_peer(env, module):
+  """-> (module, skip reason) for a GPU-only peer."""
+  if not env.gpu:
+    return None, "GPU only"
+  return _optional(module)
+
+
+def _split_count(env, programs, pages_per_seq):
+  """Split-K ways giving ~2 programs per SM (power of two <= 16 and <= the pages)."""
+  want, n = -(-2 * env.sms // programs), 1
+  while n < want and n < 16 and 2 * n <= pages_per_seq:
+    n *= 2
+  return n
+
+
+def _page_tables(key, lengths, page_size):
+  """Each sequence gets ceil(len / page_size) distinct pages of a shuffled pool,
+  so reads are scattered as in a long-running server. -> ([B, pages_per_seq], P)."""
+  pages = [-(-n // page_size) for n in lengths]
+  perm = jax.random.permutation(key, sum(pages)).tolist()
+  width, rows, at = max(pages), [], 0
+  for n in pages:
+    rows.append(perm[at:at + n] + [0] * (width - n))
+    at += n
+  return jnp.asarray(rows, jnp.int32), sum(pages)
+
+
+def _pairs(lengths, q_lens):
+  """(query row, visible key) pairs: the Q queries sit at the end of the KV, causal."""
+  return sum(q * n - q * (q - 1) // 2 for q, n in zip(q_lens, lengths))
+
+
+# ----------------------------------------------------------------------------- flash
+
+
+def _flash_case(env, *, B, T, N, K, H, causal):
+  S, item = T, jnp.dtype(env.dtype).itemsize
+  logits = 4.0 * B * N * T * S  # one float32 [B, N, T, S] array
+  scale = 1.0 / math.sqrt(H)
+
+  def make_args(key):
+    kq, kk, kv = jax.random.split(key, 3)
+    return (_normal(kq, (B, T, N, H), env.dtype), _normal(kk, (B, S, K, H), env.dtype),
+            _normal(kv, (B, S, K, H), env.dtype))
+
+  impls = {"ours": Impl(functools.partial(pk.flash_attention, causal=causal,
+                                          interpret=env.interpret))}
+  if env.peers:
+    dpa = lambda impl: functools.partial(jax.nn.dot_product_attention, is_causal=causal,
+                                         implementation=impl)
+    impls["xla"] = Impl(dpa("xla"), temp_bytes=3 * logits)
+    impls["cudnn"] = Impl(dpa("cudnn"), skip="" if env.gpu else "GPU only")
+    tokamax, why = _gpu_peer(env, "tokamax")
+    for impl in ("mosaic", "triton"):
+      fn = tokamax and functools.partial(tokamax.dot_product_attention, is_causal=causal,
+                                         implementation=impl)
+      impls[f"tokamax_{impl}"] = Impl(fn, skip=why)
+    mha, why = _gpu_peer(env, "jax.experimental.pallas.ops.gpu.attention")
+    repeat = lambda q, k, v: (q, jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2))
+    impls["jax_pallas_mha"] = Impl(
+        lambda q, k, v: mha.mha(q, k, v, None, scale, causal), prep=repeat, skip=why,
+        note="K/V repeated to N heads outside the timed call" if N != K else "")
+  reference = Impl(functools.partial(pk.flash_attention_reference, causal=causal),
+                   temp_bytes=4 * logits)
+  return Case(
+      kernel="flash", label=f"B{B} T{T} N{N}/K{K} H{H}{' causal' if causal else ''}",
+      series=f"N{N}/K{K} H{H}{' causal' if causal else ''}", context=S,
+      shape=dict(B=B, T=T, S=S, N=N, K=K, H=H, causal=causal),
+      flops=4.0 * B * T * S * N * H * (0.5 if causal else 1.0),
+      bytes=item * B * (2 * T * N * H + 2 * S * K * H), make_args=make_args, impls=impls,
+      reference=reference)
+
+
+def _flash_cases(env, shapes):
+  if shapes == "tiny":
+    specs = [dict(B=1, T=64, N=4, K=2, H=32, causal=True),
+             dict(B=2, T=48, N=2, K=2, H=64, causal=False)]
+  else:  # B * T = 16k tokens per call; head configs of Llama-3 (GQA 4), MHA 64, MLA prefill
+    specs = [dict(B=max(1, 16384 // T), T=T, N=N, K=K, H=H, causal=True)
+             for N, K, H in ((32, 8, 128), (32, 32, 64), (16, 16, 192)) for T in CONTEXTS]
+    specs += [dict(B=16384 // T, T=T, N=32, K=8, H=128, causal=False) for T in (2048, 8192)]
+  return [_flash_case(env, **s) for s in specs]
+
+
+# ----------------------------------------------------------------------------- paged
+
+
+def _paged_case(env, *, B, S, ps, Q, N, K, D):
+  item, lengths = jnp.dtype(env.dtype).itemsize, [S] * B
+  pps = -(-S // ps)
+  pages_read = B * pps
+  f32_kv = 4.0 * pages_read * ps * K * 2 * D  # the reference's gathered float32 K and V
+
+  def make_args(key):
+    kq, kk, kv, kt = jax.random.split(key, 4)
+    tables, P = _page_tables(kt, lengths, ps)
+    q = _normal(kq, (B, N, D) if Q == 1 else (B, Q, N, D), env.dtype)
+    return (q, _normal(kk, (K, P, ps, D), env.dtype), _normal(kv, (K, P, ps, D), env.dtype),
+            jnp.asarray(lengths, jnp.int32), tables)
+
+  ours = functools.partial(pk.paged_attention, interpret=env.interpret)
+  splits = _split_count(env, B * K, pps)
+  impls = {"ours": Impl(ours)}
+  if splits > 1:
+    impls["ours_split"] = Impl(functools.partial(ours, num_splits=splits),
+                               note=f"num_splits={splits}")
+  temp = 2 * f32_kv + 3 * 4.0 * B * N * Q * pps * ps
+  if env.peers:
+    impls["xla_reference"] = Impl(pk.paged_attention_reference, temp_bytes=temp,
+                                  note="pure jnp, float32 compute")
+    mod, why = _gpu_peer(env, "jax.experimental.pallas.ops.gpu.paged_attention")
+    k_splits = math.gcd(16, pps)
+    ppcb = math.gcd(8, pps // k_splits)
+    impls["jax_pallas_paged"] = Impl(
+        lambda q, k, v, lens, tables: mod.paged_attention(
+            q, k, v, tables, lens, k_splits=k_splits, pages_per_compute_block=ppcb),
+        skip=why or ("" if Q == 1 else "Q > 1 unsupported"),
+        note=f"k_splits={k_splits}, pages_per_compute_block={ppcb}")
+  return Case(
+      kernel="paged", label=f"B{B} S{S} ps{ps} Q{Q} N{N}/K{K} D{D}",
+      series=f"B{B} ps{ps} Q{Q}", context=S,
+      shape=dict(B=B, S=S, page_size=ps, Q=Q, N=N, K=K, D=D, Dv=D),
+      flops=2.0 * 2 * D * N * _pairs(lengths, [Q] * B),
+      bytes=item * (pages_read * ps * K * 2 * D + B * Q * N * 2 * D), make_args=make_args,
+      impls=impls, reference=Impl(pk.paged_attention_reference, temp_bytes=temp + f32_kv))
+
+
+def _paged_cases(env, shapes):
+  if shapes == "tiny":
+    specs = [dict(B=2, S=64, ps=16, Q=1, N=4, K=2, D=32),
+             dict(B=2, S=40, ps=16, Q=2, N=4, K=2, D=32)]
+  else:  # Llama-3-8B/70B attention: 32 query heads over 8 KV heads of 128
+    specs = [dict(B=B, S=S, ps=ps, Q=1, N=32, K=8, D=128)
+             for ps in (16, 64) for B in (1, 8, 64) for S in CONTEXTS]
+    specs += [dict(B=8, S=S, ps=16, Q=4, N=32, K=8, D=128) for S in CONTEXTS]
+  return [_paged_case(env, **s) for s in specs]
+
+
+# ----------------------------------------------------------------------------- mla
+
+
+def _mla_case(env, *, B, S, ps, N, R, Hr):
+  item, lengths = jnp.dtype(env.dtype).itemsize, [S] * B
+  pps = -(-S // ps)
+  pages_read = B * pps
+  f32_pages = 4.0 * pages_read * ps * (R + Hr)
+  scale = 1.0 / math.sqrt(128 + 64)  # DeepSeek-V3: 1/sqrt(qk_nope + qk_rope head dims)
+
+  def make_args(key):
+    kq, kr, kp, kt = jax.random.split(key, 4)
+    tables, P = _page_tables(kt, lengths, ps)
+    return (_normal(kq, (B, N, R), env.dtype), _normal(kr, (B, N, Hr), env.dtype),
+            _normal(kp, (P, ps, R + Hr), env.dtype), jnp.asarray(lengths, jnp.int32), tables)
+
+  ours = functools.partial(pk.mla_paged_attention, sm_scale=scale, interpret=env.interpret)
+  splits = _split_count(env, B, pps)
+  impls = {"ours": Impl(ours)}
+  if splits > 1:
+    impls["ours_split"] = Impl(functools.partial(ours, num_splits=splits),
+                               note=f"num_splits={splits}")
+  reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
+  temp = f32_pages + 3 * 4.0 * B * N * pps * ps
+  if env.peers:
+    impls["xla_reference"] = Impl(reference, temp_bytes=temp, note="pure jnp, float32 compute")
+  return Case(
+      kernel="mla", label=f"B{B} S{S} ps{ps} N{N} R{R}+{Hr}", series=f"B{B} ps{ps}", context=S,
+      shape=dict(B=B, S=S, page_size=ps, Q=1, N=N, R=R, Hr=Hr),
+      flops=2.0 * (2 * R + Hr) * N * _pairs(lengths, [1] * B),
+      bytes=item * (pages_read * ps * (R + Hr) + B * N * (2 * R + Hr)), make_args=make_args,
+      impls=impls, reference=Impl(reference, temp_bytes=temp + f32_pages))
+
+
+def _mla_cases(env, shapes):
+  if shapes == "tiny":
+    specs = [dict(B=2, S=64, ps=16, N=8, R=64, Hr=16)]
+  else:  # DeepSeek-V3: kv_lora_rank 512, rope 64, 128 heads, page size 64
+    specs = [dict(B=B, S=S, ps=64, N=128, R=512, Hr=64) for B in (1, 8, 64) for S in CONTEXTS]
+  return [_mla_case(env, **s) for s in specs]
+
+
+# ----------------------------------------------------------------------------- ragged
+
+
+def _ragged_case(env, *, name, seqs, ps, N, K, D):
+  """seqs: (query tokens, KV tokens after the step) per sequence."""
+  item = jnp.dtype(env.dtype).itemsize
+  q_lens, lengths = [q for q, _ in seqs], [n for _, n in seqs]
+  B, T, max_q = len(seqs), sum(q_lens), max(q_lens)
+  pages_read = sum(-(-n // ps) for n in lengths)
+  pps = max(-(-n // ps) for n in lengths)
+  f32_kv = 4.0 * B * pps * ps * K * 2 * D
+  cu = [0]
+  for q in q_lens:
+    cu.append(cu[-1] + q)
+
+  def make_args(key):
+    kq, kk, kv, kt = jax.random.split(key, 4)
+    tables, P = _page_tables(kt, lengths, ps)
+    return (_normal(kq, (T, N, D), env.dtype), _normal(kk, (K, P, ps, D), env.dtype),
+            _normal(kv, (K, P, ps, D), env.dtype), jnp.asarray(lengths, jnp.int32), tables,
+            jnp.asarray(cu, jnp.int32))
+
+  impls = {"ours": Impl(functools.partial(pk.ragged_paged_attention, max_q=max_q,
+                                          interpret=env.interpret))}
+  reference = functools.partial(pk.ragged_paged_attention_reference, max_q=max_q)
+  temp = f32_kv + 3 * 4.0 * B * N * max_q * pps * ps
+  if env.peers:
+    impls["xla_reference"] = Impl(reference, temp_bytes=temp, note="pure jnp, float32 compute")
+  chunks = sum(q > 1 for q in q_lens)
+  return Case(
+      kernel="ragged", label=f"{name}: {chunks} chunks + {B - chunks} decodes, S<={max(lengths)}",
+      series=name, context=max(lengths),
+      shape=dict(B=B, T=T, max_q=max_q, page_size=ps, N=N, K=K, D=D, q_lens=q_lens,
+                 kv_lens=lengths),
+      flops=2.0 * 2 * D * N * _pairs(lengths, q_lens),
+      bytes=item * (pages_read * ps * K * 2 * D + T * N * 2 * D), make_args=make_args,
+      impls=impls, reference=Impl(reference, temp_bytes=temp + f32_kv))
+
+
+def _geometric(lo, hi, n):
+  return [round(lo * (hi / lo) ** (i / max(n - 1, 1))) for i in range(n)]
+
+
+def _ragged_cases(env, shapes):
+  if shapes == "tiny":
+    mixes = [("tiny", [(8, 32), (1, 48), (1, 64), (3, 20)])]
+  else:  # prefill chunks of 128 tokens (at the end of their KV) among decodes
+    mixes = [("mix32", [(128, n) for n in (1024, 2048, 4096, 8192)]
+              + [(1, n) for n in _geometric(512, 8192, 28)]),
+             ("mix64", [(128, n) for n in (8192, 32768)]
+              + [(1, n) for n in _geometric(512, 32768, 62)])]
+  dims = dict(ps=16, N=4, K=2, D=32) if shapes == "tiny" else dict(ps=16, N=32, K=8, D=128)
+  return [_ragged_case(env, name=name, seqs=seqs, **dims) for name, seqs in mixes]
+
+
+_BUILDERS = {"flash": _flash_cases, "paged": _paged_cases, "mla": _mla_cases,
+             "ragged": _ragged_cases}
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def _nbytes(tree):
+  return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
+
+
+def _time_calls(fn, arg_sets, *, warmup, repeats):
+  """-> (first output, compile_s, inner, per-call samples in seconds)."""
+  n = len(arg_sets)
+  t0 = time.perf_counter()
+  first = jax.block_until_ready(fn(*arg_sets[0]))
+  compile_s = time.perf_counter() - t0
+  for i in range(warmup):
+    jax.block_until_ready(fn(*arg_sets[(i + 1) % n]))
+  t0 = time.perf_counter()
+  jax.block_until_ready(fn(*arg_sets[1 % n]))
+  one = time.perf_counter() - t0
+  inner = max(1, min(_MAX_INNER, math.ceil(_TARGET_SAMPLE_S / max(one, 1e-7))))
+  keep_all = inner * _nbytes(first) <= 256 * _MiB  # else block on the last (in-order stream)
+  samples = []
+  for r in range(repeats):
+    outs = []
+    t0 = time.perf_counter()
+    for i in range(inner):
+      out = fn(*arg_sets[(r * inner + i) % n])
+      outs = outs + [out] if keep_all else [out]
+    jax.block_until_ready(outs)
+    samples.append((time.perf_counter() - t0) / inner)
+  return first, compile_s, inner, samples
+
+
+def _rel_err(out, ref):
+  out = jnp.asarray(out, jnp.float32)
+  if not bool(jnp.all(jnp.isfinite(out))):
+    return float("nan")
+  return float(jnp.linalg.norm((out - ref).ravel()) / jnp.linalg.norm(ref.ravel()))
+
+
+def measure_roofline(*, gpu, dtype, warmup, repeats):
+  """Peak bandwidth (device copy: bytes read + written) and matmul rate, measured here."""
+  dtype = jnp.dtype(dtype)
+  n = (2 * _GiB if gpu else 64 * _MiB) // dtype.itemsize
+  x = jax.random.uniform(jax.random.key(1), (n,), jnp.float32, 1.0, 2.0).astype(dtype)
+  copy = jax.jit(lambda x: x + jnp.asarray(1, x.dtype))
+  _, _, _, t = _time_calls(copy, [(x,)], warmup=warmup, repeats=max(repeats, 5))
+  copy_s = statistics.median(t)
+  del x
+  m = 8192 if gpu else 1024
+  ka, kb = jax.random.split(jax.random.key(2))
+  a, b = _normal(ka, (m, m), dtype), _normal(kb, (m, m), dtype)
+  _, _, _, t = _time_calls(jax.jit(jnp.matmul), [(a, b)], warmup=warmup, repeats=max(repeats, 5))
+  mm_s = statistics.median(t)
+  return dict(hbm_gbps=2 * n * dtype.itemsize / copy_s / 1e9, copy_bytes=2 * n * dtype.itemsize,
+              copy_time_s=copy_s, matmul_tflops=2.0 * m ** 3 / mm_s / 1e12, matmul_m=m,
+              matmul_dtype=dtype.name, matmul_time_s=mm_s,
+              method="copy: jit(x + 1) over a 1-D array, bytes = read + written; matmul: "
+                     "jit(a @ b) of two random [M, M] arrays at default precision; medians "
+                     "as for the kernels")
+
+
+def _metrics(case, t, roof):
+  tflops, gbps = case.flops / t / 1e12, case.bytes / t / 1e9
+  floor = max(tflops / roof["matmul_tflops"], gbps / roof["hbm_gbps"])
+  return dict(tflops=tflops, gbps=gbps, frac_peak_flops=tflops / roof["matmul_tflops"],
+              frac_peak_bw=gbps / roof["hbm_gbps"], roofline_frac=floor)
+
+
+def _short(e):
+  text = f"{type(e).__name__}: {e}".strip().splitlines()
+  return (text[0] if text else type(e).__name__)[:300]
+
+
+def _run_case(case, env, roof, *, warmup, repeats):
+  """-> the case's JSON entry; an implementation's failure is recorded, never raised."""
+  key = jax.random.key(hash(case.label) % (1 << 31))
+  sets = [case.make_args(key)]
+  # Rotate over enough sets that the calls, taken together, do not fit the L2 cache.
+  n_sets = min(_MAX_INNER, math.ceil(256 * _MiB / max(_nbytes(sets[0]), 1))) if env.gpu else 1
+  sets += [case.make_args(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
+  entry = dict(kernel=case.kernel, label=case.label, series=case.series, context=case.context,
+               shape=case.shape, flops=case.flops, bytes=case.bytes, input_sets=n_sets, impls={})
+
+  ref, why_no_ref = None, ""
+  if case.reference.temp_bytes > env.budget:
+    why_no_ref = f"reference needs ~{case.reference.temp_bytes / _GiB:.1f} GiB"
+  else:
+    up = jax.tree.map(lambda a: a.astype(jnp.float32)
+                      if jnp.issubdtype(a.dtype, jnp.floating) else a, sets[0])
+    try:
+      ref = jax.block_until_ready(jax.jit(case.reference.fn)(*up)).astype(jnp.float32)
+    except Exception as e:  # noqa: BLE001
+      why_no_ref = f"reference failed: {_short(e)}"
+    del up
+  tol = 5e-3 if jnp.dtype(env.dtype) == jnp.float32 else 2e-2
+  entry.update(rel_err_tol=tol, reference_note=why_no_ref)
+
+  for name, impl in case.impls.items():
+    rec = dict(note=impl.note) if impl.note else {}
+    entry["impls"][name] = rec
+    if impl.skip or impl.temp_bytes > env.budget:
+      rec.update(status="skipped", reason=impl.skip or
+                 f"needs ~{impl.temp_bytes / _GiB:.1f} GiB beyond its inputs")
+      continue
+    try:
+      args = [impl.prep(*s) for s in sets] if impl.prep else sets
+      out, compile_s, inner, t = _time_calls(jax.jit(impl.fn), args, warmup=warmup,
+                                             repeats=repeats)
+      del args
+    except Exception as e:  # noqa: BLE001
+      rec.update(status="error", error=_short(e))
+      continue
+    time_s = statistics.median(t)
+    rec.update(status="ok", time_s=time_s, time_min_s=min(t), time_max_s=max(t),
+               inner=inner, compile_s=compile_s, **_metrics(case, time_s, roof))
+    if ref is not None:
+      rec["rel_err"] = _rel_err(out, ref)
+      rec["numerics_ok"] = bool(rec["rel_err"] <= tol)
+    del out
+  ours = entry["impls"]["ours"]
+  for name, rec in entry["impls"].items():
+    if name != "ours" and rec.get("status") == "ok" and ours.get("status") == "ok":
+      rec["ours_over_peer_time"] = ours["time_s"] / rec["time_s"]
+  return entry
+
+
+# ----------------------------------------------------------------------------- output
+
+
+def _device_slug(kind):
+  return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "device"
+
+
+def format_table(result):
+  """A compact text table of a run_kernel_bench result."""
+  roof = result["roofline"]
+  lines = [f"device {result['meta']['device_kind']} | {result['meta']['dtype']} | interpret="
+           f"{result['meta']['interpret']} | peak {roof['hbm_gbps']:.0f} GB/s, "
+           f"{roof['matmul_tflops']:.1f} TFLOP/s (measured)",
+           f"{'kernel':<7} {'shape':<44} {'ours ms':>9} {'ours':>13} {'roofl':>6} "
+           f"{'rel_err':>8}  t_ours/t_peer"]
+  for kernel, entries in result["results"].items():
+    unit = "TFLOP/s" if PRIMARY[kernel] == "tflops" else "GB/s"
+    for e in entries:
+      o = e["impls"]["ours"]
+      if o.get("status") != "ok":
+        lines.append(f"{kernel:<7} {e['label']:<44} {'ours ' + o.get('status', '?'):>9}  "
+                     f"{o.get('error', o.get('reason', ''))[:60]}")
+        continue
+      err = f"{o['rel_err']:.1e}" if "rel_err" in o else "-"
+      if o.get("numerics_ok") is False:
+        err += "!"
+      peers = []
+      for name, r in e["impls"].items():
+        if name == "ours" or r.get("status") == "skipped":
+          continue
+        peers.append(f"{name} {r['ours_over_peer_time']:.2f}" if "ours_over_peer_time" in r
+                     else f"{name} {r.get('status')}")
+      lines.append(f"{kernel:<7} {e['label']:<44} {o['time_s'] * 1e3:>9.3f} "
+                   f"{o[PRIMARY[kernel]]:>7.1f} {unit:<5} {o['roofline_frac']:>6.1%} {err:>8}  "
+                   + ", ".join(peers))
+  return "\n".join(lines)
+
+
+def _plot(result, path):
+  """Throughput vs context, one panel per kernel: colour = series, line style = impl.
+  -> the path, or None when matplotlib is not installed."""
+  try:
+    import matplotlib  # noqa: PLC0415  (optional dependency)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+  except ImportError:
+    return None
+  kernels = list(result["results"])
+  fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 5), squeeze=False)
+  styles = ["-o", "--s", ":^", "-.v", "--D", ":x", "-.*"]
+  for ax, kernel in zip(axes[0], kernels):
+    metric, entries = PRIMARY[kernel], result["results"][kernel]
+    series = list(dict.fromkeys(e["series"] for e in entries))
+    names = list(dict.fromkeys(n for e in entries for n in e["impls"]))
+    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for si, s in enumerate(series):
+      for ni, name in enumerate(names):
+        pts = sorted((e["context"], e["impls"][name][metric]) for e in entries
+                     if e["series"] == s and e["impls"].get(name, {}).get("status") == "ok")
+        if pts:
+          ax.plot(*zip(*pts), styles[ni % len(styles)], color=colours[si % len(colours)],
+                  label=f"{name} | {s}", markersize=4)
+    peak = result["roofline"]["matmul_tflops" if metric == "tflops" else "hbm_gbps"]
+    ax.axhline(peak, color="grey", lw=0.8, ls=":", label="measured peak")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context (keys per sequence; ragged: longest)")
+    ax.set_ylabel("TFLOP/s" if metric == "tflops" else "GB/s")
+    ax.set_title(kernel)
+    ax.legend(fontsize=6)
+  fig.suptitle(f"{result['meta']['device_kind']}, {result['meta']['dtype']}")
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
+def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret=None,
+                     repeats=20, warmup=3, peers=True, out_dir="experiments/results"):
+  """Runs the sweep, prints progress and a table, writes JSON (+ PNG) -> the result dict.
+
+  dtype: None = bfloat16 on GPU, float32 elsewhere. interpret: None = True iff
+  not on GPU. The JSON is rewritten after every case, so a run cut short keeps
+  what it measured. Paths land in result["json_path"] / result["plot_path"].
+  """
+  kernels = list(kernels)
+  unknown = sorted(set(kernels) - set(KERNELS))
+  if unknown or not kernels:
+    raise ValueError(f"kernels must be a non-empty subset of {KERNELS}, got {kernels}")
+  if shapes not in ("default", "tiny"):
+    raise ValueError(f"shapes must be 'default' or 'tiny', got {shapes!r}")
+  if repeats < 1 or warmup < 0:
+    raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+  dev = jax.devices()[0]
+  gpu = dev.platform == "gpu"
+  dtype = jnp.dtype(dtype or ("bfloat16" if gpu else "float32"))
+  interpret = (not gpu) if interpret is None else bool(interpret)
+  limit = (dev.memory_stats() or {}).get("bytes_limit")
+  env = _Env(gpu=gpu, dtype=dtype, interpret=interpret, peers=peers,
+             budget=0.3 * limit if limit else 4.0 * _GiB, sms=getattr(dev, "core_count", 8))
+
+  stamp = datetime.datetime.now()
+  os.makedirs(out_dir, exist_ok=True)
+  base = os.path.join(out_dir, f"kernel_bench_{_device_slug(dev.device_kind)}_"
+                               f"{stamp:%Y-%m-%d}")
+  result = dict(
+      meta=dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__,
+                time=stamp.isoformat(timespec="seconds"), dtype=dtype.name, interpret=interpret,
+                shapes=shapes, kernels=kernels, repeats=repeats, warmup=warmup, peers=peers,
+                memory_budget_bytes=env.budget, sms=env.sms),
+      conventions=CONVENTIONS, roofline={}, results={k: [] for k in kernels},
+      json_path=base + ".json", plot_path=None)
+
+  def save():
+    with open(result["json_path"], "w") as f:
+      json.dump(result, f, indent=1)
+
+  t_run = time.perf_counter()
+  result["roofline"] = measure_roofline(gpu=gpu, dtype=dtype, warmup=warmup, repeats=repeats)
+  print(f"roofline: {result['roofline']['hbm_gbps']:.1f} GB/s copy, "
+        f"{result['roofline']['matmul_tflops']:.2f} TFLOP/s matmul ({dtype.name})", flush=True)
+  for kernel in kernels:
+    for case in _BUILDERS[kernel](env, shapes):
+      t0 = time.perf_counter()
+      entry = _run_case(case, env, result["roofline"], warmup=warmup, repeats=repeats)
+      result["results"][kernel].append(entry)
+      save()
+      o = entry["impls"]["ours"]
+      took = f"{time.perf_counter() - t0:.1f}s"
+      print(f"[{kernel}] {case.label}: " + (f"ours {o['time_s'] * 1e3:.3f} ms" if "time_s" in o
+                                          else f"ours {o['status']}") + f" ({took})", flush=True)
+  result["meta"]["wall_s"] = time.perf_counter() - t_run
+  result["plot_path"] = _plot(result, base + ".png")
+  save()
+  print("\n" + format_table(result))
+  print(f"\nwrote {result['json_path']}" + (
+      f" and {result['plot_path']}" if result["plot_path"]
+      else " (no plot: matplotlib is not installed)"))
+  return result

@@ -1,0 +1,148 @@
+"""Wide expert parallelism: routed experts split over mesh axes, in `shard_map`.
+
+With n ranks on the expert axes, rank r holds experts [r E/n, (r + 1) E/n)
+and 1/n of the tokens. Two strategies, chosen per call by token count:
+
+  all_to_all  (prefill, large batches) each rank routes its tokens, packs
+              every (token, expert) copy into a per-destination send buffer
+              sized for the worst case (all t*k copies to one rank: dropless),
+              exchanges with `all_to_all`, runs its local experts as one
+              grouped matmul (`ragged_dot`; buffer padding falls outside every
+              group and computes to zero), and sends the results back.
+  replicated  (small decode batches) tokens are all-gathered, each rank adds
+              the contributions of its local experts, and a `psum` combines.
+
+`jax.lax.ragged_all_to_all` would send only the filled part of each buffer;
+XLA:CPU does not implement it, so the fixed-size form is used everywhere.
+Shared experts run locally on each rank's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import glu, mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+  """Static plan: the mesh, the axes experts are split over, the strategy."""
+
+  mesh: Mesh
+  axes: tuple[str, ...]
+  strategy: str = "auto"  # "auto" | "all_to_all" | "replicated"
+  replicated_max_tokens: int = 16  # auto: tokens per rank at or below this replicate
+
+  @property
+  def size(self) -> int:
+    return math.prod(self.mesh.shape[a] for a in self.axes)
+
+
+def plan_from_params(params, strategy: str = "auto") -> ExpertParallel | None:
+  """The EP plan implied by the routed experts' sharding (None if unsharded)."""
+  for seg in params.get("layers", ()):
+    w = seg["mlp"].get("w_gate") if "router" in seg["mlp"] else None
+    sharding = getattr(w, "sharding", None)
+    if isinstance(sharding, NamedSharding):
+      axis = sharding.spec[1] if len(sharding.spec) > 1 else None
+      if axis is None:
+        return None
+      axes = axis if isinstance(axis, tuple) else (axis,)
+      return ExpertParallel(sharding.mesh, axes, strategy)
+  return None
+
+
+def _local_experts(cfg: ModelConfig, p, xs, local_ids, sizes):
+  """Grouped matmul over this rank's experts; xs sorted by local_ids."""
+  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
+  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
+  if cfg.expert_bias:
+    gate, up = gate + p["b_gate"][local_ids], up + p["b_up"][local_ids]
+  y = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
+  if cfg.expert_bias:
+    y = y + p["b_down"][local_ids]
+  return y
+
+
+def _apply_sorted(cfg, p, rows, expert, valid, e_local):
+  """Runs rows [R, D] through local expert `expert` [R] (invalid rows -> 0)."""
+  key = jnp.where(valid, expert, e_local)  # invalid rows sort last, outside every group
+  order = jnp.argsort(key, stable=True)
+  sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
+  y = _local_experts(cfg, p, rows[order], jnp.minimum(key[order], e_local - 1), sizes)
+  return jnp.zeros_like(y).at[order].set(y)
+
+
+def _all_to_all(cfg, p, x, idx, weights, axes, n, e_local):
+  t, k = idx.shape
+  cap = t * k  # worst case: every copy goes to one rank
+  flat = idx.reshape(-1)
+  dest = flat // e_local
+  onehot = jax.nn.one_hot(dest, n, dtype=jnp.int32)  # [t*k, n]
+  slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # position at its dest
+  send = jnp.zeros((n, cap, x.shape[-1]), x.dtype).at[dest, slot].set(x[jnp.arange(cap) // k])
+  send_e = jnp.zeros((n, cap), jnp.int32).at[dest, slot].set(flat % e_local)
+  send_ok = jnp.zeros((n, cap), bool).at[dest, slot].set(True)
+  a2a = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
+  recv, recv_e, recv_ok = a2a(send), a2a(send_e), a2a(send_ok)
+  y = _apply_sorted(cfg, p, recv.reshape(n * cap, -1), recv_e.reshape(-1),
+                    recv_ok.reshape(-1), e_local)
+  back = a2a(y.reshape(n, cap, -1))
+  y_copies = back[dest, slot].reshape(t, k, -1)
+  return jnp.einsum("TKD,TK->TD", y_copies.astype(jnp.float32), weights)
+
+
+def _replicated(cfg, p, x, idx, weights, axes, n, e_local):
+  rank = jax.lax.axis_index(axes)
+  x_all = jax.lax.all_gather(x, axes, tiled=True)  # [n t, D]
+  idx_all = jax.lax.all_gather(idx, axes, tiled=True)
+  w_all = jax.lax.all_gather(weights, axes, tiled=True)
+  T, k = idx_all.shape
+  flat = idx_all.reshape(-1)
+  mine = flat // e_local == rank
+  y = _apply_sorted(cfg, p, x_all[jnp.arange(T * k) // k], flat % e_local, mine, e_local)
+  part = jnp.einsum("TKD,TK->TD", y.reshape(T, k, -1).astype(jnp.float32), w_all)
+  total = jax.lax.psum(part, axes)
+  t = x.shape[0]
+  return jax.lax.dynamic_slice_in_dim(total, rank * t, t)
+
+
+def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route):
+  """x [B, T, D] -> [B, T, D] with experts split over ep.axes."""
+  B, T, D = x.shape
+  n = ep.size
+  if cfg.num_experts % n:
+    raise ValueError(f"num_experts ({cfg.num_experts}) is not divisible by the expert-parallel "
+                     f"axes {ep.axes} (size {n})")
+  e_local = cfg.num_experts // n
+  xt = x.reshape(B * T, D)
+  pad = -(B * T) % n
+  xt = jnp.pad(xt, ((0, pad), (0, 0)))
+  per_rank = xt.shape[0] // n
+  strategy = ep.strategy
+  if strategy == "auto":
+    strategy = "replicated" if per_rank <= ep.replicated_max_tokens else "all_to_all"
+  body = _replicated if strategy == "replicated" else _all_to_all
+  expert_keys = [k for k in p if k not in ("router", "router_bias", "score_bias", "shared")]
+  experts = {k: p[k] for k in expert_keys}
+  router = {k: p[k] for k in ("router", "router_bias", "score_bias") if k in p}
+
+  def per_rank_fn(x_l, experts_l, router_p):
+    idx, weights = route(cfg, router_p, x_l)
+    return body(cfg, experts_l, x_l, idx, weights, ep.axes, n, e_local).astype(x_l.dtype)
+
+  spec_tokens = P(ep.axes, None)
+  spec_experts = {k: P(ep.axes, *([None] * (experts[k].ndim - 1))) for k in expert_keys}
+  out = jax.shard_map(per_rank_fn, mesh=ep.mesh,
+                      in_specs=(spec_tokens, spec_experts, jax.tree.map(lambda _: P(), router)),
+                      out_specs=spec_tokens, check_vma=False)(xt, experts, router)
+  out = out[:B * T]
+  if cfg.num_shared_experts:
+    out = out + mlp(cfg, p["shared"], x.reshape(B * T, D))
+  return out.reshape(B, T, D)

@@ -1,0 +1,123 @@
+"""Meshes, logical-axis rules and param shardings.
+
+The spec tree (`models.param_specs`) names every weight dimension with a
+logical axis; a layout's rules table maps logical axes to mesh axes. Params
+are then placed (or created, or loaded) straight into those shardings.
+
+Layouts (mesh axes may be any of "data", "expert", "tensor"):
+  tp          Megatron tensor parallel over "tensor": q/kv heads and FFN width
+              split; experts whole but their FFN width split; vocab split.
+              Batch over "data".
+  dp_attn_ep  DeepSeek style: attention replicated (data parallel: each rank
+              owns whole requests), MoE experts split over every mesh axis
+              (wide expert parallelism), batch over every mesh axis.
+  tp_attn_ep  attention tensor parallel over "tensor", experts over every axis.
+A dimension that an axis does not divide raises, naming both: a KV head is
+never silently duplicated across tensor ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import specs as specs_lib
+
+AXES = ("data", "expert", "tensor")
+LAYOUTS = ("tp", "dp_attn_ep", "tp_attn_ep")
+
+
+def make_mesh(axes: Mapping[str, int], devices=None) -> Mesh:
+  """A mesh over `devices` (default: all, global under multi-host) with named
+  axes, e.g. {"data": 2, "expert": 4}; the sizes' product must be the device count."""
+  devices = list(jax.devices() if devices is None else devices)
+  if not axes:
+    raise ValueError("make_mesh: give at least one axis, e.g. {'data': len(devices)}")
+  bad = [a for a in axes if a not in AXES]
+  if bad:
+    raise ValueError(f"make_mesh: unknown axis names {bad}; use {AXES}")
+  sizes = list(axes.values())
+  if any(not isinstance(s, int) or s < 1 for s in sizes):
+    raise ValueError(f"make_mesh: axis sizes must be ints >= 1, got {dict(axes)}")
+  if math.prod(sizes) != len(devices):
+    raise ValueError(f"make_mesh: axis sizes {dict(axes)} multiply to {math.prod(sizes)}, "
+                     f"but there are {len(devices)} devices")
+  return Mesh(np.asarray(devices).reshape(sizes), tuple(axes))
+
+
+def _present(mesh: Mesh, *names):
+  axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+  return axes if len(axes) != 1 else axes[0]
+
+
+def rules(layout: str, mesh: Mesh) -> dict:
+  """Logical axis -> mesh axis (or tuple of axes, or None) for a layout."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
+  everything = _present(mesh, *mesh.axis_names) or None
+  tensor = _present(mesh, "tensor") or None
+  data = _present(mesh, "data") or None
+  if layout == "tp":
+    return dict(q_heads=tensor, kv_heads=tensor, mlp=tensor, vocab=tensor, expert=None,
+                batch=data)
+  attn = tensor if layout == "tp_attn_ep" else None
+  return dict(q_heads=attn, kv_heads=attn, mlp=None, vocab=None, expert=everything,
+              batch=data if layout == "tp_attn_ep" else everything)
+
+
+def _axis_size(mesh: Mesh, axis) -> int:
+  if axis is None:
+    return 1
+  return math.prod(mesh.shape[a] for a in (axis if isinstance(axis, tuple) else (axis,)))
+
+
+def spec_for(logical_axes, shape, table: dict, mesh: Mesh, *, name: str = "param") -> P:
+  """PartitionSpec of one array; raises on collisions and indivisible dims."""
+  used, spec = set(), []
+  for dim, (logical, size) in enumerate(zip(logical_axes, shape)):
+    axis = table.get(logical) if logical else None
+    if axis is not None:
+      names = axis if isinstance(axis, tuple) else (axis,)
+      if used & set(names):
+        raise ValueError(f"{name}: mesh axis {sorted(used & set(names))} assigned to two "
+                         f"dimensions (logical axes {logical_axes})")
+      used |= set(names)
+      n = _axis_size(mesh, axis)
+      if size % n:
+        raise ValueError(f"{name}: dimension {dim} ({logical}={size}) is not divisible by mesh "
+                         f"axis {axis} (size {n})")
+    spec.append(axis)
+  return P(*spec)
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh, layout: str = "tp", table: dict | None = None):
+  """NamedSharding tree matching `models.param_specs(cfg)`."""
+  table = table or rules(layout, mesh)
+  specs = specs_lib.param_specs(cfg)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=specs_lib.is_spec)
+  out = [NamedSharding(mesh, spec_for(s.logical_axes, s.shape, table, mesh,
+                                      name=jax.tree_util.keystr(kp)))
+         for kp, s in flat]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def shard_params(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp", rules_table=None):
+  """Places params into the layout's shardings."""
+  return jax.device_put(params, param_shardings(cfg, mesh, layout, rules_table))
+
+
+def init_params(cfg: ModelConfig, key, mesh: Mesh, layout: str = "tp"):
+  """Random params created directly in their shardings (never whole on one device)."""
+  shardings = param_shardings(cfg, mesh, layout)
+  return jax.jit(lambda k: specs_lib.init_params(cfg, k), out_shardings=shardings)(key)
+
+
+def batch_sharding(mesh: Mesh, layout: str, ndim: int) -> NamedSharding:
+  """Sharding of a [B, ...] activation (tokens) under a layout."""
+  axis = rules(layout, mesh)["batch"]
+  return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))
