@@ -19,7 +19,8 @@ Timing: every implementation is jitted, compiled and warmed up; a sample is
 `inner` back-to-back calls, blocked at the end and divided by `inner` (so a
 kernel shorter than a launch is not timed as launch overhead); the time is the
 median of `repeats` samples. On GPU the calls rotate over enough input sets
-(>= 256 MiB) that repeated calls do not run out of the L2 cache. Inputs are
+(256 MiB in all, at most 512 sets) that repeated calls do not run out of the L2
+cache. Inputs are
 random normal, never zeros.
 """
 
@@ -35,6 +36,7 @@ import os
 import re
 import statistics
 import time
+import zlib
 from typing import Any, Callable
 
 import jax
@@ -47,7 +49,8 @@ CONTEXTS = (512, 2048, 8192, 32768)
 PRIMARY = {"flash": "tflops", "paged": "gbps", "mla": "gbps", "ragged": "gbps"}
 CONVENTIONS = {
     "time_s": "median over `repeats` samples of (wall time of `inner` back-to-back jitted calls, "
-              "block_until_ready at the end) / inner; compile_s is the first call",
+              "block_until_ready at the end) / inner; first_call_s: the first call, compilation "
+              "included unless an identical program was already compiled (the reference check)",
     "flops": "flash: 4*B*T*S*N*H, halved when causal (T == S). paged/mla/ragged: "
              "2*(D + Dv)*N per (query row, visible key) pair, counted exactly (MLA: D = R + Hr, "
              "Dv = R). Every implementation is credited the same logical work.",
@@ -64,6 +67,7 @@ CONVENTIONS = {
 _MiB, _GiB = 1 << 20, 1 << 30
 _TARGET_SAMPLE_S = 0.01  # one timing sample lasts about this long
 _MAX_INNER = 64
+_ROTATE_BYTES, _MAX_SETS = 256 * _MiB, 512  # GPU input rotation (L2 is ~50 MB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,19 +112,14 @@ def _normal(key, shape, dtype):
   return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def _optional(module):
-  """-> (module or None, why not)."""
+def _gpu_peer(env, module):
+  """-> (module, "") for a GPU-only peer that can run here, else (None, why not)."""
+  if not env.gpu:
+    return None, "GPU only"
   try:
     return importlib.import_module(module), ""
   except Exception as e:  # noqa: BLE001  (any import failure means "not available")
-    return None, f"not importable: {type(e).__name__}: {e}"
-
-
-def _gpu_peer(env, module):
-  """-> (module, skip reason) for a GPU-only peer."""
-  if not env.gpu:
-    return None, "GPU only"
-  return _optional(module)
+    return None, f"not importable: {_short(e)}"
 
 
 def _split_count(env, programs, pages_per_seq):
@@ -229,11 +228,13 @@ def _paged_case(env, *, B, S, ps, Q, N, K, D):
     mod, why = _gpu_peer(env, "jax.experimental.pallas.ops.gpu.paged_attention")
     k_splits = math.gcd(16, pps)
     ppcb = math.gcd(8, pps // k_splits)
+    # The op has no sm_scale: q arrives pre-scaled by 1/sqrt(D), outside the timed call.
+    prescale = lambda q, *rest: ((q * (1.0 / math.sqrt(D))).astype(q.dtype), *rest)
     impls["jax_pallas_paged"] = Impl(
         lambda q, k, v, lens, tables: mod.paged_attention(
             q, k, v, tables, lens, k_splits=k_splits, pages_per_compute_block=ppcb),
-        skip=why or ("" if Q == 1 else "Q > 1 unsupported"),
-        note=f"k_splits={k_splits}, pages_per_compute_block={ppcb}")
+        prep=prescale, skip=why or ("" if Q == 1 else "Q > 1 unsupported"),
+        note=f"k_splits={k_splits}, pages_per_compute_block={ppcb}; q pre-scaled, untimed")
   return Case(
       kernel="paged", label=f"B{B} S{S} ps{ps} Q{Q} N{N}/K{K} D{D}",
       series=f"B{B} ps{ps} Q{Q}", context=S,
@@ -363,11 +364,11 @@ def _nbytes(tree):
 
 
 def _time_calls(fn, arg_sets, *, warmup, repeats):
-  """-> (first output, compile_s, inner, per-call samples in seconds)."""
+  """-> (first output, first_call_s, inner, per-call samples in seconds)."""
   n = len(arg_sets)
   t0 = time.perf_counter()
   first = jax.block_until_ready(fn(*arg_sets[0]))
-  compile_s = time.perf_counter() - t0
+  first_s = time.perf_counter() - t0
   for i in range(warmup):
     jax.block_until_ready(fn(*arg_sets[(i + 1) % n]))
   t0 = time.perf_counter()
@@ -384,7 +385,7 @@ def _time_calls(fn, arg_sets, *, warmup, repeats):
       outs = outs + [out] if keep_all else [out]
     jax.block_until_ready(outs)
     samples.append((time.perf_counter() - t0) / inner)
-  return first, compile_s, inner, samples
+  return first, first_s, inner, samples
 
 
 def _rel_err(out, ref):
@@ -430,10 +431,10 @@ def _short(e):
 
 def _run_case(case, env, roof, *, warmup, repeats):
   """-> the case's JSON entry; an implementation's failure is recorded, never raised."""
-  key = jax.random.key(hash(case.label) % (1 << 31))
+  key = jax.random.key(zlib.crc32(case.label.encode()))
   sets = [case.make_args(key)]
   # Rotate over enough sets that the calls, taken together, do not fit the L2 cache.
-  n_sets = min(_MAX_INNER, math.ceil(256 * _MiB / max(_nbytes(sets[0]), 1))) if env.gpu else 1
+  n_sets = min(_MAX_SETS, math.ceil(_ROTATE_BYTES / max(_nbytes(sets[0]), 1))) if env.gpu else 1
   sets += [case.make_args(jax.random.fold_in(key, i)) for i in range(1, n_sets)]
   entry = dict(kernel=case.kernel, label=case.label, series=case.series, context=case.context,
                shape=case.shape, flops=case.flops, bytes=case.bytes, input_sets=n_sets, impls={})
@@ -461,7 +462,7 @@ def _run_case(case, env, roof, *, warmup, repeats):
       continue
     try:
       args = [impl.prep(*s) for s in sets] if impl.prep else sets
-      out, compile_s, inner, t = _time_calls(jax.jit(impl.fn), args, warmup=warmup,
+      out, first_s, inner, t = _time_calls(jax.jit(impl.fn), args, warmup=warmup,
                                              repeats=repeats)
       del args
     except Exception as e:  # noqa: BLE001
@@ -469,7 +470,7 @@ def _run_case(case, env, roof, *, warmup, repeats):
       continue
     time_s = statistics.median(t)
     rec.update(status="ok", time_s=time_s, time_min_s=min(t), time_max_s=max(t),
-               inner=inner, compile_s=compile_s, **_metrics(case, time_s, roof))
+               inner=inner, first_call_s=first_s, **_metrics(case, time_s, roof))
     if ref is not None:
       rec["rel_err"] = _rel_err(out, ref)
       rec["numerics_ok"] = bool(rec["rel_err"] <= tol)
@@ -495,7 +496,7 @@ def format_table(result):
            f"{result['meta']['interpret']} | peak {roof['hbm_gbps']:.0f} GB/s, "
            f"{roof['matmul_tflops']:.1f} TFLOP/s (measured)",
            f"{'kernel':<7} {'shape':<44} {'ours ms':>9} {'ours':>13} {'roofl':>6} "
-           f"{'rel_err':>8}  t_ours/t_peer"]
+           f"{'rel_err':>8}  t_ours/t_peer (! = rel_err over tolerance)"]
   for kernel, entries in result["results"].items():
     unit = "TFLOP/s" if PRIMARY[kernel] == "tflops" else "GB/s"
     for e in entries:
@@ -511,10 +512,11 @@ def format_table(result):
       for name, r in e["impls"].items():
         if name == "ours" or r.get("status") == "skipped":
           continue
-        peers.append(f"{name} {r['ours_over_peer_time']:.2f}" if "ours_over_peer_time" in r
+        bad = "!" if r.get("numerics_ok") is False else ""
+        peers.append(f"{name} {r['ours_over_peer_time']:.2f}{bad}" if "ours_over_peer_time" in r
                      else f"{name} {r.get('status')}")
       lines.append(f"{kernel:<7} {e['label']:<44} {o['time_s'] * 1e3:>9.3f} "
-                   f"{o[PRIMARY[kernel]]:>7.1f} {unit:<5} {o['roofline_frac']:>6.1%} {err:>8}  "
+                   f"{o[PRIMARY[kernel]]:>7.3g} {unit:<5} {o['roofline_frac']:>6.1%} {err:>8}  "
                    + ", ".join(peers))
   return "\n".join(lines)
 
@@ -529,9 +531,13 @@ def _plot(result, path):
   except ImportError:
     return None
   kernels = list(result["results"])
-  fig, axes = plt.subplots(1, len(kernels), figsize=(6 * len(kernels), 5), squeeze=False)
+  cols = min(2, len(kernels))
+  rows = -(-len(kernels) // cols)
+  fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5.5 * rows), squeeze=False)
+  for ax in axes.flat[len(kernels):]:
+    ax.set_visible(False)
   styles = ["-o", "--s", ":^", "-.v", "--D", ":x", "-.*"]
-  for ax, kernel in zip(axes[0], kernels):
+  for ax, kernel in zip(axes.flat, kernels):
     metric, entries = PRIMARY[kernel], result["results"][kernel]
     series = list(dict.fromkeys(e["series"] for e in entries))
     names = list(dict.fromkeys(n for e in entries for n in e["impls"]))
@@ -546,10 +552,11 @@ def _plot(result, path):
     peak = result["roofline"]["matmul_tflops" if metric == "tflops" else "hbm_gbps"]
     ax.axhline(peak, color="grey", lw=0.8, ls=":", label="measured peak")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("context (keys per sequence; ragged: longest)")
     ax.set_ylabel("TFLOP/s" if metric == "tflops" else "GB/s")
     ax.set_title(kernel)
-    ax.legend(fontsize=6)
+    ax.legend(fontsize=6, ncol=2)
   fig.suptitle(f"{result['meta']['device_kind']}, {result['meta']['dtype']}")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -560,6 +567,9 @@ def _plot(result, path):
 def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret=None,
                      repeats=20, warmup=3, peers=True, out_dir="experiments/results"):
   """Runs the sweep, prints progress and a table, writes JSON (+ PNG) -> the result dict.
+
+  Files: <out_dir>/kernel_bench_<device kind>_<YYYY-MM-DD>[_<kernels>].json and
+  .png (the kernels are named only for a subset; a rerun on the same day overwrites).
 
   dtype: None = bfloat16 on GPU, float32 elsewhere. interpret: None = True iff
   not on GPU. The JSON is rewritten after every case, so a run cut short keeps
@@ -583,8 +593,10 @@ def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret
 
   stamp = datetime.datetime.now()
   os.makedirs(out_dir, exist_ok=True)
+  # A run over a subset of the kernels names them, so it does not overwrite a full run.
+  subset = "" if set(kernels) == set(KERNELS) else "_" + "-".join(kernels)
   base = os.path.join(out_dir, f"kernel_bench_{_device_slug(dev.device_kind)}_"
-                               f"{stamp:%Y-%m-%d}")
+                               f"{stamp:%Y-%m-%d}{subset}")
   result = dict(
       meta=dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__,
                 time=stamp.isoformat(timespec="seconds"), dtype=dtype.name, interpret=interpret,
@@ -612,10 +624,13 @@ def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret
       print(f"[{kernel}] {case.label}: " + (f"ours {o['time_s'] * 1e3:.3f} ms" if "time_s" in o
                                           else f"ours {o['status']}") + f" ({took})", flush=True)
   result["meta"]["wall_s"] = time.perf_counter() - t_run
-  result["plot_path"] = _plot(result, base + ".png")
+  try:
+    result["plot_path"] = _plot(result, base + ".png")
+    why_no_plot = "matplotlib is not installed"
+  except Exception as e:  # noqa: BLE001  (the plot is optional; the JSON is already written)
+    why_no_plot = f"plotting failed: {_short(e)}"
   save()
   print("\n" + format_table(result))
   print(f"\nwrote {result['json_path']}" + (
-      f" and {result['plot_path']}" if result["plot_path"]
-      else " (no plot: matplotlib is not installed)"))
+      f" and {result['plot_path']}" if result["plot_path"] else f" (no plot: {why_no_plot})"))
   return result

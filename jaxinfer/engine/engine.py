@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kv_cache
+from jaxinfer import kv_cache, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import steps
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.models.moe_ep import plan_from_params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,9 +83,13 @@ class Engine:
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
                mesh=None, layout=None):
-    if mesh is not None or layout is not None:
-      raise NotImplementedError("Engine(mesh=..., layout=...) arrives with the sharding issue")
+    if (mesh is None) != (layout is None):
+      raise ValueError("Engine: pass mesh and layout together (or neither)")
+    self.mesh, self.layout = mesh, layout
+    if mesh is not None:
+      params = sharding.shard_params(cfg, params, mesh, layout)
     self.cfg, self.params = cfg, params
+    self._ep = plan_from_params(params)
     self.config = config = config or EngineConfig()
     self.max_model_len = min(cfg.max_position_embeddings,
                              config.max_model_len or cfg.max_position_embeddings)
@@ -94,7 +99,8 @@ class Engine:
     num_pages = config.num_pages or self._size_pool(dtype)
     self.allocator = kv_cache.PageAllocator(num_pages, ps,
                                             prefix_caching=config.enable_prefix_caching)
-    self.pool = kv_cache.init_pool(cfg, num_pages, ps, dtype)
+    self.pool = kv_cache.init_pool(cfg, num_pages, ps, dtype,
+                                   sharding=self._pool_sharding() if mesh is not None else None)
     chunk = min(config.prefill_chunk_size or config.max_num_batched_tokens,
                 config.max_num_batched_tokens)
     self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
@@ -107,6 +113,15 @@ class Engine:
     self._num_steps = self._num_step_tokens = self._overlapped = 0
     self._in_flight: collections.deque = collections.deque()  # (scheduled, samples on device)
     self._prev_sampled = jnp.zeros((config.max_num_seqs,), jnp.int32)
+
+  def _pool_sharding(self):
+    """GQA pools [L, K, P, ps, H] split their KV heads like the attention
+    weights; MLA's single latent pool is replicated."""
+    table = sharding.rules(self.layout, self.mesh)
+    if self.cfg.attention == "mla":
+      return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+    return jax.sharding.NamedSharding(
+        self.mesh, jax.sharding.PartitionSpec(None, table["kv_heads"], None, None, None))
 
   def _size_pool(self, dtype) -> int:
     c = self.config
@@ -235,7 +250,7 @@ class Engine:
         sample_idx=[len(r.output) + r.pending for r in reqs])
     self._programs.add(shapes)
     sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batch, self._prev_sampled,
-                                    max_q=shapes.max_q)
+                                    max_q=shapes.max_q, ep=self._ep)
     self._prev_sampled = sampled
     self.scheduler.on_dispatch(scheduled)
     self._overlapped += bool(self._in_flight)

@@ -88,8 +88,8 @@ def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_
       sample_idx=pad(sample_idx, B, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q"), donate_argnames=("pool",))
-def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_q: int):
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep"), donate_argnames=("pool",))
+def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_q: int, ep=None):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
   fixed size), new pool). prev_sampled [S]: the previous step's output, from
   which tokens not yet read back by the host are taken (async scheduling)."""
@@ -98,7 +98,7 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q)
-  x, pool = trunk(cfg, params, tokens[None], ctx, pool)
+  x, pool = trunk(cfg, params, tokens[None], ctx, pool, ep)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   keys = request_keys(batch.seeds, batch.sample_idx)
   sampled = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)

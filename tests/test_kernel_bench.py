@@ -1,0 +1,50 @@
+"""The kernel benchmark end to end on CPU: tiny shapes, interpret mode, a tmp dir."""
+
+import json
+import math
+
+import pytest
+
+from jaxinfer.bench.kernels import KERNELS, run_kernel_bench
+
+
+def _finite_positive(x):
+  return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def test_tiny_run_writes_json_with_every_kernel(tmp_path):
+  res = run_kernel_bench(kernels=KERNELS, shapes="tiny", dtype="float32", interpret=True,
+                         repeats=2, warmup=1, peers=True, out_dir=str(tmp_path))
+  [path] = tmp_path.glob("kernel_bench_cpu_*.json")
+  assert str(path) == res["json_path"]
+  data = json.loads(path.read_text())
+
+  roof = data["roofline"]
+  for field in ("hbm_gbps", "matmul_tflops", "copy_bytes", "matmul_m"):
+    assert _finite_positive(roof[field]), field
+  assert set(data["conventions"]) >= {"flops", "bytes", "roofline_frac", "ours_over_peer_time"}
+
+  assert set(data["results"]) == set(KERNELS)
+  for kernel in KERNELS:
+    assert data["results"][kernel], kernel
+    for entry in data["results"][kernel]:
+      assert _finite_positive(entry["flops"]) and _finite_positive(entry["bytes"])
+      ours = entry["impls"]["ours"]
+      assert ours["status"] == "ok", (kernel, entry["label"], ours)
+      for field in ("time_s", "tflops", "gbps", "frac_peak_flops", "frac_peak_bw",
+                    "roofline_frac"):
+        assert _finite_positive(ours[field]), (kernel, field, ours[field])
+      assert ours["rel_err"] < 1e-4 and ours["numerics_ok"], (kernel, entry["label"], ours)
+      # At least one peer ran on CPU (XLA attention or the jnp reference) and was compared.
+      ran = [r for n, r in entry["impls"].items() if n != "ours" and r["status"] == "ok"]
+      assert ran and all(_finite_positive(r["ours_over_peer_time"]) for r in ran), entry
+      for name, rec in entry["impls"].items():
+        assert rec["status"] in ("ok", "skipped", "error"), (name, rec)
+  # GPU-only peers are recorded as skipped, not silently dropped.
+  flash = data["results"]["flash"][0]["impls"]
+  assert flash["cudnn"]["status"] == "skipped" and flash["jax_pallas_mha"]["status"] == "skipped"
+
+
+def test_rejects_unknown_kernel(tmp_path):
+  with pytest.raises(ValueError, match="kernels"):
+    run_kernel_bench(kernels=["flash", "nope"], shapes="tiny", out_dir=str(tmp_path))

@@ -1,0 +1,123 @@
+"""Sharded models on 8 simulated CPU devices equal the single-device results."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import Engine, EngineConfig, SamplingParams, models, presets, sharding
+from jaxinfer.models import moe_ep
+
+# A dense GQA model, a GQA-MoE (8 experts), and MLA-MoE models with 16 and 64
+# experts: several experts per rank, uneven routing. 8 KV heads divide every
+# tensor axis used below.
+MODELS = {
+    "dense": presets.get("tiny_dense", num_heads=8, num_kv_heads=8, head_dim=16),
+    "gqa_moe8": dataclasses.replace(
+        presets.get("tiny_dense", num_heads=16, num_kv_heads=8, head_dim=16, model_type="qwen3_moe"),
+        qk_norm=True, num_experts=8, num_experts_per_tok=2, moe_ffn_dim=64, dense_layers=(1,)),
+    "mla_moe16": presets.get("tiny_moe", num_experts=16, n_group=4, topk_group=2, num_heads=8,
+                             num_kv_heads=8, num_layers=3),
+    "mla_moe64": presets.get("tiny_moe", num_experts=64, num_experts_per_tok=6, n_group=8,
+                             topk_group=4, moe_ffn_dim=32, num_layers=2, num_heads=8,
+                             num_kv_heads=8),
+}
+MESHES = {  # "AxB" shapes per layout's axis pair
+    "tp": [{"data": 8, "tensor": 1}, {"data": 2, "tensor": 4}, {"data": 1, "tensor": 8}],
+    "dp_attn_ep": [{"data": 2, "expert": 4}, {"data": 4, "expert": 2}, {"data": 1, "expert": 8}],
+    "tp_attn_ep": [{"tensor": 2, "expert": 4}, {"tensor": 4, "expert": 2}],
+}
+
+
+def _rel(a, b):
+  a, b = np.asarray(a), np.asarray(b)
+  return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@pytest.fixture(scope="module")
+def models_and_refs():
+  out = {}
+  for name, cfg in MODELS.items():
+    cfg = dataclasses.replace(cfg, dtype="float32")
+    params = models.init_params(cfg, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (4, 13)).astype(np.int32)
+    out[name] = (cfg, params, tokens, np.asarray(models.logits(cfg, params, tokens)))
+  return out
+
+
+@pytest.mark.parametrize("layout", sorted(MESHES))
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_logits_equal_single_device(models_and_refs, name, layout):
+  cfg, params, tokens, ref = models_and_refs[name]
+  for axes in MESHES[layout]:
+    mesh = sharding.make_mesh(axes)
+    sharded = sharding.shard_params(cfg, params, mesh, layout)
+    assert _rel(models.logits(cfg, sharded, tokens), ref) < 1e-5, axes
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "replicated"])
+def test_both_ep_strategies_match(models_and_refs, strategy, monkeypatch):
+  cfg, params, tokens, ref = models_and_refs["mla_moe64"]
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  sharded = sharding.shard_params(cfg, params, mesh, "dp_attn_ep")
+  plan = dataclasses.replace(moe_ep.plan_from_params(sharded), strategy=strategy)
+  assert plan.axes == ("data", "expert") and plan.size == 8
+  out = models.transformer._logits(cfg, sharded, tokens, plan)
+  assert _rel(out, ref) < 1e-5
+
+
+def test_all_to_all_drops_no_token_when_all_route_to_one_expert(models_and_refs):
+  cfg, params, tokens, _ = models_and_refs["mla_moe16"]
+  # A huge selection bias on expert 5: every token sends a copy to rank 2
+  # (the worst case the dropless buffers are sized for).
+  seg = params["layers"][1]
+  biased = dict(params, layers=(params["layers"][0], dict(seg, mlp=dict(
+      seg["mlp"], score_bias=seg["mlp"]["score_bias"].at[:, 5].set(100.0)))))
+  ref = models.logits(dataclasses.replace(cfg, moe_impl="dense"), biased, tokens)
+  mesh = sharding.make_mesh({"expert": 8})
+  sharded = sharding.shard_params(cfg, biased, mesh, "dp_attn_ep")
+  plan = dataclasses.replace(moe_ep.plan_from_params(sharded), strategy="all_to_all")
+  assert _rel(models.transformer._logits(cfg, sharded, tokens, plan), ref) < 1e-5
+
+
+@pytest.mark.parametrize("name,layout,axes", [
+    ("dense", "tp", {"data": 2, "tensor": 4}),
+    ("mla_moe16", "dp_attn_ep", {"data": 2, "expert": 4}),
+    ("gqa_moe8", "tp_attn_ep", {"tensor": 4, "expert": 2}),
+])
+def test_engine_greedy_identical_on_mesh(models_and_refs, name, layout, axes):
+  cfg, params, _, _ = models_and_refs[name]
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (1, 20)]
+  config = EngineConfig(page_size=8, num_pages=64, max_num_batched_tokens=64)
+  ref = [o.token_ids for o in Engine(cfg, params, config).generate(prompts, SamplingParams(max_tokens=6))]
+  eng = Engine(cfg, params, config, mesh=sharding.make_mesh(axes), layout=layout)
+  assert [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=6))] == ref
+
+
+def test_params_are_created_sharded():
+  cfg = MODELS["mla_moe64"]
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  params = sharding.init_params(cfg, jax.random.key(0), mesh, "dp_attn_ep")
+  w = params["layers"][1]["mlp"]["w_gate"]  # [L, E=64, D, F]
+  assert w.sharding.spec[1] == ("data", "expert")
+  assert w.addressable_shards[0].data.shape[1] == 8  # 64 experts / 8 ranks
+
+
+def test_bad_meshes_name_axis_and_dimension():
+  with pytest.raises(ValueError, match=r"multiply to 6, but there are 8 devices"):
+    sharding.make_mesh({"data": 2, "tensor": 3})
+  with pytest.raises(ValueError, match="unknown axis names"):
+    sharding.make_mesh({"pipeline": 8})
+  mesh = sharding.make_mesh({"data": 2, "tensor": 4})
+  with pytest.raises(ValueError, match=r"kv_heads=2\) is not divisible by mesh axis tensor \(size 4\)"):
+    sharding.shard_params(presets.get("tiny_dense"), None, mesh, "tp")
+  mesh = sharding.make_mesh({"expert": 8})
+  with pytest.raises(ValueError, match=r"expert=4\) is not divisible by mesh axis expert \(size 8\)"):
+    sharding.param_shardings(presets.get("tiny_moe", num_experts=4, n_group=1, topk_group=1),
+                             mesh, "dp_attn_ep")
+  with pytest.raises(ValueError, match="unknown layout"):
+    sharding.rules("pp", mesh)
+  with pytest.raises(ValueError, match="mesh and layout together"):
+    Engine(MODELS["dense"], None, mesh=mesh)
