@@ -121,3 +121,21 @@ def batch_sharding(mesh: Mesh, layout: str, ndim: int) -> NamedSharding:
   """Sharding of a [B, ...] activation (tokens) under a layout."""
   axis = rules(layout, mesh)["batch"]
   return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))
+
+
+def initialize_distributed(coordinator_address: str, num_processes: int, process_id: int, *,
+                           local_device_count: int | None = None,
+                           cpu_collectives: str = "gloo") -> None:
+  """Joins the multi-controller runtime (one process per host, one global
+  mesh over every process's devices). Call before any other JAX work.
+
+  local_device_count: CPU devices this process exposes (tests: 4 per process);
+  cpu_collectives: the CPU cross-process collectives ("gloo").
+  """
+  if not 0 <= process_id < num_processes:
+    raise ValueError(f"process_id must be in [0, {num_processes}), got {process_id}")
+  if local_device_count is not None:
+    jax.config.update("jax_num_cpu_devices", local_device_count)
+  jax.config.update("jax_cpu_collectives_implementation", cpu_collectives)
+  jax.distributed.initialize(coordinator_address, num_processes=num_processes,
+                             process_id=process_id)
