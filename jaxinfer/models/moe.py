@@ -16,6 +16,12 @@ Expert paths (`cfg.moe_impl`), same outputs:
            reference: E/k times the FLOPs)
   grouped  token copies sorted by expert, one grouped matmul per projection
            (`jax.lax.ragged_dot`), unsorted and combined
+
+Expert load balancing (`jaxinfer/eplb.py`) may store the experts in physical
+slot order (E_phys >= E slots, hot experts replicated) with the tables
+`eplb_replicas` [E, R] and `eplb_num_replicas` [E]; `physical_ids` then maps
+the router's logical choice to a slot. The router stays logical (E columns);
+the expert paths count slots from the weights, `p["w_gate"].shape[0]`.
 """
 
 from __future__ import annotations
@@ -59,8 +65,21 @@ def route(cfg: ModelConfig, p, x):
   return idx, weights * cfg.routed_scaling_factor
 
 
+def physical_ids(p, idx, token):
+  """Logical expert ids [T, k] -> physical slots (identity without EPLB tables).
+
+  token [T]: global token indices. Token t takes replica t % num_replicas of
+  its expert, spreading a hot expert's tokens evenly over its replicas; every
+  replica holds the same weights, so the choice never changes the output.
+  """
+  if "eplb_replicas" not in p:
+    return idx
+  r = token[:, None] % p["eplb_num_replicas"][idx]
+  return p["eplb_replicas"][idx, r]
+
+
 def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
-  T, E = x.shape[0], cfg.num_experts
+  T, E = x.shape[0], p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
   combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(weights)
   gate = jnp.einsum("TD,EDF->TEF", x, p["w_gate"])
   up = jnp.einsum("TD,EDF->TEF", x, p["w_up"])
@@ -72,20 +91,25 @@ def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine)
 
 
+def grouped_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):
+  """Expert FFN on rows grouped by expert: xs [R, D] sorted by expert_ids [R],
+  sizes [E] rows per expert (rows past sum(sizes) compute to zero)."""
+  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
+  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
+  if cfg.expert_bias:
+    gate, up = gate + p["b_gate"][expert_ids], up + p["b_up"][expert_ids]
+  ys = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
+  if cfg.expert_bias:
+    ys = ys + p["b_down"][expert_ids]
+  return ys
+
+
 def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
   T, k = idx.shape
   flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
   order = jnp.argsort(flat, stable=True)
-  expert_sorted = flat[order]
-  xs = x[order // k]  # [T * k, D], grouped by expert
-  sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
-  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
-  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
-  if cfg.expert_bias:
-    gate, up = gate + p["b_gate"][expert_sorted], up + p["b_up"][expert_sorted]
-  ys = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
-  if cfg.expert_bias:
-    ys = ys + p["b_down"][expert_sorted]
+  sizes = jnp.bincount(flat, length=p["w_gate"].shape[0]).astype(jnp.int32)  # physical slots
+  ys = grouped_ffn(cfg, p, x[order // k], flat[order], sizes)
   y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, -1)
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
@@ -99,6 +123,7 @@ def moe(cfg: ModelConfig, p, x, ep=None):
   B, T, D = x.shape
   xt = x.reshape(B * T, D)
   idx, weights = route(cfg, p, xt)
+  idx = physical_ids(p, idx, jnp.arange(B * T))
   experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
   out = experts(cfg, p, xt, idx, weights).astype(x.dtype)
   if cfg.num_shared_experts:

@@ -15,6 +15,11 @@ and 1/n of the tokens. Two strategies, chosen per call by token count:
 `jax.lax.ragged_all_to_all` would send only the filled part of each buffer;
 XLA:CPU does not implement it, so the fixed-size form is used everywhere.
 Shared experts run locally on each rank's tokens.
+
+With an EPLB placement (`jaxinfer/eplb.py`) E counts physical slots (read from
+`w_gate`), the rank holds slots [r E/n, (r + 1) E/n), and each rank maps its
+routed logical ids to slots (`moe.physical_ids`, tables replicated) before
+dispatch.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import glu, mlp
+from jaxinfer.models.layers import mlp
+from jaxinfer.models.moe import grouped_ffn, physical_ids
+
+# Replicated on every rank: the logical router and the EPLB slot tables.
+_REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num_replicas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +67,12 @@ def plan_from_params(params, strategy: str = "auto") -> ExpertParallel | None:
   return None
 
 
-def _local_experts(cfg: ModelConfig, p, xs, local_ids, sizes):
-  """Grouped matmul over this rank's experts; xs sorted by local_ids."""
-  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
-  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
-  if cfg.expert_bias:
-    gate, up = gate + p["b_gate"][local_ids], up + p["b_up"][local_ids]
-  y = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
-  if cfg.expert_bias:
-    y = y + p["b_down"][local_ids]
-  return y
-
-
 def _apply_sorted(cfg, p, rows, expert, valid, e_local):
   """Runs rows [R, D] through local expert `expert` [R] (invalid rows -> 0)."""
   key = jnp.where(valid, expert, e_local)  # invalid rows sort last, outside every group
   order = jnp.argsort(key, stable=True)
   sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-  y = _local_experts(cfg, p, rows[order], jnp.minimum(key[order], e_local - 1), sizes)
+  y = grouped_ffn(cfg, p, rows[order], jnp.minimum(key[order], e_local - 1), sizes)
   return jnp.zeros_like(y).at[order].set(y)
 
 
@@ -117,10 +114,11 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route):
   """x [B, T, D] -> [B, T, D] with experts split over ep.axes."""
   B, T, D = x.shape
   n = ep.size
-  if cfg.num_experts % n:
-    raise ValueError(f"num_experts ({cfg.num_experts}) is not divisible by the expert-parallel "
+  E = p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
+  if E % n:
+    raise ValueError(f"num_experts ({E}) is not divisible by the expert-parallel "
                      f"axes {ep.axes} (size {n})")
-  e_local = cfg.num_experts // n
+  e_local = E // n
   xt = x.reshape(B * T, D)
   pad = -(B * T) % n
   xt = jnp.pad(xt, ((0, pad), (0, 0)))
@@ -129,12 +127,16 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route):
   if strategy == "auto":
     strategy = "replicated" if per_rank <= ep.replicated_max_tokens else "all_to_all"
   body = _replicated if strategy == "replicated" else _all_to_all
-  expert_keys = [k for k in p if k not in ("router", "router_bias", "score_bias", "shared")]
+  expert_keys = [k for k in p if k not in (*_REPLICATED, "shared")]
   experts = {k: p[k] for k in expert_keys}
-  router = {k: p[k] for k in ("router", "router_bias", "score_bias") if k in p}
+  router = {k: p[k] for k in _REPLICATED if k in p}
 
   def per_rank_fn(x_l, experts_l, router_p):
     idx, weights = route(cfg, router_p, x_l)
+    if "eplb_replicas" in router_p:
+      # Global token index, so the replica choice matches the unsharded path.
+      token = jax.lax.axis_index(ep.axes) * per_rank + jnp.arange(per_rank)
+      idx = physical_ids(router_p, idx, token)
     return body(cfg, experts_l, x_l, idx, weights, ep.axes, n, e_local).astype(x_l.dtype)
 
   spec_tokens = P(ep.axes, None)

@@ -1,0 +1,311 @@
+"""Expert-parallel load balancing (EPLB, after DeepSeek's `eplb`).
+
+With contiguous expert parallelism rank r holds experts [r E/n, (r + 1) E/n);
+a skewed router makes the rank holding the hot experts the step's straggler.
+EPLB measures each MoE layer's routing load, gives the hottest experts extra
+copies (redundant slots), and packs the E + R physical slots onto ranks so the
+per-rank load evens out. Every copy holds the same weights and a token picks
+one of its expert's copies, so the model's outputs do not change.
+
+  expert_load          tokens routed to each expert per MoE layer [Lm, E]
+  plan_placement       load -> Placement (replicate the hottest, then pack)
+  imbalance            (max - mean) / mean per-rank load, default or placed
+  apply_placement      params -> params with experts in physical slot order
+  shard_placed_params  those params split over expert mesh axes
+
+Placed params are runtime params, not a checkpoint format: each MoE block's
+expert weights become [L, E + R, ...] and the block gains `eplb_replicas`
+[L, E, max_r] and `eplb_num_replicas` [L, E] (int32), which `models.moe`
+reads; `models.param_specs` does not describe them, so shard them with
+`shard_placed_params`, not `sharding.shard_params`. The config is unchanged:
+the model reads the slot count from the weights. MTP blocks are not placed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import transformer
+from jaxinfer.models.attention import attention
+from jaxinfer.models.context import FullContext
+from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
+from jaxinfer.models.moe import moe, physical_ids, route
+from jaxinfer.models.moe_ep import plan_from_params
+
+EXPERT_KEYS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # [L, E, ...]
+TABLE_KEYS = ("eplb_replicas", "eplb_num_replicas")
+
+
+# ---------------------------------------------------------------- statistics
+
+def _block_with_load(cfg, is_moe, p, x, cos, sin, ctx, window, ep, physical):
+  """`transformer.block` (cacheless) that also counts the MoE layer's routed
+  copies per expert (per slot if physical). Kept equal to it by a test."""
+  a, _ = attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, ctx,
+                   window, None)
+  x = x + a
+  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  if not is_moe:
+    return x + mlp(cfg, p["mlp"], h), None
+  ht = h.reshape(-1, h.shape[-1])
+  idx, _ = route(cfg, p["mlp"], ht)
+  E = cfg.num_experts
+  if physical:
+    idx, E = physical_ids(p["mlp"], idx, jnp.arange(ht.shape[0])), p["mlp"]["w_gate"].shape[0]
+  return x + moe(cfg, p["mlp"], h, ep), jnp.bincount(idx.reshape(-1), length=E)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def _logits_and_load(cfg, params, tokens, ep, physical):
+  """The full forward of `transformer._logits`, plus per-MoE-layer counts."""
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  ctx = FullContext(positions, cfg.window_choices())
+  x = params["embed"][tokens].astype(cfg.compute_dtype())
+  cos, sin = rope_cos_sin(cfg, ctx.token_positions(T))
+  counts = []
+  for seg, (is_moe, first, count) in enumerate(cfg.segments()):
+    windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
+
+    def body(x, xs, is_moe=is_moe):
+      p, window = xs
+      return _block_with_load(cfg, is_moe, p, x, cos, sin, ctx, window, ep, physical)
+
+    x, c = jax.lax.scan(body, x, (params["layers"][seg], windows))
+    if is_moe:
+      counts.append(c)
+  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
+  return transformer.head(cfg, params, x), jnp.concatenate(counts)
+
+
+def expert_load(cfg: ModelConfig, params, tokens, *, physical: bool = False) -> np.ndarray:
+  """Routed (token, expert) copies per expert in each MoE layer: int [Lm, E].
+
+  tokens [B, T] run through the full causal forward (sharded params run
+  expert-parallel). physical=True counts per physical slot [Lm, E + R] of
+  placed params, with the replica choice the model makes: the load each rank
+  actually gets (`imbalance(load, num_ranks=n)` with no placement).
+  """
+  if not cfg.is_moe:
+    raise ValueError(f"expert_load: cfg has no MoE layers (num_experts={cfg.num_experts})")
+  transformer.check_tokens(cfg, tokens)
+  if physical and not _is_placed(params):
+    raise ValueError("expert_load: physical=True needs params from apply_placement")
+  _, load = _logits_and_load(cfg, params, jnp.asarray(tokens, jnp.int32),
+                             plan_from_params(params), physical)
+  return np.asarray(load)
+
+
+# ---------------------------------------------------------------- planning
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Placement:
+  """One MoE layer's slots. Slot s lives on rank s // slots_per_rank."""
+
+  phys_to_logical: np.ndarray  # [S] int32: the logical expert in each slot
+  replicas: np.ndarray  # [E, max_r] int32: slots of each expert, padded with its first slot
+  num_replicas: np.ndarray  # [E] int32, >= 1
+  num_ranks: int
+
+  @property
+  def num_slots(self) -> int:
+    return len(self.phys_to_logical)
+
+  @property
+  def slots_per_rank(self) -> int:
+    return self.num_slots // self.num_ranks
+
+
+def _check_load(load, name="load") -> np.ndarray:
+  load = np.asarray(load)
+  if load.ndim not in (1, 2) or load.shape[-1] == 0 or load.size == 0:
+    raise ValueError(f"{name} must be [E] or [num_moe_layers, E] with E >= 1, got shape "
+                     f"{load.shape}")
+  if not np.issubdtype(load.dtype, np.number) or np.issubdtype(load.dtype, np.complexfloating):
+    raise ValueError(f"{name} must be real numbers, got dtype {load.dtype}")
+  load = load.astype(np.float64)
+  if not np.all(np.isfinite(load)) or np.any(load < 0):
+    raise ValueError(f"{name} must be finite and >= 0")
+  return load
+
+
+def _check_int(value, name, lo) -> int:
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < lo:
+    raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+  return int(value)
+
+
+def _plan_one(load: np.ndarray, n: int, redundant: int) -> Placement:
+  E = len(load)
+  count = np.ones(E, np.int64)
+  # Replicate: each extra slot goes to the expert with the highest load per
+  # copy (ties: fewest copies, then lowest id, so zero load spreads evenly).
+  for _ in range(redundant):
+    per_copy = load / count
+    best = np.flatnonzero(per_copy == per_copy.max())
+    count[best[np.argmin(count[best])]] += 1
+  logical = np.repeat(np.arange(E), count)  # [S] one entry per copy
+  weight = load[logical] / count[logical]  # a copy serves 1/count of the expert's tokens
+  # Pack: longest processing time first, each copy onto the least-loaded rank
+  # that still has a free slot (ties: lowest rank). S = n * per_rank exactly.
+  per_rank = len(logical) // n
+  rank_load, fill = np.zeros(n), np.zeros(n, np.int64)
+  phys = np.empty(len(logical), np.int64)
+  for i in np.argsort(-weight, kind="stable"):
+    free = np.flatnonzero(fill < per_rank)
+    r = free[np.argmin(rank_load[free])]
+    phys[r * per_rank + fill[r]] = logical[i]
+    fill[r] += 1
+    rank_load[r] += weight[i]
+  replicas = np.empty((E, count.max()), np.int64)
+  for e in range(E):
+    slots = np.flatnonzero(phys == e)
+    replicas[e] = np.pad(slots, (0, replicas.shape[1] - len(slots)), constant_values=slots[0])
+  return Placement(phys.astype(np.int32), replicas.astype(np.int32), count.astype(np.int32), n)
+
+
+def plan_placement(load, num_ranks: int, num_redundant: int = 0):
+  """load [E] -> Placement; load [Lm, E] -> tuple of Lm Placements.
+
+  The E + num_redundant slots split evenly over num_ranks ranks.
+  """
+  load = _check_load(load)
+  n = _check_int(num_ranks, "num_ranks", 1)
+  redundant = _check_int(num_redundant, "num_redundant", 0)
+  S = load.shape[-1] + redundant
+  if S % n:
+    raise ValueError(f"num_ranks ({n}) must divide num_experts + num_redundant "
+                     f"({load.shape[-1]} + {redundant} = {S})")
+  if load.ndim == 1:
+    return _plan_one(load, n, redundant)
+  return tuple(_plan_one(row, n, redundant) for row in load)
+
+
+def _as_list(placement, layers: int, name: str) -> list[Placement]:
+  if isinstance(placement, Placement):
+    return [placement] * layers
+  placement = list(placement)
+  if len(placement) != layers or not all(isinstance(p, Placement) for p in placement):
+    raise ValueError(f"{name} must be a Placement or {layers} Placements (one per MoE layer), "
+                     f"got {len(placement)} items")
+  return placement
+
+
+def imbalance(load, placement: Placement | Sequence[Placement] | None = None,
+              num_ranks: int | None = None) -> float:
+  """Per-rank load imbalance (max - mean) / mean: 0 is perfect balance.
+
+  A logical expert's load splits evenly over its replicas. Without a placement
+  rank r holds experts [r E/n, (r + 1) E/n) (this also reads a physical slot
+  load from `expert_load(..., physical=True)`). For [Lm, E] the layers run one
+  after another, so it is (sum of per-layer max - sum of means) / sum of means.
+  """
+  load = _check_load(load)
+  rows = load if load.ndim == 2 else load[None]
+  E = rows.shape[1]
+  if placement is None:
+    n = _check_int(num_ranks, "num_ranks", 1)
+    if E % n:
+      raise ValueError(f"num_ranks ({n}) must divide the number of experts ({E})")
+    ranks = rows.reshape(len(rows), n, E // n).sum(-1)
+  else:
+    placements = _as_list(placement, len(rows), "placement")
+    for pl in placements:
+      if len(pl.num_replicas) != E:
+        raise ValueError(f"placement is for {len(pl.num_replicas)} experts, load has {E}")
+      if num_ranks is not None and num_ranks != pl.num_ranks:
+        raise ValueError(f"num_ranks ({num_ranks}) differs from the placement's ({pl.num_ranks})")
+    ranks = [(row[pl.phys_to_logical] / pl.num_replicas[pl.phys_to_logical])
+             .reshape(pl.num_ranks, -1).sum(-1) for row, pl in zip(rows, placements)]
+  total_mean = sum(float(np.mean(r)) for r in ranks)
+  if total_mean == 0:
+    return 0.0
+  return (sum(float(np.max(r)) for r in ranks) - total_mean) / total_mean
+
+
+# ---------------------------------------------------------------- applying
+
+def _is_placed(params) -> bool:
+  return any("eplb_replicas" in seg["mlp"] for seg in params["layers"])
+
+
+def apply_placement(cfg: ModelConfig, params, placements):
+  """Params -> params with each MoE layer's experts in its placement's slot
+  order (w[phys_to_logical], E -> E + R) plus the slot tables.
+
+  placements: one Placement for every MoE layer, or one per MoE layer in
+  order (`plan_placement` of an [Lm, E] load). cfg is unchanged.
+  """
+  if not cfg.is_moe:
+    raise ValueError(f"apply_placement: cfg has no MoE layers (num_experts={cfg.num_experts})")
+  if _is_placed(params):
+    raise ValueError("apply_placement: params already carry a placement; apply to logical params")
+  moe_layers = sum(count for is_moe, _, count in cfg.segments() if is_moe)
+  placements = _as_list(placements, moe_layers, "placements")
+  for pl in placements:
+    if len(pl.num_replicas) != cfg.num_experts:
+      raise ValueError(f"placements: a placement is for {len(pl.num_replicas)} experts, "
+                       f"cfg has {cfg.num_experts}")
+    if pl.num_slots != placements[0].num_slots:
+      raise ValueError("placements: every MoE layer needs the same slot count, got "
+                       f"{sorted({p.num_slots for p in placements})}")
+  max_r = max(pl.replicas.shape[1] for pl in placements)
+  layers, done = [], 0
+  for seg, (is_moe, _, count) in zip(params["layers"], cfg.segments()):
+    if not is_moe:
+      layers.append(seg)
+      continue
+    mine = placements[done:done + count]
+    done += count
+    p2l = jnp.asarray(np.stack([pl.phys_to_logical for pl in mine]))  # [L, S]
+    # Pad each layer's table to the segment's max_r with its first replica.
+    reps = np.stack([np.concatenate([pl.replicas, np.repeat(pl.replicas[:, :1],
+                                     max_r - pl.replicas.shape[1], 1)], 1) for pl in mine])
+    mlp_p = dict(seg["mlp"])
+    for k in EXPERT_KEYS:
+      if k in mlp_p:
+        mlp_p[k] = mlp_p[k][jnp.arange(count)[:, None], p2l]  # [L, E, ...] -> [L, S, ...]
+    mlp_p["eplb_replicas"] = jnp.asarray(reps, jnp.int32)
+    mlp_p["eplb_num_replicas"] = jnp.asarray(np.stack([pl.num_replicas for pl in mine]), jnp.int32)
+    layers.append(dict(seg, mlp=mlp_p))
+  return dict(params, layers=tuple(layers))
+
+
+def shard_placed_params(params, mesh: Mesh, axes):
+  """Places placed params on `mesh`: routed expert weights [L, S, ...] split
+  over `axes` on the slot dim (so rank r holds slots [r S/n, (r + 1) S/n),
+  the placement's ranks when n equals its num_ranks); everything else,
+  the slot tables included, replicated (the `dp_attn_ep` layout when axes
+  are all of the mesh's). Models then run expert-parallel over `axes`."""
+  axes = (axes,) if isinstance(axes, str) else tuple(axes)
+  bad = [a for a in axes if a not in mesh.axis_names]
+  if not axes or bad:
+    raise ValueError(f"axes: {list(axes)} must be non-empty names of mesh axes {mesh.axis_names}")
+  n = math.prod(mesh.shape[a] for a in axes)
+  axis = axes[0] if len(axes) == 1 else axes
+  replicated = NamedSharding(mesh, P())
+  layers = []
+  for seg in params["layers"]:
+    shard = jax.tree.map(lambda _: replicated, seg)
+    if "router" in seg["mlp"]:
+      for k in EXPERT_KEYS:
+        if k in seg["mlp"]:
+          w = seg["mlp"][k]
+          if w.shape[1] % n:
+            raise ValueError(f"{k}: {w.shape[1]} slots are not divisible by axes {axes} "
+                             f"(size {n})")
+          shard["mlp"][k] = NamedSharding(mesh, P(None, axis, *([None] * (w.ndim - 2))))
+    layers.append(shard)
+  shardings = dict(jax.tree.map(lambda _: replicated, {k: v for k, v in params.items()
+                                                        if k != "layers"}),
+                   layers=tuple(layers))
+  return jax.device_put(params, shardings)
