@@ -121,3 +121,59 @@ def test_bad_meshes_name_axis_and_dimension():
     sharding.rules("pp", mesh)
   with pytest.raises(ValueError, match="mesh and layout together"):
     Engine(MODELS["dense"], None, mesh=mesh)
+
+
+def test_attention_dp_engine_balances_by_tokens_and_matches(models_and_refs):
+  cfg, params, _, _ = models_and_refs["mla_moe16"]
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  rng = np.random.default_rng(3)
+  # One long prompt first, then short ones: balancing by tokens keeps the long
+  # one's rank free of others (counting requests would not).
+  prompts = [rng.integers(0, cfg.vocab_size, 120).tolist()] + [
+      rng.integers(0, cfg.vocab_size, 4).tolist() for _ in range(10)]
+  config = EngineConfig(page_size=8, num_pages=40, max_num_batched_tokens=64)
+  eng = Engine(cfg, params, config, mesh=mesh, layout="dp_attn_ep")
+  assert eng.num_ranks == 8
+  outs = eng.generate(prompts, SamplingParams(max_tokens=4))
+  stats = eng.stats()
+  long_rank = eng._requests[outs[0].request_id].rank
+  counts = stats["requests_per_rank"]
+  others = [c for r, c in enumerate(counts) if r != long_rank]
+  assert counts[long_rank] == 1  # by request count it would have taken a second
+  assert sum(others) == 10 and max(others) - min(others) <= 1
+  ref = Engine(cfg, params, config).generate(prompts, SamplingParams(max_tokens=4))
+  assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+  for a in eng.allocators:
+    a.check_consistency()
+  assert stats["kv_pages_used"] == 0
+
+
+def test_attention_dp_idle_ranks_step_without_hanging(models_and_refs):
+  cfg, params, _, _ = models_and_refs["dense"]
+  eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=16),
+               mesh=sharding.make_mesh({"data": 8}), layout="dp_attn_ep")
+  prompt = [1, 2, 3, 4, 5]
+  out = eng.generate([prompt], SamplingParams(max_tokens=5))[0]  # 7 of 8 ranks idle
+  ref = Engine(cfg, params, EngineConfig(page_size=8, num_pages=16)).generate(
+      [prompt], SamplingParams(max_tokens=5))[0]
+  assert out.token_ids == ref.token_ids and eng.stats()["steps"] == 5
+
+
+@pytest.mark.parametrize("strategy", ["all_to_all", "replicated"])
+def test_padded_rows_are_never_dispatched(models_and_refs, strategy):
+  import jax.numpy as jnp
+  cfg, params, _, _ = models_and_refs["mla_moe16"]
+  mesh = sharding.make_mesh({"expert": 8})
+  sharded = sharding.shard_params(cfg, params, mesh, "dp_attn_ep")
+  plan = dataclasses.replace(moe_ep.plan_from_params(sharded), strategy=strategy)
+  p = sharded["layers"][1]["mlp"]
+  p0 = jax.tree.map(lambda a: a[0], p)  # first MoE layer
+  x = jax.random.normal(jax.random.key(1), (2, 16, cfg.d_model))
+  valid = jnp.arange(32).reshape(2, 16) % 3 != 0
+  from jaxinfer.models import moe as moe_lib
+  out = moe_lib.moe(cfg, p0, x, plan, valid=valid)
+  full = moe_lib.moe(cfg, p0, x, plan)
+  shared = moe_lib.mlp(cfg, p0["shared"], x)
+  # Valid rows are unaffected; padded rows get nothing from the routed experts.
+  assert _rel(out[valid], full[valid]) < 1e-5
+  assert _rel(out[~valid], shared[~valid]) < 1e-5

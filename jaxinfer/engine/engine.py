@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import os
 from typing import Sequence
 
@@ -96,27 +97,44 @@ class Engine:
     ps = config.page_size
     self.max_pages_per_seq = -(-self.max_model_len // ps)
     dtype = cfg.compute_dtype()
-    num_pages = config.num_pages or self._size_pool(dtype)
-    self.allocator = kv_cache.PageAllocator(num_pages, ps,
-                                            prefix_caching=config.enable_prefix_caching)
-    self.pool = kv_cache.init_pool(cfg, num_pages, ps, dtype,
+    # Attention data parallelism (dp_attn_ep): each rank of the batch axes owns
+    # whole requests and a slice of the page pool; otherwise one rank.
+    self._dp_axes = ()
+    if layout == "dp_attn_ep":
+      batch = sharding.rules(layout, mesh)["batch"]
+      self._dp_axes = () if batch is None else (batch if isinstance(batch, tuple) else (batch,))
+    self.num_ranks = math.prod(mesh.shape[a] for a in self._dp_axes) if self._dp_axes else 1
+    num_pages = config.num_pages or self._size_pool(dtype)  # per rank
+    self.allocators = [kv_cache.PageAllocator(num_pages, ps,
+                                              prefix_caching=config.enable_prefix_caching)
+                       for _ in range(self.num_ranks)]
+    self.allocator = self.allocators[0]
+    self.pool = kv_cache.init_pool(cfg, num_pages * self.num_ranks, ps, dtype,
                                    sharding=self._pool_sharding() if mesh is not None else None)
     chunk = min(config.prefill_chunk_size or config.max_num_batched_tokens,
                 config.max_num_batched_tokens)
-    self.scheduler = Scheduler(self.allocator, max_num_seqs=config.max_num_seqs,
-                               max_num_batched_tokens=config.max_num_batched_tokens,
-                               prefill_chunk_size=chunk, max_model_len=self.max_model_len)
+    self.schedulers = [Scheduler(a, max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 prefill_chunk_size=chunk, max_model_len=self.max_model_len)
+                       for a in self.allocators]
+    self.scheduler = self.schedulers[0]
     self._chunk = chunk
     self._requests: dict[int, Request] = {}
     self._next_id = 0
     self._programs: set[steps.StepShapes] = set()
     self._num_steps = self._num_step_tokens = self._overlapped = 0
-    self._in_flight: collections.deque = collections.deque()  # (scheduled, samples on device)
-    self._prev_sampled = jnp.zeros((config.max_num_seqs,), jnp.int32)
+    self._in_flight: collections.deque = collections.deque()  # (scheduled per rank, samples)
+    shape = (self.num_ranks, config.max_num_seqs) if self._dp_axes else (config.max_num_seqs,)
+    self._prev_sampled = jnp.zeros(shape, jnp.int32)
 
   def _pool_sharding(self):
-    """GQA pools [L, K, P, ps, H] split their KV heads like the attention
+    """Attention DP: pages split over the ranks (each owns its slice). Else
+    GQA pools [L, K, P, ps, H] split their KV heads like the attention
     weights; MLA's single latent pool is replicated."""
+    P = jax.sharding.PartitionSpec
+    if self._dp_axes:
+      spec = P(None, self._dp_axes) if self.cfg.attention == "mla" else P(None, None, self._dp_axes)
+      return jax.sharding.NamedSharding(self.mesh, spec)
     table = sharding.rules(self.layout, self.mesh)
     if self.cfg.attention == "mla":
       return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
@@ -170,10 +188,20 @@ class Engine:
       stop |= set(self.cfg.eos_token_ids)
     rid = self._next_id
     self._next_id += 1
-    req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop))
+    req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop),
+                  rank=self._pick_rank())
     self._requests[rid] = req
-    self.scheduler.add(req)
+    self.schedulers[req.rank].add(req)
     return rid
+
+  def _pick_rank(self) -> int:
+    """The DP rank with the least work: tokens still to prefill plus KV in use
+    (not request counts, which ignore how long the requests are)."""
+    def load(r):
+      sch = self.schedulers[r]
+      pending = sum(q.total_len - q.num_computed for q in (*sch.waiting, *sch.running))
+      return pending + self.allocators[r].num_used() * self.config.page_size
+    return min(range(self.num_ranks), key=load)
 
   def abort(self, request_id: int) -> RequestOutput:
     """Stops a request, freeing its pages; returns what it produced."""
@@ -181,11 +209,11 @@ class Engine:
     if req is None:
       raise ValueError(f"abort: unknown request_id {request_id}")
     if not req.finished:
-      self.scheduler.finish(req, "abort")
+      self.schedulers[req.rank].finish(req, "abort")
     return self.output(request_id)
 
   def has_unfinished(self) -> bool:
-    return self.scheduler.has_work() or bool(self._in_flight)
+    return any(s.has_work() for s in self.schedulers) or bool(self._in_flight)
 
   def output(self, request_id: int) -> RequestOutput:
     req = self._requests[request_id]
@@ -206,20 +234,22 @@ class Engine:
   def step(self) -> list[tuple[int, list[int], bool]]:
     """Dispatches one device step and returns the (request_id, new_token_ids,
     finished) events that became known: with async scheduling, those of the
-    previous step, read back while this one runs."""
-    scheduled = self.scheduler.schedule()
+    previous step, read back while this one runs. Under attention DP every
+    rank steps together, an idle one on an all-padding batch."""
+    per_rank = [s.schedule() for s in self.schedulers]
+    scheduled = any(per_rank)
     if scheduled:
-      self._dispatch(scheduled)
+      self._dispatch(per_rank)
     keep = 1 if scheduled and self.config.async_scheduling else 0
     events = []
     while len(self._in_flight) > keep:
       done, sampled = self._in_flight.popleft()
-      sampled = np.asarray(sampled)  # the step's one device-to-host read
-      events += self.scheduler.apply(done, sampled[:len(done)])
+      sampled = np.asarray(sampled).reshape(self.num_ranks, -1)  # the one device-to-host read
+      for sch, rank_done, rank_sampled in zip(self.schedulers, done, sampled):
+        events += sch.apply(rank_done, rank_sampled[:len(rank_done)])
     return events
 
-  def _dispatch(self, scheduled) -> None:
-    c = self.config
+  def _rank_batch(self, scheduled, shapes):
     tokens, from_prev, positions, token_seq = [], [], [], []
     for i, s in enumerate(scheduled):
       req = s.request
@@ -233,30 +263,44 @@ class Engine:
           from_prev.append(req.pending_row)
       positions += range(s.start, s.start + s.num_tokens)
       token_seq += [i] * s.num_tokens
-    q_lens = [s.num_tokens for s in scheduled]
     reqs = [s.request for s in scheduled]
-    shapes = steps.StepShapes(
-        tokens=steps.bucket(len(tokens), c.max_num_batched_tokens),
-        seqs=steps.bucket(len(scheduled), c.max_num_seqs),
-        pages=steps.bucket(max(len(r.pages) for r in reqs), self.max_pages_per_seq),
-        max_q=steps.bucket(max(q_lens), self._chunk))
-    batch = steps.pad_batch(
+    return steps.pad_batch(
         shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
-        q_lens=q_lens, kv_lens=[s.start + s.num_tokens for s in scheduled],
+        q_lens=[s.num_tokens for s in scheduled],
+        kv_lens=[s.start + s.num_tokens for s in scheduled],
         page_tables=[r.pages for r in reqs],
         temperature=[r.sampling.temperature for r in reqs],
         top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
         seeds=[r.sampling.seed % (1 << 32) for r in reqs],
-        sample_idx=[len(r.output) + r.pending for r in reqs])
+        sample_idx=[len(r.output) + r.pending for r in reqs]), len(tokens)
+
+  def _dispatch(self, per_rank) -> None:
+    c = self.config
+    busy = [sch for sch in per_rank if sch]
+    shapes = steps.StepShapes(
+        tokens=steps.bucket(max(sum(s.num_tokens for s in sch) for sch in busy),
+                            c.max_num_batched_tokens),
+        seqs=steps.bucket(max(len(sch) for sch in busy), c.max_num_seqs),
+        pages=steps.bucket(max(len(s.request.pages) for sch in busy for s in sch),
+                           self.max_pages_per_seq),
+        max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), self._chunk))
+    batches = [self._rank_batch(sch, shapes) for sch in per_rank]
     self._programs.add(shapes)
-    sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batch, self._prev_sampled,
-                                    max_q=shapes.max_q, ep=self._ep)
+    if self._dp_axes:
+      sampled, self.pool = steps.step_ranked(
+          self.cfg, self.params, self.pool, steps.stack_batches([b for b, _ in batches]),
+          self._prev_sampled, max_q=shapes.max_q, ep=self._ep, mesh=self.mesh,
+          axes=self._dp_axes)
+    else:
+      sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batches[0][0],
+                                      self._prev_sampled, max_q=shapes.max_q, ep=self._ep)
     self._prev_sampled = sampled
-    self.scheduler.on_dispatch(scheduled)
+    for sch, rank_scheduled in zip(self.schedulers, per_rank):
+      sch.on_dispatch(rank_scheduled)
     self._overlapped += bool(self._in_flight)
-    self._in_flight.append((scheduled, sampled))
+    self._in_flight.append((per_rank, sampled))
     self._num_steps += 1
-    self._num_step_tokens += len(tokens)
+    self._num_step_tokens += sum(n for _, n in batches)
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -284,15 +328,19 @@ class Engine:
     return [self.output(rid) for rid in ids]
 
   def stats(self) -> dict:
-    a = self.allocator
-    reqs = self._requests.values()
+    allocs, reqs = self.allocators, self._requests.values()
     return dict(
         steps=self._num_steps,
         tokens_per_step=self._num_step_tokens / max(self._num_steps, 1),
         compiles=len(self._programs),
-        kv_pages_total=a.usable_pages, kv_pages_used=a.num_used(), kv_pages_cached=a.num_cached(),
-        kv_pages_free=len(a.free), preemptions=self.scheduler.num_preemptions,
+        kv_pages_total=sum(a.usable_pages for a in allocs),
+        kv_pages_used=sum(a.num_used() for a in allocs),
+        kv_pages_cached=sum(a.num_cached() for a in allocs),
+        kv_pages_free=sum(len(a.free) for a in allocs),
+        preemptions=sum(s.num_preemptions for s in self.schedulers),
         prompt_tokens=sum(len(r.prompt) for r in reqs),
         cached_prompt_tokens=sum(r.cached_prompt_tokens for r in reqs),
-        running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-        overlapped_steps=self._overlapped)
+        running=sum(len(s.running) for s in self.schedulers),
+        waiting=sum(len(s.waiting) for s in self.schedulers),
+        overlapped_steps=self._overlapped, dp_ranks=self.num_ranks,
+        requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)])

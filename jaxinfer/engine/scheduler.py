@@ -52,6 +52,7 @@ class Request:
   prefill_computed: int = 0  # prompt tokens this engine computed for the request
   admitted: bool = False
   preemptions: int = 0
+  rank: int = 0  # attention-DP rank owning the request and its pages
   pending: int = 0  # sampled tokens still on device
   pending_row: int = -1  # their row in the last dispatched step's samples
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import request_keys, sample
-from jaxinfer.models.context import PagedContext
+from jaxinfer.models.context import PagedContext, RankedPagedContext
 from jaxinfer.models.transformer import head, trunk
 
 
@@ -103,3 +103,28 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_
   keys = request_keys(batch.seeds, batch.sample_idx)
   sampled = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
   return jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool
+
+
+def stack_batches(batches: list[StepBatch]) -> StepBatch:
+  """Per-rank batches of equal shapes -> one batch with a leading rank axis."""
+  return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes"),
+                   donate_argnames=("pool",))
+def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_q: int,
+                ep, mesh, axes):
+  """Attention-data-parallel step: batch fields [n, ...], rank r's requests
+  and pages on rank r. -> (sampled [n, S] int32, new pool)."""
+  n, B = batch.kv_lens.shape
+  prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
+  tokens = jnp.where(batch.from_prev >= 0, prev, batch.tokens)  # [n, T]
+  ctx = RankedPagedContext(batch.positions, batch.token_seq, batch.valid, batch.cu_q_lens,
+                           batch.kv_lens, batch.page_table, max_q, mesh, axes)
+  x, pool = trunk(cfg, params, tokens, ctx, pool, ep)  # x [n, T, D]
+  h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
+  logits = head(cfg, params, h).reshape(n * B, -1)
+  flat = lambda a: a.reshape(n * B)
+  keys = request_keys(flat(batch.seeds), flat(batch.sample_idx))
+  sampled = sample(logits, keys, flat(batch.temperature), flat(batch.top_k), flat(batch.top_p))
+  return jnp.zeros_like(prev_sampled).at[:, :B].set(sampled.reshape(n, B)), pool

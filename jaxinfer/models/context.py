@@ -48,6 +48,9 @@ class FullContext:
   def token_positions(self, T: int):
     return self.positions
 
+  def token_valid(self):
+    return None
+
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
@@ -64,6 +67,9 @@ class ContiguousContext:
 
   def token_positions(self, T: int):
     return self.starts[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+
+  def token_valid(self):
+    return None
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
     # Per-sequence offsets into a contiguous cache: the XLA path (a reference;
@@ -102,6 +108,9 @@ class PagedContext:
   def token_positions(self, T: int):
     return self.positions[None]
 
+  def token_valid(self):
+    return self.valid[None]
+
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
     stack, layer = cache  # GQA {k, v [L, K, P, ps, H]}; MLA {kv [L, P, ps, C]}
     page_size = next(iter(stack.values())).shape[-2]
@@ -122,3 +131,59 @@ class PagedContext:
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
         v_head_dim=latent_dim, layer=layer, implementation=impl)
     return out[None], (stack, layer)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RankedPagedContext:
+  """Attention data parallelism: one PagedContext per rank of `axes`.
+
+  Every field carries a leading rank axis [n, ...] sharded over `axes`; rank
+  r's tokens are row r of a [n, T] batch, and its page ids index its own
+  slice of the pool (pages sharded over `axes`: GQA [L, K, n*P, ps, H], MLA
+  [L, n*P, ps, C]). Attention runs per rank in `shard_map`, never touching
+  another rank's pages; the rest of the layer sees an ordinary [n, T] batch.
+  """
+
+  positions: jax.Array  # [n, T]
+  token_seq: jax.Array  # [n, T]
+  valid: jax.Array  # [n, T]
+  cu_q_lens: jax.Array  # [n, B + 1]
+  kv_lens: jax.Array  # [n, B]
+  page_table: jax.Array  # [n, B, pages] (rank-local page ids)
+  max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
+  mesh: object = dataclasses.field(metadata=dict(static=True), default=None)
+  axes: tuple = dataclasses.field(metadata=dict(static=True), default=())
+  caches_latent = True
+
+  def token_positions(self, T: int):
+    return self.positions
+
+  def token_valid(self):
+    return self.valid
+
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
+    from jax.sharding import PartitionSpec as P
+    stack, layer = cache
+    rank = P(self.axes)
+    pool_spec = {n: (P(None, self.axes) if latent_dim is not None else P(None, None, self.axes))
+                 for n in stack}
+    has_sinks = sinks is not None
+
+    def local(q, new, stack, layer, window, sinks, positions, token_seq, valid, cu, kv_lens,
+              table):
+      ctx = PagedContext(positions[0], token_seq[0], valid[0], cu[0], kv_lens[0], table[0],
+                         self.max_q)
+      out, (stack, _) = ctx.attend(q, new, (stack, layer), latent_dim=latent_dim, window=window,
+                                   sinks=sinks if has_sinks else None, scale=scale, impl=impl)
+      return out, stack
+
+    fields = (self.positions, self.token_seq, self.valid, self.cu_q_lens, self.kv_lens,
+              self.page_table)
+    sinks_arg = sinks if has_sinks else jnp.zeros((), jnp.float32)
+    out, stack = jax.shard_map(
+        local, mesh=self.mesh,
+        in_specs=(rank, {n: rank for n in new}, pool_spec, P(), P(), P(), *([rank] * 6)),
+        out_specs=(rank, pool_spec), check_vma=False,
+    )(q, new, stack, jnp.asarray(layer), jnp.asarray(window, jnp.int32), sinks_arg, *fields)
+    return out, (stack, layer)

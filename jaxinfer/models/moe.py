@@ -114,15 +114,19 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def moe(cfg: ModelConfig, p, x, ep=None):
+def moe(cfg: ModelConfig, p, x, ep=None, valid=None):
   """x [B, T, D] -> [B, T, D]: routed experts plus shared experts. ep: an
-  `moe_ep.ExpertParallel` plan when the experts are split over mesh axes."""
+  `moe_ep.ExpertParallel` plan when the experts are split over mesh axes;
+  valid [B, T] or None: padding rows (False) are never dispatched to experts
+  (expert-parallel) and contribute nothing."""
   if ep is not None:
     from jaxinfer.models.moe_ep import moe_ep  # same layer
-    return moe_ep(cfg, p, x, ep, route)
+    return moe_ep(cfg, p, x, ep, route, valid)
   B, T, D = x.shape
   xt = x.reshape(B * T, D)
   idx, weights = route(cfg, p, xt)
+  if valid is not None:
+    weights = weights * valid.reshape(B * T, 1)
   idx = physical_ids(p, idx, jnp.arange(B * T))
   experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
   out = experts(cfg, p, xt, idx, weights).astype(x.dtype)

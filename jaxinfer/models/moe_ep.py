@@ -76,33 +76,38 @@ def _apply_sorted(cfg, p, rows, expert, valid, e_local):
   return jnp.zeros_like(y).at[order].set(y)
 
 
-def _all_to_all(cfg, p, x, idx, weights, axes, n, e_local):
+def _all_to_all(cfg, p, x, idx, weights, ok, axes, n, e_local):
   t, k = idx.shape
   cap = t * k  # worst case: every copy goes to one rank
   flat = idx.reshape(-1)
   dest = flat // e_local
-  onehot = jax.nn.one_hot(dest, n, dtype=jnp.int32)  # [t*k, n]
+  copy_ok = ok[jnp.arange(cap) // k]  # padding rows send nothing
+  onehot = jax.nn.one_hot(dest, n, dtype=jnp.int32) * copy_ok[:, None]  # [t*k, n]
   slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # position at its dest
-  send = jnp.zeros((n, cap, x.shape[-1]), x.dtype).at[dest, slot].set(x[jnp.arange(cap) // k])
-  send_e = jnp.zeros((n, cap), jnp.int32).at[dest, slot].set(flat % e_local)
-  send_ok = jnp.zeros((n, cap), bool).at[dest, slot].set(True)
+  slot = jnp.where(copy_ok, slot, cap)  # out of bounds: dropped by the scatters
+  send = jnp.zeros((n, cap, x.shape[-1]), x.dtype).at[dest, slot].set(
+      x[jnp.arange(cap) // k], mode="drop")
+  send_e = jnp.zeros((n, cap), jnp.int32).at[dest, slot].set(flat % e_local, mode="drop")
+  send_ok = jnp.zeros((n, cap), bool).at[dest, slot].set(True, mode="drop")
   a2a = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
   recv, recv_e, recv_ok = a2a(send), a2a(send_e), a2a(send_ok)
   y = _apply_sorted(cfg, p, recv.reshape(n * cap, -1), recv_e.reshape(-1),
                     recv_ok.reshape(-1), e_local)
   back = a2a(y.reshape(n, cap, -1))
-  y_copies = back[dest, slot].reshape(t, k, -1)
+  y_copies = back[dest, jnp.minimum(slot, cap - 1)] * copy_ok[:, None]
+  y_copies = y_copies.reshape(t, k, -1)
   return jnp.einsum("TKD,TK->TD", y_copies.astype(jnp.float32), weights)
 
 
-def _replicated(cfg, p, x, idx, weights, axes, n, e_local):
+def _replicated(cfg, p, x, idx, weights, ok, axes, n, e_local):
   rank = jax.lax.axis_index(axes)
   x_all = jax.lax.all_gather(x, axes, tiled=True)  # [n t, D]
   idx_all = jax.lax.all_gather(idx, axes, tiled=True)
   w_all = jax.lax.all_gather(weights, axes, tiled=True)
+  ok_all = jax.lax.all_gather(ok, axes, tiled=True)
   T, k = idx_all.shape
   flat = idx_all.reshape(-1)
-  mine = flat // e_local == rank
+  mine = (flat // e_local == rank) & ok_all[jnp.arange(T * k) // k]
   y = _apply_sorted(cfg, p, x_all[jnp.arange(T * k) // k], flat % e_local, mine, e_local)
   part = jnp.einsum("TKD,TK->TD", y.reshape(T, k, -1).astype(jnp.float32), w_all)
   total = jax.lax.psum(part, axes)
@@ -110,7 +115,7 @@ def _replicated(cfg, p, x, idx, weights, axes, n, e_local):
   return jax.lax.dynamic_slice_in_dim(total, rank * t, t)
 
 
-def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route):
+def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route, valid=None):
   """x [B, T, D] -> [B, T, D] with experts split over ep.axes."""
   B, T, D = x.shape
   n = ep.size
@@ -122,6 +127,8 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route):
   xt = x.reshape(B * T, D)
   pad = -(B * T) % n
   xt = jnp.pad(xt, ((0, pad), (0, 0)))
+  ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
+  ok = jnp.pad(ok, (0, pad))  # the alignment padding is not real tokens either
   per_rank = xt.shape[0] // n
   strategy = ep.strategy
   if strategy == "auto":
@@ -131,19 +138,21 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route):
   experts = {k: p[k] for k in expert_keys}
   router = {k: p[k] for k in _REPLICATED if k in p}
 
-  def per_rank_fn(x_l, experts_l, router_p):
+  def per_rank_fn(x_l, ok_l, experts_l, router_p):
     idx, weights = route(cfg, router_p, x_l)
     if "eplb_replicas" in router_p:
       # Global token index, so the replica choice matches the unsharded path.
       token = jax.lax.axis_index(ep.axes) * per_rank + jnp.arange(per_rank)
       idx = physical_ids(router_p, idx, token)
-    return body(cfg, experts_l, x_l, idx, weights, ep.axes, n, e_local).astype(x_l.dtype)
+    weights = weights * ok_l[:, None]
+    return body(cfg, experts_l, x_l, idx, weights, ok_l, ep.axes, n, e_local).astype(x_l.dtype)
 
   spec_tokens = P(ep.axes, None)
   spec_experts = {k: P(ep.axes, *([None] * (experts[k].ndim - 1))) for k in expert_keys}
   out = jax.shard_map(per_rank_fn, mesh=ep.mesh,
-                      in_specs=(spec_tokens, spec_experts, jax.tree.map(lambda _: P(), router)),
-                      out_specs=spec_tokens, check_vma=False)(xt, experts, router)
+                      in_specs=(spec_tokens, P(ep.axes), spec_experts,
+                                jax.tree.map(lambda _: P(), router)),
+                      out_specs=spec_tokens, check_vma=False)(xt, ok, experts, router)
   out = out[:B * T]
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], x.reshape(B * T, D))

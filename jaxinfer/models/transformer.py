@@ -28,7 +28,9 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
                                 cos, sin, ctx, window, cache)
   x = x + a
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  return x + (moe(cfg, p["mlp"], h, ep) if is_moe else mlp(cfg, p["mlp"], h)), cache
+  if not is_moe:
+    return x + mlp(cfg, p["mlp"], h), cache
+  return x + moe(cfg, p["mlp"], h, ep, valid=ctx.token_valid()), cache
 
 
 def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
