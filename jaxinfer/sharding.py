@@ -89,8 +89,11 @@ def spec_for(logical_axes, shape, table: dict, mesh: Mesh, *, name: str = "param
       used |= set(names)
       n = _axis_size(mesh, axis)
       if size % n:
+        hint = ("; KV heads are never duplicated across tensor ranks: use a tensor axis that "
+                "divides them, or layout 'dp_attn_ep' (attention data parallel)"
+                if logical == "kv_heads" else "")
         raise ValueError(f"{name}: dimension {dim} ({logical}={size}) is not divisible by mesh "
-                         f"axis {axis} (size {n})")
+                         f"axis {axis} (size {n}){hint}")
     spec.append(axis)
   return P(*spec)
 
