@@ -120,6 +120,27 @@ def init_params(cfg: ModelConfig, key, mesh: Mesh, layout: str = "tp"):
   return jax.jit(lambda k: specs_lib.init_params(cfg, k), out_shardings=shardings)(key)
 
 
+def dp_axes(mesh: Mesh, layout: str) -> tuple[str, ...]:
+  """Attention-data-parallel axes: under dp_attn_ep each rank of these owns
+  whole requests and their KV pages; () for the other layouts."""
+  if layout != "dp_attn_ep":
+    return ()
+  batch = rules(layout, mesh)["batch"]
+  return () if batch is None else (batch if isinstance(batch, tuple) else (batch,))
+
+
+def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
+  """PartitionSpec of the engine's page pool (GQA [L, K, P, ps, H], MLA
+  [L, P, ps, C]): pages split over the attention-DP ranks under dp_attn_ep;
+  otherwise GQA KV heads split like wk/wv and MLA's latent pool replicated."""
+  dp = dp_axes(mesh, layout)
+  if dp:
+    return P(None, dp) if cfg.attention == "mla" else P(None, None, dp)
+  if cfg.attention == "mla":
+    return P()
+  return P(None, rules(layout, mesh)["kv_heads"], None, None, None)
+
+
 def batch_sharding(mesh: Mesh, layout: str, ndim: int) -> NamedSharding:
   """Sharding of a [B, ...] activation (tokens) under a layout."""
   axis = rules(layout, mesh)["batch"]

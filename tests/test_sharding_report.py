@@ -9,7 +9,6 @@ import re
 import subprocess
 import sys
 import time
-import types
 
 import jax
 import numpy as np
@@ -17,7 +16,7 @@ import pytest
 
 from jaxinfer import models, presets, sharding
 from jaxinfer.bench.sharding_report import format_report, parse_mesh, sharding_report
-from jaxinfer.engine.engine import Engine
+from jax.sharding import NamedSharding
 from jaxinfer.kv_cache import init_pool
 from jaxinfer.models import moe_ep, transformer
 
@@ -40,14 +39,14 @@ def test_bytes_equal_placed_shards(model, layout, axes):
   cfg = presets.get(model, dtype="float32")
   mesh = sharding.make_mesh(axes)
   report = sharding_report(model=model, mesh_axes=axes, layout=layout, dtype="float32",
-                           kv_tokens=4 * 16)
+                           kv_tokens=8 * 16)
   host = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), models.abstract_params(cfg))
   params = sharding.shard_params(cfg, host, mesh, layout)
   assert report["params"]["per_device_bytes"] == _max_bytes_per_device(params)
   assert report["params"]["count"] == models.count_params(cfg)
-  # The engine's pool: 4 pages of 16 tokens, in Engine._pool_sharding.
-  engine = types.SimpleNamespace(cfg=cfg, mesh=mesh, layout=layout)
-  pool = init_pool(cfg, 4, 16, np.float32, sharding=Engine._pool_sharding(engine))
+  # The engine's pool: 8 pages of 16 tokens, sharded as the Engine shards it.
+  pool = init_pool(cfg, 8, 16, np.float32,
+                   sharding=NamedSharding(mesh, sharding.kv_pool_spec(cfg, mesh, layout)))
   assert report["kv"]["per_device_bytes"] == _max_bytes_per_device(pool)
   assert all(a["visualization"] for a in report["arrays"])  # the mesh fits the 8 devices
 
@@ -68,8 +67,10 @@ def test_deepseek_v3_on_288_devices_from_shapes():
   assert routed["per_device_bytes"] == pytest.approx(routed["total_bytes"] * 288 / 256 / 288)
   assert routed["per_device_bytes"] == pytest.approx(routed["total_bytes"] / 288, rel=0.13)
   assert all(a["visualization"] is None for a in r["arrays"])
-  kv = r["kv"]  # MLA latent pool, replicated (Engine._pool_sharding): 61 x 576 values/token
-  assert kv["per_device_bytes"] == kv["total_bytes"] == 61 * 576 * 2 * 1_000_000
+  kv = r["kv"]  # MLA latent pool, pages split over the 288 attention-DP ranks
+  tokens = -(-1_000_000 // 288) * 288
+  assert kv["total_bytes"] == 61 * 576 * 2 * tokens
+  assert kv["per_device_bytes"] == kv["total_bytes"] // 288
   ep = r["collectives"]["expert_parallel"]
   assert ep["size"] == 288 and ep["tokens_per_rank"] == 1 and ep["auto_strategy"] == "replicated"
   a2a = r["collectives"]["moe_alternative"]["moe"][0]  # dispatch [n, t * k, D]

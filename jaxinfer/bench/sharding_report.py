@@ -145,29 +145,34 @@ def _array_row(name, shape, logical_axes, spec, shard_shape) -> dict:
               shard_shape=list(shard_shape), spec_obj=spec)
 
 
-def _kv(cfg, dtype, mesh, table, kv_tokens):
+def _kv(cfg, dtype, mesh, table, kv_tokens, layout):
   """The pool as [L, K, S, H] per k/v (GQA) or [L, S, R + Hr] (MLA); the engine
   stores one pool per layer segment and splits S into pages."""
   L, S, rows, total, per_device = cfg.num_layers, kv_tokens, [], 0, 0
+  pool = tuple(sharding.kv_pool_spec(cfg, mesh, layout))  # the Engine's pool sharding
+  pool = pool + (None,) * (5 - len(pool))
+  dp = sharding.dp_axes(mesh, layout)
+  n_dp = _size(mesh, dp) if dp else 1
+  S = -(-S // n_dp) * n_dp  # each DP rank holds whole pages of its own requests
   for key, e in cache_entry_shapes(cfg).items():
-    if cfg.attention == "mla":
-      shape, axes, spec = (L, S, *e), ("layers", None, "kv_lora"), P()
-    else:
+    if cfg.attention == "mla":  # pool [L, P, ps, C] -> tokens [L, S, C]
+      shape, axes, spec = (L, S, *e), ("layers", None, "kv_lora"), P(pool[0], pool[1], pool[3])
+    else:  # pool [L, K, P, ps, H] -> tokens [L, K, S, H]
       shape, axes = (L, e[0], S, e[1]), ("layers", "kv_heads", None, "head_dim")
-      spec = sharding.spec_for(axes, shape, table, mesh, name=f"kv_pool.{key}")
+      spec = P(pool[0], pool[1], pool[2], pool[4])
+      if not dp:
+        sharding.spec_for(axes, shape, table, mesh, name=f"kv_pool.{key}")  # divisibility
     shard = NamedSharding(mesh, spec).shard_shape(shape)
     total += _nbytes(shape, dtype)
     per_device += _nbytes(shard, dtype)
     rows.append(_array_row(f"kv_pool.{key}", shape, axes, spec, shard))
   values = sum(math.prod(e) for e in cache_entry_shapes(cfg).values())
-  n_batch = _size(mesh, table["batch"])
   return dict(kv_tokens=kv_tokens, layers=L, values_per_token_per_layer=values, total_bytes=total,
               per_device_bytes=per_device, spec=rows[0]["spec"],
-              per_device_bytes_if_split_over_batch=per_device // n_batch,
-              note="per_device_bytes follows Engine._pool_sharding (whole pool on every rank of "
-                   "a replicated axis); per_device_bytes_if_split_over_batch is the DP-attention "
-                   "ideal (each batch rank holds only its requests' KV), not what Engine does; "
-                   "page rounding and the null page are ignored"), rows
+              note="per_device_bytes follows sharding.kv_pool_spec, the Engine's pool sharding "
+                   "(dp_attn_ep: pages split over the attention-DP ranks; otherwise GQA KV heads "
+                   "split like wk/wv, MLA replicated); page rounding and the null page are "
+                   "ignored"), rows
 
 
 def _coll(op, where, axes, n, shape, dtype) -> dict:
@@ -326,7 +331,7 @@ def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: str,
     raise ValueError(f"redundant_experts must be 0, or >= 0 for a MoE model; got "
                      f"{redundant_experts} for {model}")
   groups, arrays = _param_walk(cfg, dtype, mesh, table, redundant_experts)
-  kv, kv_rows = _kv(cfg, dtype, mesh, table, kv_tokens)
+  kv, kv_rows = _kv(cfg, dtype, mesh, table, kv_tokens, layout)
   arrays += kv_rows[:1]
   for row in arrays:
     row["visualization"] = _visualize(row, mesh_axes)
@@ -377,8 +382,7 @@ def format_report(r: dict) -> str:
   lines += ["", f"KV pool: {kv['kv_tokens']:,} tokens x {kv['layers']} layers x "
                 f"{kv['values_per_token_per_layer']} values; spec {kv['spec']}",
             f"  total {_gib(kv['total_bytes']).strip()} GiB, per device "
-            f"{_gib(kv['per_device_bytes']).strip()} GiB (split over batch ranks instead: "
-            f"{_gib(kv['per_device_bytes_if_split_over_batch']).strip()} GiB)",
+            f"{_gib(kv['per_device_bytes']).strip()} GiB",
             f"per device: params + KV = {_gib(r['per_device_bytes']).strip()} GiB"]
   c = r["collectives"]
   lines += ["", f"collectives (ANALYTIC) for one forward of {c['batch_tokens']} tokens "

@@ -99,10 +99,7 @@ class Engine:
     dtype = cfg.compute_dtype()
     # Attention data parallelism (dp_attn_ep): each rank of the batch axes owns
     # whole requests and a slice of the page pool; otherwise one rank.
-    self._dp_axes = ()
-    if layout == "dp_attn_ep":
-      batch = sharding.rules(layout, mesh)["batch"]
-      self._dp_axes = () if batch is None else (batch if isinstance(batch, tuple) else (batch,))
+    self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
     self.num_ranks = math.prod(mesh.shape[a] for a in self._dp_axes) if self._dp_axes else 1
     num_pages = config.num_pages or self._size_pool(dtype)  # per rank
     self.allocators = [kv_cache.PageAllocator(num_pages, ps,
@@ -128,18 +125,8 @@ class Engine:
     self._prev_sampled = jnp.zeros(shape, jnp.int32)
 
   def _pool_sharding(self):
-    """Attention DP: pages split over the ranks (each owns its slice). Else
-    GQA pools [L, K, P, ps, H] split their KV heads like the attention
-    weights; MLA's single latent pool is replicated."""
-    P = jax.sharding.PartitionSpec
-    if self._dp_axes:
-      spec = P(None, self._dp_axes) if self.cfg.attention == "mla" else P(None, None, self._dp_axes)
-      return jax.sharding.NamedSharding(self.mesh, spec)
-    table = sharding.rules(self.layout, self.mesh)
-    if self.cfg.attention == "mla":
-      return jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
-    return jax.sharding.NamedSharding(
-        self.mesh, jax.sharding.PartitionSpec(None, table["kv_heads"], None, None, None))
+    return jax.sharding.NamedSharding(self.mesh,
+                                      sharding.kv_pool_spec(self.cfg, self.mesh, self.layout))
 
   def _size_pool(self, dtype) -> int:
     c = self.config
