@@ -35,10 +35,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import transformer
-from jaxinfer.models.attention import attention
-from jaxinfer.models.context import FullContext
-from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
-from jaxinfer.models.moe import moe, physical_ids, route
 from jaxinfer.models.moe_ep import plan_from_params
 
 EXPERT_KEYS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # [L, E, ...]
@@ -47,44 +43,11 @@ TABLE_KEYS = ("eplb_replicas", "eplb_num_replicas")
 
 # ---------------------------------------------------------------- statistics
 
-def _block_with_load(cfg, is_moe, p, x, cos, sin, ctx, window, ep, physical):
-  """`transformer.block` (cacheless) that also counts the MoE layer's routed
-  copies per expert (per slot if physical). Kept equal to it by a test."""
-  a, _ = attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps), cos, sin, ctx,
-                   window, None)
-  x = x + a
-  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
-  if not is_moe:
-    return x + mlp(cfg, p["mlp"], h), None
-  ht = h.reshape(-1, h.shape[-1])
-  idx, _ = route(cfg, p["mlp"], ht)
-  E = cfg.num_experts
-  if physical:
-    idx, E = physical_ids(p["mlp"], idx, jnp.arange(ht.shape[0])), p["mlp"]["w_gate"].shape[0]
-  return x + moe(cfg, p["mlp"], h, ep), jnp.bincount(idx.reshape(-1), length=E)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 3, 4))
 def _logits_and_load(cfg, params, tokens, ep, physical):
-  """The full forward of `transformer._logits`, plus per-MoE-layer counts."""
-  B, T = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  ctx = FullContext(positions, cfg.window_choices())
-  x = params["embed"][tokens].astype(cfg.compute_dtype())
-  cos, sin = rope_cos_sin(cfg, ctx.token_positions(T))
-  counts = []
-  for seg, (is_moe, first, count) in enumerate(cfg.segments()):
-    windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
-
-    def body(x, xs, is_moe=is_moe):
-      p, window = xs
-      return _block_with_load(cfg, is_moe, p, x, cos, sin, ctx, window, ep, physical)
-
-    x, c = jax.lax.scan(body, x, (params["layers"][seg], windows))
-    if is_moe:
-      counts.append(c)
-  x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-  return transformer.head(cfg, params, x), jnp.concatenate(counts)
+  """The model's full forward, counting routed copies per MoE layer."""
+  return transformer.logits_and_counts(cfg, params, tokens, ep,
+                                       "physical" if physical else "logical")
 
 
 def expert_load(cfg: ModelConfig, params, tokens, *, physical: bool = False) -> np.ndarray:

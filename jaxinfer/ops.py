@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.ragged_paged_attention import to_padded
 
 _IMPLEMENTATIONS = ("xla", "pallas")
 _MASKED = -1e30
@@ -132,7 +133,6 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
                       sinks, scale, v_head_dim, layer):
   # Reference path: gather each sequence's pages into a contiguous [B, S]
   # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
-  T = q.shape[0]
   B, pages = page_table.shape
   _, K, _, page_size, _ = k_pages.shape
 
@@ -140,16 +140,11 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
     g = pool[layer, :, page_table]  # [B, pages, K, ps, H] (one gather)
     return g.transpose(0, 1, 3, 2, 4).reshape(B, pages * page_size, K, pool.shape[-1])
 
-  t = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
-  row = t - cu_q_lens[seq]
-  valid = t < cu_q_lens[-1]
-  seq_w = jnp.where(valid, seq, B)  # out of bounds: dropped by the scatter
-  q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype).at[seq_w, row].set(q, mode="drop")
+  q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
   k = gather(k_pages)
   v = k[..., :v_head_dim] if v_pages is None else gather(v_pages)
   out = _attention_xla(q_pad, k, v, q_pos, kv_lens, window, sinks, scale)
-  out = out[seq, jnp.minimum(row, max_q - 1)]
+  out = out[seq, row]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

@@ -23,7 +23,9 @@ from pallas_kernels.paged_attention import (PagedBlocks, paged_attention_core,
                                             paged_attention_reference, validate_paged)
 
 
-def _to_padded(q, cu_q_lens, max_q):
+def to_padded(q, cu_q_lens, max_q):
+  """Token-flattened q [T, ...] -> ([B, max_q, ...], seq [T], row [T], valid [T]):
+  token t is row `row[t]` of sequence `seq[t]`; padding tokens are not valid."""
   T = q.shape[0]
   B = cu_q_lens.shape[0] - 1
   t = jnp.arange(T, dtype=jnp.int32)
@@ -51,7 +53,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   """See the module docstring. layer: pools are stacked [L, K, P, page_size, D]
   and this (possibly traced) layer is read, e.g. from inside a layer scan."""
   _check(q, cu_q_lens, kv_lens, max_q)
-  q_pad, seq, row, valid = _to_padded(q, cu_q_lens, max_q)
+  q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   one_layer = (lambda a: a if a is None or layer is None else a[0])
   validate_paged(q_pad, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices,
@@ -68,7 +70,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,
                                      max_q, sm_scale=None, window=0, sinks=None, v_head_dim=None):
   _check(q, cu_q_lens, kv_lens, max_q)
-  q_pad, seq, row, valid = _to_padded(q, cu_q_lens, max_q)
+  q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   out = paged_attention_reference(q_pad, k_pages, v_pages, kv_lens, page_indices,
                                   sm_scale=sm_scale, window=window, sinks=sinks, dv=v_head_dim,

@@ -18,19 +18,32 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
-from jaxinfer.models.moe import moe
+from jaxinfer.models.moe import moe, physical_ids, route
 from jaxinfer.models.moe_ep import plan_from_params
 
 
-def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep=None):
-  """One pre-norm transformer block; returns (x, cache slice)."""
+def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep=None,
+          count_experts=None):
+  """One pre-norm transformer block; returns (x, cache slice, expert counts).
+
+  count_experts "logical" | "physical" (statistics runs, e.g. EPLB): the MoE
+  layer's routed copies per expert (per slot of EPLB-placed params); else None.
+  """
   a, cache = attn_lib.attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps),
                                 cos, sin, ctx, window, cache)
   x = x + a
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   if not is_moe:
-    return x + mlp(cfg, p["mlp"], h), cache
-  return x + moe(cfg, p["mlp"], h, ep, valid=ctx.token_valid()), cache
+    return x + mlp(cfg, p["mlp"], h), cache, None
+  counts = None
+  if count_experts:
+    ht = h.reshape(-1, h.shape[-1])
+    idx, _ = route(cfg, p["mlp"], ht)
+    E = cfg.num_experts
+    if count_experts == "physical":
+      idx, E = physical_ids(p["mlp"], idx, jnp.arange(ht.shape[0])), p["mlp"]["w_gate"].shape[0]
+    counts = jnp.bincount(idx.reshape(-1), length=E)
+  return x + moe(cfg, p["mlp"], h, ep, valid=ctx.token_valid()), cache, counts
 
 
 def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
@@ -40,9 +53,17 @@ def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
   segments of stacked cache slices, or None for a cacheless forward;
   ep: an expert-parallel plan (`moe_ep.ExpertParallel`) or None.
   """
+  x, caches, _ = trunk_with_counts(cfg, params, tokens, ctx, layer_caches, ep)
+  return x, caches
+
+
+def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None,
+                      count_experts=None):
+  """`trunk`, plus per-MoE-layer expert counts [Lm, E] when count_experts is
+  "logical" or "physical" (see `block`); else None."""
   x = params["embed"][tokens].astype(cfg.compute_dtype())
   cos, sin = rope_cos_sin(cfg, ctx.token_positions(tokens.shape[1]))
-  new_caches = []
+  new_caches, counts = [], []
   for seg, (is_moe, first, count) in enumerate(cfg.segments()):
     windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
     seg_cache = layer_caches[seg] if layer_caches is not None else None
@@ -52,15 +73,19 @@ def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
     def body(carry, xs, is_moe=is_moe):
       x, cache = carry
       p, window, layer = xs
-      x, cache = block(cfg, is_moe, p, x, cos, sin, ctx, window,
-                       None if cache is None else (cache, layer), ep)
-      return (x, None if cache is None else cache[0]), None
+      x, cache, n = block(cfg, is_moe, p, x, cos, sin, ctx, window,
+                          None if cache is None else (cache, layer), ep, count_experts)
+      return (x, None if cache is None else cache[0]), n
 
     layers = jnp.arange(count, dtype=jnp.int32)
-    (x, seg_cache), _ = jax.lax.scan(body, (x, seg_cache), (params["layers"][seg], windows, layers))
+    (x, seg_cache), seg_counts = jax.lax.scan(body, (x, seg_cache),
+                                              (params["layers"][seg], windows, layers))
     new_caches.append(seg_cache)
+    if seg_counts is not None:
+      counts.append(seg_counts)
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
-  return x, (tuple(new_caches) if layer_caches is not None else None)
+  caches = tuple(new_caches) if layer_caches is not None else None
+  return x, caches, (jnp.concatenate(counts) if counts else None)
 
 
 def head(cfg: ModelConfig, params, x):
@@ -72,10 +97,17 @@ def head(cfg: ModelConfig, params, x):
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _logits(cfg, params, tokens, ep):
+  return logits_and_counts(cfg, params, tokens, ep)[0]
+
+
+def logits_and_counts(cfg: ModelConfig, params, tokens, ep=None, count_experts=None):
+  """Full causal forward -> (float32 logits [B, T, V], expert counts or None)."""
   B, T = tokens.shape
   positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()), ep=ep)
-  return head(cfg, params, x)
+  x, _, counts = trunk_with_counts(cfg, params, tokens,
+                                   FullContext(positions, cfg.window_choices()), ep=ep,
+                                   count_experts=count_experts)
+  return head(cfg, params, x), counts
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
