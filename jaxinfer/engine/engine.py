@@ -169,7 +169,9 @@ class Engine:
 
   def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> int:
     """Queues a request; returns its id. Raises on bad input, queueing nothing."""
-    tokens, sampling = self._validate(prompt, sampling)
+    return self._enqueue(*self._validate(prompt, sampling))
+
+  def _enqueue(self, tokens: list[int], sampling: SamplingParams) -> int:
     stop = set(sampling.stop_token_ids)
     if not self.config.ignore_eos:
       stop |= set(self.cfg.eos_token_ids)
@@ -298,12 +300,13 @@ class Engine:
       sampling = [sampling] * len(prompts)
     if len(sampling) != len(prompts):
       raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    checked = []
     for i, (p, s) in enumerate(zip(prompts, sampling)):
       try:
-        self._validate(p, s)
+        checked.append(self._validate(p, s))
       except (ValueError, TypeError) as e:
         raise type(e)(f"prompts[{i}]: {e}") from None
-    ids = [self.submit(p, s) for p, s in zip(prompts, sampling)]
+    ids = [self._enqueue(tokens, s) for tokens, s in checked]
     pending, done = set(ids), 0
     while pending:
       for rid, _, finished in self.step():
