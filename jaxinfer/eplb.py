@@ -11,13 +11,16 @@ one of its expert's copies, so the model's outputs do not change.
   plan_placement       load -> Placement (replicate the hottest, then pack)
   imbalance            (max - mean) / mean per-rank load, default or placed
   apply_placement      params -> params with experts in physical slot order
+  remove_placement     placed params -> logical params
   shard_placed_params  those params split over expert mesh axes
 
 Placed params are runtime params, not a checkpoint format: each MoE block's
 expert weights become [L, E + R, ...] and the block gains `eplb_replicas`
 [L, E, max_r] and `eplb_num_replicas` [L, E] (int32), which `models.moe`
-reads; `models.param_specs` does not describe them, so shard them with
-`shard_placed_params`, not `sharding.shard_params`. The config is unchanged:
+reads; `models.param_specs` does not describe them; `sharding.shard_params` (and so
+`Engine(mesh=...)`) splits their slot dim like the logical expert dim, and
+`shard_placed_params` splits it over chosen mesh axes. `Engine` records the
+routing load while serving and `Engine.rebalance` applies a placement. The config is unchanged:
 the model reads the slot count from the weights. MTP blocks are not placed.
 """
 
@@ -239,6 +242,42 @@ def apply_placement(cfg: ModelConfig, params, placements):
         mlp_p[k] = mlp_p[k][jnp.arange(count)[:, None], p2l]  # [L, E, ...] -> [L, S, ...]
     mlp_p["eplb_replicas"] = jnp.asarray(reps, jnp.int32)
     mlp_p["eplb_num_replicas"] = jnp.asarray(np.stack([pl.num_replicas for pl in mine]), jnp.int32)
+    layers.append(dict(seg, mlp=mlp_p))
+  return dict(params, layers=tuple(layers))
+
+
+def placements_of(params, num_ranks: int) -> tuple[Placement, ...] | None:
+  """The per-MoE-layer Placements stored in placed params (None if logical)."""
+  if not _is_placed(params):
+    return None
+  out = []
+  for seg in params["layers"]:
+    if "eplb_replicas" not in seg["mlp"]:
+      continue
+    reps = np.asarray(seg["mlp"]["eplb_replicas"])
+    nums = np.asarray(seg["mlp"]["eplb_num_replicas"])
+    slots = seg["mlp"]["w_gate"].shape[1]
+    for rep, num in zip(reps, nums):
+      p2l = np.zeros(slots, np.int32)
+      for e, (r, k) in enumerate(zip(rep, num)):
+        p2l[r[:k]] = e
+      out.append(Placement(p2l, rep.astype(np.int32), num.astype(np.int32), num_ranks))
+  return tuple(out)
+
+
+def remove_placement(params):
+  """Placed params -> logical params (each expert from its first slot, the
+  slot tables dropped); logical params are returned unchanged."""
+  layers = []
+  for seg in params["layers"]:
+    mlp_p = seg["mlp"]
+    if "eplb_replicas" not in mlp_p:
+      layers.append(seg)
+      continue
+    first = mlp_p["eplb_replicas"][:, :, 0]  # [L, E]
+    L = first.shape[0]
+    mlp_p = {k: (v[jnp.arange(L)[:, None], first] if k in EXPERT_KEYS else v)
+             for k, v in mlp_p.items() if k not in TABLE_KEYS}
     layers.append(dict(seg, mlp=mlp_p))
   return dict(params, layers=tuple(layers))
 

@@ -110,8 +110,32 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, layout: str = "tp", table: dic
 
 
 def shard_params(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp", rules_table=None):
-  """Places params into the layout's shardings."""
-  return jax.device_put(params, param_shardings(cfg, mesh, layout, rules_table))
+  """Places params into the layout's shardings.
+
+  EPLB-placed params (`eplb.apply_placement`: expert weights [L, E + R, ...]
+  plus slot tables) are accepted: the slot dim is split like the logical
+  expert dim, the tables are replicated.
+  """
+  table = rules_table or rules(layout, mesh)
+  shardings = param_shardings(cfg, mesh, layout, table)
+  if any("eplb_replicas" in seg["mlp"] for seg in params["layers"]):
+    specs = specs_lib.param_specs(cfg)
+    layers = []
+    for seg_i, (seg, seg_shard) in enumerate(zip(params["layers"], shardings["layers"])):
+      mlp_p = seg["mlp"]
+      if "eplb_replicas" in mlp_p:
+        mlp_s = dict(seg_shard["mlp"])
+        for k, w in mlp_p.items():
+          if k in ("eplb_replicas", "eplb_num_replicas"):
+            mlp_s[k] = NamedSharding(mesh, P())
+          elif k in mlp_s and k != "shared":
+            spec = specs["layers"][seg_i]["mlp"][k]
+            mlp_s[k] = NamedSharding(mesh, spec_for(spec.logical_axes, w.shape, table, mesh,
+                                                    name=f"layers[{seg_i}].mlp.{k} (placed)"))
+        seg_shard = dict(seg_shard, mlp=mlp_s)
+      layers.append(seg_shard)
+    shardings = dict(shardings, layers=tuple(layers))
+  return jax.device_put(params, shardings)
 
 
 def init_params(cfg: ModelConfig, key, mesh: Mesh, layout: str = "tp"):

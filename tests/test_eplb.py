@@ -189,3 +189,52 @@ def test_bad_inputs_raise_naming_the_argument(setup):
     eplb.expert_load(CFG, params, tokens, physical=True)
   with pytest.raises(ValueError, match="cfg has no MoE layers"):
     eplb.expert_load(presets.get("tiny_dense"), params, tokens)
+
+
+# ---------------------------------------------------------------- in the engine
+
+def _engine_cfg():
+  from jaxinfer.engine import EngineConfig
+  return EngineConfig(page_size=4, num_pages=64, max_num_seqs=4, max_num_batched_tokens=32,
+                      enable_prefix_caching=False)
+
+
+def test_engine_records_the_routing_it_serves(setup):
+  from jaxinfer.engine import Engine, SamplingParams
+  params, tokens, _ = setup
+  skewed = _bias_experts(params, [0, 1, 9], 0.3)
+  engine = Engine(CFG, skewed, _engine_cfg())
+  outs = engine.generate([list(t[:9]) for t in tokens], SamplingParams(max_tokens=5))
+  # Every token the engine ran: prompt + all outputs but the last (never fed back).
+  ran = [o.prompt_token_ids + o.token_ids[:-1] for o in outs]
+  ref = sum(eplb.expert_load(CFG, skewed, np.asarray([r], np.int32)) for r in ran)
+  load = engine.expert_load()
+  assert load.shape == (3, 16)
+  np.testing.assert_array_equal(load.sum(-1), [sum(map(len, ran)) * 2] * 3)  # no padding rows
+  np.testing.assert_array_equal(load, ref)
+
+
+def test_engine_rebalance_keeps_outputs_and_evens_ranks(setup):
+  from jaxinfer.engine import Engine, SamplingParams
+  params, tokens, _ = setup
+  skewed = _bias_experts(params, [0, 1, 9], 0.3)
+  mesh = sharding.make_mesh({"expert": 8})
+  prompts = [list(t) for t in tokens]
+  engine = Engine(CFG, skewed, _engine_cfg(), mesh=mesh, layout="dp_attn_ep")
+  first = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6))]
+  report = engine.rebalance(num_redundant=8)
+  print(f"engine rebalance: {report}")
+  assert report["imbalance_before"] > 1.0
+  assert report["imbalance_after"] < report["imbalance_before"] / 2
+  assert engine.params["layers"][1]["mlp"]["w_gate"].shape[1] == 24  # 16 experts + 8 copies
+  assert not engine.expert_load().any()  # recording restarts
+  again = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6))]
+  assert again == first
+  # Placed params go straight into a new sharded engine, with the same outputs.
+  placed = eplb.remove_placement(engine.params)
+  np.testing.assert_array_equal(np.asarray(placed["layers"][1]["mlp"]["w_up"]),
+                                np.asarray(skewed["layers"][1]["mlp"]["w_up"]))
+  other = Engine(CFG, jax.device_get(engine.params), _engine_cfg(), mesh=mesh, layout="tp_attn_ep")
+  with pytest.raises(ValueError, match="no routed tokens"):
+    other.rebalance()
+  assert [o.token_ids for o in other.generate(prompts, SamplingParams(max_tokens=6))] == first

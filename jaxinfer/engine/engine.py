@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import kv_cache, sharding
+from jaxinfer import eplb, kv_cache, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import steps
 from jaxinfer.engine.sampling import SamplingParams
@@ -46,6 +46,9 @@ class EngineConfig:
   # Dispatch step N+1 before reading step N's tokens, so the host's work
   # overlaps the device's. Off: read each step's tokens before the next.
   async_scheduling: bool = True
+  # MoE models: count each expert's routed tokens in every step (on device,
+  # padding excluded) for `Engine.expert_load` / `Engine.rebalance` (EPLB).
+  record_expert_load: bool = True
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -123,6 +126,16 @@ class Engine:
     self._in_flight: collections.deque = collections.deque()  # (scheduled per rank, samples)
     shape = (self.num_ranks, config.max_num_seqs) if self._dp_axes else (config.max_num_seqs,)
     self._prev_sampled = jnp.zeros(shape, jnp.int32)
+    self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
+    # The EPLB placement the params carry (`rebalance`, or placed params passed in).
+    self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
+
+  def _zero_load(self):
+    moe_layers = sum(n for is_moe, _, n in self.cfg.segments() if is_moe)
+    load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32)
+    if self.mesh is not None:
+      load = jax.device_put(load, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
+    return load
 
   def _pool_sharding(self):
     return jax.sharding.NamedSharding(self.mesh,
@@ -276,13 +289,14 @@ class Engine:
     batches = [self._rank_batch(sch, shapes) for sch in per_rank]
     self._programs.add(shapes)
     if self._dp_axes:
-      sampled, self.pool = steps.step_ranked(
+      sampled, self.pool, self._load = steps.step_ranked(
           self.cfg, self.params, self.pool, steps.stack_batches([b for b, _ in batches]),
-          self._prev_sampled, max_q=shapes.max_q, ep=self._ep, mesh=self.mesh,
+          self._prev_sampled, self._load, max_q=shapes.max_q, ep=self._ep, mesh=self.mesh,
           axes=self._dp_axes)
     else:
-      sampled, self.pool = steps.step(self.cfg, self.params, self.pool, batches[0][0],
-                                      self._prev_sampled, max_q=shapes.max_q, ep=self._ep)
+      sampled, self.pool, self._load = steps.step(
+          self.cfg, self.params, self.pool, batches[0][0], self._prev_sampled, self._load,
+          max_q=shapes.max_q, ep=self._ep)
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(self.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
@@ -316,6 +330,38 @@ class Engine:
           if progress:
             progress(done)
     return [self.output(rid) for rid in ids]
+
+  # ------------------------------------------------------------ EPLB
+
+  def expert_load(self) -> np.ndarray:
+    """Routed (token, expert) copies per logical expert in each MoE layer,
+    int [Lm, E], over the steps served since the start or the last
+    `rebalance` (padding rows excluded)."""
+    if self._load is None:
+      raise ValueError("expert_load: nothing recorded (the model has no MoE layers, or "
+                       "EngineConfig(record_expert_load=False))")
+    return np.asarray(self._load)
+
+  def rebalance(self, num_redundant: int = 0) -> dict:
+    """EPLB from the load recorded while serving: plans a placement over the
+    expert-parallel ranks (`eplb.plan_placement`), applies it to the params
+    (outputs unchanged) and restarts the recording. Returns the per-rank
+    imbalance of the recorded load before and after."""
+    load = self.expert_load()
+    if not load.any():
+      raise ValueError("rebalance: no routed tokens recorded yet; serve some requests first")
+    n = self._ep.size if self._ep is not None else 1
+    placements = eplb.plan_placement(load, n, num_redundant)
+    before = eplb.imbalance(load, self._placements, num_ranks=n)
+    after = eplb.imbalance(load, placements)
+    params = eplb.apply_placement(self.cfg, eplb.remove_placement(self.params), placements)
+    if self.mesh is not None:
+      params = sharding.shard_params(self.cfg, params, self.mesh, self.layout)
+    self.params, self._placements = params, placements
+    self._ep = plan_from_params(params)
+    self._load = self._zero_load()
+    return dict(imbalance_before=before, imbalance_after=after, num_ranks=n,
+                num_redundant=num_redundant)
 
   def stats(self) -> dict:
     allocs, reqs = self.allocators, self._requests.values()

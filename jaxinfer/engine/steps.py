@@ -23,7 +23,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import request_keys, sample
 from jaxinfer.models.context import PagedContext, RankedPagedContext
-from jaxinfer.models.transformer import head, trunk
+from jaxinfer.models.transformer import head, trunk_with_counts
 
 
 @jax.tree_util.register_dataclass
@@ -88,21 +88,31 @@ def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_
       sample_idx=pad(sample_idx, B, np.int32))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep"), donate_argnames=("pool",))
-def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_q: int, ep=None):
+def _add_load(load, counts):
+  return load if load is None else load + counts
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep"),
+                   donate_argnames=("pool", "load"))
+def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
+         max_q: int, ep=None):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
-  fixed size), new pool). prev_sampled [S]: the previous step's output, from
-  which tokens not yet read back by the host are taken (async scheduling)."""
+  fixed size), new pool, new load). prev_sampled [S]: the previous step's
+  output, from which tokens not yet read back by the host are taken (async
+  scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
+  statistics, padding rows excluded), or None to record nothing."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q)
-  x, pool = trunk(cfg, params, tokens[None], ctx, pool, ep)
+  x, pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool, ep,
+                                      None if load is None else "logical")
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   keys = request_keys(batch.seeds, batch.sample_idx)
   sampled = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
-  return jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool
+  return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
+          _add_load(load, counts))
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
@@ -111,20 +121,22 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes"),
-                   donate_argnames=("pool",))
-def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, *, max_q: int,
-                ep, mesh, axes):
+                   donate_argnames=("pool", "load"))
+def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
+                max_q: int, ep, mesh, axes):
   """Attention-data-parallel step: batch fields [n, ...], rank r's requests
-  and pages on rank r. -> (sampled [n, S] int32, new pool)."""
+  and pages on rank r. -> (sampled [n, S] int32, new pool, new load)."""
   n, B = batch.kv_lens.shape
   prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
   tokens = jnp.where(batch.from_prev >= 0, prev, batch.tokens)  # [n, T]
   ctx = RankedPagedContext(batch.positions, batch.token_seq, batch.valid, batch.cu_q_lens,
                            batch.kv_lens, batch.page_table, max_q, mesh, axes)
-  x, pool = trunk(cfg, params, tokens, ctx, pool, ep)  # x [n, T, D]
+  x, pool, counts = trunk_with_counts(cfg, params, tokens, ctx, pool, ep,
+                                      None if load is None else "logical")  # x [n, T, D]
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)
   flat = lambda a: a.reshape(n * B)
   keys = request_keys(flat(batch.seeds), flat(batch.sample_idx))
   sampled = sample(logits, keys, flat(batch.temperature), flat(batch.top_k), flat(batch.top_p))
-  return jnp.zeros_like(prev_sampled).at[:, :B].set(sampled.reshape(n, B)), pool
+  return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled.reshape(n, B)), pool,
+          _add_load(load, counts))

@@ -114,22 +114,36 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def moe(cfg: ModelConfig, p, x, ep=None, valid=None):
-  """x [B, T, D] -> [B, T, D]: routed experts plus shared experts. ep: an
-  `moe_ep.ExpertParallel` plan when the experts are split over mesh axes;
-  valid [B, T] or None: padding rows (False) are never dispatched to experts
-  (expert-parallel) and contribute nothing."""
+def expert_counts(idx, ok, length):
+  """Routed copies per expert (or slot): idx [T, k], ok [T] bool -> int32 [length]."""
+  return jnp.zeros((length,), jnp.int32).at[idx.reshape(-1)].add(
+      jnp.repeat(ok.astype(jnp.int32), idx.shape[1]))
+
+
+def moe(cfg: ModelConfig, p, x, ep=None, valid=None, count=None):
+  """x [B, T, D] -> ([B, T, D], counts): routed experts plus shared experts.
+
+  ep: an `moe_ep.ExpertParallel` plan when the experts are split over mesh
+  axes; valid [B, T] or None: padding rows (False) are never dispatched to
+  experts (expert-parallel) and contribute nothing. count "logical" |
+  "physical": counts [E] (or [E + R] slots of EPLB-placed params) of the
+  routed copies of valid tokens, taken from this layer's own routing; None:
+  counts is None.
+  """
   if ep is not None:
     from jaxinfer.models.moe_ep import moe_ep  # same layer
-    return moe_ep(cfg, p, x, ep, route, valid)
+    return moe_ep(cfg, p, x, ep, route, valid, count)
   B, T, D = x.shape
   xt = x.reshape(B * T, D)
+  ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   idx, weights = route(cfg, p, xt)
-  if valid is not None:
-    weights = weights * valid.reshape(B * T, 1)
+  weights = weights * ok[:, None]
+  counts = expert_counts(idx, ok, cfg.num_experts) if count == "logical" else None
   idx = physical_ids(p, idx, jnp.arange(B * T))
+  if count == "physical":
+    counts = expert_counts(idx, ok, p["w_gate"].shape[0])
   experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
   out = experts(cfg, p, xt, idx, weights).astype(x.dtype)
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], xt)
-  return out.reshape(B, T, D)
+  return out.reshape(B, T, D), counts

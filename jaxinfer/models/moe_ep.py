@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import mlp
-from jaxinfer.models.moe import grouped_ffn, physical_ids
+from jaxinfer.models.moe import expert_counts, grouped_ffn, physical_ids
 
 # Replicated on every rank: the logical router and the EPLB slot tables.
 _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num_replicas")
@@ -115,8 +115,9 @@ def _replicated(cfg, p, x, idx, weights, ok, axes, n, e_local):
   return jax.lax.dynamic_slice_in_dim(total, rank * t, t)
 
 
-def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route, valid=None):
-  """x [B, T, D] -> [B, T, D] with experts split over ep.axes."""
+def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route, valid=None, count=None):
+  """x [B, T, D] -> ([B, T, D], counts or None) with experts split over
+  ep.axes; count as in `moe.moe` (summed over the ranks' tokens)."""
   B, T, D = x.shape
   n = ep.size
   E = p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
@@ -140,20 +141,26 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route, valid=None):
 
   def per_rank_fn(x_l, ok_l, experts_l, router_p):
     idx, weights = route(cfg, router_p, x_l)
+    counts = jnp.zeros((0,), jnp.int32)
+    if count == "logical":
+      counts = jax.lax.psum(expert_counts(idx, ok_l, cfg.num_experts), ep.axes)
     if "eplb_replicas" in router_p:
       # Global token index, so the replica choice matches the unsharded path.
       token = jax.lax.axis_index(ep.axes) * per_rank + jnp.arange(per_rank)
       idx = physical_ids(router_p, idx, token)
+    if count == "physical":
+      counts = jax.lax.psum(expert_counts(idx, ok_l, E), ep.axes)
     weights = weights * ok_l[:, None]
-    return body(cfg, experts_l, x_l, idx, weights, ok_l, ep.axes, n, e_local).astype(x_l.dtype)
+    y = body(cfg, experts_l, x_l, idx, weights, ok_l, ep.axes, n, e_local).astype(x_l.dtype)
+    return y, counts
 
   spec_tokens = P(ep.axes, None)
   spec_experts = {k: P(ep.axes, *([None] * (experts[k].ndim - 1))) for k in expert_keys}
-  out = jax.shard_map(per_rank_fn, mesh=ep.mesh,
+  out, counts = jax.shard_map(per_rank_fn, mesh=ep.mesh,
                       in_specs=(spec_tokens, P(ep.axes), spec_experts,
                                 jax.tree.map(lambda _: P(), router)),
-                      out_specs=spec_tokens, check_vma=False)(xt, ok, experts, router)
+                      out_specs=(spec_tokens, P()), check_vma=False)(xt, ok, experts, router)
   out = out[:B * T]
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], x.reshape(B * T, D))
-  return out.reshape(B, T, D)
+  return out.reshape(B, T, D), (counts if count else None)

@@ -18,7 +18,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
-from jaxinfer.models.moe import moe, physical_ids, route
+from jaxinfer.models.moe import moe
 from jaxinfer.models.moe_ep import plan_from_params
 
 
@@ -35,15 +35,8 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   if not is_moe:
     return x + mlp(cfg, p["mlp"], h), cache, None
-  counts = None
-  if count_experts:
-    ht = h.reshape(-1, h.shape[-1])
-    idx, _ = route(cfg, p["mlp"], ht)
-    E = cfg.num_experts
-    if count_experts == "physical":
-      idx, E = physical_ids(p["mlp"], idx, jnp.arange(ht.shape[0])), p["mlp"]["w_gate"].shape[0]
-    counts = jnp.bincount(idx.reshape(-1), length=E)
-  return x + moe(cfg, p["mlp"], h, ep, valid=ctx.token_valid()), cache, counts
+  y, counts = moe(cfg, p["mlp"], h, ep, valid=ctx.token_valid(), count=count_experts)
+  return x + y, cache, counts
 
 
 def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
