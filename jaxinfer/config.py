@@ -237,8 +237,10 @@ def _validate(c: ModelConfig) -> None:
       need(c.topk_group * (c.num_experts // c.n_group) >= c.num_experts_per_tok,
            "topk_group groups hold fewer experts than num_experts_per_tok")
     need(c.moe_impl in ("grouped", "dense"), f"moe_impl must be 'grouped' or 'dense', got {c.moe_impl!r}")
-    bad = [i for i in c.dense_layers if not 0 <= i < c.num_layers]
-    need(not bad, f"dense_layers {bad} out of range [0, {c.num_layers})")
+    # Index num_layers + m is MTP module m's block (HF numbering).
+    top = c.num_layers + c.num_mtp_layers
+    bad = [i for i in c.dense_layers if not 0 <= i < top]
+    need(not bad, f"dense_layers {bad} out of range [0, {top}) (num_layers + num_mtp_layers)")
   if not c.is_moe or c.dense_layers:
     need(c.ffn_dim > 0, f"ffn_dim must be > 0 for dense MLP layers, got {c.ffn_dim}")
   need(c.activation in ("silu", "clamped_swiglu"), f"unknown activation {c.activation!r}")

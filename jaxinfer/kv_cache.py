@@ -29,14 +29,15 @@ from jaxinfer.models.attention import cache_entry_shapes
 NULL_PAGE = 0
 
 
-def page_bytes(cfg: ModelConfig, page_size: int, dtype) -> int:
-  """Bytes of one page across all layers."""
+def page_bytes(cfg: ModelConfig, page_size: int, dtype, mtp: bool = False) -> int:
+  """Bytes of one page across all layers (and the MTP modules' with mtp)."""
   per_token = sum(math.prod(e) for e in cache_entry_shapes(cfg).values())
-  return per_token * page_size * cfg.num_layers * jnp.dtype(dtype).itemsize
+  layers = cfg.num_layers + (cfg.num_mtp_layers if mtp else 0)
+  return per_token * page_size * layers * jnp.dtype(dtype).itemsize
 
 
 def num_pages_for(cfg: ModelConfig, page_size: int, dtype, *, kv_cache_bytes: int | None = None,
-                  memory_fraction: float = 0.5, device=None) -> int:
+                  memory_fraction: float = 0.5, device=None, mtp: bool = False) -> int:
   """Pages that fit a byte budget: kv_cache_bytes, or a fraction of the
   device's free memory (accelerators report it; CPU does not: pass bytes)."""
   if kv_cache_bytes is None:
@@ -47,15 +48,18 @@ def num_pages_for(cfg: ModelConfig, page_size: int, dtype, *, kv_cache_bytes: in
                        f"({device.platform})")
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     kv_cache_bytes = int(free * memory_fraction)
-  n = kv_cache_bytes // page_bytes(cfg, page_size, dtype)
+  per_page = page_bytes(cfg, page_size, dtype, mtp)
+  n = kv_cache_bytes // per_page
   if n < 2:
     raise ValueError(f"kv_cache_bytes={kv_cache_bytes} holds {n} pages of "
-                     f"{page_bytes(cfg, page_size, dtype)} bytes; need at least 2 (page 0 is reserved)")
+                     f"{per_page} bytes; need at least 2 (page 0 is reserved)")
   return int(n)
 
 
-def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None):
-  """The zeroed device page pool."""
+def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None,
+              mtp: bool = False):
+  """The zeroed device page pool: a tuple over `cfg.segments()` of stacked
+  entries, plus (mtp) one for the MTP modules' own K/V, last."""
   entry = cache_entry_shapes(cfg)
 
   def shape(n, e):
@@ -68,7 +72,8 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=
       return jnp.zeros(s, dtype)
     return jax.jit(lambda: jnp.zeros(s, dtype), out_shardings=sharding)()
 
-  return tuple({k: zeros(shape(n, e)) for k, e in entry.items()} for _, _, n in cfg.segments())
+  counts = [n for _, _, n in cfg.segments()] + ([cfg.num_mtp_layers] if mtp else [])
+  return tuple({k: zeros(shape(n, e)) for k, e in entry.items()} for n in counts)
 
 
 def hash_page(parent: bytes | None, tokens) -> bytes:

@@ -4,6 +4,7 @@ and the contiguous-cache reference generation."""
 from jaxinfer.engine.contiguous import generate, greedy_reference
 from jaxinfer.engine.engine import Engine, EngineConfig, RequestMetrics, RequestOutput
 from jaxinfer.engine.sampling import SamplingParams, sample
+from jaxinfer.engine.speculative import MTPConfig
 
-__all__ = ["Engine", "EngineConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
+__all__ = ["Engine", "EngineConfig", "MTPConfig", "RequestMetrics", "RequestOutput", "SamplingParams",
            "generate", "greedy_reference", "sample"]

@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer import eplb, kv_cache, sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import steps
+from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.models.moe_ep import plan_from_params
@@ -49,6 +49,8 @@ class EngineConfig:
   # MoE models: count each expert's routed tokens in every step (on device,
   # padding excluded) for `Engine.expert_load` / `Engine.rebalance` (EPLB).
   record_expert_load: bool = True
+  # Speculative decoding with the model's MTP modules (synchronous steps).
+  speculative: speculative.MTPConfig | None = None
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -58,6 +60,9 @@ class EngineConfig:
       value = getattr(self, name)
       if value is not None and value < 1:
         raise ValueError(f"EngineConfig: {name} must be >= 1 or None, got {value}")
+    if self.speculative is not None and not isinstance(self.speculative, speculative.MTPConfig):
+      raise TypeError(f"EngineConfig: speculative must be an MTPConfig or None, "
+                      f"got {type(self.speculative).__name__}")
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ValueError(f"EngineConfig: kv_cache_memory_fraction must be in (0, 1], "
                        f"got {self.kv_cache_memory_fraction}")
@@ -104,13 +109,23 @@ class Engine:
     # whole requests and a slice of the page pool; otherwise one rank.
     self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
     self.num_ranks = math.prod(mesh.shape[a] for a in self._dp_axes) if self._dp_axes else 1
+    self._spec = config.speculative
+    if self._spec is not None:
+      if not cfg.num_mtp_layers or "mtp" not in params:
+        raise ValueError("EngineConfig.speculative needs a model with MTP modules "
+                         f"(cfg.num_mtp_layers={cfg.num_mtp_layers}, params "
+                         f"{'have' if 'mtp' in params else 'lack'} 'mtp')")
+      if self.num_ranks > 1:
+        raise ValueError("EngineConfig.speculative is not supported under attention data "
+                         "parallelism (dp_attn_ep) yet; use layout 'tp' or 'tp_attn_ep'")
     num_pages = config.num_pages or self._size_pool(dtype)  # per rank
     self.allocators = [kv_cache.PageAllocator(num_pages, ps,
                                               prefix_caching=config.enable_prefix_caching)
                        for _ in range(self.num_ranks)]
     self.allocator = self.allocators[0]
     self.pool = kv_cache.init_pool(cfg, num_pages * self.num_ranks, ps, dtype,
-                                   sharding=self._pool_sharding() if mesh is not None else None)
+                                   sharding=self._pool_sharding() if mesh is not None else None,
+                                   mtp=self._spec is not None)
     chunk = min(config.prefill_chunk_size or config.max_num_batched_tokens,
                 config.max_num_batched_tokens)
     self.schedulers = [Scheduler(a, max_num_seqs=config.max_num_seqs,
@@ -127,6 +142,14 @@ class Engine:
     shape = (self.num_ranks, config.max_num_seqs) if self._dp_axes else (config.max_num_seqs,)
     self._prev_sampled = jnp.zeros(shape, jnp.int32)
     self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
+    if self._spec is not None:
+      self._spec_state = speculative.init_state(cfg, config.max_num_seqs,
+                                                self._spec.num_draft_tokens)
+      self._slot_of: dict[int, int] = {}
+      self._free_slots = list(range(config.max_num_seqs))
+      self._drafted = np.zeros(self._spec.num_draft_tokens, np.int64)
+      self._accepted = np.zeros(self._spec.num_draft_tokens, np.int64)
+      self._verifies = self._verify_tokens = 0
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
 
@@ -151,7 +174,8 @@ class Engine:
       avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
       budget = int(avail * c.kv_cache_memory_fraction)
     n = kv_cache.num_pages_for(self.cfg, c.page_size, dtype, kv_cache_bytes=budget,
-                               memory_fraction=c.kv_cache_memory_fraction, device=device)
+                               memory_fraction=c.kv_cache_memory_fraction, device=device,
+                               mtp=c.speculative is not None)
     return min(n, cap)
 
   # ------------------------------------------------------------ requests
@@ -238,6 +262,8 @@ class Engine:
     finished) events that became known: with async scheduling, those of the
     previous step, read back while this one runs. Under attention DP every
     rank steps together, an idle one on an all-padding batch."""
+    if self._spec is not None:
+      return self._step_speculative()
     per_rank = [s.schedule() for s in self.schedulers]
     scheduled = any(per_rank)
     if scheduled:
@@ -304,6 +330,93 @@ class Engine:
     self._in_flight.append((per_rank, sampled))
     self._num_steps += 1
     self._num_step_tokens += sum(n for _, n in batches)
+
+  # ------------------------------------------------------------ speculative
+
+  def _step_speculative(self) -> list[tuple[int, list[int], bool]]:
+    """One synchronous speculative step (`engine/speculative.py`)."""
+    sch = self.scheduler
+    sch.spec_k = self._spec.draft_tokens_for(
+        min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
+    scheduled = sch.schedule()
+    if not scheduled:
+      return []
+    live = {r.id for r in sch.running}
+    for rid in [rid for rid in self._slot_of if rid not in live]:  # finished or preempted
+      self._free_slots.append(self._slot_of.pop(rid))
+    for s in scheduled:
+      if s.request.id not in self._slot_of:
+        self._slot_of[s.request.id] = self._free_slots.pop()
+    c, K = self.config, sch.spec_k
+    shapes = steps.StepShapes(
+        tokens=steps.bucket(sum(s.num_tokens for s in scheduled), c.max_num_batched_tokens),
+        seqs=steps.bucket(len(scheduled), c.max_num_seqs),
+        pages=steps.bucket(max(len(s.request.pages) for s in scheduled), self.max_pages_per_seq),
+        max_q=steps.bucket(max(s.num_tokens for s in scheduled), self._chunk + K))
+    batch, n_tokens = self._spec_batch(scheduled, shapes)
+    self._programs.add((shapes, K))
+    out, n_emit, self.pool, self._spec_state = speculative.spec_step(
+        self.cfg, self.params, self.pool, batch, self._spec_state, max_q=shapes.max_q, K=K,
+        ep=self._ep)
+    sch.on_dispatch(scheduled)
+    self._num_steps += 1
+    self._num_step_tokens += n_tokens
+    out, n_emit = np.asarray(out), np.asarray(n_emit)  # the one device-to-host read
+    for s, n in zip(scheduled, n_emit):
+      if s.samples and s.num_draft:
+        accepted = int(n) - 1
+        self._drafted[:s.num_draft] += 1
+        self._accepted[:accepted] += 1
+        self._verifies += 1
+        self._verify_tokens += int(n)
+    return sch.apply_speculative(scheduled, out, n_emit, K)
+
+  def _spec_batch(self, scheduled, shapes):
+    ps = self.config.page_size
+    tokens, draft_j, positions, token_seq, chunk_next = [], [], [], [], []
+    for i, s in enumerate(scheduled):
+      req = s.request
+      known = req.tokens
+      n_known = s.num_tokens - s.num_draft
+      tokens += known[s.start:s.start + n_known] + [0] * s.num_draft
+      draft_j += [-1] * n_known + list(range(s.num_draft))
+      positions += range(s.start, s.start + s.num_tokens)
+      token_seq += [i] * s.num_tokens
+      end = s.start + s.num_tokens
+      chunk_next.append(0 if s.samples else known[end])
+    reqs = [s.request for s in scheduled]
+    T, B, P = shapes.tokens, shapes.seqs, shapes.pages
+    n, b = len(tokens), len(scheduled)
+
+    def pad(values, size, dtype, fill=0):
+      out = np.full(size, fill, dtype)
+      out[:len(values)] = values
+      return out
+
+    q_lens = [s.num_tokens for s in scheduled]
+    cu = np.zeros(B + 1, np.int32)
+    cu[1:b + 1] = np.cumsum(q_lens)
+    cu[b + 1:] = cu[b]
+    table = np.zeros((B, P), np.int32)
+    for i, r in enumerate(reqs):
+      table[i, :len(r.pages)] = r.pages
+    batch = speculative.SpecBatch(
+        tokens=pad(tokens, T, np.int32), draft_j=pad(draft_j, T, np.int32, -1),
+        positions=pad(positions, T, np.int32), token_seq=pad(token_seq, T, np.int32),
+        valid=pad(np.ones(n, bool), T, bool), cu_q_lens=cu,
+        kv_lens=pad([s.start + s.num_tokens for s in scheduled], B, np.int32),
+        page_table=table, logits_idx=pad(cu[1:b + 1] - 1, B, np.int32),
+        slot=pad([self._slot_of[r.id] for r in reqs], B, np.int32),
+        num_draft=pad([s.num_draft for s in scheduled], B, np.int32),
+        samples=pad([s.samples for s in scheduled], B, bool),
+        chunk_next=pad(chunk_next, B, np.int32),
+        capacity=pad([len(r.pages) * ps for r in reqs], B, np.int32),
+        temperature=pad([r.sampling.temperature for r in reqs], B, np.float32),
+        top_k=pad([r.sampling.top_k for r in reqs], B, np.int32),
+        top_p=pad([r.sampling.top_p for r in reqs], B, np.float32, 1.0),
+        seeds=pad([r.sampling.seed % (1 << 32) for r in reqs], B, np.uint32),
+        sample_idx=pad([len(r.output) for r in reqs], B, np.int32))
+    return batch, n
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -379,4 +492,18 @@ class Engine:
         running=sum(len(s.running) for s in self.schedulers),
         waiting=sum(len(s.waiting) for s in self.schedulers),
         overlapped_steps=self._overlapped, dp_ranks=self.num_ranks,
-        requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)])
+        requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
+        **self._spec_stats())
+
+  def _spec_stats(self) -> dict:
+    if self._spec is None:
+      return {}
+    with np.errstate(invalid="ignore", divide="ignore"):
+      per_pos = np.where(self._drafted > 0, self._accepted / np.maximum(self._drafted, 1), np.nan)
+    return dict(
+        spec_num_draft_tokens=self._spec.num_draft_tokens,
+        spec_verify_steps=self._verifies,  # sequence-steps that verified drafts
+        spec_mean_accepted_length=(self._verify_tokens / self._verifies if self._verifies
+                                   else float("nan")),
+        spec_acceptance_per_position=[float(a) for a in per_pos],
+        spec_drafted_per_position=[int(d) for d in self._drafted])

@@ -39,16 +39,11 @@ def request_keys(seeds, indices):
   return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
 
 
-def sample(logits, keys, temperature, top_k, top_p):
-  """logits [B, V] float32; keys [B] PRNG keys; temperature/top_p [B] float32;
-  top_k [B] int32.
-
-  Rows with temperature 0 take the argmax. Others sample from
-  softmax(logits / T) restricted to the top_k largest (if top_k > 0) and to
-  the smallest set whose probability reaches top_p (nucleus).
-  """
+def filter_logits(logits, temperature, top_k, top_p):
+  """logits [B, V] -> logits / T with tokens outside the top_k largest (if
+  top_k > 0) and outside the nucleus (the smallest set whose probability
+  reaches top_p) set to -inf. Rows with temperature 0 are scaled by 1e6."""
   B, V = logits.shape
-  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
   sorted_desc = -jnp.sort(-scaled, axis=-1)
   k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
@@ -59,6 +54,18 @@ def sample(logits, keys, temperature, top_k, top_p):
   mass_above = jnp.cumsum(probs_sorted, axis=-1) - probs_sorted
   keep_sorted = mass_above < top_p[:, None]
   cutoff = jnp.min(jnp.where(keep_sorted, sorted_desc, jnp.inf), axis=-1, keepdims=True)
-  scaled = jnp.where(scaled < cutoff, -jnp.inf, scaled)
+  return jnp.where(scaled < cutoff, -jnp.inf, scaled)
+
+
+def sample(logits, keys, temperature, top_k, top_p):
+  """logits [B, V] float32; keys [B] PRNG keys; temperature/top_p [B] float32;
+  top_k [B] int32.
+
+  Rows with temperature 0 take the argmax. Others sample from
+  softmax(logits / T) restricted to the top_k largest (if top_k > 0) and to
+  the smallest set whose probability reaches top_p (nucleus).
+  """
+  greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  scaled = filter_logits(logits, temperature, top_k, top_p)
   sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy)

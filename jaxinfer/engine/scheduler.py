@@ -55,6 +55,7 @@ class Request:
   rank: int = 0  # attention-DP rank owning the request and its pages
   pending: int = 0  # sampled tokens still on device
   pending_row: int = -1  # their row in the last dispatched step's samples
+  num_drafts: int = 0  # speculative: MTP drafts waiting in the device draft state
 
   @property
   def tokens(self) -> list[int]:
@@ -76,6 +77,7 @@ class Scheduled:
   num_tokens: int
   start: int  # first token position of the chunk
   samples: bool  # the chunk reaches the end of the request: its sample is the next token
+  num_draft: int = 0  # speculative: drafts verified after the request's last token
 
 
 class Scheduler:
@@ -90,6 +92,9 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
+    # Speculative decoding (engine-set per step): drafts a decode verifies,
+    # and the positions the MTP chain writes past the chunk.
+    self.spec_k = 0
 
   # ------------------------------------------------------------ scheduling
 
@@ -108,6 +113,7 @@ class Scheduler:
     self._register_full_pages(req)  # so its recompute hits the prefix cache
     self.alloc.release(req.pages)
     req.pages, req.page_hashes, req.num_computed = [], [], 0
+    req.num_drafts = 0
     req.preemptions += 1
     self.num_preemptions += 1
     self.waiting.appendleft(req)
@@ -117,9 +123,25 @@ class Scheduler:
     return req.pending > 0 and (len(req.output) + req.pending >= req.sampling.max_tokens
                                 or req.total_len >= self.max_model_len)
 
-  def _chunk(self, req: Request, budget: int) -> tuple[int, bool]:
+  def _chunk(self, req: Request, budget: int) -> tuple[int, bool, int]:
+    """-> (tokens, samples, drafts verified). A speculative decode is the
+    last token plus up to spec_k drafts, never past max_tokens or the context."""
     n = min(req.total_len - req.num_computed, budget, self.chunk)
-    return n, req.num_computed + n == req.total_len
+    samples = req.num_computed + n == req.total_len
+    d = 0
+    if samples and n == 1 and self.spec_k and req.num_drafts:
+      d = min(req.num_drafts, self.spec_k, budget - 1,
+              req.sampling.max_tokens - len(req.output) - req.pending - 1,
+              self.max_model_len - req.total_len - 1)
+      d = max(d, 0)
+    return n + d, samples, d
+
+  def _pages_for(self, req: Request, n: int, samples: bool) -> int:
+    """Pages to add for a chunk of n tokens; a sampling chunk under
+    speculation also covers the spec_k - 1 positions the draft chain writes."""
+    if samples and self.spec_k > 1:
+      n = min(n + self.spec_k - 1, self.max_model_len - req.num_computed)
+    return self._pages_needed(req, n)
 
   def schedule(self) -> list[Scheduled]:
     budget, out = self.budget, []
@@ -130,15 +152,15 @@ class Scheduler:
       if self._will_finish(req):
         i += 1
         continue
-      n, samples = self._chunk(req, budget)
-      need = self._pages_needed(req, n)
+      n, samples, d = self._chunk(req, budget)
+      need = self._pages_for(req, n, samples)
       while need > self.alloc.num_available() and req in self.running:
         self._preempt(self.running[-1])
         preempted = True
       if req not in self.running:
         break  # it was the newest, and preempted itself
       req.pages += self.alloc.allocate(need) if need > 0 else []
-      out.append(Scheduled(req, n, req.num_computed, samples))
+      out.append(Scheduled(req, n, req.num_computed, samples, d))
       budget -= n
       i += 1
     while (self.waiting and budget > 0 and not preempted
@@ -152,8 +174,8 @@ class Scheduler:
         max_pages = (len(tokens) - 1) // self.alloc.page_size
         req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages)
         req.num_computed = len(req.pages) * self.alloc.page_size
-      n, samples = self._chunk(req, budget)
-      need = self._pages_needed(req, n)
+      n, samples, d = self._chunk(req, budget)
+      need = self._pages_for(req, n, samples)
       if need > self.alloc.num_available():
         self.alloc.release(req.pages)  # give the matched prefix back; retry next step
         req.pages, req.page_hashes, req.num_computed = [], [], 0
@@ -164,7 +186,7 @@ class Scheduler:
         req.cached_prompt_tokens = min(req.num_computed, len(req.prompt))
       self.waiting.popleft()
       self.running.append(req)
-      out.append(Scheduled(req, n, req.num_computed, samples))
+      out.append(Scheduled(req, n, req.num_computed, samples, d))
       budget -= n
     return out
 
@@ -201,6 +223,43 @@ class Scheduler:
               or len(req.tokens) >= self.max_model_len):
           self.finish(req, "length", now)
         events.append((req.id, [token], req.finished))
+      if not req.finished:
+        self._register_full_pages(req)
+    return events
+
+  def apply_speculative(self, scheduled: list[Scheduled], tokens, num_emitted,
+                        num_drafted: int) -> list[tuple[int, list[int], bool]]:
+    """Takes a finished speculative step: row i emitted tokens[i,
+    :num_emitted[i]] (its accepted drafts, then one token from the target);
+    num_drafted: drafts the step left in the draft state for each sampling row.
+    -> events (request id, new tokens, finished)."""
+    now = time.perf_counter()
+    events = []
+    for s, row, n in zip(scheduled, tokens, num_emitted):
+      req = s.request
+      if req.finished:
+        continue
+      if s.samples:
+        req.pending -= 1
+        # K/V is valid through the last accepted draft; the rejected rest
+        # lies past the length and is overwritten.
+        req.num_computed = s.start + 1 + (int(n) - 1) if s.num_draft else s.start + s.num_tokens
+        req.num_drafts = num_drafted
+        new = []
+        for token in row[:int(n)]:
+          token = int(token)
+          req.output.append(token)
+          new.append(token)
+          if req.first_token_s is None:
+            req.first_token_s = now
+          if token in req.stop_ids:
+            self.finish(req, "stop", now)
+          elif (len(req.output) >= req.sampling.max_tokens
+                or len(req.tokens) >= self.max_model_len):
+            self.finish(req, "length", now)
+          if req.finished:
+            break
+        events.append((req.id, new, req.finished))
       if not req.finished:
         self._register_full_pages(req)
     return events

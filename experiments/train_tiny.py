@@ -1,0 +1,137 @@
+"""Trains the byte-level `tiny_moe` preset (MLA + MoE + MTP) on the Python
+standard library's source and its documentation topics, offline.
+
+  python experiments/train_tiny.py                       # the shipped default model
+  python experiments/train_tiny.py --steps=50 --out=/tmp/tiny --max_minutes=2
+
+Writes an orbax checkpoint (config.json + params/) to --out, a JSON log of
+the loss curves and the held-out evaluation to --log, and a plot beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+
+from absl import app, flags
+import jax
+import numpy as np
+
+from jaxinfer import models, presets, training
+from jaxinfer.checkpoint import orbax_io
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("steps", 1500, "optimizer steps")
+flags.DEFINE_integer("batch", 16, "sequences per step")
+flags.DEFINE_integer("seq_len", 256, "bytes per sequence")
+flags.DEFINE_float("lr", 3e-3, "peak learning rate (AdamW, warmup + cosine)")
+flags.DEFINE_integer("warmup", 100, "warmup steps")
+flags.DEFINE_integer("mtp_depths", 3, "MTP depths trained (the chain the speculative step drafts)")
+flags.DEFINE_float("mtp_weight", 0.5, "weight of the mean MTP loss (DeepSeek's lambda)")
+flags.DEFINE_float("max_minutes", 50.0, "stop early (cosine cut short) after this long")
+flags.DEFINE_integer("eval_windows", 256, "held-out windows of seq_len for the final evaluation")
+flags.DEFINE_integer("log_every", 25, "steps between log lines")
+flags.DEFINE_integer("seed", 0, "init and data order")
+flags.DEFINE_integer("num_layers", 8, "main layers (tiny_moe has 4; deeper makes a drafted "
+                     "token cheap relative to a verified one)")
+flags.DEFINE_bool("mtp_dense", True, "a dense FFN in the MTP block (cheaper drafts) instead of MoE")
+flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "jaxinfer", "default_model"),
+                    "checkpoint directory (replaced)")
+flags.DEFINE_string("log", os.path.join(os.path.dirname(__file__), "results", "train_tiny.json"),
+                    "JSON log (a .png plot is written beside it)")
+
+
+def model_config():
+  """The tiny_moe preset in float32 (the CPU's fast dtype), with --num_layers
+  main layers (layer 0 dense, as in tiny_moe) and, with --mtp_dense, a dense
+  MTP block (the config's dense_layers lists index num_layers)."""
+  L = FLAGS.num_layers
+  return dataclasses.replace(presets.get("tiny_moe"), dtype="float32", num_layers=L,
+                             dense_layers=(0, L) if FLAGS.mtp_dense else (0,))
+
+
+def _plot(log: dict, path: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    print("matplotlib not installed: no plot")
+    return
+  steps = [r["step"] for r in log["curve"]]
+  fig, ax = plt.subplots(figsize=(7, 4))
+  for key in sorted(log["curve"][0]):
+    if key.startswith("loss"):
+      ax.plot(steps, [r[key] for r in log["curve"]], label=key)
+  ax.set_xlabel("step")
+  ax.set_ylabel("cross-entropy (nats / byte)")
+  ax.set_title("tiny_moe on the Python stdlib (training batches)")
+  ax.legend()
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  print(f"plot: {path}")
+
+
+def main(argv):
+  del argv
+  cfg = model_config()
+  train, train_files = training.load_corpus(held_out=False)
+  held, held_files = training.load_corpus(held_out=True)
+  print(f"corpus: {len(train_files)} train files ({len(train) / 1e6:.1f} MB), "
+        f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} MB)")
+  print(f"model: tiny_moe with {cfg.num_layers} layers, {models.count_params(cfg) / 1e6:.2f}M params, "
+        f"MTP modules {cfg.num_mtp_layers}, trained depths {FLAGS.mtp_depths}")
+  params = models.init_params(cfg, jax.random.key(FLAGS.seed))
+  opt = training.make_optimizer(FLAGS.lr, FLAGS.steps, FLAGS.warmup)
+  opt_state = opt.init(params)
+  data = training.batches(train, FLAGS.batch, FLAGS.seq_len, FLAGS.seed)
+  curve, window, t0 = [], [], time.perf_counter()
+  step = 0
+  for step in range(1, FLAGS.steps + 1):
+    params, opt_state, m = training.train_step(cfg, opt, params, opt_state, next(data),
+                                               depths=FLAGS.mtp_depths,
+                                               mtp_weight=FLAGS.mtp_weight)
+    window.append(m)
+    if step % FLAGS.log_every == 0 or step == FLAGS.steps:
+      row = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
+      row.update(step=step, minutes=(time.perf_counter() - t0) / 60)
+      curve.append(row)
+      window = []
+      print(f"step {step}: loss {row['loss']:.3f} main {row['loss_main']:.3f} acc "
+            f"{row['acc_main']:.3f} | " + " ".join(
+                f"mtp{k} {row[f'acc_mtp{k}']:.3f}" for k in range(1, FLAGS.mtp_depths + 1))
+            + f" | {row['minutes']:.1f} min", flush=True)
+      if row["minutes"] > FLAGS.max_minutes:
+        print(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
+        break
+  train_minutes = (time.perf_counter() - t0) / 60
+  ev = training.evaluate(cfg, params, held, seq_len=FLAGS.seq_len, batch=FLAGS.batch,
+                         depths=FLAGS.mtp_depths, max_windows=FLAGS.eval_windows)
+  print("held-out: perplexity {perplexity:.3f} ({bits_per_byte:.3f} bits/byte), next-byte "
+        "accuracy {acc_main:.3f}".format(**ev))
+  for k in range(1, FLAGS.mtp_depths + 1):
+    print(f"held-out MTP depth {k}: accuracy {ev[f'acc_mtp{k}']:.3f}, CE {ev[f'loss_mtp{k}']:.3f}")
+  out = os.path.abspath(FLAGS.out)
+  if os.path.exists(out):
+    shutil.rmtree(out)
+  orbax_io.save(out, cfg, params)
+  log = dict(flags={k: FLAGS[k].value for k in ("steps", "batch", "seq_len", "lr", "warmup",
+                                                "mtp_depths", "mtp_weight", "seed")},
+             steps_run=step, train_minutes=train_minutes, params=models.count_params(cfg),
+             train_files=len(train_files), held_out_files=len(held_files),
+             train_bytes=int(len(train)), held_out_bytes=int(len(held)),
+             tokens_seen=step * FLAGS.batch * FLAGS.seq_len, held_out=ev, curve=curve,
+             device=str(jax.devices()[0].device_kind), jax=jax.__version__)
+  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.log)), exist_ok=True)
+  with open(FLAGS.log, "w") as f:
+    json.dump(log, f, indent=1)
+  print(f"checkpoint: {out}\nlog: {FLAGS.log}")
+  _plot(log, os.path.splitext(FLAGS.log)[0] + ".png")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,233 @@
+"""Speculative decoding with the model's own MTP modules: one jitted program
+per step drafts, verifies and accepts, with no host sync inside.
+
+A step runs the usual token-flattened batch (prefill chunks and decodes)
+through the target model. A decode row block is [last token, d_1 .. d_K]:
+the K tokens the MTP chain drafted in the previous step, read from the
+device-resident draft state (never copied to the host). Then, per sequence:
+
+  verify   target logits at the K + 1 positions (one forward, the paged
+           kernels' Q > 1 path)
+  accept   greedy rows: d_j is accepted while it equals the target argmax;
+           sampled rows: d_j is accepted with probability min(1, p(d_j) /
+           q(d_j)), and the first rejection resamples from norm(max(0, p -
+           q)) (lossless: the output follows the target's distribution). All
+           accepted: a bonus token from p at K + 1. So 1 .. K + 1 tokens per
+           sequence per step. The K/V of rejected positions is left beyond the
+           sequence's length, where the next step overwrites it.
+  MTP KV   MTP module 1 runs over every row of the step (its inputs: the
+           target's hidden state and the row's next token, now known), so its
+           cache at positions up to the accepted frontier stays in step.
+  draft    from the frontier, the chain drafts K new tokens: depth k runs
+           module min(k, M) at the frontier position + k - 1 on the previous
+           depth's hidden and draft (writing K/V there, overwritten once those
+           positions are accepted). Greedy rows take the argmax, sampled rows
+           sample q (the request's temperature / top-k / top-p) and keep q for
+           the next step's acceptance test.
+
+The MTP modules' pages are the target's: the pool holds one more stacked
+entry (the MTP layers) indexed by the same page tables.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.sampling import filter_logits, request_keys
+from jaxinfer.models import mtp
+from jaxinfer.models.context import PagedContext
+from jaxinfer.models.layers import rope_cos_sin
+from jaxinfer.models.transformer import head, trunk
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MTPConfig:
+  """Speculative decoding with the model's MTP modules.
+
+  num_draft_tokens: K, tokens drafted per step (1..8).
+  batch_schedule: (batch size, K) pairs: from that many running sequences
+    on, draft that many tokens instead (0: speculation off). Speculation pays
+    at small batches and costs at large ones (`experiments/bench_speculative.py`).
+  """
+
+  num_draft_tokens: int = 3
+  batch_schedule: tuple[tuple[int, int], ...] = ()
+
+  def __post_init__(self):
+    if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 8:
+      raise ValueError(f"MTPConfig: num_draft_tokens must be an int in [1, 8], "
+                       f"got {self.num_draft_tokens!r}")
+    for pair in self.batch_schedule:
+      if (len(pair) != 2 or pair[0] < 1 or not 0 <= pair[1] <= self.num_draft_tokens):
+        raise ValueError(f"MTPConfig: batch_schedule entries must be (batch >= 1, K in "
+                         f"[0, {self.num_draft_tokens}]), got {pair!r}")
+
+  def draft_tokens_for(self, batch: int) -> int:
+    k = self.num_draft_tokens
+    for b, kb in sorted(self.batch_schedule):
+      if batch >= b:
+        k = kb
+    return k
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SpecBatch:
+  tokens: jax.Array  # [T] int32 (draft rows: ignored, read from the draft state)
+  draft_j: jax.Array  # [T] int32: index of the state draft this row holds, or -1
+  positions: jax.Array  # [T]
+  token_seq: jax.Array  # [T]
+  valid: jax.Array  # [T] bool
+  cu_q_lens: jax.Array  # [B + 1]
+  kv_lens: jax.Array  # [B]
+  page_table: jax.Array  # [B, pages]
+  logits_idx: jax.Array  # [B]: each sequence's last row
+  slot: jax.Array  # [B]: the sequence's row of the draft state
+  num_draft: jax.Array  # [B]: drafts verified this step (0: prefill)
+  samples: jax.Array  # [B] bool: the chunk reaches the end (tokens are emitted)
+  chunk_next: jax.Array  # [B]: the token after a prefill chunk that does not sample
+  capacity: jax.Array  # [B]: positions the sequence's pages hold
+  temperature: jax.Array  # [B] float32
+  top_k: jax.Array  # [B]
+  top_p: jax.Array  # [B]
+  seeds: jax.Array  # [B] uint32
+  sample_idx: jax.Array  # [B]: index of the first token emitted this step
+
+
+def init_state(cfg: ModelConfig, slots: int, max_draft: int) -> dict:
+  """Per-slot drafts [S, K] and their draft distributions q [S, K, V]."""
+  return dict(drafts=jnp.zeros((slots, max_draft), jnp.int32),
+              q=jnp.zeros((slots, max_draft, cfg.vocab_size), jnp.float32))
+
+
+def _probs(logits, temperature, top_k, top_p):
+  """[B, V] -> the sampling distribution (one-hot argmax for greedy rows)."""
+  greedy = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+  sampled = jax.nn.softmax(filter_logits(logits, temperature, top_k, top_p), axis=-1)
+  return jnp.where((temperature > 0)[:, None], sampled, greedy)
+
+
+def _draw(keys, probs):
+  """One token per row from probs [B, V] (rows need not be normalised)."""
+  return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
+
+
+def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys):
+  """Verification. logits [B, K + 1, V] (target at the K + 1 positions),
+  drafts [B, K], q [B, K, V], num_draft [B]. -> (tokens [B, K + 1], accepted
+  drafts [B]); row b emits tokens[b, :accepted + 1]."""
+  B, K1, V = logits.shape
+  K = K1 - 1
+  flat = lambda a: jnp.repeat(a, K1, axis=0)
+  p = _probs(logits.reshape(B * K1, V), flat(temperature), flat(top_k), flat(top_p))
+  p = p.reshape(B, K1, V)
+  split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
+  k_u, k_final = split[:, 0], split[:, 1]
+  j = jnp.arange(K)
+  if K:
+    p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], -1)[..., 0]  # [B, K]
+    q_d = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+    u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(k_u)
+    ok_sampled = u * q_d < p_d  # u < p / q without dividing by zero
+    ok_greedy = drafts == jnp.argmax(logits[:, :K], -1)
+    ok = jnp.where((temperature > 0)[:, None], ok_sampled, ok_greedy) & (j < num_draft[:, None])
+    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+  else:
+    n_acc = jnp.zeros((B,), jnp.int32)
+  p_last = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
+  if K:
+    q_last = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), n_acc[:, None, None],
+                                 axis=1)[:, 0]
+    rejected = n_acc < num_draft
+    residual = jnp.maximum(p_last - q_last, 0.0)
+    # p == q exactly leaves nothing to resample from: then any draw from p is right.
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_last)
+    p_last = jnp.where(rejected[:, None], residual, p_last)
+  last = jnp.where(temperature > 0, _draw(k_final, p_last), jnp.argmax(p_last, -1))
+  tokens = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1) if K else \
+      jnp.zeros((B, 1), jnp.int32)
+  tokens = jnp.where(jnp.arange(K1) == n_acc[:, None], last[:, None].astype(jnp.int32), tokens)
+  return tokens, n_acc
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep"),
+                   donate_argnames=("pool", "state"))
+def spec_step(cfg: ModelConfig, params, pool, batch: SpecBatch, state, *, max_q: int, K: int,
+              ep=None):
+  """-> (tokens [B, K + 1] int32, num_emitted [B] int32, new pool, new state).
+
+  pool: the target's stacked caches per segment plus the MTP entry last.
+  """
+  T = batch.tokens.shape[0]
+  B = batch.kv_lens.shape[0]
+  S = state["drafts"].shape[0]
+  row_slot = batch.slot[batch.token_seq]
+  tokens = jnp.where(batch.draft_j >= 0,
+                     state["drafts"][row_slot, jnp.maximum(batch.draft_j, 0)], batch.tokens)
+  ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
+                     cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
+                     page_table=batch.page_table, max_q=max_q)
+  main_pool, mtp_pool = pool[:-1], pool[-1]
+  x, main_pool = trunk(cfg, params, tokens[None], ctx, main_pool, ep)
+  x = x[0]  # [T, D]
+
+  # Verify: the K + 1 rows ending at each sequence's last row.
+  base = batch.logits_idx - batch.num_draft
+  rows = jnp.clip(base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
+  logits = head(cfg, params, x[rows])  # [B, K + 1, V]
+  keys = request_keys(batch.seeds, batch.sample_idx)
+  split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
+  k_acc, k_draft = split[:, 0], split[:, 1]
+  drafts_in = state["drafts"][batch.slot, :K]
+  q_in = state["q"][batch.slot, :K]
+  out, n_acc = accept(logits, drafts_in, q_in, batch.num_draft, batch.temperature, batch.top_k,
+                      batch.top_p, k_acc)
+
+  # MTP module 1 over every row: input (h_i, t_{i+1}).
+  r = jnp.arange(T)
+  b = batch.token_seq
+  jr = r - base[b]
+  in_window = batch.samples[b] & (jr >= 0) & (jr <= batch.num_draft[b])
+  nxt = tokens[jnp.minimum(r + 1, T - 1)]
+  nxt = jnp.where(in_window, out[b, jnp.clip(jr, 0, K)], nxt)
+  nxt = jnp.where((r == batch.logits_idx[b]) & ~batch.samples[b], batch.chunk_next[b], nxt)
+  cos, sin = rope_cos_sin(cfg, batch.positions[None])
+  h, mtp_pool = mtp.apply(cfg, params, mtp.module_for(cfg, 1), x[None], nxt[None], cos, sin,
+                          ctx, mtp_pool, ep)
+
+  # Draft K tokens from the accepted frontier.
+  frontier = jnp.clip(base + n_acc, 0, T - 1)
+  h = h[0, frontier]  # [B, D]
+  pos = batch.positions[frontier]
+  drafts, qs = [], []
+  for k in range(1, K + 1):
+    m = mtp.module_for(cfg, k)
+    if k > 1:
+      pos_k = pos + k - 1
+      ok = batch.samples & (pos_k < batch.capacity)
+      ctx_k = PagedContext(positions=pos_k, token_seq=jnp.arange(B, dtype=jnp.int32), valid=ok,
+                           cu_q_lens=jnp.arange(B + 1, dtype=jnp.int32),
+                           kv_lens=jnp.where(ok, pos_k + 1, 0), page_table=batch.page_table,
+                           max_q=1)
+      cos_k, sin_k = rope_cos_sin(cfg, pos_k[None])
+      h, mtp_pool = mtp.apply(cfg, params, m, h[None], drafts[-1][None], cos_k, sin_k, ctx_k,
+                              mtp_pool, ep)
+      h = h[0]
+    q = _probs(mtp.logits(cfg, params, m, h), batch.temperature, batch.top_k, batch.top_p)
+    key_k = jax.vmap(lambda kk: jax.random.fold_in(kk, k))(k_draft)
+    d = jnp.where(batch.temperature > 0, _draw(key_k, q), jnp.argmax(q, -1)).astype(jnp.int32)
+    drafts.append(d)
+    qs.append(q)
+
+  state = dict(state)
+  if K:
+    write = jnp.where(batch.samples, batch.slot, S)  # out of range: dropped
+    state["drafts"] = state["drafts"].at[write, :K].set(jnp.stack(drafts, 1), mode="drop")
+    state["q"] = state["q"].at[write, :K].set(jnp.stack(qs, 1), mode="drop")
+  num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
+  return out, num_emitted, (*main_pool, mtp_pool), state

@@ -1,0 +1,157 @@
+"""Speculative MTP decoding: the acceptance rule, exact greedy equality with
+plain decoding (mixed lengths, chunked prefill, preemption), and the sampled
+output distribution equal to the target's."""
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import models, presets
+from jaxinfer.engine import Engine, EngineConfig, SamplingParams
+from jaxinfer.engine.sampling import filter_logits
+from jaxinfer.engine.speculative import MTPConfig, accept
+
+
+def _cfg(**kw):
+  return dataclasses.replace(presets.get("tiny_moe"), dtype="float32", num_layers=2, **kw)
+
+
+def _onehot_logits(ids, V=8):
+  return jnp.asarray(np.eye(V, dtype=np.float32)[np.asarray(ids)] * 10.0)
+
+
+def test_greedy_accept_rule():
+  # Target argmax at the 4 positions: 5 6 7 1. Drafts 5 6 0: two accepted,
+  # then the target's 7 replaces the third.
+  logits = _onehot_logits([[5, 6, 7, 1], [5, 6, 7, 1], [2, 6, 7, 1]])
+  drafts = jnp.asarray([[5, 6, 0], [5, 6, 7], [5, 6, 7]], jnp.int32)
+  q = jnp.zeros((3, 3, 8))
+  zeros = jnp.zeros((3,))
+  tokens, n_acc = accept(logits, drafts, q, jnp.asarray([3, 3, 3]), zeros,
+                         jnp.zeros((3,), jnp.int32), jnp.ones((3,)),
+                         jax.random.split(jax.random.key(0), 3))
+  np.testing.assert_array_equal(n_acc, [2, 3, 0])
+  np.testing.assert_array_equal(tokens[0, :3], [5, 6, 7])
+  np.testing.assert_array_equal(tokens[1], [5, 6, 7, 1])  # all accepted + the bonus token
+  assert int(tokens[2, 0]) == 2
+  # Fewer drafts than K: only num_draft are tested, the bonus comes after them.
+  tokens, n_acc = accept(logits, drafts, q, jnp.asarray([1, 2, 0]), zeros,
+                         jnp.zeros((3,), jnp.int32), jnp.ones((3,)),
+                         jax.random.split(jax.random.key(0), 3))
+  np.testing.assert_array_equal(n_acc, [1, 2, 0])
+  np.testing.assert_array_equal(tokens[0, :2], [5, 6])
+  np.testing.assert_array_equal(tokens[1, :3], [5, 6, 7])
+
+
+def test_sampled_accept_rule_is_lossless_per_position():
+  # One position, V = 4: draft x ~ q, then accept/resample. The emitted
+  # token's distribution must be p, whatever q is.
+  p_logits = jnp.log(jnp.asarray([0.5, 0.3, 0.15, 0.05]))
+  q = jnp.asarray([0.1, 0.2, 0.3, 0.4])
+  n = 40_000
+  kd, ka = jax.random.split(jax.random.key(0))
+  drafts = jax.random.categorical(kd, jnp.log(q), shape=(n,)).astype(jnp.int32)
+  logits = jnp.broadcast_to(p_logits, (n, 2, 4))
+  tokens, n_acc = accept(logits, drafts[:, None], jnp.broadcast_to(q, (n, 1, 4)),
+                         jnp.ones((n,), jnp.int32), jnp.ones((n,)), jnp.zeros((n,), jnp.int32),
+                         jnp.ones((n,)), jax.random.split(ka, n))
+  first = np.asarray(tokens[:, 0])
+  freq = np.bincount(first, minlength=4) / n
+  np.testing.assert_allclose(freq, [0.5, 0.3, 0.15, 0.05], atol=0.01)
+  # Acceptance rate is sum(min(p, q)) = 0.1 + 0.2 + 0.15 + 0.05 = 0.5.
+  assert abs(float(np.mean(n_acc)) - 0.5) < 0.01
+
+
+ENGINE = dict(page_size=4, max_num_seqs=4, max_num_batched_tokens=24, prefill_chunk_size=8)
+
+
+@pytest.fixture(scope="module")
+def random_model():
+  cfg = _cfg()
+  return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+@pytest.mark.parametrize("K", [1, 2, 3])
+def test_greedy_speculative_equals_plain_greedy(random_model, K):
+  cfg, params = random_model
+  rng = np.random.default_rng(K)
+  prompts = [list(map(int, rng.integers(0, 256, n))) for n in (3, 17, 30, 9, 21)]
+  sampling = SamplingParams(max_tokens=14)
+  # A pool too small for all five at once: requests get preempted and recomputed.
+  ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=24)).generate(prompts, sampling)
+  engine = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=24,
+                                            speculative=MTPConfig(num_draft_tokens=K)))
+  out = engine.generate(prompts, sampling)
+  assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+  stats = engine.stats()
+  assert stats["preemptions"] > 0
+  assert stats["spec_verify_steps"] > 0 and len(stats["spec_acceptance_per_position"]) == K
+
+
+def test_speculative_rejects_bad_config(random_model):
+  cfg, params = random_model
+  with pytest.raises(ValueError, match="num_draft_tokens"):
+    MTPConfig(num_draft_tokens=0)
+  with pytest.raises(ValueError, match="batch_schedule"):
+    MTPConfig(num_draft_tokens=2, batch_schedule=((4, 3),))
+  with pytest.raises(TypeError, match="MTPConfig"):
+    EngineConfig(speculative=3)
+  no_mtp = dataclasses.replace(cfg, num_mtp_layers=0)
+  with pytest.raises(ValueError, match="MTP modules"):
+    Engine(no_mtp, models.init_params(no_mtp, jax.random.key(0)),
+           EngineConfig(**ENGINE, num_pages=16, speculative=MTPConfig()))
+  assert MTPConfig(num_draft_tokens=3, batch_schedule=((8, 1), (32, 0))).draft_tokens_for(9) == 1
+  assert MTPConfig(num_draft_tokens=3, batch_schedule=((8, 1), (32, 0))).draft_tokens_for(40) == 0
+
+
+def test_sampled_speculative_output_follows_the_target_distribution():
+  # Vocab 8, peaked logits; the random MTP modules draft from a different q.
+  V, T, TOP_K = 8, 0.9, 6
+  cfg = _cfg(vocab_size=V)
+  params = models.init_params(cfg, jax.random.key(3))
+  params = dict(params, lm_head=params["lm_head"] * 4.0)
+  prompt = [1, 5, 2]
+  n = 2400
+  sampling = [SamplingParams(max_tokens=4, temperature=T, top_k=TOP_K, seed=i) for i in range(n)]
+  engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=260, max_num_seqs=32,
+                                            max_num_batched_tokens=128,
+                                            enable_prefix_caching=False,
+                                            speculative=MTPConfig(num_draft_tokens=2)))
+  outs = engine.generate([prompt] * n, sampling)
+  stats = engine.stats()
+  acc = stats["spec_acceptance_per_position"]
+  assert 0.05 < acc[0] < 0.95, acc  # both accepted and resampled paths ran
+
+  # Exact target distribution of the first three tokens.
+  seqs = np.asarray([prompt + list(t) for t in itertools.product(range(V), repeat=2)], np.int32)
+  logits = models.logits(cfg, params, seqs)[:, len(prompt) - 1:]  # [64, 3, V]
+
+  def probs(lg):
+    flat = lg.reshape(-1, V)
+    f = filter_logits(flat, jnp.full((len(flat),), T), jnp.full((len(flat),), TOP_K, jnp.int32),
+                      jnp.ones((len(flat),)))
+    return np.asarray(jax.nn.softmax(f, -1)).reshape(lg.shape)
+
+  p = probs(logits)
+  exact = np.einsum("a,abc->abc", p[0, 0],
+                    np.einsum("ab,abc->abc", p[::V, 1].reshape(V, V),
+                              p[:, 2].reshape(V, V, V)))
+  counts = np.zeros((V, V, V))
+  for o in outs:
+    a, b, c = o.token_ids[:3]
+    counts[a, b, c] += 1
+  expected = exact.reshape(-1) * n
+  observed = counts.reshape(-1)
+  big = expected >= 5
+  obs = np.append(observed[big], observed[~big].sum())
+  exp = np.append(expected[big], expected[~big].sum())
+  chi2 = float(np.sum((obs - exp) ** 2 / np.maximum(exp, 1e-9)))
+  dof = len(obs) - 1
+  print(f"chi2 {chi2:.1f} on {dof} dof; acceptance {acc}")
+  assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
+  # The test has power: the drafts' own distribution is far from the target's.
+  assert np.abs(counts.sum((1, 2)) / n - p[0, 0]).max() < 0.05
