@@ -1,26 +1,31 @@
 """Generate completions with the jaxinfer Engine and print a metrics table.
 
-  python experiments/generate.py                                  # bundled tiny_moe preset
+  python experiments/generate.py            # the bundled trained model, MTP speculation K=3
   python experiments/generate.py --prompt="def add(a, b):" --prompt="import os" --temperature=0.8
+  python experiments/generate.py --num_draft_tokens=0      # plain decoding
+  python experiments/generate.py --model=tiny_dense        # a preset with random weights
   python experiments/generate.py --hf_dir=path/to/hf --prompt="Hello"   # needs tokenizer.json
   python experiments/generate.py --hf_dir=path/to/hf --prompt_ids=1,2,3
-
-Until the trained default model lands, presets run with random weights: the
-text is noise, the metrics are real.
 """
 
 from absl import app, flags
 
-from jaxinfer import EngineConfig, SamplingParams, run
+from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run
 from jaxinfer.tokenizer import load_tokenizer
 
-_MODEL = flags.DEFINE_string("model", "tiny_moe", "model preset (random weights)")
+_MODEL = flags.DEFINE_string("model", "default",
+                             "'default' (the bundled trained tiny_moe) or a preset name "
+                             "(random weights)")
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (overrides --model)")
 _CKPT = flags.DEFINE_string("checkpoint_dir", None, "orbax checkpoint from checkpoint.save")
-_PROMPT = flags.DEFINE_multi_string("prompt", ["def fibonacci(n):"], "a prompt (repeatable)")
+_PROMPT = flags.DEFINE_multi_string(
+    "prompt", ["def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n",
+               "class Stack:\n    def __init__(self):\n"], "a prompt (repeatable)")
 _PROMPTS_FILE = flags.DEFINE_string("prompts_file", None, "a file with one prompt per line")
 _PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "one prompt as token ids (any model)")
-_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "tokens to generate per prompt")
+_MAX_TOKENS = flags.DEFINE_integer("max_tokens", 96, "tokens to generate per prompt")
+_DRAFT = flags.DEFINE_integer("num_draft_tokens", 3, "MTP speculative drafts per step "
+                              "(0 = off; models without MTP modules decode plainly)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
@@ -35,11 +40,16 @@ def main(argv):
   del argv
   source = dict(hf_dir=_HF_DIR.value) if _HF_DIR.value else (
       dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_MODEL.value))
-  cfg, params = run.load_model(**source)
+  tok = None
+  if not _HF_DIR.value and not _CKPT.value and _MODEL.value == "default":
+    source = dict(model="default: tiny_moe trained on the Python stdlib")
+    cfg, params, tok = run.load_default_model()
+  else:
+    cfg, params = run.load_model(**source)
   if _PROMPT_IDS.value:
     tok, prompts = None, [[int(i) for i in _PROMPT_IDS.value]]
   else:
-    tok = load_tokenizer(cfg, _HF_DIR.value)
+    tok = tok or load_tokenizer(cfg, _HF_DIR.value)
     texts = _PROMPT.value
     if _PROMPTS_FILE.value:
       with open(_PROMPTS_FILE.value) as f:
@@ -48,18 +58,24 @@ def main(argv):
   sampling = [SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value,
                              top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value + i)
               for i in range(len(prompts))]
+  spec = None
+  if _DRAFT.value and cfg.num_mtp_layers and "mtp" in params:
+    spec = MTPConfig(num_draft_tokens=_DRAFT.value)
   engine_config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
                                max_num_seqs=_MAX_SEQS.value,
-                               max_num_batched_tokens=_TOKEN_BUDGET.value)
+                               max_num_batched_tokens=_TOKEN_BUDGET.value, speculative=spec)
   res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
                        engine_config=engine_config)
 
   print(f"model: {source} ({cfg.model_type}, {cfg.attention}, "
         f"{'MoE' if cfg.is_moe else 'dense'}, {cfg.compute_dtype().name})")
   for i, out in enumerate(res.outputs):
-    shown = tok.decode(out.token_ids) if tok else out.token_ids
-    print(f"\n[{i}] prompt: {tok.decode(out.prompt_token_ids) if tok else out.prompt_token_ids!r}")
-    print(f"[{i}] completion ({out.finish_reason}): {shown!r}")
+    if tok:
+      print(f"\n--- [{i}] prompt + completion ({out.finish_reason}) ---\n"
+            f"{tok.decode(out.prompt_token_ids)}\033[1m{tok.decode(out.token_ids)}\033[0m")
+    else:
+      print(f"\n[{i}] prompt: {out.prompt_token_ids}\n[{i}] completion "
+            f"({out.finish_reason}): {out.token_ids}")
   s = res.summary
   rows = [
       ("requests", f"{s['requests']}"),
@@ -72,6 +88,13 @@ def main(argv):
       ("compiled step programs", f"{s['compiles']}"),
       ("preemptions", f"{s['preemptions']}"),
   ]
+  if spec is not None:
+    acc = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])
+    rows += [("MTP drafts per step (K)", f"{spec.num_draft_tokens}"),
+             ("mean accepted length", f"{s['spec_mean_accepted_length']:.2f} tokens / step"),
+             ("acceptance per position", acc)]
+  else:
+    rows.append(("speculative decoding", "off"))
   print("\n" + "\n".join(f"  {k:<26} {v}" for k, v in rows))
 
 

@@ -1,5 +1,6 @@
 """Library entry points the experiment scripts and notebooks call.
 
+  load_default_model() -> (cfg, params, tokenizer)   the bundled trained tiny model
   load_model(preset=..., hf_dir=..., checkpoint_dir=...) -> (cfg, params)
   run_engine(cfg, params, prompts=..., sampling=..., engine_config=...) -> EngineRun
 """
@@ -7,6 +8,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 
 import jax
@@ -18,6 +20,21 @@ from jaxinfer import checkpoint, presets
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.engine import Engine, EngineConfig, RequestOutput
 from jaxinfer.models import init_params
+from jaxinfer.tokenizer import ByteTokenizer
+
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(__file__), "default_model")
+
+
+def load_default_model(dtype=None):
+  """The bundled default model: `tiny_moe` (MLA + MoE + one MTP module)
+  trained byte-level on the Python standard library by
+  `experiments/train_tiny.py`. -> (cfg, params, tokenizer) with
+  `tokenizer.encode(str) -> list[int]` and `decode(list[int]) -> str`."""
+  if not os.path.isdir(os.path.join(DEFAULT_MODEL_DIR, "params")):
+    raise FileNotFoundError(f"the default model checkpoint is missing from {DEFAULT_MODEL_DIR}; "
+                            "recreate it with `python experiments/train_tiny.py`")
+  cfg, params = checkpoint.restore(DEFAULT_MODEL_DIR, dtype=dtype)
+  return cfg, params, ByteTokenizer()
 
 
 def load_model(*, preset: str | None = None, hf_dir: str | None = None,
@@ -69,5 +86,6 @@ def run_engine(cfg: ModelConfig, params, *, prompts, sampling, engine_config: En
       tpot_p50_s=pct(tpot, 50), tpot_p90_s=pct(tpot, 90),
       prompt_tokens=stats["prompt_tokens"], cached_prompt_tokens=stats["cached_prompt_tokens"],
       steps=stats["steps"], tokens_per_step=stats["tokens_per_step"],
-      compiles=stats["compiles"], preemptions=stats["preemptions"])
+      compiles=stats["compiles"], preemptions=stats["preemptions"],
+      **{k: v for k, v in stats.items() if k.startswith("spec_")})
   return EngineRun(outputs=outs, summary=summary)

@@ -313,16 +313,17 @@ class Engine:
                            self.max_pages_per_seq),
         max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), self._chunk))
     batches = [self._rank_batch(sch, shapes) for sch in per_rank]
-    self._programs.add(shapes)
+    greedy = all(s.request.sampling.temperature == 0 for sch in busy for s in sch)
+    self._programs.add((shapes, greedy))
     if self._dp_axes:
       sampled, self.pool, self._load = steps.step_ranked(
           self.cfg, self.params, self.pool, steps.stack_batches([b for b, _ in batches]),
           self._prev_sampled, self._load, max_q=shapes.max_q, ep=self._ep, mesh=self.mesh,
-          axes=self._dp_axes)
+          axes=self._dp_axes, greedy=greedy)
     else:
       sampled, self.pool, self._load = steps.step(
           self.cfg, self.params, self.pool, batches[0][0], self._prev_sampled, self._load,
-          max_q=shapes.max_q, ep=self._ep)
+          max_q=shapes.max_q, ep=self._ep, greedy=greedy)
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(self.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
@@ -354,14 +355,16 @@ class Engine:
         pages=steps.bucket(max(len(s.request.pages) for s in scheduled), self.max_pages_per_seq),
         max_q=steps.bucket(max(s.num_tokens for s in scheduled), self._chunk + K))
     batch, n_tokens = self._spec_batch(scheduled, shapes)
-    self._programs.add((shapes, K))
-    out, n_emit, self.pool, self._spec_state = speculative.spec_step(
-        self.cfg, self.params, self.pool, batch, self._spec_state, max_q=shapes.max_q, K=K,
-        ep=self._ep)
+    greedy = all(s.request.sampling.temperature == 0 for s in scheduled)
+    self._programs.add((shapes, K, greedy))
+    emitted, self.pool, self._spec_state = speculative.spec_step(
+        self.cfg, self.params, self.pool, batch.pack(), self._spec_state, max_q=shapes.max_q,
+        K=K, ep=self._ep, greedy=greedy)
     sch.on_dispatch(scheduled)
     self._num_steps += 1
     self._num_step_tokens += n_tokens
-    out, n_emit = np.asarray(out), np.asarray(n_emit)  # the one device-to-host read
+    emitted = np.asarray(emitted)  # the one device-to-host read
+    out, n_emit = emitted[:, :-1], emitted[:, -1]
     for s, n in zip(scheduled, n_emit):
       if s.samples and s.num_draft:
         accepted = int(n) - 1

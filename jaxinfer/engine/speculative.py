@@ -36,6 +36,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import filter_logits, request_keys
@@ -98,6 +99,28 @@ class SpecBatch:
   seeds: jax.Array  # [B] uint32
   sample_idx: jax.Array  # [B]: index of the first token emitted this step
 
+  _ROWS = ("tokens", "draft_j", "positions", "token_seq", "valid")
+  _SEQS = ("kv_lens", "logits_idx", "slot", "num_draft", "samples", "chunk_next", "capacity",
+           "top_k", "seeds", "sample_idx")
+
+  def pack(self) -> tuple:
+    """Host numpy fields -> 5 arrays (one transfer each instead of 19)."""
+    rows = np.stack([np.asarray(getattr(self, f)).astype(np.int32) for f in self._ROWS])
+    seqs = np.stack([np.asarray(getattr(self, f)).view(np.int32) if f == "seeds"
+                     else np.asarray(getattr(self, f)).astype(np.int32) for f in self._SEQS])
+    floats = np.stack([self.temperature, self.top_p]).astype(np.float32)
+    return rows, seqs, np.asarray(self.cu_q_lens, np.int32), np.asarray(self.page_table, np.int32), floats
+
+  @classmethod
+  def unpack(cls, packed) -> "SpecBatch":
+    rows, seqs, cu, table, floats = packed
+    f = {name: rows[i] for i, name in enumerate(cls._ROWS)}
+    f.update({name: seqs[i] for i, name in enumerate(cls._SEQS)})
+    f["valid"] = f["valid"] > 0
+    f["samples"] = f["samples"] > 0
+    f["seeds"] = jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)
+    return cls(cu_q_lens=cu, page_table=table, temperature=floats[0], top_p=floats[1], **f)
+
 
 def init_state(cfg: ModelConfig, slots: int, max_draft: int) -> dict:
   """Per-slot drafts [S, K] and their draft distributions q [S, K, V]."""
@@ -117,10 +140,22 @@ def _draw(keys, probs):
   return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
-def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys):
+def _accept_greedy(logits, drafts, num_draft):
+  B, K1, _ = logits.shape
+  target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, K + 1]
+  ok = (drafts == target[:, :-1]) & (jnp.arange(K1 - 1) < num_draft[:, None])
+  n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+  # Accepted drafts equal the target there, so the target row is the output.
+  return target, n_acc
+
+
+def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy=False):
   """Verification. logits [B, K + 1, V] (target at the K + 1 positions),
   drafts [B, K], q [B, K, V], num_draft [B]. -> (tokens [B, K + 1], accepted
-  drafts [B]); row b emits tokens[b, :accepted + 1]."""
+  drafts [B]); row b emits tokens[b, :accepted + 1]. greedy (static): every
+  row has temperature 0, so q, the keys and the filters go unused."""
+  if greedy:
+    return _accept_greedy(logits, drafts, num_draft)
   B, K1, V = logits.shape
   K = K1 - 1
   flat = lambda a: jnp.repeat(a, K1, axis=0)
@@ -155,14 +190,19 @@ def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys):
   return tokens, n_acc
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy"),
                    donate_argnames=("pool", "state"))
-def spec_step(cfg: ModelConfig, params, pool, batch: SpecBatch, state, *, max_q: int, K: int,
-              ep=None):
-  """-> (tokens [B, K + 1] int32, num_emitted [B] int32, new pool, new state).
+def spec_step(cfg: ModelConfig, params, pool, packed, state, *, max_q: int, K: int,
+              ep=None, greedy: bool = False):
+  """-> (emitted [B, K + 2] int32, new pool, new state): row b emitted
+  emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
+  not sample). packed: `SpecBatch.pack()`.
 
   pool: the target's stacked caches per segment plus the MTP entry last.
+  greedy (static): every request in the batch has temperature 0 (argmax
+  everywhere; the draft distributions are not kept).
   """
+  batch = SpecBatch.unpack(packed)
   T = batch.tokens.shape[0]
   B = batch.kv_lens.shape[0]
   S = state["drafts"].shape[0]
@@ -180,13 +220,16 @@ def spec_step(cfg: ModelConfig, params, pool, batch: SpecBatch, state, *, max_q:
   base = batch.logits_idx - batch.num_draft
   rows = jnp.clip(base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
   logits = head(cfg, params, x[rows])  # [B, K + 1, V]
-  keys = request_keys(batch.seeds, batch.sample_idx)
-  split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
-  k_acc, k_draft = split[:, 0], split[:, 1]
   drafts_in = state["drafts"][batch.slot, :K]
-  q_in = state["q"][batch.slot, :K]
+  if greedy:
+    q_in = k_acc = k_draft = None
+  else:
+    keys = request_keys(batch.seeds, batch.sample_idx)
+    split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
+    k_acc, k_draft = split[:, 0], split[:, 1]
+    q_in = state["q"][batch.slot, :K]
   out, n_acc = accept(logits, drafts_in, q_in, batch.num_draft, batch.temperature, batch.top_k,
-                      batch.top_p, k_acc)
+                      batch.top_p, k_acc, greedy)
 
   # MTP module 1 over every row: input (h_i, t_{i+1}).
   r = jnp.arange(T)
@@ -218,7 +261,11 @@ def spec_step(cfg: ModelConfig, params, pool, batch: SpecBatch, state, *, max_q:
       h, mtp_pool = mtp.apply(cfg, params, m, h[None], drafts[-1][None], cos_k, sin_k, ctx_k,
                               mtp_pool, ep)
       h = h[0]
-    q = _probs(mtp.logits(cfg, params, m, h), batch.temperature, batch.top_k, batch.top_p)
+    draft_logits = mtp.logits(cfg, params, m, h)
+    if greedy:
+      drafts.append(jnp.argmax(draft_logits, -1).astype(jnp.int32))
+      continue
+    q = _probs(draft_logits, batch.temperature, batch.top_k, batch.top_p)
     key_k = jax.vmap(lambda kk: jax.random.fold_in(kk, k))(k_draft)
     d = jnp.where(batch.temperature > 0, _draw(key_k, q), jnp.argmax(q, -1)).astype(jnp.int32)
     drafts.append(d)
@@ -228,6 +275,7 @@ def spec_step(cfg: ModelConfig, params, pool, batch: SpecBatch, state, *, max_q:
   if K:
     write = jnp.where(batch.samples, batch.slot, S)  # out of range: dropped
     state["drafts"] = state["drafts"].at[write, :K].set(jnp.stack(drafts, 1), mode="drop")
-    state["q"] = state["q"].at[write, :K].set(jnp.stack(qs, 1), mode="drop")
+    if qs:
+      state["q"] = state["q"].at[write, :K].set(jnp.stack(qs, 1), mode="drop")
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
-  return out, num_emitted, (*main_pool, mtp_pool), state
+  return jnp.concatenate([out, num_emitted[:, None]], 1), (*main_pool, mtp_pool), state

@@ -92,15 +92,24 @@ def _add_load(load, counts):
   return load if load is None else load + counts
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep"),
+def _sample(logits, batch, greedy):
+  if greedy:  # every row has temperature 0: skip the filters' full-vocab sort
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  keys = request_keys(batch.seeds.reshape(-1), batch.sample_idx.reshape(-1))
+  return sample(logits, keys, batch.temperature.reshape(-1), batch.top_k.reshape(-1),
+                batch.top_p.reshape(-1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy"),
                    donate_argnames=("pool", "load"))
 def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
-         max_q: int, ep=None):
+         max_q: int, ep=None, greedy: bool = False):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
   fixed size), new pool, new load). prev_sampled [S]: the previous step's
   output, from which tokens not yet read back by the host are taken (async
   scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
-  statistics, padding rows excluded), or None to record nothing."""
+  statistics, padding rows excluded), or None to record nothing. greedy
+  (static): every row has temperature 0."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
@@ -109,8 +118,7 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   x, pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool, ep,
                                       None if load is None else "logical")
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
-  keys = request_keys(batch.seeds, batch.sample_idx)
-  sampled = sample(logits, keys, batch.temperature, batch.top_k, batch.top_p)
+  sampled = _sample(logits, batch, greedy)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
           _add_load(load, counts))
 
@@ -120,10 +128,10 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
   return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes", "greedy"),
                    donate_argnames=("pool", "load"))
 def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
-                max_q: int, ep, mesh, axes):
+                max_q: int, ep, mesh, axes, greedy: bool = False):
   """Attention-data-parallel step: batch fields [n, ...], rank r's requests
   and pages on rank r. -> (sampled [n, S] int32, new pool, new load)."""
   n, B = batch.kv_lens.shape
@@ -135,8 +143,6 @@ def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, 
                                       None if load is None else "logical")  # x [n, T, D]
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)
-  flat = lambda a: a.reshape(n * B)
-  keys = request_keys(flat(batch.seeds), flat(batch.sample_idx))
-  sampled = sample(logits, keys, flat(batch.temperature), flat(batch.top_k), flat(batch.top_p))
+  sampled = _sample(logits, batch, greedy)
   return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled.reshape(n, B)), pool,
           _add_load(load, counts))
