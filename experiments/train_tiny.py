@@ -38,6 +38,8 @@ flags.DEFINE_integer("seed", 0, "init and data order")
 flags.DEFINE_integer("num_layers", 8, "main layers (tiny_moe has 4; deeper makes a drafted "
                      "token cheap relative to a verified one)")
 flags.DEFINE_bool("mtp_dense", True, "a dense FFN in the MTP block (cheaper drafts) instead of MoE")
+flags.DEFINE_string("save_dtype", "bfloat16", "dtype of the saved weights (the package ships "
+                    "them; the model still computes in float32)")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "jaxinfer", "default_model"),
                     "checkpoint directory (replaced)")
 flags.DEFINE_string("log", os.path.join(os.path.dirname(__file__), "results", "train_tiny.json"),
@@ -109,6 +111,8 @@ def main(argv):
         print(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
         break
   train_minutes = (time.perf_counter() - t0) / 60
+  # Evaluate what ships: the weights rounded to --save_dtype, computed in float32.
+  params = jax.tree.map(lambda a: a.astype(FLAGS.save_dtype).astype(a.dtype), params)
   ev = training.evaluate(cfg, params, held, seq_len=FLAGS.seq_len, batch=FLAGS.batch,
                          depths=FLAGS.mtp_depths, max_windows=FLAGS.eval_windows)
   print("held-out: perplexity {perplexity:.3f} ({bits_per_byte:.3f} bits/byte), next-byte "
@@ -118,9 +122,10 @@ def main(argv):
   out = os.path.abspath(FLAGS.out)
   if os.path.exists(out):
     shutil.rmtree(out)
-  orbax_io.save(out, cfg, params)
+  orbax_io.save(out, cfg, jax.tree.map(lambda a: a.astype(FLAGS.save_dtype), params))
   log = dict(flags={k: FLAGS[k].value for k in ("steps", "batch", "seq_len", "lr", "warmup",
-                                                "mtp_depths", "mtp_weight", "seed")},
+                                                "mtp_depths", "mtp_weight", "seed", "num_layers",
+                                                "mtp_dense", "save_dtype", "max_minutes")},
              steps_run=step, train_minutes=train_minutes, params=models.count_params(cfg),
              train_files=len(train_files), held_out_files=len(held_files),
              train_bytes=int(len(train)), held_out_bytes=int(len(held)),

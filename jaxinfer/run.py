@@ -33,7 +33,10 @@ def load_default_model(dtype=None):
   if not os.path.isdir(os.path.join(DEFAULT_MODEL_DIR, "params")):
     raise FileNotFoundError(f"the default model checkpoint is missing from {DEFAULT_MODEL_DIR}; "
                             "recreate it with `python experiments/train_tiny.py`")
-  cfg, params = checkpoint.restore(DEFAULT_MODEL_DIR, dtype=dtype)
+  # Weights ship in bfloat16; they are cast on read to the compute dtype.
+  cfg, params = checkpoint.restore(DEFAULT_MODEL_DIR)
+  cfg = dataclasses.replace(cfg, dtype=jnp.dtype(dtype).name) if dtype is not None else cfg
+  params = jax.tree.map(lambda a: a.astype(cfg.compute_dtype()), params)
   return cfg, params, ByteTokenizer()
 
 

@@ -388,27 +388,16 @@ class Engine:
       end = s.start + s.num_tokens
       chunk_next.append(0 if s.samples else known[end])
     reqs = [s.request for s in scheduled]
-    T, B, P = shapes.tokens, shapes.seqs, shapes.pages
-    n, b = len(tokens), len(scheduled)
-
-    def pad(values, size, dtype, fill=0):
-      out = np.full(size, fill, dtype)
-      out[:len(values)] = values
-      return out
-
-    q_lens = [s.num_tokens for s in scheduled]
-    cu = np.zeros(B + 1, np.int32)
-    cu[1:b + 1] = np.cumsum(q_lens)
-    cu[b + 1:] = cu[b]
-    table = np.zeros((B, P), np.int32)
-    for i, r in enumerate(reqs):
-      table[i, :len(r.pages)] = r.pages
+    T, B, n = shapes.tokens, shapes.seqs, len(tokens)
+    pad = steps.pad
+    cu, table, last = steps.ragged_layout(shapes, [s.num_tokens for s in scheduled],
+                                          [r.pages for r in reqs])
     batch = speculative.SpecBatch(
         tokens=pad(tokens, T, np.int32), draft_j=pad(draft_j, T, np.int32, -1),
         positions=pad(positions, T, np.int32), token_seq=pad(token_seq, T, np.int32),
         valid=pad(np.ones(n, bool), T, bool), cu_q_lens=cu,
         kv_lens=pad([s.start + s.num_tokens for s in scheduled], B, np.int32),
-        page_table=table, logits_idx=pad(cu[1:b + 1] - 1, B, np.int32),
+        page_table=table, logits_idx=last,
         slot=pad([self._slot_of[r.id] for r in reqs], B, np.int32),
         num_draft=pad([s.num_draft for s in scheduled], B, np.int32),
         samples=pad([s.samples for s in scheduled], B, bool),

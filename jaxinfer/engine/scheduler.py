@@ -212,20 +212,30 @@ class Scheduler:
       if req.finished:
         continue  # aborted, or stopped on the previous step's token
       if s.samples:
-        token = int(token)
         req.pending -= 1
-        req.output.append(token)
-        if req.first_token_s is None:
-          req.first_token_s = now
-        if token in req.stop_ids:
-          self.finish(req, "stop", now)
-        elif (len(req.output) >= req.sampling.max_tokens
-              or len(req.tokens) >= self.max_model_len):
-          self.finish(req, "length", now)
-        events.append((req.id, [token], req.finished))
+        self._append(req, [token], now)
+        events.append((req.id, [int(token)], req.finished))
       if not req.finished:
         self._register_full_pages(req)
     return events
+
+  def _append(self, req: Request, tokens, now: float) -> list[int]:
+    """Appends sampled tokens until one stops the request; -> those appended."""
+    new = []
+    for token in tokens:
+      token = int(token)
+      req.output.append(token)
+      new.append(token)
+      if req.first_token_s is None:
+        req.first_token_s = now
+      if token in req.stop_ids:
+        self.finish(req, "stop", now)
+      elif (len(req.output) >= req.sampling.max_tokens
+            or len(req.tokens) >= self.max_model_len):
+        self.finish(req, "length", now)
+      if req.finished:
+        break
+    return new
 
   def apply_speculative(self, scheduled: list[Scheduled], tokens, num_emitted,
                         num_drafted: int) -> list[tuple[int, list[int], bool]]:
@@ -243,23 +253,9 @@ class Scheduler:
         req.pending -= 1
         # K/V is valid through the last accepted draft; the rejected rest
         # lies past the length and is overwritten.
-        req.num_computed = s.start + 1 + (int(n) - 1) if s.num_draft else s.start + s.num_tokens
+        req.num_computed = s.start + int(n) if s.num_draft else s.start + s.num_tokens
         req.num_drafts = num_drafted
-        new = []
-        for token in row[:int(n)]:
-          token = int(token)
-          req.output.append(token)
-          new.append(token)
-          if req.first_token_s is None:
-            req.first_token_s = now
-          if token in req.stop_ids:
-            self.finish(req, "stop", now)
-          elif (len(req.output) >= req.sampling.max_tokens
-                or len(req.tokens) >= self.max_model_len):
-            self.finish(req, "length", now)
-          if req.finished:
-            break
-        events.append((req.id, new, req.finished))
+        events.append((req.id, self._append(req, row[:int(n)], now), req.finished))
       if not req.finished:
         self._register_full_pages(req)
     return events

@@ -60,17 +60,16 @@ def bucket(n: int, cap: int, minimum: int = 1) -> int:
   return min(b, cap) if n <= cap else n
 
 
-def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_lens, kv_lens,
-              page_tables, temperature, top_k, top_p, seeds, sample_idx) -> StepBatch:
-  """Host lists -> a padded StepBatch of numpy arrays (one transfer per step)."""
-  T, B, P = shapes.tokens, shapes.seqs, shapes.pages
-  n, b = len(tokens), len(q_lens)
+def pad(values, size: int, dtype, fill=0) -> np.ndarray:
+  """values padded with fill to `size`."""
+  out = np.full(size, fill, dtype)
+  out[:len(values)] = values
+  return out
 
-  def pad(values, size, dtype, fill=0):
-    out = np.full(size, fill, dtype)
-    out[:len(values)] = values
-    return out
 
+def ragged_layout(shapes: StepShapes, q_lens, page_tables):
+  """-> (cu_q_lens [B + 1], page table [B, pages], last row per sequence [B])."""
+  B, P, b = shapes.seqs, shapes.pages, len(q_lens)
   cu = np.zeros(B + 1, np.int32)
   cu[1:b + 1] = np.cumsum(q_lens)
   cu[b + 1:] = cu[b]
@@ -79,6 +78,15 @@ def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_
     table[i, :len(pages)] = pages
   last = np.zeros(B, np.int32)
   last[:b] = cu[1:b + 1] - 1
+  return cu, table, last
+
+
+def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_lens, kv_lens,
+              page_tables, temperature, top_k, top_p, seeds, sample_idx) -> StepBatch:
+  """Host lists -> a padded StepBatch of numpy arrays (one transfer per step)."""
+  T, B = shapes.tokens, shapes.seqs
+  n = len(tokens)
+  cu, table, last = ragged_layout(shapes, q_lens, page_tables)
   return StepBatch(
       tokens=pad(tokens, T, np.int32), from_prev=pad(from_prev, T, np.int32, -1), positions=pad(positions, T, np.int32),
       token_seq=pad(token_seq, T, np.int32), valid=pad(np.ones(n, bool), T, bool),
