@@ -38,6 +38,11 @@ flags.DEFINE_integer("seed", 0, "init and data order")
 flags.DEFINE_integer("num_layers", 8, "main layers (tiny_moe has 4; deeper makes a drafted "
                      "token cheap relative to a verified one)")
 flags.DEFINE_bool("mtp_dense", True, "a dense FFN in the MTP block (cheaper drafts) instead of MoE")
+flags.DEFINE_integer("distill_steps", 400, "then MTP-only steps learning the frozen target's "
+                     "next-token distribution (raises acceptance)")
+flags.DEFINE_float("distill_lr", 1e-3, "peak learning rate of the distillation steps")
+flags.DEFINE_string("init_from", None, "start from this checkpoint instead of random weights "
+                    "(with --steps=0: distillation only)")
 flags.DEFINE_string("save_dtype", "bfloat16", "dtype of the saved weights (the package ships "
                     "them; the model still computes in float32)")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "jaxinfer", "default_model"),
@@ -87,13 +92,21 @@ def main(argv):
         f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} MB)")
   print(f"model: tiny_moe with {cfg.num_layers} layers, {models.count_params(cfg) / 1e6:.2f}M params, "
         f"MTP modules {cfg.num_mtp_layers}, trained depths {FLAGS.mtp_depths}")
-  params = models.init_params(cfg, jax.random.key(FLAGS.seed))
-  opt = training.make_optimizer(FLAGS.lr, FLAGS.steps, FLAGS.warmup)
-  opt_state = opt.init(params)
+  if FLAGS.init_from:
+    cfg, params = orbax_io.restore(FLAGS.init_from)
+    params = jax.tree.map(lambda a: a.astype(cfg.compute_dtype()), params)
+    prior = os.path.abspath(FLAGS.log)
+    log_prior = json.load(open(prior)) if os.path.exists(prior) else {}
+  else:
+    params = models.init_params(cfg, jax.random.key(FLAGS.seed))
+    log_prior = {}
   data = training.batches(train, FLAGS.batch, FLAGS.seq_len, FLAGS.seed)
-  curve, window, t0 = [], [], time.perf_counter()
-  step = 0
-  for step in range(1, FLAGS.steps + 1):
+  curve, window, t0 = list(log_prior.get("curve", [])), [], time.perf_counter()
+  step = int(log_prior.get("steps_run", 0))
+  if FLAGS.steps:
+    opt = training.make_optimizer(FLAGS.lr, FLAGS.steps, FLAGS.warmup)
+    opt_state = opt.init(params)
+  for step in range(step + 1, step + FLAGS.steps + 1):
     params, opt_state, m = training.train_step(cfg, opt, params, opt_state, next(data),
                                                depths=FLAGS.mtp_depths,
                                                mtp_weight=FLAGS.mtp_weight)
@@ -110,7 +123,28 @@ def main(argv):
       if row["minutes"] > FLAGS.max_minutes:
         print(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
         break
-  train_minutes = (time.perf_counter() - t0) / 60
+  train_minutes = (time.perf_counter() - t0) / 60 + float(log_prior.get("train_minutes", 0))
+  distill_curve, window = [], []
+  if FLAGS.distill_steps:
+    opt = training.make_optimizer(FLAGS.distill_lr, FLAGS.distill_steps, FLAGS.distill_steps // 10,
+                                  weight_decay=0.0)
+    mtp_params = params.pop("mtp")
+    opt_state = opt.init(mtp_params)
+    t1 = time.perf_counter()
+    for d in range(1, FLAGS.distill_steps + 1):
+      mtp_params, opt_state, m = training.distill_step(cfg, opt, mtp_params, params, opt_state,
+                                                       next(data), depths=FLAGS.mtp_depths)
+      window.append(m)
+      if d % FLAGS.log_every == 0 or d == FLAGS.distill_steps:
+        row = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
+        row.update(step=d, minutes=(time.perf_counter() - t1) / 60)
+        distill_curve.append(row)
+        window = []
+        print(f"distill {d}: " + " ".join(f"agree{k} {row[f'agree_mtp{k}']:.3f}"
+                                          for k in range(1, FLAGS.mtp_depths + 1))
+              + f" | {row['minutes']:.1f} min", flush=True)
+    params["mtp"] = mtp_params
+    train_minutes += (time.perf_counter() - t1) / 60
   # Evaluate what ships: the weights rounded to --save_dtype, computed in float32.
   params = jax.tree.map(lambda a: a.astype(FLAGS.save_dtype).astype(a.dtype), params)
   ev = training.evaluate(cfg, params, held, seq_len=FLAGS.seq_len, batch=FLAGS.batch,
@@ -125,11 +159,13 @@ def main(argv):
   orbax_io.save(out, cfg, jax.tree.map(lambda a: a.astype(FLAGS.save_dtype), params))
   log = dict(flags={k: FLAGS[k].value for k in ("steps", "batch", "seq_len", "lr", "warmup",
                                                 "mtp_depths", "mtp_weight", "seed", "num_layers",
-                                                "mtp_dense", "save_dtype", "max_minutes")},
+                                                "mtp_dense", "save_dtype", "max_minutes", "distill_steps",
+                                                "distill_lr", "init_from")},
              steps_run=step, train_minutes=train_minutes, params=models.count_params(cfg),
              train_files=len(train_files), held_out_files=len(held_files),
              train_bytes=int(len(train)), held_out_bytes=int(len(held)),
              tokens_seen=step * FLAGS.batch * FLAGS.seq_len, held_out=ev, curve=curve,
+             distill_steps=FLAGS.distill_steps, distill_curve=distill_curve,
              device=str(jax.devices()[0].device_kind), jax=jax.__version__)
   os.makedirs(os.path.dirname(os.path.abspath(FLAGS.log)), exist_ok=True)
   with open(FLAGS.log, "w") as f:

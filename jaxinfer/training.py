@@ -104,6 +104,42 @@ def loss_fn(cfg: ModelConfig, params, tokens, *, depths: int, mtp_weight: float)
   return loss, metrics
 
 
+def distill_loss_fn(cfg: ModelConfig, mtp_params, params, tokens, *, depths: int):
+  """MTP self-distillation (the speculative step accepts a draft when the
+  target agrees, not when the data does): depth k at position i learns the
+  frozen target's next-token distribution at position i + k, soft CE.
+  Gradients reach only `mtp_params`. -> (loss, metrics)."""
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()))
+  x = jax.lax.stop_gradient(x)
+  target = jax.lax.stop_gradient(jax.nn.softmax(head(cfg, params, x), -1))  # [B, T, V]
+  all_logits = mtp.train_logits(cfg, dict(params, mtp=mtp_params), x, tokens, depths)
+  metrics, losses = {}, []
+  for k in range(1, depths + 1):
+    p = jnp.pad(target[:, k:], ((0, 0), (0, k), (0, 0)))
+    mask = (jnp.arange(T) < T - k).astype(jnp.float32)[None]
+    logq = jax.nn.log_softmax(all_logits[k - 1], -1)
+    ce = -jnp.sum(p * logq, -1)
+    n = jnp.sum(mask) * B
+    losses.append(jnp.sum(ce * mask) / n)
+    agree = jnp.argmax(all_logits[k - 1], -1) == jnp.argmax(p, -1)
+    metrics[f"distill_ce{k}"] = losses[-1]
+    metrics[f"agree_mtp{k}"] = jnp.sum(agree * mask) / n
+  loss = sum(losses) / depths
+  metrics["loss"] = loss
+  return loss, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "opt", "depths"),
+                   donate_argnames=("mtp_params", "opt_state"))
+def distill_step(cfg: ModelConfig, opt, mtp_params, params, opt_state, tokens, *, depths: int):
+  (_, metrics), grads = jax.value_and_grad(
+      lambda m: distill_loss_fn(cfg, m, params, tokens, depths=depths), has_aux=True)(mtp_params)
+  updates, opt_state = opt.update(grads, opt_state, mtp_params)
+  return optax.apply_updates(mtp_params, updates), opt_state, metrics
+
+
 def make_optimizer(lr: float, steps: int, warmup: int, weight_decay: float = 0.1,
                    clip: float = 1.0):
   warmup = min(warmup, max(steps // 10, 1))

@@ -82,7 +82,11 @@ def _greedy_equality(cfg, params, prompts, K, num_pages, max_tokens=14):
                                             speculative=MTPConfig(num_draft_tokens=K)))
   out = engine.generate(prompts, sampling)
   assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-  return engine.stats()
+  stats = engine.stats()
+  # EPLB statistics are recorded in speculative steps too: every row run, no padding.
+  rows = round(stats["tokens_per_step"] * stats["steps"])
+  np.testing.assert_array_equal(engine.expert_load().sum(-1), rows * cfg.num_experts_per_tok)
+  return stats
 
 
 @pytest.mark.parametrize("K", [1, 2, 3])

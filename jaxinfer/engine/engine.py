@@ -357,9 +357,9 @@ class Engine:
     batch, n_tokens = self._spec_batch(scheduled, shapes)
     greedy = all(s.request.sampling.temperature == 0 for s in scheduled)
     self._programs.add((shapes, K, greedy))
-    emitted, self.pool, self._spec_state = speculative.spec_step(
-        self.cfg, self.params, self.pool, batch.pack(), self._spec_state, max_q=shapes.max_q,
-        K=K, ep=self._ep, greedy=greedy)
+    emitted, self.pool, self._spec_state, self._load = speculative.spec_step(
+        self.cfg, self.params, self.pool, batch.pack(), self._spec_state, self._load,
+        max_q=shapes.max_q, K=K, ep=self._ep, greedy=greedy)
     sch.on_dispatch(scheduled)
     self._num_steps += 1
     self._num_step_tokens += n_tokens

@@ -43,7 +43,7 @@ from jaxinfer.engine.sampling import filter_logits, request_keys
 from jaxinfer.models import mtp
 from jaxinfer.models.context import PagedContext
 from jaxinfer.models.layers import rope_cos_sin
-from jaxinfer.models.transformer import head, trunk
+from jaxinfer.models.transformer import head, trunk_with_counts
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -191,14 +191,15 @@ def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy"),
-                   donate_argnames=("pool", "state"))
-def spec_step(cfg: ModelConfig, params, pool, packed, state, *, max_q: int, K: int,
+                   donate_argnames=("pool", "state", "load"))
+def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
               ep=None, greedy: bool = False):
-  """-> (emitted [B, K + 2] int32, new pool, new state): row b emitted
+  """-> (emitted [B, K + 2] int32, new pool, new state, new load): row b emitted
   emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
   not sample). packed: `SpecBatch.pack()`.
 
   pool: the target's stacked caches per segment plus the MTP entry last.
+  load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
   greedy (static): every request in the batch has temperature 0 (argmax
   everywhere; the draft distributions are not kept).
   """
@@ -213,7 +214,9 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, *, max_q: int, K: i
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q)
   main_pool, mtp_pool = pool[:-1], pool[-1]
-  x, main_pool = trunk(cfg, params, tokens[None], ctx, main_pool, ep)
+  x, main_pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, main_pool, ep,
+                                           None if load is None else "logical")
+  load = load if load is None else load + counts
   x = x[0]  # [T, D]
 
   # Verify: the K + 1 rows ending at each sequence's last row.
@@ -278,4 +281,4 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, *, max_q: int, K: i
     if qs:
       state["q"] = state["q"].at[write, :K].set(jnp.stack(qs, 1), mode="drop")
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
-  return jnp.concatenate([out, num_emitted[:, None]], 1), (*main_pool, mtp_pool), state
+  return jnp.concatenate([out, num_emitted[:, None]], 1), (*main_pool, mtp_pool), state, load
