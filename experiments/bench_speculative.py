@@ -8,7 +8,8 @@ from acceptance and measured step costs, and the measured speedup.
 Prompts are the starts of held-out stdlib files (`training.is_held_out`), which
 the model never saw in training. Each (batch, K) cell runs warm (its programs
 compiled by an identical throwaway run), `--repeats` times; the best wall
-time is kept. predicted = accepted length x (plain step time / speculative
+time is kept. `--num_prompts` different prompts run in every cell, at most
+`batch` at a time (batch 1: one after another). predicted = accepted length x (plain step time / speculative
 step time); measured = tokens/s over the K = 0 tokens/s of the same batch.
 """
 
@@ -29,6 +30,7 @@ flags.DEFINE_list("batches", ["1", "4", "16"], "concurrent requests")
 flags.DEFINE_list("draft_tokens", ["0", "1", "2", "3"], "K values (0 = plain decoding)")
 flags.DEFINE_integer("max_tokens", 128, "tokens generated per request")
 flags.DEFINE_integer("prompt_bytes", 96, "bytes of each held-out file used as a prompt")
+flags.DEFINE_integer("num_prompts", 16, "held-out prompts per cell, run `batch` at a time")
 flags.DEFINE_integer("repeats", 2, "timed runs per cell (best kept)")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "bench_speculative"),
                     "output prefix (.json, .png)")
@@ -42,7 +44,7 @@ def held_out_prompts(n: int, nbytes: int) -> list[list[int]]:
     with open(os.path.join(root, f), "rb") as fh:
       data = fh.read()
     # Skip the licence / docstring header: start at the first "def " if any.
-    start = max(data.find(b"\ndef "), 0)
+    start = max(data.find(b"\ndef ") + 1, 0)
     chunk = data[start:start + nbytes]
     if len(chunk) == nbytes:
       prompts.append(list(chunk))
@@ -51,10 +53,9 @@ def held_out_prompts(n: int, nbytes: int) -> list[list[int]]:
   return prompts[:n]
 
 
-def cell(cfg, params, prompts, K: int, max_tokens: int, repeats: int) -> dict:
-  spec = MTPConfig(num_draft_tokens=K) if K else None
-  ec = EngineConfig(page_size=16, max_num_seqs=max(16, len(prompts)),
-                    max_num_batched_tokens=max(256, len(prompts) * 8),
+def cell(cfg, params, prompts, batch: int, K: int, max_tokens: int, repeats: int) -> dict:
+  spec = MTPConfig(num_draft_tokens=K, batch_schedule=()) if K else None
+  ec = EngineConfig(page_size=16, max_num_seqs=batch, max_num_batched_tokens=256,
                     speculative=spec, enable_prefix_caching=False)
   sampling = SamplingParams(max_tokens=max_tokens)
   best = None
@@ -64,7 +65,7 @@ def cell(cfg, params, prompts, K: int, max_tokens: int, repeats: int) -> dict:
     if best is None or res.summary["wall_s"] < best.summary["wall_s"]:
       best = res
   s = best.summary
-  return dict(K=K, batch=len(prompts), wall_s=s["wall_s"], tokens=s["generated_tokens"],
+  return dict(K=K, batch=batch, prompts=len(prompts), wall_s=s["wall_s"], tokens=s["generated_tokens"],
               tokens_per_s=s["tokens_per_s"], tpot_p50_ms=s["tpot_p50_s"] * 1e3,
               ttft_p50_ms=s["ttft_p50_s"] * 1e3, steps=s["steps"],
               step_ms=s["wall_s"] / s["steps"] * 1e3,
@@ -104,12 +105,12 @@ def main(argv):
   ks = sorted(int(k) for k in FLAGS.draft_tokens)
   if ks[0] != 0:
     raise ValueError("--draft_tokens must include 0 (the baseline)")
-  prompts = held_out_prompts(max(batches), FLAGS.prompt_bytes)
+  prompts = held_out_prompts(max(FLAGS.num_prompts, max(batches)), FLAGS.prompt_bytes)
   rows = []
   for b in batches:
     base = None
     for K in ks:
-      r = cell(cfg, params, prompts[:b], K, FLAGS.max_tokens, FLAGS.repeats)
+      r = cell(cfg, params, prompts, b, K, FLAGS.max_tokens, FLAGS.repeats)
       if K == 0:
         base = r
       r["exact_vs_plain"] = r["outputs"] == base["outputs"]

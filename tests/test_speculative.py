@@ -137,6 +137,7 @@ def test_speculative_rejects_bad_config(random_model):
            EngineConfig(**ENGINE, num_pages=16, speculative=MTPConfig()))
   assert MTPConfig(num_draft_tokens=3, batch_schedule=((8, 1), (32, 0))).draft_tokens_for(9) == 1
   assert MTPConfig(num_draft_tokens=3, batch_schedule=((8, 1), (32, 0))).draft_tokens_for(40) == 0
+  assert MTPConfig().draft_tokens_for(15) == 3 and MTPConfig().draft_tokens_for(16) == 0
 
 
 def test_sampled_speculative_output_follows_the_target_distribution():
@@ -151,7 +152,8 @@ def test_sampled_speculative_output_follows_the_target_distribution():
   engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=260, max_num_seqs=32,
                                             max_num_batched_tokens=128,
                                             enable_prefix_caching=False,
-                                            speculative=MTPConfig(num_draft_tokens=2)))
+                                            speculative=MTPConfig(num_draft_tokens=2,
+                                                                  batch_schedule=())))
   outs = engine.generate([prompt] * n, sampling)
   stats = engine.stats()
   acc = stats["spec_acceptance_per_position"]

@@ -53,11 +53,13 @@ class MTPConfig:
   num_draft_tokens: K, tokens drafted per step (1..8).
   batch_schedule: (batch size, K) pairs: from that many running sequences
     on, draft that many tokens instead (0: speculation off). Speculation pays
-    at small batches and costs at large ones (`experiments/bench_speculative.py`).
+    at small batches and not at large ones. The default turns it off from 16
+    sequences, where `experiments/bench_speculative.py` measured no gain for
+    any K on the default model on CPU (results/bench_speculative.json).
   """
 
   num_draft_tokens: int = 3
-  batch_schedule: tuple[tuple[int, int], ...] = ()
+  batch_schedule: tuple[tuple[int, int], ...] = ((16, 0),)
 
   def __post_init__(self):
     if not isinstance(self.num_draft_tokens, int) or not 1 <= self.num_draft_tokens <= 8:
