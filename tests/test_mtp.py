@@ -74,10 +74,10 @@ def test_loss_masks_and_training_lowers_it():
   assert np.isfinite(float(loss))
   np.testing.assert_allclose(float(loss), float(m["loss_main"]) + 0.5 * np.mean(
       [float(m[f"loss_mtp{k}"]) for k in (1, 2, 3)]), rtol=1e-5)
-  opt = training.make_optimizer(3e-3, 30, 3)
+  opt = training.make_optimizer(3e-3, 20, 2)
   state = opt.init(params)
   first = None
-  for _ in range(30):
+  for _ in range(20):
     params, state, m = training.train_step(cfg, opt, params, state, jnp.asarray(batch),
                                            depths=3, mtp_weight=0.5)
     first = first or {k: float(v) for k, v in m.items()}

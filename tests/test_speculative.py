@@ -75,52 +75,39 @@ def random_model():
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 
-def _greedy_equality(cfg, params, prompts, K, num_pages, max_tokens=14):
-  sampling = SamplingParams(max_tokens=max_tokens)
-  ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=num_pages)).generate(prompts, sampling)
-  engine = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=num_pages,
-                                            speculative=MTPConfig(num_draft_tokens=K)))
-  out = engine.generate(prompts, sampling)
-  assert [o.token_ids for o in out] == [r.token_ids for r in ref]
-  stats = engine.stats()
-  # EPLB statistics are recorded in speculative steps too: every row run, no padding.
-  rows = round(stats["tokens_per_step"] * stats["steps"])
-  np.testing.assert_array_equal(engine.expert_load().sum(-1), rows * cfg.num_experts_per_tok)
-  return stats
-
-
-@pytest.mark.parametrize("K", [1, 2, 3])
-def test_trained_model_greedy_speculative_equals_plain_greedy(K):
+def test_trained_model_greedy_speculative_equals_plain_greedy():
   # The shipped model drafts well enough that drafts are both accepted and
   # rejected; held-out source of mixed lengths, chunked prefill, preemption.
+  import os
+  import sysconfig
+
   import jaxinfer
   from jaxinfer import training
-  cfg, params, tok = jaxinfer.load_default_model()
-  files = [f for f in training.corpus_files() if training.is_held_out(f)][:5]
-  import os, sysconfig
+  cfg, params, _ = jaxinfer.load_default_model()
   root = sysconfig.get_paths()["stdlib"]
+  files = [f for f in training.corpus_files(root) if training.is_held_out(f)][:3]
   prompts = []
-  for f, n in zip(files, (7, 40, 23, 61, 15)):
+  for f, n in zip(files, (7, 40, 23)):
     with open(os.path.join(root, f), "rb") as fh:
       data = fh.read()
     start = max(data.find(b"\ndef "), 0)
     prompts.append(list(data[start:start + n]))
-  stats = _greedy_equality(cfg, params, prompts, K, num_pages=28, max_tokens=24)
-  assert stats["preemptions"] > 0
-  acc = stats["spec_acceptance_per_position"]
-  assert len(acc) == K and 0.2 < acc[0] < 1.0, acc
-  assert 1.0 < stats["spec_mean_accepted_length"] <= K + 1
-
-
-def test_greedy_speculative_equals_plain_greedy(random_model):
-  K = 2
-  cfg, params = random_model
-  rng = np.random.default_rng(K)
-  prompts = [list(map(int, rng.integers(0, 256, n))) for n in (3, 17, 30, 9, 21)]
-  # A pool too small for all five at once: requests get preempted and recomputed.
-  stats = _greedy_equality(cfg, params, prompts, K, num_pages=24)
-  assert stats["preemptions"] > 0
-  assert stats["spec_verify_steps"] > 0 and len(stats["spec_acceptance_per_position"]) == K
+  sampling = SamplingParams(max_tokens=16)
+  ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18)).generate(prompts, sampling)
+  for K in (1, 2, 3):
+    engine = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18,
+                                              speculative=MTPConfig(num_draft_tokens=K)))
+    out = engine.generate(prompts, sampling)
+    assert [o.token_ids for o in out] == [r.token_ids for r in ref], K
+    stats = engine.stats()
+    assert stats["preemptions"] > 0, K
+    acc = stats["spec_acceptance_per_position"]
+    # Drafts were accepted, and some rejected (the accepted length stays under K + 1).
+    assert len(acc) == K and acc[0] > 0.2, (K, acc)
+    assert 1.0 < stats["spec_mean_accepted_length"] < K + 1, stats
+    # EPLB statistics are recorded in speculative steps too: every row run, no padding.
+    rows = round(stats["tokens_per_step"] * stats["steps"])
+    np.testing.assert_array_equal(engine.expert_load().sum(-1), rows * cfg.num_experts_per_tok)
 
 
 def test_speculative_rejects_bad_config(random_model):
