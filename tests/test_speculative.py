@@ -76,38 +76,17 @@ def random_model():
 
 
 def test_trained_model_greedy_speculative_equals_plain_greedy():
-  # The shipped model drafts well enough that drafts are both accepted and
-  # rejected; held-out source of mixed lengths, chunked prefill, preemption.
+  # Run in a fresh process: under xdist, after many other tests, XLA:CPU
+  # compiling this 8-layer speculative program has crashed the worker twice
+  # (a segfault inside backend_compile); alone it compiles and passes.
   import os
-  import sysconfig
-
-  import jaxinfer
-  from jaxinfer import training
-  cfg, params, _ = jaxinfer.load_default_model()
-  root = sysconfig.get_paths()["stdlib"]
-  files = [f for f in training.corpus_files(root) if training.is_held_out(f)][:3]
-  prompts = []
-  for f, n in zip(files, (7, 40, 23)):
-    with open(os.path.join(root, f), "rb") as fh:
-      data = fh.read()
-    start = max(data.find(b"\ndef "), 0)
-    prompts.append(list(data[start:start + n]))
-  sampling = SamplingParams(max_tokens=16)
-  ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18)).generate(prompts, sampling)
-  for K in (1, 2, 3):
-    engine = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18,
-                                              speculative=MTPConfig(num_draft_tokens=K)))
-    out = engine.generate(prompts, sampling)
-    assert [o.token_ids for o in out] == [r.token_ids for r in ref], K
-    stats = engine.stats()
-    assert stats["preemptions"] > 0, K
-    acc = stats["spec_acceptance_per_position"]
-    # Drafts were accepted, and some rejected (the accepted length stays under K + 1).
-    assert len(acc) == K and acc[0] > 0.2, (K, acc)
-    assert 1.0 < stats["spec_mean_accepted_length"] < K + 1, stats
-    # EPLB statistics are recorded in speculative steps too: every row run, no padding.
-    rows = round(stats["tokens_per_step"] * stats["steps"])
-    np.testing.assert_array_equal(engine.expert_load().sum(-1), rows * cfg.num_experts_per_tok)
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, os.path.join(root, "tests", "spec_trained_check.py")],
+                       cwd=root, capture_output=True, text=True, timeout=900)
+  assert out.returncode == 0, (out.stdout[-2000:], out.stderr[-3000:])
+  assert "ok K=1" in out.stdout and "ok K=2" in out.stdout and "ok K=3" in out.stdout
 
 
 def test_speculative_rejects_bad_config(random_model):
@@ -134,7 +113,7 @@ def test_sampled_speculative_output_follows_the_target_distribution():
   params = models.init_params(cfg, jax.random.key(3))
   params = dict(params, lm_head=params["lm_head"] * 4.0)
   prompt = [1, 5, 2]
-  n = 2400
+  n = 1600
   sampling = [SamplingParams(max_tokens=4, temperature=T, top_k=TOP_K, seed=i) for i in range(n)]
   engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=260, max_num_seqs=32,
                                             max_num_batched_tokens=128,
