@@ -60,6 +60,15 @@ def model_config():
                              dense_layers=(0, L) if FLAGS.mtp_dense else (0,))
 
 
+def _flush(window: list, curve: list, step: int, t0: float) -> dict:
+  """Mean of the window's metrics -> a curve row (the window is emptied)."""
+  row = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
+  row.update(step=step, minutes=(time.perf_counter() - t0) / 60)
+  curve.append(row)
+  window.clear()
+  return row
+
+
 def _plot(log: dict, path: str) -> None:
   try:
     import matplotlib
@@ -112,10 +121,7 @@ def main(argv):
                                                mtp_weight=FLAGS.mtp_weight)
     window.append(m)
     if step % FLAGS.log_every == 0 or step == FLAGS.steps:
-      row = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
-      row.update(step=step, minutes=(time.perf_counter() - t0) / 60)
-      curve.append(row)
-      window = []
+      row = _flush(window, curve, step, t0)
       print(f"step {step}: loss {row['loss']:.3f} main {row['loss_main']:.3f} acc "
             f"{row['acc_main']:.3f} | " + " ".join(
                 f"mtp{k} {row[f'acc_mtp{k}']:.3f}" for k in range(1, FLAGS.mtp_depths + 1))
@@ -136,10 +142,7 @@ def main(argv):
                                                        next(data), depths=FLAGS.mtp_depths)
       window.append(m)
       if d % FLAGS.log_every == 0 or d == FLAGS.distill_steps:
-        row = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
-        row.update(step=d, minutes=(time.perf_counter() - t1) / 60)
-        distill_curve.append(row)
-        window = []
+        row = _flush(window, distill_curve, d, t1)
         print(f"distill {d}: " + " ".join(f"agree{k} {row[f'agree_mtp{k}']:.3f}"
                                           for k in range(1, FLAGS.mtp_depths + 1))
               + f" | {row['minutes']:.1f} min", flush=True)
