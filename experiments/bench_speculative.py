@@ -5,7 +5,7 @@ from acceptance and measured step costs, and the measured speedup.
   python experiments/bench_speculative.py                    # K = 0..3 at batch 1, 4, 16
   python experiments/bench_speculative.py --batches=1 --max_tokens=64 --repeats=1
 
-Prompts are the starts of held-out stdlib files (`training.is_held_out`), which
+Prompts come from held-out stdlib files (`training.held_out_prompts`), which
 the model never saw in training. Each (batch, K) cell runs warm (its programs
 compiled by an identical throwaway run), `--repeats` times; the best wall
 time is kept. `--num_prompts` different prompts run in every cell, at most
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import sysconfig
 
 from absl import app, flags
 import jax
@@ -34,23 +33,6 @@ flags.DEFINE_integer("num_prompts", 16, "held-out prompts per cell, run `batch` 
 flags.DEFINE_integer("repeats", 2, "timed runs per cell (best kept)")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "bench_speculative"),
                     "output prefix (.json, .png)")
-
-
-def held_out_prompts(n: int, nbytes: int) -> list[list[int]]:
-  root = sysconfig.get_paths()["stdlib"]
-  files = [f for f in training.corpus_files(root) if training.is_held_out(f)]
-  prompts = []
-  for f in files:
-    with open(os.path.join(root, f), "rb") as fh:
-      data = fh.read()
-    # Skip the licence / docstring header: start at the first "def " if any.
-    start = max(data.find(b"\ndef ") + 1, 0)
-    chunk = data[start:start + nbytes]
-    if len(chunk) == nbytes:
-      prompts.append(list(chunk))
-  if len(prompts) < n:
-    prompts = (prompts * (n // max(len(prompts), 1) + 1))
-  return prompts[:n]
 
 
 def cell(cfg, params, prompts, batch: int, K: int, max_tokens: int, repeats: int) -> dict:
@@ -105,7 +87,8 @@ def main(argv):
   ks = sorted(int(k) for k in FLAGS.draft_tokens)
   if ks[0] != 0:
     raise ValueError("--draft_tokens must include 0 (the baseline)")
-  prompts = held_out_prompts(max(FLAGS.num_prompts, max(batches)), FLAGS.prompt_bytes)
+  n = max(FLAGS.num_prompts, max(batches))
+  prompts = training.held_out_prompts([FLAGS.prompt_bytes] * n)
   rows = []
   for b in batches:
     base = None

@@ -61,6 +61,32 @@ def load_corpus(held_out: bool, root: str | None = None, fraction: float = 0.05)
   return np.frombuffer(b"".join(chunks), np.uint8), files
 
 
+def held_out_prompts(lengths, root: str | None = None) -> list[list[int]]:
+  """Byte prompts from held-out files (never trained on), one per entry of
+  `lengths`: that many bytes from the file's first top-level `def` (its
+  start if none), files in order, cycling when there are fewer files."""
+  root = root or sysconfig.get_paths()["stdlib"]
+  snippets = []
+  for f in corpus_files(root):
+    if not is_held_out(f):
+      continue
+    with open(os.path.join(root, f), "rb") as fh:
+      data = fh.read()
+    snippets.append(data[data.find(b"\ndef ") + 1:])  # find -1 -> the start
+  longest = max(lengths)
+  usable = [d for d in snippets if len(d) >= longest]
+  if not usable:
+    raise ValueError(f"no held-out file has {longest} bytes after its first def")
+  return [list(usable[i % len(usable)][:n]) for i, n in enumerate(lengths)]
+
+
+def _hidden(cfg: ModelConfig, params, tokens):
+  """Full causal trunk: tokens [B, T] -> final-normed hidden [B, T, D]."""
+  B, T = tokens.shape
+  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  return trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()))[0]
+
+
 def batches(data: np.ndarray, batch: int, seq_len: int, seed: int):
   """Endless random windows [batch, seq_len] int32 of the byte stream."""
   if len(data) <= seq_len:
@@ -83,8 +109,7 @@ def loss_fn(cfg: ModelConfig, params, tokens, *, depths: int, mtp_weight: float)
   """tokens [B, T] -> (loss, metrics). Position i predicts t_{i+1} (main)
   and t_{i+k+1} (MTP depth k); positions without a target are masked."""
   B, T = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()))
+  x = _hidden(cfg, params, tokens)
   main_logits = head(cfg, params, x[:, :-1])
   ones = jnp.ones((B, T - 1), jnp.float32)
   main_loss, main_acc = _ce(main_logits, tokens[:, 1:], ones)
@@ -110,9 +135,7 @@ def distill_loss_fn(cfg: ModelConfig, mtp_params, params, tokens, *, depths: int
   frozen target's next-token distribution at position i + k, soft CE.
   Gradients reach only `mtp_params`. -> (loss, metrics)."""
   B, T = tokens.shape
-  positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  x, _ = trunk(cfg, params, tokens, FullContext(positions, cfg.window_choices()))
-  x = jax.lax.stop_gradient(x)
+  x = jax.lax.stop_gradient(_hidden(cfg, params, tokens))
   target = jax.lax.stop_gradient(jax.nn.softmax(head(cfg, params, x), -1))  # [B, T, V]
   all_logits = mtp.train_logits(cfg, dict(params, mtp=mtp_params), x, tokens, depths)
   metrics, losses = {}, []

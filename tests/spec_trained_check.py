@@ -5,7 +5,6 @@ lengths, chunked prefill, preemption."""
 
 import os
 import sys
-import sysconfig
 
 import numpy as np
 
@@ -23,14 +22,7 @@ def main():
   # The shipped model drafts well enough that drafts are both accepted and
   # rejected; held-out source of mixed lengths, chunked prefill, preemption.
   cfg, params, _ = jaxinfer.load_default_model()
-  root = sysconfig.get_paths()["stdlib"]
-  files = [f for f in training.corpus_files(root) if training.is_held_out(f)][:3]
-  prompts = []
-  for f, n in zip(files, (7, 40, 23)):
-    with open(os.path.join(root, f), "rb") as fh:
-      data = fh.read()
-    start = max(data.find(b"\ndef "), 0)
-    prompts.append(list(data[start:start + n]))
+  prompts = training.held_out_prompts([7, 40, 23])
   sampling = SamplingParams(max_tokens=16)
   ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18)).generate(prompts, sampling)
   for K in (1, 2, 3):

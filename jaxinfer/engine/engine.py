@@ -296,22 +296,30 @@ class Engine:
         shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
         q_lens=[s.num_tokens for s in scheduled],
         kv_lens=[s.start + s.num_tokens for s in scheduled],
-        page_tables=[r.pages for r in reqs],
-        temperature=[r.sampling.temperature for r in reqs],
-        top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
-        seeds=[r.sampling.seed % (1 << 32) for r in reqs],
+        page_tables=[r.pages for r in reqs], **self._sampling_of(reqs),
         sample_idx=[len(r.output) + r.pending for r in reqs]), len(tokens)
 
-  def _dispatch(self, per_rank) -> None:
+  def _shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
+    """The bucketed program shapes for the non-empty per-rank schedules."""
     c = self.config
-    busy = [sch for sch in per_rank if sch]
-    shapes = steps.StepShapes(
+    return steps.StepShapes(
         tokens=steps.bucket(max(sum(s.num_tokens for s in sch) for sch in busy),
                             c.max_num_batched_tokens),
         seqs=steps.bucket(max(len(sch) for sch in busy), c.max_num_seqs),
         pages=steps.bucket(max(len(s.request.pages) for sch in busy for s in sch),
                            self.max_pages_per_seq),
-        max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), self._chunk))
+        max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
+
+  @staticmethod
+  def _sampling_of(reqs) -> dict:
+    """Per-request sampling fields, as the step batches take them."""
+    return dict(temperature=[r.sampling.temperature for r in reqs],
+                top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
+                seeds=[r.sampling.seed % (1 << 32) for r in reqs])
+
+  def _dispatch(self, per_rank) -> None:
+    busy = [sch for sch in per_rank if sch]
+    shapes = self._shapes(busy, self._chunk)
     batches = [self._rank_batch(sch, shapes) for sch in per_rank]
     greedy = all(s.request.sampling.temperature == 0 for sch in busy for s in sch)
     self._programs.add((shapes, greedy))
@@ -348,12 +356,8 @@ class Engine:
     for s in scheduled:
       if s.request.id not in self._slot_of:
         self._slot_of[s.request.id] = self._free_slots.pop()
-    c, K = self.config, sch.spec_k
-    shapes = steps.StepShapes(
-        tokens=steps.bucket(sum(s.num_tokens for s in scheduled), c.max_num_batched_tokens),
-        seqs=steps.bucket(len(scheduled), c.max_num_seqs),
-        pages=steps.bucket(max(len(s.request.pages) for s in scheduled), self.max_pages_per_seq),
-        max_q=steps.bucket(max(s.num_tokens for s in scheduled), self._chunk + K))
+    K = sch.spec_k
+    shapes = self._shapes([scheduled], self._chunk + K)
     batch, n_tokens = self._spec_batch(scheduled, shapes)
     greedy = all(s.request.sampling.temperature == 0 for s in scheduled)
     self._programs.add((shapes, K, greedy))
@@ -392,6 +396,7 @@ class Engine:
     pad = steps.pad
     cu, table, last = steps.ragged_layout(shapes, [s.num_tokens for s in scheduled],
                                           [r.pages for r in reqs])
+    samp = self._sampling_of(reqs)
     batch = speculative.SpecBatch(
         tokens=pad(tokens, T, np.int32), draft_j=pad(draft_j, T, np.int32, -1),
         positions=pad(positions, T, np.int32), token_seq=pad(token_seq, T, np.int32),
@@ -403,10 +408,9 @@ class Engine:
         samples=pad([s.samples for s in scheduled], B, bool),
         chunk_next=pad(chunk_next, B, np.int32),
         capacity=pad([len(r.pages) * ps for r in reqs], B, np.int32),
-        temperature=pad([r.sampling.temperature for r in reqs], B, np.float32),
-        top_k=pad([r.sampling.top_k for r in reqs], B, np.int32),
-        top_p=pad([r.sampling.top_p for r in reqs], B, np.float32, 1.0),
-        seeds=pad([r.sampling.seed % (1 << 32) for r in reqs], B, np.uint32),
+        temperature=pad(samp["temperature"], B, np.float32),
+        top_k=pad(samp["top_k"], B, np.int32), top_p=pad(samp["top_p"], B, np.float32, 1.0),
+        seeds=pad(samp["seeds"], B, np.uint32),
         sample_idx=pad([len(r.output) for r in reqs], B, np.int32))
     return batch, n
 
