@@ -30,6 +30,8 @@ def main():
                                               speculative=MTPConfig(num_draft_tokens=K)))
     out = engine.generate(prompts, sampling)
     assert [o.token_ids for o in out] == [r.token_ids for r in ref], K
+    while engine.has_unfinished():  # a pipelined step may still be in flight
+      engine.step()
     stats = engine.stats()
     assert stats["preemptions"] > 0, K
     acc = stats["spec_acceptance_per_position"]
@@ -42,5 +44,30 @@ def main():
     print(f"ok K={K}: acceptance {acc}, accepted length {stats['spec_mean_accepted_length']:.2f}")
 
 
+def pipelined():
+  # Decode-only steps are pipelined (dispatched before the previous step is
+  # read): requests ending mid-block on max_tokens or on a stop token, and
+  # one running into the context limit, still match plain greedy exactly.
+  cfg, params, _ = jaxinfer.load_default_model()
+  prompts = training.held_out_prompts([9, 30, 17])
+  sampling = [SamplingParams(max_tokens=37), SamplingParams(max_tokens=50, stop_token_ids=(10,)),
+              SamplingParams(max_tokens=200)]
+  config = dict(ENGINE, num_pages=64, max_model_len=61)
+  ref = Engine(cfg, params, EngineConfig(**config)).generate(prompts, sampling)
+  engine = Engine(cfg, params, EngineConfig(**config, speculative=MTPConfig(num_draft_tokens=3)))
+  out = engine.generate(prompts, sampling)
+  assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+  assert [o.finish_reason for o in out] == [r.finish_reason for r in ref]
+  assert {r.finish_reason for r in ref} == {"stop", "length"}, [r.finish_reason for r in ref]
+  stats = engine.stats()
+  assert stats["overlapped_steps"] >= stats["steps"] // 2, stats
+  while engine.has_unfinished():
+    engine.step()
+  assert engine.stats()["kv_pages_used"] == 0
+  print(f"ok pipelined: {stats['overlapped_steps']} of {stats['steps']} steps overlapped, "
+        f"accepted length {stats['spec_mean_accepted_length']:.2f}")
+
+
 if __name__ == "__main__":
   main()
+  pipelined()

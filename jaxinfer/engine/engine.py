@@ -49,7 +49,8 @@ class EngineConfig:
   # MoE models: count each expert's routed tokens in every step (on device,
   # padding excluded) for `Engine.expert_load` / `Engine.rebalance` (EPLB).
   record_expert_load: bool = True
-  # Speculative decoding with the model's MTP modules (synchronous steps).
+  # Speculative decoding with the model's MTP modules (decode steps pipelined
+  # like the plain ones when async_scheduling is on).
   speculative: speculative.MTPConfig | None = None
 
   def __post_init__(self):
@@ -343,20 +344,34 @@ class Engine:
   # ------------------------------------------------------------ speculative
 
   def _step_speculative(self) -> list[tuple[int, list[int], bool]]:
-    """One synchronous speculative step (`engine/speculative.py`)."""
+    """One speculative step (`engine/speculative.py`). With async scheduling
+    a decode-only batch is pipelined: the next step is dispatched before the
+    one in flight is read, its positions left to the device
+    (`Scheduler.continue_speculative`); anything else (admissions, prefill
+    chunks, preemption) reads the step in flight first and schedules as usual."""
     sch = self.scheduler
-    sch.spec_k = self._spec.draft_tokens_for(
+    K = self._spec.draft_tokens_for(
         min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
-    scheduled = sch.schedule()
-    if not scheduled:
-      return []
-    live = {r.id for r in sch.running}
-    for rid in [rid for rid in self._slot_of if rid not in live]:  # finished or preempted
-      self._free_slots.append(self._slot_of.pop(rid))
-    for s in scheduled:
-      if s.request.id not in self._slot_of:
-        self._slot_of[s.request.id] = self._free_slots.pop()
-    K = sch.spec_k
+    scheduled = None
+    if self._in_flight and self.config.async_scheduling and self._in_flight[-1][2] == K:
+      scheduled = sch.continue_speculative(self._in_flight[-1][0], K)
+    events = []
+    if scheduled is None:
+      events += self._read_speculative(keep=0)
+      sch.spec_k = K
+      scheduled = sch.schedule()
+      live = {r.id for r in sch.running}
+      for rid in [rid for rid in self._slot_of if rid not in live]:  # finished or preempted
+        self._free_slots.append(self._slot_of.pop(rid))
+      for s in scheduled:
+        if s.request.id not in self._slot_of:
+          self._slot_of[s.request.id] = self._free_slots.pop()
+    if scheduled:
+      self._dispatch_speculative(scheduled, K)
+    keep = 1 if scheduled and self.config.async_scheduling else 0
+    return events + self._read_speculative(keep)
+
+  def _dispatch_speculative(self, scheduled, K: int) -> None:
     shapes = self._shapes([scheduled], self._chunk + K)
     batch, n_tokens = self._spec_batch(scheduled, shapes)
     greedy = all(s.request.sampling.temperature == 0 for s in scheduled)
@@ -364,19 +379,28 @@ class Engine:
     emitted, self.pool, self._spec_state, self._load = speculative.spec_step(
         self.cfg, self.params, self.pool, batch.pack(), self._spec_state, self._load,
         max_q=shapes.max_q, K=K, ep=self._ep, greedy=greedy)
-    sch.on_dispatch(scheduled)
+    self.scheduler.on_dispatch(scheduled)
+    self._overlapped += bool(self._in_flight)
+    self._in_flight.append((scheduled, emitted, K))
     self._num_steps += 1
     self._num_step_tokens += n_tokens
-    emitted = np.asarray(emitted)  # the one device-to-host read
-    out, n_emit = emitted[:, :-1], emitted[:, -1]
-    for s, n in zip(scheduled, n_emit):
-      if s.samples and s.num_draft:
-        accepted = int(n) - 1
-        self._drafted[:s.num_draft] += 1
-        self._accepted[:accepted] += 1
-        self._verifies += 1
-        self._verify_tokens += int(n)
-    return sch.apply_speculative(scheduled, out, n_emit, K)
+
+  def _read_speculative(self, keep: int) -> list[tuple[int, list[int], bool]]:
+    """Reads the speculative steps in flight, oldest first, leaving `keep`."""
+    events = []
+    while len(self._in_flight) > keep:
+      scheduled, emitted, K = self._in_flight.popleft()
+      emitted = np.asarray(emitted)  # the one device-to-host read
+      out, n_emit, n_verified = emitted[:, :K + 1], emitted[:, K + 1], emitted[:, K + 2]
+      for s, n, d in zip(scheduled, n_emit, n_verified):
+        self._num_step_tokens -= s.num_draft - int(d)  # drafts cut on device at max_len
+        if s.samples and s.num_draft and not s.request.finished:
+          self._drafted[:d] += 1
+          self._accepted[:int(n) - 1] += 1
+          self._verifies += 1
+          self._verify_tokens += int(n)
+      events += self.scheduler.apply_speculative(scheduled, out, n_emit, K)
+    return events
 
   def _spec_batch(self, scheduled, shapes):
     ps = self.config.page_size
@@ -385,7 +409,10 @@ class Engine:
       req = s.request
       known = req.tokens
       n_known = s.num_tokens - s.num_draft
-      tokens += known[s.start:s.start + n_known] + [0] * s.num_draft
+      if s.from_state:  # the last token and the positions come from the device
+        tokens += [0] * s.num_tokens
+      else:
+        tokens += known[s.start:s.start + n_known] + [0] * s.num_draft
       draft_j += [-1] * n_known + list(range(s.num_draft))
       positions += range(s.start, s.start + s.num_tokens)
       token_seq += [i] * s.num_tokens
@@ -406,12 +433,15 @@ class Engine:
         slot=pad([self._slot_of[r.id] for r in reqs], B, np.int32),
         num_draft=pad([s.num_draft for s in scheduled], B, np.int32),
         samples=pad([s.samples for s in scheduled], B, bool),
+        from_state=pad([s.from_state for s in scheduled], B, bool),
         chunk_next=pad(chunk_next, B, np.int32),
         capacity=pad([len(r.pages) * ps for r in reqs], B, np.int32),
+        max_len=pad([min(len(r.prompt) + r.sampling.max_tokens, self.max_model_len)
+                     for r in reqs], B, np.int32),
+        prompt_len=pad([len(r.prompt) for r in reqs], B, np.int32),
         temperature=pad(samp["temperature"], B, np.float32),
         top_k=pad(samp["top_k"], B, np.int32), top_p=pad(samp["top_p"], B, np.float32, 1.0),
-        seeds=pad(samp["seeds"], B, np.uint32),
-        sample_idx=pad([len(r.output) for r in reqs], B, np.int32))
+        seeds=pad(samp["seeds"], B, np.uint32))
     return batch, n
 
   def generate(self, prompts: Sequence[Sequence[int]],

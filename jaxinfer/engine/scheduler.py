@@ -56,6 +56,7 @@ class Request:
   pending: int = 0  # sampled tokens still on device
   pending_row: int = -1  # their row in the last dispatched step's samples
   num_drafts: int = 0  # speculative: MTP drafts waiting in the device draft state
+  spec_ahead: int = 0  # speculative: tokens of pipelined (from_state) blocks not yet read
 
   @property
   def tokens(self) -> list[int]:
@@ -78,6 +79,9 @@ class Scheduled:
   start: int  # first token position of the chunk
   samples: bool  # the chunk reaches the end of the request: its sample is the next token
   num_draft: int = 0  # speculative: drafts verified after the request's last token
+  # Speculative pipelining: the block's last token and positions come from the
+  # device (the previous step is still in flight); `start` is an upper bound.
+  from_state: bool = False
 
 
 class Scheduler:
@@ -190,6 +194,31 @@ class Scheduler:
       budget -= n
     return out
 
+  def continue_speculative(self, previous: list[Scheduled], K: int) -> list[Scheduled] | None:
+    """Pipelined speculative decoding: one more decode block of K + 1 rows for
+    each request of `previous` (the step in flight, whose tokens are not read
+    yet), its positions left to the device. The pages cover the most the
+    in-flight step can have accepted. None when this is not possible now:
+    the engine then reads the step and schedules normally. That is the case
+    when requests wait for admission, when a running request was not in
+    `previous` (or did not sample there), when K changed, near the context
+    limit, or when pages or the token budget run short (pipelining never
+    preempts)."""
+    if not K or (self.waiting and len(self.running) < self.max_num_seqs):
+      return None
+    sampled = {id(s.request) for s in previous if s.samples}
+    reqs = [r for r in self.running if not self._will_finish(r)]
+    if (not reqs or (K + 1) * len(reqs) > self.budget
+        or any(id(r) not in sampled or r.num_computed + 2 * K > self.max_model_len
+               for r in reqs)):
+      return None
+    need = [max(0, self._pages_for(r, K + 1, True)) for r in reqs]
+    if sum(need) > self.alloc.num_available():
+      return None
+    for r, n in zip(reqs, need):
+      r.pages += self.alloc.allocate(n) if n else []
+    return [Scheduled(r, K + 1, r.num_computed, True, K, from_state=True) for r in reqs]
+
   def on_dispatch(self, scheduled: list[Scheduled]) -> None:
     """The step holding `scheduled` was dispatched to the device."""
     for row, s in enumerate(scheduled):
@@ -199,6 +228,8 @@ class Scheduler:
       if s.samples:
         req.pending += 1
         req.pending_row = row
+      if s.from_state:
+        req.spec_ahead += s.num_tokens
 
   # ------------------------------------------------------------ results
 
@@ -242,18 +273,23 @@ class Scheduler:
     """Takes a finished speculative step: row i emitted tokens[i,
     :num_emitted[i]] (its accepted drafts, then one token from the target);
     num_drafted: drafts the step left in the draft state for each sampling row.
-    -> events (request id, new tokens, finished)."""
+    Steps are applied in dispatch order. -> events (request id, new tokens,
+    finished)."""
     now = time.perf_counter()
     events = []
     for s, row, n in zip(scheduled, tokens, num_emitted):
       req = s.request
       if req.finished:
         continue
+      if s.from_state:
+        req.spec_ahead -= s.num_tokens
       if s.samples:
         req.pending -= 1
-        # K/V is valid through the last accepted draft; the rejected rest
-        # lies past the length and is overwritten.
-        req.num_computed = s.start + int(n) if s.num_draft else s.start + s.num_tokens
+        # The block ends at the last known token (earlier steps are applied),
+        # so K/V is valid through it and its accepted drafts; the rejected
+        # rest lies past the length and is overwritten. Pipelined blocks still
+        # in flight count at their most.
+        req.num_computed = len(req.tokens) - 1 + int(n) + req.spec_ahead
         req.num_drafts = num_drafted
         events.append((req.id, self._append(req, row[:int(n)], now), req.finished))
       if not req.finished:

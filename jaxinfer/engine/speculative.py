@@ -27,6 +27,12 @@ device-resident draft state (never copied to the host). Then, per sequence:
 
 The MTP modules' pages are the target's: the pool holds one more stacked
 entry (the MTP layers) indexed by the same page tables.
+
+Pipelining: the state also keeps each slot's last emitted token and its
+position. A decode block marked `from_state` takes its token and positions
+from there, so the engine can dispatch step N + 1 before it has read how
+many tokens step N accepted (the host only reserves pages for the most step
+N could have accepted, and never waits on the device between the two).
 """
 
 from __future__ import annotations
@@ -93,17 +99,20 @@ class SpecBatch:
   slot: jax.Array  # [B]: the sequence's row of the draft state
   num_draft: jax.Array  # [B]: drafts verified this step (0: prefill)
   samples: jax.Array  # [B] bool: the chunk reaches the end (tokens are emitted)
+  from_state: jax.Array  # [B] bool: a decode block whose last token and positions come
+  #                        from the draft state (dispatched before the last step was read)
   chunk_next: jax.Array  # [B]: the token after a prefill chunk that does not sample
   capacity: jax.Array  # [B]: positions the sequence's pages hold
+  max_len: jax.Array  # [B]: tokens the request may reach (prompt + max_tokens, or the context)
+  prompt_len: jax.Array  # [B]
   temperature: jax.Array  # [B] float32
   top_k: jax.Array  # [B]
   top_p: jax.Array  # [B]
   seeds: jax.Array  # [B] uint32
-  sample_idx: jax.Array  # [B]: index of the first token emitted this step
 
   _ROWS = ("tokens", "draft_j", "positions", "token_seq", "valid")
-  _SEQS = ("kv_lens", "logits_idx", "slot", "num_draft", "samples", "chunk_next", "capacity",
-           "top_k", "seeds", "sample_idx")
+  _SEQS = ("kv_lens", "logits_idx", "slot", "num_draft", "samples", "from_state", "chunk_next",
+           "capacity", "max_len", "prompt_len", "top_k", "seeds")
 
   def pack(self) -> tuple:
     """Host numpy fields -> 5 arrays (one transfer each instead of 19)."""
@@ -120,14 +129,17 @@ class SpecBatch:
     f.update({name: seqs[i] for i, name in enumerate(cls._SEQS)})
     f["valid"] = f["valid"] > 0
     f["samples"] = f["samples"] > 0
+    f["from_state"] = f["from_state"] > 0
     f["seeds"] = jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)
     return cls(cu_q_lens=cu, page_table=table, temperature=floats[0], top_p=floats[1], **f)
 
 
 def init_state(cfg: ModelConfig, slots: int, max_draft: int) -> dict:
-  """Per-slot drafts [S, K] and their draft distributions q [S, K, V]."""
+  """Per-slot drafts [S, K], their draft distributions q [S, K, V], and the
+  last emitted token [S] with its position [S] (not in the KV cache yet)."""
   return dict(drafts=jnp.zeros((slots, max_draft), jnp.int32),
-              q=jnp.zeros((slots, max_draft, cfg.vocab_size), jnp.float32))
+              q=jnp.zeros((slots, max_draft, cfg.vocab_size), jnp.float32),
+              last=jnp.zeros((slots,), jnp.int32), pos=jnp.zeros((slots,), jnp.int32))
 
 
 def _probs(logits, temperature, top_k, top_p):
@@ -196,9 +208,11 @@ def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy
                    donate_argnames=("pool", "state", "load"))
 def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
               ep=None, greedy: bool = False):
-  """-> (emitted [B, K + 2] int32, new pool, new state, new load): row b emitted
+  """-> (emitted [B, K + 3] int32, new pool, new state, new load): row b emitted
   emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
-  not sample). packed: `SpecBatch.pack()`.
+  not sample), after verifying emitted[b, K + 2] drafts (fewer than the
+  batch's num_draft where a pipelined block reached max_len). packed:
+  `SpecBatch.pack()`.
 
   pool: the target's stacked caches per segment plus the MTP entry last.
   load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
@@ -209,12 +223,28 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   T = batch.tokens.shape[0]
   B = batch.kv_lens.shape[0]
   S = state["drafts"].shape[0]
-  row_slot = batch.slot[batch.token_seq]
+  r = jnp.arange(T)
+  b = batch.token_seq
+  j_row = r - batch.cu_q_lens[b]  # row index within its sequence's block
+  # Pipelined decode blocks: the last token and the positions come from the
+  # state; drafts are cut where the request would pass max_len.
+  pos0 = state["pos"][batch.slot]
+  num_draft = jnp.where(batch.from_state,
+                        jnp.clip(jnp.minimum(batch.num_draft, batch.max_len - pos0 - 2), 0),
+                        batch.num_draft)
+  fs = batch.from_state[b]
+  positions = jnp.where(fs, pos0[b] + j_row, batch.positions)
+  valid = batch.valid & (~fs | (j_row <= num_draft[b]))
+  # The kernels place a block's rows at the end of its KV length, so a cut
+  # block keeps its full length; its cut rows are invalid (their K/V goes to
+  # the null page) and, being later in the causal order, unseen by the rest.
+  kv_lens = jnp.where(batch.from_state, pos0 + batch.num_draft + 1, batch.kv_lens)
+  row_slot = batch.slot[b]
   tokens = jnp.where(batch.draft_j >= 0,
                      state["drafts"][row_slot, jnp.maximum(batch.draft_j, 0)], batch.tokens)
-  ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
-                     cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
-                     page_table=batch.page_table, max_q=max_q)
+  tokens = jnp.where(fs & (j_row == 0), state["last"][row_slot], tokens)
+  ctx = PagedContext(positions=positions, token_seq=b, valid=valid, cu_q_lens=batch.cu_q_lens,
+                     kv_lens=kv_lens, page_table=batch.page_table, max_q=max_q)
   main_pool, mtp_pool = pool[:-1], pool[-1]
   x, main_pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, main_pool, ep,
                                            None if load is None else "logical")
@@ -222,36 +252,35 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   x = x[0]  # [T, D]
 
   # Verify: the K + 1 rows ending at each sequence's last row.
-  base = batch.logits_idx - batch.num_draft
+  base = jnp.clip(batch.logits_idx - batch.num_draft, 0, T - 1)  # each block's first row
   rows = jnp.clip(base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
   logits = head(cfg, params, x[rows])  # [B, K + 1, V]
   drafts_in = state["drafts"][batch.slot, :K]
   if greedy:
     q_in = k_acc = k_draft = None
   else:
-    keys = request_keys(batch.seeds, batch.sample_idx)
+    # The index of the request's first token emitted this step.
+    keys = request_keys(batch.seeds, positions[base] + 1 - batch.prompt_len)
     split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
     k_acc, k_draft = split[:, 0], split[:, 1]
     q_in = state["q"][batch.slot, :K]
-  out, n_acc = accept(logits, drafts_in, q_in, batch.num_draft, batch.temperature, batch.top_k,
+  out, n_acc = accept(logits, drafts_in, q_in, num_draft, batch.temperature, batch.top_k,
                       batch.top_p, k_acc, greedy)
 
   # MTP module 1 over every row: input (h_i, t_{i+1}).
-  r = jnp.arange(T)
-  b = batch.token_seq
   jr = r - base[b]
-  in_window = batch.samples[b] & (jr >= 0) & (jr <= batch.num_draft[b])
+  in_window = batch.samples[b] & (jr >= 0) & (jr <= num_draft[b])
   nxt = tokens[jnp.minimum(r + 1, T - 1)]
   nxt = jnp.where(in_window, out[b, jnp.clip(jr, 0, K)], nxt)
   nxt = jnp.where((r == batch.logits_idx[b]) & ~batch.samples[b], batch.chunk_next[b], nxt)
-  cos, sin = rope_cos_sin(cfg, batch.positions[None])
+  cos, sin = rope_cos_sin(cfg, positions[None])
   h, mtp_pool = mtp.apply(cfg, params, mtp.module_for(cfg, 1), x[None], nxt[None], cos, sin,
                           ctx, mtp_pool, ep)
 
   # Draft K tokens from the accepted frontier.
   frontier = jnp.clip(base + n_acc, 0, T - 1)
   h = h[0, frontier]  # [B, D]
-  pos = batch.positions[frontier]
+  pos = positions[frontier]
   drafts, qs = [], []
   for k in range(1, K + 1):
     m = mtp.module_for(cfg, k)
@@ -277,10 +306,14 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
     qs.append(q)
 
   state = dict(state)
+  write = jnp.where(batch.samples, batch.slot, S)  # out of range: dropped
+  last = jnp.take_along_axis(out, n_acc[:, None], 1)[:, 0]
+  state["last"] = state["last"].at[write].set(last, mode="drop")
+  state["pos"] = state["pos"].at[write].set(pos + 1, mode="drop")
   if K:
-    write = jnp.where(batch.samples, batch.slot, S)  # out of range: dropped
     state["drafts"] = state["drafts"].at[write, :K].set(jnp.stack(drafts, 1), mode="drop")
     if qs:
       state["q"] = state["q"].at[write, :K].set(jnp.stack(qs, 1), mode="drop")
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
-  return jnp.concatenate([out, num_emitted[:, None]], 1), (*main_pool, mtp_pool), state, load
+  emitted = jnp.concatenate([out, num_emitted[:, None], num_draft[:, None]], 1)
+  return emitted, (*main_pool, mtp_pool), state, load
