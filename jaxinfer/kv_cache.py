@@ -16,6 +16,7 @@ is hashed stay cached, in LRU order, until an allocation needs them.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import math
 
@@ -74,6 +75,29 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=
 
   counts = [n for _, _, n in cfg.segments()] + ([cfg.num_mtp_layers] if mtp else [])
   return tuple({k: zeros(shape(n, e)) for k, e in entry.items()} for n in counts)
+
+
+def _page_axis(name: str) -> int:
+  return 1 if name == "kv" else 2  # MLA [L, P, ps, C]; GQA [L, K, P, ps, H]
+
+
+@jax.jit
+def gather_pages(pool, pages):
+  """The pool's K/V at `pages` (global page ids [n]): the same pytree with
+  n pages. A device op ordered before any later step on the pool."""
+  return tuple({name: jnp.take(a, pages, axis=_page_axis(name)) for name, a in entry.items()}
+               for entry in pool)
+
+
+@functools.partial(jax.jit, donate_argnames=("pool",))
+def scatter_pages(pool, pages, blob):
+  """Writes `blob` (a `gather_pages` result of len(pages) pages, on the
+  pool's devices) into the pool at `pages`. -> the new pool."""
+  def put(name, a, b):
+    index = (slice(None),) * _page_axis(name) + (pages,)
+    return a.at[index].set(b.astype(a.dtype))
+  return tuple({name: put(name, a, b[name]) for name, a in entry.items()}
+               for entry, b in zip(pool, blob))
 
 
 def hash_page(parent: bytes | None, tokens) -> bytes:

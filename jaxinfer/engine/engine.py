@@ -17,6 +17,7 @@ import collections
 import dataclasses
 import math
 import os
+import time
 from typing import Sequence
 
 import jax
@@ -205,21 +206,34 @@ class Engine:
                        f"({self.allocator.usable_pages} pages)")
     return arr.astype(np.int64).tolist(), sampling
 
-  def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None) -> int:
-    """Queues a request; returns its id. Raises on bad input, queueing nothing."""
-    return self._enqueue(*self._validate(prompt, sampling))
+  def check_request(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
+    """Validates a request without queueing it -> (token ids, sampling)."""
+    return self._validate(prompt, sampling)
 
-  def _enqueue(self, tokens: list[int], sampling: SamplingParams) -> int:
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None, *,
+             hold_pages: bool = False) -> int:
+    """Queues a request; returns its id. Raises on bad input, queueing nothing.
+    hold_pages: when it finishes (not on abort), its KV pages stay allocated
+    for `take_pages` (a disaggregated prefill hands them to a decode worker)."""
+    rid = self._enqueue(*self._validate(prompt, sampling))
+    self._requests[rid].hold_pages = hold_pages
+    return rid
+
+  def _new_request(self, tokens: list[int], sampling: SamplingParams, **fields) -> Request:
     stop = set(sampling.stop_token_ids)
     if not self.config.ignore_eos:
       stop |= set(self.cfg.eos_token_ids)
     rid = self._next_id
     self._next_id += 1
-    req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop),
-                  rank=self._pick_rank())
+    fields.setdefault("rank", self._pick_rank())
+    req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop), **fields)
     self._requests[rid] = req
+    return req
+
+  def _enqueue(self, tokens: list[int], sampling: SamplingParams) -> int:
+    req = self._new_request(tokens, sampling)
     self.schedulers[req.rank].add(req)
-    return rid
+    return req.id
 
   def _pick_rank(self) -> int:
     """The DP rank with the least work: tokens still to prefill plus KV in use
@@ -469,6 +483,72 @@ class Engine:
           if progress:
             progress(done)
     return [self.output(rid) for rid in ids]
+
+  # ------------------------------------------------------------ KV hand-over
+
+  def _global_pages(self, rank: int, pages) -> jax.Array:
+    return jnp.asarray(np.asarray(pages, np.int32) + rank * self.allocator.num_pages)
+
+  def take_pages(self, request_id: int) -> tuple[int, list[int]]:
+    """A finished request submitted with hold_pages: -> (rank, its KV pages,
+    the prompt's first), now the caller's to `read_pages` and `release_pages`."""
+    req = self._requests.get(request_id)
+    if req is None or not req.hold_pages:
+      raise ValueError(f"take_pages: request {request_id} was not submitted with hold_pages")
+    if not req.finished:
+      raise ValueError(f"take_pages: request {request_id} has not finished")
+    pages, req.pages = req.pages, []
+    return req.rank, pages
+
+  def read_pages(self, rank: int, pages):
+    """The K/V of `pages` of a rank's slice, as device arrays (async)."""
+    return kv_cache.gather_pages(self.pool, self._global_pages(rank, pages))
+
+  def release_pages(self, rank: int, pages) -> None:
+    self.allocators[rank].release(pages)
+
+  def reserve_pages(self, num_tokens: int) -> tuple[int, list[int]] | None:
+    """Pages for num_tokens of K/V on the least-loaded rank, taken now (the
+    decode side of a disaggregated prefill reserves first). None if the pool
+    cannot spare them."""
+    rank = self._pick_rank()
+    pages = self.allocators[rank].allocate(-(-num_tokens // self.config.page_size))
+    return None if pages is None else (rank, pages)
+
+  def place_pages(self, blob):
+    """Starts copying `read_pages` output (from another engine's devices and
+    layout) onto this engine's devices; returns at once (check `is_ready`)."""
+    target = (jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())
+              if self.mesh is not None else jax.local_devices()[0])
+    return jax.device_put(blob, target)
+
+  def write_pages(self, rank: int, pages, blob) -> None:
+    """Writes placed K/V into a reservation (ordered before later steps)."""
+    self.pool = kv_cache.scatter_pages(self.pool, self._global_pages(rank, pages), blob)
+
+  def submit_prefilled(self, prompt: Sequence[int], first_token: int,
+                       sampling: SamplingParams | None, rank: int, pages: list[int], *,
+                       arrival_s: float | None = None, first_token_s: float | None = None) -> int:
+    """Queues a request whose prompt K/V is already in `pages` (reserved on
+    `rank`, then written) and whose first token was sampled elsewhere; it
+    decodes from there. The pages become the request's."""
+    tokens, sampling = self._validate(prompt, sampling)
+    if not 0 <= int(first_token) < self.cfg.vocab_size:
+      raise ValueError(f"submit_prefilled: first_token {first_token} is out of the vocabulary "
+                       f"[0, {self.cfg.vocab_size})")
+    if sampling.max_tokens < 2:
+      raise ValueError("submit_prefilled: max_tokens < 2 leaves nothing to decode after the "
+                       "first token")
+    if len(pages) * self.config.page_size < len(tokens):
+      raise ValueError(f"submit_prefilled: {len(pages)} pages hold fewer than the prompt's "
+                       f"{len(tokens)} tokens")
+    now = time.perf_counter()
+    req = self._new_request(tokens, sampling, rank=rank, pages=list(pages),
+                            num_computed=len(tokens), output=[int(first_token)], admitted=True,
+                            arrival_s=now if arrival_s is None else arrival_s,
+                            first_token_s=now if first_token_s is None else first_token_s)
+    self.schedulers[rank].add(req)
+    return req.id
 
   # ------------------------------------------------------------ EPLB
 

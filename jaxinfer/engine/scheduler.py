@@ -57,6 +57,7 @@ class Request:
   pending_row: int = -1  # their row in the last dispatched step's samples
   num_drafts: int = 0  # speculative: MTP drafts waiting in the device draft state
   spec_ahead: int = 0  # speculative: tokens of pipelined (from_state) blocks not yet read
+  hold_pages: bool = False  # on finishing (not aborting), keep the pages for the caller
 
   @property
   def tokens(self) -> list[int]:
@@ -315,5 +316,6 @@ class Scheduler:
       self.waiting.remove(req)
     if req.pages:
       self._register_full_pages(req)
-      self.alloc.release(req.pages)
-      req.pages = []
+      if not (req.hold_pages and reason != "abort"):
+        self.alloc.release(req.pages)
+        req.pages = []

@@ -1,0 +1,1 @@
+"""Serving: workers, KV-aware routing, disaggregated prefill/decode, workloads."""
