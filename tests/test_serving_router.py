@@ -127,7 +127,18 @@ def test_report_clears_pending_load():
   r.report(0, decode_pages=0)
   after = r.costs(tokens, [0, 1])
   assert after[0] == after[1]
-  assert r.pick(tokens) == 0
+  assert r.pick(tokens) == 1  # equal: the least recently picked
+  assert r.pick(tokens) == 0  # now worker 1 carries the pending load
+
+
+def test_idle_equal_workers_take_turns():
+  # No prefixes and every report back to idle: ties rotate, not pile on worker 0.
+  r = Router(4, PS)
+  picks = []
+  for k in range(8):
+    picks.append(r.pick(_prompt(3 * PS, seed=k)))
+    r.report(picks[-1], active_prefill_tokens=0, decode_pages=0)
+  assert sorted(picks) == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
 def test_pending_load_counts_only_uncached_work():

@@ -94,7 +94,7 @@ def test_speculative_rejects_bad_config(random_model):
   with pytest.raises(ValueError, match="num_draft_tokens"):
     MTPConfig(num_draft_tokens=0)
   with pytest.raises(ValueError, match="batch_schedule"):
-    MTPConfig(num_draft_tokens=2, batch_schedule=((4, 3),))
+    MTPConfig(num_draft_tokens=2, batch_schedule=((4, 9),))
   with pytest.raises(TypeError, match="MTPConfig"):
     EngineConfig(speculative=3)
   no_mtp = dataclasses.replace(cfg, num_mtp_layers=0)
@@ -103,7 +103,8 @@ def test_speculative_rejects_bad_config(random_model):
            EngineConfig(**ENGINE, num_pages=16, speculative=MTPConfig()))
   assert MTPConfig(num_draft_tokens=3, batch_schedule=((8, 1), (32, 0))).draft_tokens_for(9) == 1
   assert MTPConfig(num_draft_tokens=3, batch_schedule=((8, 1), (32, 0))).draft_tokens_for(40) == 0
-  assert MTPConfig().draft_tokens_for(15) == 3 and MTPConfig().draft_tokens_for(16) == 0
+  assert MTPConfig().draft_tokens_for(15) == 3 and MTPConfig().draft_tokens_for(16) == 2
+  assert MTPConfig(num_draft_tokens=1).draft_tokens_for(16) == 1  # the schedule never raises K
 
 
 def test_sampled_speculative_output_follows_the_target_distribution():

@@ -50,6 +50,11 @@ class EngineConfig:
   # MoE models: count each expert's routed tokens in every step (on device,
   # padding excluded) for `Engine.expert_load` / `Engine.rebalance` (EPLB).
   record_expert_load: bool = True
+  # Every step padded to max_num_batched_tokens rows, max_num_seqs sequences
+  # and the chunk's query length, so programs differ only in pages per
+  # sequence: a handful of compiles under any traffic (serving benchmarks),
+  # at the cost of padding small steps.
+  fixed_step_shapes: bool = False
   # Speculative decoding with the model's MTP modules (decode steps pipelined
   # like the plain ones when async_scheduling is on).
   speculative: speculative.MTPConfig | None = None
@@ -317,13 +322,16 @@ class Engine:
   def _shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
     """The bucketed program shapes for the non-empty per-rank schedules."""
     c = self.config
+    pages = steps.bucket(max(len(s.request.pages) for sch in busy for s in sch),
+                         self.max_pages_per_seq)
+    if c.fixed_step_shapes:
+      return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
+                              max_q=max_q_cap)
     return steps.StepShapes(
         tokens=steps.bucket(max(sum(s.num_tokens for s in sch) for sch in busy),
                             c.max_num_batched_tokens),
         seqs=steps.bucket(max(len(sch) for sch in busy), c.max_num_seqs),
-        pages=steps.bucket(max(len(s.request.pages) for sch in busy for s in sch),
-                           self.max_pages_per_seq),
-        max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
+        pages=pages, max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
 
   @staticmethod
   def _sampling_of(reqs) -> dict:

@@ -44,6 +44,7 @@ class _Worker:
   pend_prefill: int = 0   # routed since the last report
   pend_decode: int = 0
   routed: int = 0
+  last_pick: int = -1     # pick number of its last request (tie-break: least recent first)
   alive: bool = True
 
 
@@ -154,6 +155,10 @@ class Router:
     """Pages of work: prompt tokens to prefill (in pages) plus pages held."""
     return (w.prefill + w.pend_prefill) / self.page_size + w.decode + w.pend_decode
 
+  def _tie(self, i: int) -> tuple:
+    w = self._workers[i]
+    return self._load(w), w.last_pick, i
+
   def _candidates(self, candidates) -> list[int]:
     if candidates is None:
       out = self.alive()
@@ -185,7 +190,8 @@ class Router:
   def pick(self, tokens, candidates=None) -> int:
     """Chooses a worker among `candidates` (default: all alive).
 
-    kv: lowest cost (ties: lowest load, then lowest index); with temperature
+    kv: lowest cost (ties: lowest load, then the least recently picked, so
+    idle equal workers take turns instead of the first one taking all); with temperature
     > 0, a sample from softmax(-cost' / temperature), cost' the costs min-max
     normalised to [0, 1], so the temperature means the same at any scale.
     round_robin: the next candidate after the last pick, cycling. random:
@@ -208,7 +214,7 @@ class Router:
         p = np.exp(z - z.max())
         chosen = cands[int(self._rng.choice(len(cands), p=p / p.sum()))]
       else:
-        chosen = min(cands, key=lambda i: (costs[i], self._load(self._workers[i]), i))
+        chosen = min(cands, key=lambda i: (costs[i], *self._tie(i)))
     elif self.policy == "round_robin":
       after = [c for c in cands if c > self._last_rr]
       chosen = min(after) if after else min(cands)
@@ -216,12 +222,13 @@ class Router:
     elif self.policy == "random":
       chosen = cands[int(self._rng.integers(len(cands)))]
     else:  # least_loaded
-      chosen = min(cands, key=lambda i: (self._load(self._workers[i]), i))
+      chosen = min(cands, key=lambda i: self._tie(i))
     ov = overlaps[chosen]
     w = self._workers[chosen]
     w.pend_prefill += max(0, isl - ov * ps)
     w.pend_decode += max(0, math.ceil(isl / ps) - ov)
     w.routed += 1
+    w.last_pick = self._picks
     self._picks += 1
     self._overlap_pages += ov
     self._overlap_tokens += ov * ps
