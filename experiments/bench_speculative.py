@@ -15,14 +15,13 @@ step time); measured = tokens/s over the K = 0 tokens/s of the same batch.
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
-import jax
 import numpy as np
 
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, training
+from jaxinfer.bench import results
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batches", ["1", "4", "16"], "concurrent requests")
@@ -111,15 +110,9 @@ def main(argv):
             f"  exact {r['exact_vs_plain']}", flush=True)
   for r in rows:
     del r["outputs"]
-  out = dict(device=str(jax.devices()[0].device_kind), platform=jax.devices()[0].platform,
-             jax=jax.__version__, max_tokens=FLAGS.max_tokens, prompt_bytes=FLAGS.prompt_bytes,
-             repeats=FLAGS.repeats, model="default (tiny_moe trained, experiments/train_tiny.py)",
-             rows=rows)
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  with open(FLAGS.out + ".json", "w") as f:
-    json.dump(out, f, indent=1)
-  _plot(rows, FLAGS.out + ".png")
-  print(f"\nwrote {FLAGS.out}.json and .png")
+  results.write(FLAGS.out, rows, _plot, max_tokens=FLAGS.max_tokens,
+                prompt_bytes=FLAGS.prompt_bytes, repeats=FLAGS.repeats,
+                model="default (tiny_moe trained, experiments/train_tiny.py)")
   print("\n| batch | K | tokens/s | TPOT p50 ms | accepted length | acceptance per position | "
         "speedup measured | predicted | measured/predicted |")
   print("|---|---|---|---|---|---|---|---|---|")

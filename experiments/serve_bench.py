@@ -33,7 +33,6 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
-import json  # noqa: E402
 import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
@@ -41,6 +40,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer import EngineConfig, SamplingParams, run  # noqa: E402
+from jaxinfer.bench import results  # noqa: E402
 from jaxinfer.serving import workloads  # noqa: E402
 from jaxinfer.serving.cluster import Cluster, percentiles  # noqa: E402
 from jaxinfer.serving.disagg import DisaggConfig  # noqa: E402
@@ -278,18 +278,11 @@ def main(argv):
   rows = []
   for name in FLAGS.experiments:
     rows += known[name](cfg, params)
-  out = dict(device=str(jax.devices()[0].device_kind), platform=jax.devices()[0].platform,
-             jax=jax.__version__, flags={f: FLAGS[f].value for f in (
-                 "experiments", "routers", "rates", "workers", "devices_per_worker", "layout",
-                 "sessions", "turns", "think_s", "long_fractions", "disagg_rate",
-                 "system_len", "user_len", "reply_len", "max_tokens", "page_size",
-                 "max_num_batched_tokens", "max_num_seqs", "max_local_prefill_length", "model")},
-             rows=rows)
-  os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-  with open(FLAGS.out + ".json", "w") as f:
-    json.dump(out, f, indent=1)
-  _plot(rows, FLAGS.out + ".png")
-  print(f"\nwrote {FLAGS.out}.json and .png")
+  results.write(FLAGS.out, rows, _plot, flags={f: FLAGS[f].value for f in (
+      "experiments", "routers", "rates", "workers", "devices_per_worker", "layout", "sessions",
+      "turns", "think_s", "long_fractions", "disagg_rate", "system_len", "user_len",
+      "reply_len", "max_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs",
+      "max_local_prefill_length", "model")})
   _summary(rows)
 
 

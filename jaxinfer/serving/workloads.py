@@ -33,6 +33,12 @@ class Item:
   turn: int = 0
 
 
+def _check_range(lo_name: str, lo, hi_name: str, hi) -> None:
+  _check_positive(lo_name, lo)
+  if hi < lo:
+    raise ValueError(f"{hi_name} ({hi}) must be >= {lo_name} ({lo})")
+
+
 def _check_positive(name: str, value, allow_zero: bool = False) -> None:
   if allow_zero:
     if not value >= 0:
@@ -70,9 +76,7 @@ def poisson_times(n, rate, *, seed=0, start=0.0) -> np.ndarray:
 def independent(n, rate, *, vocab_size, min_len, max_len, max_tokens, seed=0) -> list[Item]:
   """Random prompts of uniform length in [min_len, max_len]: no shared prefixes."""
   _check_vocab(vocab_size)
-  _check_positive("min_len", min_len)
-  if max_len < min_len:
-    raise ValueError(f"max_len ({max_len}) must be >= min_len ({min_len})")
+  _check_range("min_len", min_len, "max_len", max_len)
   _check_positive("max_tokens", max_tokens)
   times = poisson_times(n, rate, seed=seed)
   rng = np.random.default_rng([seed, 1])
@@ -87,9 +91,7 @@ def shared_system_prompt(n, rate, *, vocab_size, num_system_prompts, system_len,
   _check_vocab(vocab_size)
   _check_positive("num_system_prompts", num_system_prompts)
   _check_positive("system_len", system_len)
-  _check_positive("user_min", user_min)
-  if user_max < user_min:
-    raise ValueError(f"user_max ({user_max}) must be >= user_min ({user_min})")
+  _check_range("user_min", user_min, "user_max", user_max)
   _check_positive("max_tokens", max_tokens)
   times = poisson_times(n, rate, seed=seed)
   rng = np.random.default_rng([seed, 2])

@@ -1,0 +1,26 @@
+"""Writing an experiment's results: JSON (with the device it ran on) and an
+optional plot, under one output prefix."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable
+
+import jax
+
+
+def write(prefix: str, rows: list[dict], plot: Callable[[list, str], None] | None = None,
+          **meta) -> dict:
+  """Writes prefix.json ({device, platform, jax, **meta, rows}) and, with
+  `plot(rows, path)`, prefix.png. -> the JSON object."""
+  device = jax.devices()[0]
+  out = dict(device=str(device.device_kind), platform=device.platform, jax=jax.__version__,
+             **meta, rows=rows)
+  os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+  with open(prefix + ".json", "w") as f:
+    json.dump(out, f, indent=1)
+  if plot is not None:
+    plot(rows, prefix + ".png")
+  print(f"\nwrote {prefix}.json" + (" and .png" if plot is not None else ""))
+  return out
