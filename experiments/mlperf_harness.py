@@ -1,0 +1,201 @@
+"""MLPerf LoadGen harness: Offline, Server and Interactive runs of an Engine
+on the default model, with LoadGen's own summary beside the harness's
+measurements, the compliance check, accuracy against greedy references, and
+a Server QPS search.
+
+  python experiments/mlperf_harness.py                                # all three scenarios
+  python experiments/mlperf_harness.py --scenarios=Server --search    # highest valid Server QPS
+  python experiments/mlperf_harness.py --mode=accuracy
+
+Latency limits are a model's published Server / Interactive TTFT and TPOT
+99th-percentile limits (`--limits`, from mlperf.conf via
+../shared/reference/serving_facts.md), times `--latency_scale` to map them
+to a small model on a small machine. The dataset is `--num_samples`
+held-out stdlib prompts (never trained on) or a JSONL file of
+{"tokens": [...]} or {"text": "..."} rows (`--dataset`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from absl import app, flags
+
+from jaxinfer import Engine, EngineConfig, SamplingParams, run, training
+from jaxinfer.bench import results
+from jaxinfer.serving import mlperf
+
+# (TTFT ms, TPOT ms) 99th-percentile limits: Server, Interactive.
+LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175), (4500, 80)),
+          "deepseek-r1": ((2000, 80), (1500, 15)), "gpt-oss-120b": ((3000, 80), (2000, 15))}
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("scenarios", ["Offline", "Server", "Interactive"], "LoadGen scenarios")
+flags.DEFINE_enum("mode", "performance", ["performance", "accuracy"], "LoadGen mode")
+flags.DEFINE_string("dataset", "", "JSONL of prompts ({'tokens': [...]} or {'text': ...}); "
+                    "default: held-out stdlib prompts")
+flags.DEFINE_integer("num_samples", 32, "held-out prompts in the default dataset")
+flags.DEFINE_integer("prompt_bytes", 96, "bytes of each held-out prompt")
+flags.DEFINE_integer("max_tokens", 32, "tokens generated per sample")
+flags.DEFINE_enum("limits", "deepseek-r1", sorted(LIMITS), "whose latency limits")
+flags.DEFINE_float("latency_scale", 1.0, "multiplies the TTFT / TPOT limits")
+flags.DEFINE_float("server_qps", 4.0, "Server target QPS (without --search)")
+flags.DEFINE_float("interactive_qps", 2.0, "Interactive target QPS")
+flags.DEFINE_float("offline_qps", 15.0, "Offline expected QPS (sizes the one query)")
+flags.DEFINE_integer("min_duration_ms", 20_000, "LoadGen min_duration per run")
+flags.DEFINE_bool("search", False, "binary-search the highest valid Server QPS")
+flags.DEFINE_float("search_lo", 0.5, "search: a QPS expected valid")
+flags.DEFINE_float("search_hi", 32.0, "search: a QPS expected invalid")
+flags.DEFINE_integer("search_steps", 6, "search: bisection steps")
+flags.DEFINE_integer("search_min_duration_ms", 10_000, "search: min_duration of each probe")
+flags.DEFINE_integer("max_num_seqs", 8, "engine: sequences per step")
+flags.DEFINE_integer("max_num_batched_tokens", 64, "engine: token budget per step")
+flags.DEFINE_integer("speculative", 0, "MTP draft tokens (0: plain decoding)")
+flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "mlperf"),
+                    "output directory (LoadGen logs per run, results.json)")
+
+
+def _dataset(tokenizer):
+  if not FLAGS.dataset:
+    return training.held_out_prompts([FLAGS.prompt_bytes] * FLAGS.num_samples)
+  prompts = []
+  with open(FLAGS.dataset) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      row = json.loads(line)
+      if "tokens" in row:
+        prompts.append([int(t) for t in row["tokens"]])
+      elif "text" in row:
+        prompts.append(tokenizer.encode(row["text"]))
+      else:
+        raise ValueError(f"{FLAGS.dataset}:{n}: a row needs 'tokens' or 'text'")
+  if not prompts:
+    raise ValueError(f"{FLAGS.dataset}: no prompts")
+  return prompts
+
+
+def _engine(cfg, params):
+  spec = None
+  if FLAGS.speculative:
+    from jaxinfer import MTPConfig
+    spec = MTPConfig(num_draft_tokens=FLAGS.speculative)
+  # Fixed step shapes: the warm-up compiles every program a run needs, so no
+  # LoadGen query waits on a compile.
+  return Engine(cfg, params, EngineConfig(page_size=16, max_num_seqs=FLAGS.max_num_seqs,
+                                          max_num_batched_tokens=FLAGS.max_num_batched_tokens,
+                                          kv_cache_bytes=256 << 20, speculative=spec,
+                                          fixed_step_shapes=True))
+
+
+def _limits(scenario):
+  server, interactive = LIMITS[FLAGS.limits]
+  ttft, tpot = interactive if scenario == "Interactive" else server
+  return ttft * FLAGS.latency_scale, tpot * FLAGS.latency_scale
+
+
+def _ms(summary, key):
+  v = summary.get(key)
+  return None if v is None else v / 1e6
+
+
+def one_run(cfg, params, prompts, scenario, qps, *, min_duration_ms, tag):
+  engine = _engine(cfg, params)
+  sampling = SamplingParams(max_tokens=FLAGS.max_tokens)
+  engine.generate(prompts, sampling)  # compiles the programs before timing
+  sut = mlperf.EngineSUT(engine, prompts, sampling, first_token_events=scenario != "Offline")
+  ttft, tpot = _limits(scenario)
+  outdir = os.path.join(FLAGS.out, tag)
+  shutil.rmtree(outdir, ignore_errors=True)
+  s = mlperf.run_loadgen(sut, scenario=scenario, outdir=outdir, mode=FLAGS.mode, target_qps=qps,
+                         ttft_ms=ttft, tpot_ms=tpot, min_duration_ms=min_duration_ms,
+                         min_query_count=len(prompts))
+  mine = sut.measured()
+  comp = sut.compliance()
+  row = dict(scenario=scenario, tag=tag, mode=FLAGS.mode, target_qps=qps, ttft_limit_ms=ttft,
+             tpot_limit_ms=tpot, valid=s["valid"],
+             loadgen=dict(
+                 tokens_per_s=s.get("Completed tokens per second", s.get("Tokens per second")),
+                 samples_per_s=s.get("Completed samples per second", s.get("Samples per second")),
+                 ttft_ms={q: _ms(s, f"{q}.00 percentile first token latency (ns)")
+                          for q in (50, 90, 99)},
+                 tpot_ms={q: _ms(s, f"{q}.00 percentile time to output token (ns)")
+                          for q in (50, 90, 99)},
+                 latency_ms={q: _ms(s, f"{q}.00 percentile latency (ns)") for q in (50, 90, 99)}),
+             harness=mine, compliance=comp,
+             first_tokens_match=not comp["first_token_mismatches"])
+  if FLAGS.mode == "accuracy":
+    ref = _engine(cfg, params).generate(prompts, sampling)
+    got = {i: t for i, t in sut.completed.values()}
+    row["accuracy_exact_match"] = sum(got.get(i) == r.token_ids for i, r in enumerate(ref)) / len(ref)
+  _print(row)
+  return row
+
+
+def _print(r):
+  lgs, me = r["loadgen"], r["harness"]
+  t, p = lgs["ttft_ms"], lgs["tpot_ms"]
+  fmt = lambda d: "/".join("-" if d.get(q) is None else f"{d[q]:.1f}" for q in (50, 90, 99))
+  print(f"{r['tag']:22s} {'VALID' if r['valid'] else 'INVALID':8s} qps {r['target_qps']:6.2f}  "
+        f"tokens/s loadgen {lgs['tokens_per_s'] or 0:7.1f} harness {me.get('tokens_per_s', 0):7.1f}"
+        f"  TTFT p50/90/99 ms loadgen {fmt(t)} harness "
+        f"{fmt({int(k[1:]): v for k, v in me.get('ttft_ms', {}).items() if k != 'mean'})}"
+        f"  TPOT loadgen {fmt(p)} harness "
+        f"{fmt({int(k[1:]): v for k, v in me.get('tpot_ms', {}).items() if k != 'mean'})}"
+        f"  first tokens match {r['first_tokens_match']}"
+        + (f"  exact {r['accuracy_exact_match']:.2f}" if "accuracy_exact_match" in r else ""),
+        flush=True)
+
+
+def search(cfg, params, prompts):
+  """Bisection on Server QPS between a valid lo and an invalid hi."""
+  lo, hi, rows = FLAGS.search_lo, FLAGS.search_hi, []
+  for k in range(FLAGS.search_steps):
+    mid = (lo * hi) ** 0.5  # geometric: QPS spans orders of magnitude
+    r = one_run(cfg, params, prompts, "Server", mid, tag=f"search{k}_qps{mid:.2f}",
+                min_duration_ms=FLAGS.search_min_duration_ms)
+    rows.append(r)
+    lo, hi = (mid, hi) if r["valid"] else (lo, mid)
+  best = max((r for r in rows if r["valid"]), key=lambda r: r["target_qps"], default=None)
+  if best is None:
+    print(f"search: no valid QPS found in [{FLAGS.search_lo}, {FLAGS.search_hi}]")
+    return rows, None
+  check = one_run(cfg, params, prompts, "Server", 1.5 * best["target_qps"],
+                  tag=f"check_qps{1.5 * best['target_qps']:.2f}",
+                  min_duration_ms=FLAGS.min_duration_ms)
+  confirm = one_run(cfg, params, prompts, "Server", best["target_qps"],
+                    tag=f"confirm_qps{best['target_qps']:.2f}",
+                    min_duration_ms=FLAGS.min_duration_ms)
+  rows += [check, confirm]
+  print(f"search: highest valid Server QPS {best['target_qps']:.2f} (confirmed "
+        f"{'VALID' if confirm['valid'] else 'INVALID'} at full duration); at 1.5x "
+        f"({check['target_qps']:.2f}) the run is {'VALID' if check['valid'] else 'INVALID'}")
+  return rows, dict(max_valid_qps=best["target_qps"], confirmed=confirm["valid"],
+                    at_1_5x_valid=check["valid"])
+
+
+def main(argv):
+  del argv
+  cfg, params, tokenizer = run.load_default_model()
+  prompts = _dataset(tokenizer)
+  rows, found = [], None
+  if FLAGS.search:
+    rows, found = search(cfg, params, prompts)
+  else:
+    qps = dict(Offline=FLAGS.offline_qps, Server=FLAGS.server_qps,
+               Interactive=FLAGS.interactive_qps)
+    for scenario in FLAGS.scenarios:
+      if scenario not in qps:
+        raise ValueError(f"--scenarios: unknown {scenario!r}; use {sorted(qps)}")
+      rows.append(one_run(cfg, params, prompts, scenario, qps[scenario],
+                          min_duration_ms=FLAGS.min_duration_ms, tag=f"{scenario}_{FLAGS.mode}"))
+  name = "search" if FLAGS.search else f"scenarios_{FLAGS.mode}"
+  results.write(os.path.join(FLAGS.out, name), rows, None, search=found, limits=FLAGS.limits,
+                latency_scale=FLAGS.latency_scale, max_tokens=FLAGS.max_tokens,
+                num_samples=len(prompts), model="default (tiny_moe trained)")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,214 @@
+"""MLPerf LoadGen glue: a QSL over token-id prompts and a SUT over an
+`Engine`, with the LLM scenarios' token latencies.
+
+  sut = EngineSUT(engine, prompts, sampling)
+  summary = run_loadgen(sut, scenario="Server", target_qps=2.0, ttft_ms=..., tpot_ms=...,
+                        outdir="...")
+
+LoadGen (`pip install mlcommons-loadgen`, the `mlperf` extra) issues query
+samples from its own threads; the SUT queues them, and one thread of ours
+submits them to the engine and steps it. The first token of every sample
+goes back with `FirstTokenComplete` (all scenarios but Offline), the whole
+output with `QuerySamplesComplete` and its token count, as the reference
+SUTs of mlcommons/inference do. The SUT keeps what it reported, so a run
+can be checked afterwards: the first token reported equals the first token
+of the output, and the token counts match (the compliance rule).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import threading
+import time
+
+import numpy as np
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.sampling import SamplingParams
+
+SCENARIOS = ("Offline", "Server", "Interactive")
+
+
+def _lg():
+  try:
+    import mlperf_loadgen
+  except ImportError as e:
+    raise ImportError("MLPerf LoadGen is not installed: pip install mlcommons-loadgen "
+                      "(or pip install -e '.[mlperf]')") from e
+  return mlperf_loadgen
+
+
+class EngineSUT:
+  """A LoadGen system under test serving `prompts` (sample index -> token ids)."""
+
+  def __init__(self, engine: Engine, prompts, sampling: SamplingParams, *,
+               first_token_events: bool = True):
+    self.engine, self.prompts, self.sampling = engine, [list(p) for p in prompts], sampling
+    for i, p in enumerate(self.prompts):
+      try:
+        engine.check_request(p, sampling)
+      except (ValueError, TypeError) as e:
+        raise type(e)(f"sample {i}: {e}") from None
+    self.first_token_events = first_token_events
+    self._incoming: queue.Queue = queue.Queue()
+    self._live: dict[int, tuple[int, int]] = {}  # engine rid -> (query id, sample index)
+    self._sent_first: set[int] = set()
+    self._keep: list = []  # response buffers LoadGen reads after the call returns
+    self.reported_first: dict[int, int] = {}  # query id -> first token sent
+    self.completed: dict[int, tuple[int, list[int]]] = {}  # query id -> (sample index, tokens)
+    self.times: dict[int, list[float]] = {}  # query id -> [issued, first token, done] (perf_counter)
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-sut")
+    self.error: BaseException | None = None
+
+  # LoadGen callbacks (its threads)
+  def issue(self, query_samples) -> None:
+    now = time.perf_counter()
+    for qs in query_samples:
+      self.times[qs.id] = [now, None, None]
+      self._incoming.put((qs.id, qs.index))
+
+  def flush(self) -> None:
+    pass
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    if self.error is not None:
+      raise RuntimeError("the engine thread failed") from self.error
+
+  def _respond(self, qid: int, tokens: list[int], first: bool) -> None:
+    lg = _lg()
+    arr = np.asarray(tokens[:1] if first else tokens, np.int32)
+    self._keep.append(arr)
+    resp = lg.QuerySampleResponse(qid, arr.ctypes.data, arr.nbytes, len(arr))
+    if first:
+      lg.FirstTokenComplete([resp])
+    else:
+      lg.QuerySamplesComplete([resp])
+
+  def _loop(self) -> None:
+    try:
+      while not self._stop.is_set():
+        while True:
+          try:
+            qid, index = self._incoming.get_nowait()
+          except queue.Empty:
+            break
+          rid = self.engine.submit(self.prompts[index], self.sampling)
+          self._live[rid] = (qid, index)
+        if not self.engine.has_unfinished():
+          try:  # idle: wait for the next query
+            qid, index = self._incoming.get(timeout=0.005)
+            self._incoming.put((qid, index))
+          except queue.Empty:
+            pass
+          continue
+        for rid, new, finished in self.engine.step():
+          if rid not in self._live:
+            continue
+          qid, index = self._live[rid]
+          if new and rid not in self._sent_first:
+            self._sent_first.add(rid)
+            self.reported_first[qid] = int(new[0])
+            self.times[qid][1] = time.perf_counter()
+            if self.first_token_events:
+              self._respond(qid, [int(new[0])], first=True)
+          if finished:
+            tokens = self.engine.output(rid).token_ids
+            self.completed[qid] = (index, tokens)
+            self.times[qid][2] = time.perf_counter()
+            del self._live[rid]
+            self._respond(qid, tokens, first=False)
+    except BaseException as e:  # noqa: BLE001 - surfaced by stop()
+      self.error = e
+
+  def measured(self) -> dict:
+    """The harness's own view of the run (to set beside LoadGen's summary):
+    tokens/s over first issue to last completion, TTFT and TPOT percentiles
+    in ms (TPOT = (latency - TTFT) / (tokens - 1), LoadGen's definition)."""
+    done = [(self.times[q], len(t)) for q, (_, t) in self.completed.items()]
+    if not done:
+      return {}
+    start = min(t[0] for t, _ in done)
+    end = max(t[2] for t, _ in done)
+    ttft = np.asarray([(t[1] - t[0]) * 1e3 for t, _ in done])
+    tpot = np.asarray([(t[2] - t[1]) * 1e3 / (n - 1) for t, n in done if n > 1])
+    pct = lambda a: {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} if a.size else {}
+    return dict(tokens_per_s=sum(n for _, n in done) / max(end - start, 1e-9),
+                samples_per_s=len(done) / max(end - start, 1e-9),
+                ttft_ms=dict(mean=float(ttft.mean()), **pct(ttft)),
+                tpot_ms=dict(mean=float(tpot.mean()) if tpot.size else float("nan"), **pct(tpot)))
+
+  def compliance(self) -> dict:
+    """The first token reported equals the first output token, for every
+    completed query; -> counts (mismatches listed by query id)."""
+    bad = [q for q, (_, toks) in self.completed.items()
+           if not toks or self.reported_first.get(q) != toks[0]]
+    return dict(completed=len(self.completed), first_token_mismatches=bad,
+                output_tokens=sum(len(t) for _, t in self.completed.values()))
+
+
+def run_loadgen(sut: EngineSUT, *, scenario: str, outdir: str, mode: str = "performance",
+                target_qps: float = 1.0, ttft_ms: float | None = None,
+                tpot_ms: float | None = None, min_duration_ms: int = 10_000,
+                min_query_count: int = 1, max_query_count: int = 0,
+                performance_sample_count: int | None = None, seed: int = 0) -> dict:
+  """Runs one LoadGen test; -> the parsed summary (`parse_summary`)."""
+  if scenario not in SCENARIOS:
+    raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
+  if mode not in ("performance", "accuracy"):
+    raise ValueError(f"mode must be 'performance' or 'accuracy', got {mode!r}")
+  lg = _lg()
+  settings = lg.TestSettings()
+  settings.scenario = lg.TestScenario.Offline if scenario == "Offline" else lg.TestScenario.Server
+  settings.mode = lg.TestMode.PerformanceOnly if mode == "performance" else lg.TestMode.AccuracyOnly
+  settings.use_token_latencies = True
+  settings.min_duration_ms = int(min_duration_ms)
+  settings.min_query_count = int(min_query_count)
+  if max_query_count:
+    settings.max_query_count = int(max_query_count)
+  settings.server_target_qps = float(target_qps)
+  settings.offline_expected_qps = float(target_qps)
+  settings.qsl_rng_seed = settings.sample_index_rng_seed = settings.schedule_rng_seed = seed
+  if ttft_ms is not None:
+    settings.ttft_latency = int(ttft_ms * 1e6)
+  if tpot_ms is not None:
+    settings.tpot_latency = int(tpot_ms * 1e6)
+  os.makedirs(outdir, exist_ok=True)
+  log = lg.LogSettings()
+  log.log_output.outdir = outdir
+  log.log_output.copy_summary_to_stdout = False
+  n = len(sut.prompts)
+  qsl = lg.ConstructQSL(n, performance_sample_count or n, lambda idx: None, lambda idx: None)
+  lg_sut = lg.ConstructSUT(sut.issue, sut.flush)
+  sut.start()
+  try:
+    lg.StartTestWithLogSettings(lg_sut, qsl, settings, log)
+  finally:
+    sut.stop()
+    lg.DestroySUT(lg_sut)
+    lg.DestroyQSL(qsl)
+  return parse_summary(os.path.join(outdir, "mlperf_log_summary.txt"))
+
+
+def parse_summary(path: str) -> dict:
+  """LoadGen's mlperf_log_summary.txt -> {"valid": bool, "<field>": value}."""
+  out = {}
+  with open(path) as f:
+    for line in f:
+      m = re.match(r"\s*([^:=]+?)\s*[:=]\s*(.+?)\s*$", line)
+      if not m:
+        continue
+      key, value = m.group(1), m.group(2)
+      try:
+        out[key] = float(value)
+      except ValueError:
+        out[key] = value
+  out["valid"] = str(out.get("Result is", "")).upper() == "VALID"
+  return out
