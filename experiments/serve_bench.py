@@ -266,8 +266,6 @@ def main(argv):
   unknown = set(FLAGS.experiments) - set(known)
   if unknown:
     raise ValueError(f"--experiments: unknown {sorted(unknown)}; choose from {sorted(known)}")
-  jax.config.update("jax_compilation_cache_dir",
-                    os.path.expanduser("~/.cache/jaxinfer-xla"))  # later runs start warm
   if FLAGS.warmup:
     print("warm-up pass (untimed: compiles the step programs)", flush=True)
     global _print

@@ -1,15 +1,13 @@
-"""Test setup: 8 simulated CPU devices (before jax is imported), float32,
-and a persistent XLA compilation cache shared by the xdist workers (many
-tests compile the same step programs)."""
+"""Test setup: 8 simulated CPU devices (before jax is imported), float32.
+
+No persistent XLA compilation cache: reading executables back from it
+segfaulted XLA:CPU inside `compilation_cache.get_executable_and_time`
+(sharded engine programs, xdist workers sharing the cache)."""
 
 import os
-import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
-                      os.path.join(tempfile.gettempdir(), "jaxinfer-test-xla-cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 
 import pathlib  # noqa: E402
 

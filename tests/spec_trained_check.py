@@ -9,7 +9,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import conftest  # noqa: E402,F401  (8 CPU devices, compile cache)
+import conftest  # noqa: E402,F401  (8 CPU devices)
 
 import jaxinfer  # noqa: E402
 from jaxinfer import training  # noqa: E402
