@@ -45,8 +45,8 @@ flags.DEFINE_float("server_qps", 6.0, "Server target QPS (without --search)")
 flags.DEFINE_float("interactive_qps", 4.0, "Interactive target QPS")
 flags.DEFINE_float("offline_qps", 15.0, "Offline expected QPS (sizes the one query)")
 flags.DEFINE_integer("min_duration_ms", 20_000, "LoadGen min_duration per run")
-flags.DEFINE_integer("min_query_count", 500, "LoadGen min_query_count per run (its early-stopping "
-                     "test of the 99th percentiles needs several hundred queries)")
+flags.DEFINE_integer("min_query_count", 500, "LoadGen min_query_count per run (runs of tens of "
+                     "queries failed its early-stopping test of the 99th percentiles here)")
 flags.DEFINE_bool("search", False, "binary-search the highest valid Server QPS")
 flags.DEFINE_float("search_lo", 4.0, "search: a QPS expected valid")
 flags.DEFINE_float("search_hi", 32.0, "search: a QPS expected invalid")

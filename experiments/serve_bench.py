@@ -156,7 +156,6 @@ def routing(cfg, params):
                    workers=FLAGS.workers, layout=FLAGS.layout,
                    same_tokens_as_first_router=tokens == first, **_metrics(outs, wall, cluster))
         rows.append(row)
-        _print(row)
   return rows
 
 
@@ -183,7 +182,6 @@ def disagg(cfg, params):
                  short_len=FLAGS.short_len, long_len=FLAGS.long_len, rate=FLAGS.disagg_rate,
                  same_tokens_as_first_mode=tokens == first, **_metrics(outs, wall, cluster))
       rows.append(row)
-      _print(row)
   return rows
 
 
@@ -210,7 +208,6 @@ def faults(cfg, params):
              same_tokens_as_fault_free=[o.token_ids for o in outs] == [o.token_ids for o in ref],
              error_reasons=sorted({o.error for o in outs if o.error}),
              **_metrics(outs, wall, cluster))
-  _print(row)
   return [row]
 
 
@@ -268,14 +265,14 @@ def main(argv):
     raise ValueError(f"--experiments: unknown {sorted(unknown)}; choose from {sorted(known)}")
   if FLAGS.warmup:
     print("warm-up pass (untimed: compiles the step programs)", flush=True)
-    global _print
-    shown, _print = _print, lambda r: None
     for name in FLAGS.experiments:
       known[name](cfg, params)
-    _print = shown
   rows = []
   for name in FLAGS.experiments:
-    rows += known[name](cfg, params)
+    new = known[name](cfg, params)
+    for row in new:
+      _print(row)
+    rows += new
   results.write(FLAGS.out, rows, _plot, flags={f: FLAGS[f].value for f in (
       "experiments", "routers", "rates", "workers", "devices_per_worker", "layout", "sessions",
       "turns", "think_s", "long_fractions", "disagg_rate", "system_len", "user_len",

@@ -108,6 +108,15 @@ def hash_page(parent: bytes | None, tokens) -> bytes:
   return h.digest()
 
 
+def iter_page_hashes(tokens, page_size: int):
+  """The chained hashes of the full pages of `tokens`, lazily (callers that
+  stop at the first miss hash no further)."""
+  parent = None
+  for i in range(len(tokens) // page_size):
+    parent = hash_page(parent, tokens[i * page_size:(i + 1) * page_size])
+    yield parent
+
+
 class PageAllocator:
   """Host bookkeeping of the page pool: free list, refcounts, prefix cache, LRU."""
 
@@ -172,12 +181,10 @@ class PageAllocator:
   def match_prefix(self, tokens, max_pages: int) -> tuple[list[int], list[bytes]]:
     """Longest run of cached full pages that prefixes `tokens` (at most
     max_pages); takes a reference to each. -> (pages, their hashes)."""
-    pages, hashes, parent = [], [], None
+    pages, hashes = [], []
     if not self.prefix_caching:
       return pages, hashes
-    ps = self.page_size
-    for i in range(min(max_pages, len(tokens) // ps)):
-      h = hash_page(parent, tokens[i * ps:(i + 1) * ps])
+    for h in iter_page_hashes(tokens[:max_pages * self.page_size], self.page_size):
       page = self.hash_page.get(h)
       if page is None:
         break
@@ -186,7 +193,6 @@ class PageAllocator:
       self.refcount[page] += 1
       pages.append(page)
       hashes.append(h)
-      parent = h
     return pages, hashes
 
   def register(self, page: int, h: bytes) -> None:

@@ -498,8 +498,8 @@ class Engine:
     return jnp.asarray(np.asarray(pages, np.int32) + rank * self.allocator.num_pages)
 
   def take_pages(self, request_id: int) -> tuple[int, list[int]]:
-    """A finished request submitted with hold_pages: -> (rank, its KV pages,
-    the prompt's first), now the caller's to `read_pages` and `release_pages`."""
+    """A finished request submitted with hold_pages: -> (rank, its KV pages
+    in token order), now the caller's to `read_pages` and `release_pages`."""
     req = self._requests.get(request_id)
     if req is None or not req.hold_pages:
       raise ValueError(f"take_pages: request {request_id} was not submitted with hold_pages")

@@ -155,18 +155,19 @@ class Cluster:
     if not serving:
       return self._fail(req, "no live worker left to serve it")
     tokens = req.prompt + req.tokens
+    hashes = self.router.page_hashes(tokens)
     if req.remaining <= 0 or len(tokens) >= self.workers[serving[0]].engine.max_model_len:
       return self._finish(req, "length")  # its last token arrived with the fault
-    w = self.router.pick(tokens, serving)
+    w = self.router.pick(tokens, serving, hashes)
     sampling = dataclasses.replace(req.sampling, max_tokens=req.remaining)
     prefill = self._live(self._prefill)
     if prefill and not req.tokens and self.workers[w].role == "decode":
-      uncached = len(tokens) - self.router.overlap(w, tokens) * self.page_size
+      uncached = len(tokens) - self.router.overlap(w, tokens, hashes) * self.page_size
       queue = sum(r.state == "prefill" for r in self._active.values())
       if self.disagg.remote(uncached, queue):
         reservation = self.workers[w].engine.reserve_pages(len(tokens))
         if reservation is not None:
-          p = self.router.pick(tokens, prefill)
+          p = self.router.pick(tokens, prefill, hashes)
           req.rid = self.workers[p].engine.submit(
               tokens, dataclasses.replace(sampling, max_tokens=1), hold_pages=True)
           req.state, req.worker, req.prefill_worker = "prefill", w, p
@@ -236,7 +237,7 @@ class Cluster:
               or len(req.prompt) + len(req.tokens) >= engine.max_model_len)
       if not done:
         w, d_rank, d_pages = req.reservation
-        req.transfer = Transfer.start(req.cid, engine, rank, pages, self.workers[w].engine,
+        req.transfer = Transfer.start(engine, rank, pages, self.workers[w].engine,
                                       d_rank, d_pages, now=now,
                                       timeout_s=self.disagg.transfer_timeout_s)
         req.transfer.stalled = self._stall > 0
@@ -302,7 +303,8 @@ class Cluster:
         req.transfer = None  # the reservation died with the worker's pool
       else:
         continue
-      self._by_engine = {k: v for k, v in self._by_engine.items() if v != req.cid}
+      self._by_engine.pop((req.prefill_worker if req.state == "prefill" else req.worker,
+                           req.rid), None)
       req.reroutes += 1
       self._route(req)
       if req.state == "done":
@@ -393,7 +395,7 @@ class Cluster:
 
   def stats(self) -> dict:
     reqs = list(self._requests.values())
-    served = [w for w in range(len(self.workers))]
+    served = range(len(self.workers))
     return dict(
         requests=len(reqs), rejected=self.num_rejected,
         errors=sum(r.finish_reason == "error" for r in reqs),

@@ -65,7 +65,6 @@ def check_compatible(prefill: Engine, decode: Engine) -> None:
 @dataclasses.dataclass
 class Transfer:
   """Prompt K/V on its way from a prefill engine into a decode reservation."""
-  key: object  # the caller's request key
   decode: Engine
   rank: int  # decode reservation: DP rank and its pages
   pages: list[int]
@@ -74,13 +73,13 @@ class Transfer:
   stalled: bool = False  # fault injection: never lands
 
   @classmethod
-  def start(cls, key, prefill: Engine, prefill_rank: int, prefill_pages, decode: Engine,
+  def start(cls, prefill: Engine, prefill_rank: int, prefill_pages, decode: Engine,
             rank: int, pages: list[int], *, now: float, timeout_s: float) -> "Transfer":
     """Reads the prompt's pages on the prefill side and starts the copy onto
     the decode side (both asynchronous); the prefill pages can be released
     right after."""
     blob = prefill.read_pages(prefill_rank, prefill_pages[:len(pages)])
-    return cls(key, decode, rank, pages, decode.place_pages(blob), now + timeout_s)
+    return cls(decode, rank, pages, decode.place_pages(blob), now + timeout_s)
 
   def ready(self) -> bool:
     return not self.stalled and all(a.is_ready() for a in jax.tree.leaves(self.blob))

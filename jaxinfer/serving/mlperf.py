@@ -95,19 +95,8 @@ class EngineSUT:
   def _loop(self) -> None:
     try:
       while not self._stop.is_set():
-        while True:
-          try:
-            qid, index = self._incoming.get_nowait()
-          except queue.Empty:
-            break
-          rid = self.engine.submit(self.prompts[index], self.sampling)
-          self._live[rid] = (qid, index)
+        self._admit(wait=not self.engine.has_unfinished())
         if not self.engine.has_unfinished():
-          try:  # idle: wait for the next query
-            qid, index = self._incoming.get(timeout=0.005)
-            self._incoming.put((qid, index))
-          except queue.Empty:
-            pass
           continue
         for rid, new, finished in self.engine.step():
           if rid not in self._live:
@@ -144,6 +133,20 @@ class EngineSUT:
                 samples_per_s=len(done) / max(end - start, 1e-9),
                 ttft_ms=dict(mean=float(ttft.mean()), **pct(ttft)),
                 tpot_ms=dict(mean=float(tpot.mean()) if tpot.size else float("nan"), **pct(tpot)))
+
+  def _admit(self, wait: bool) -> None:
+    """Submits the queued samples; an idle engine first waits briefly for one."""
+    try:
+      item = self._incoming.get(timeout=0.005) if wait else self._incoming.get_nowait()
+    except queue.Empty:
+      return
+    while True:
+      qid, index = item
+      self._live[self.engine.submit(self.prompts[index], self.sampling)] = (qid, index)
+      try:
+        item = self._incoming.get_nowait()
+      except queue.Empty:
+        return
 
   def compliance(self) -> dict:
     """The first token reported equals the first output token, for every

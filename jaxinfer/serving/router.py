@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from jaxinfer.kv_cache import hash_page
+from jaxinfer.kv_cache import iter_page_hashes
 
 POLICIES = ("kv", "round_robin", "random", "least_loaded")
 
@@ -133,19 +133,16 @@ class Router:
   def page_hashes(self, tokens) -> list[bytes]:
     """Chained hashes of the request's full pages (a partial last page is
     never cached, so it never matches)."""
-    ps, hashes, parent = self.page_size, [], None
-    tokens = np.asarray(tokens, np.int32)
-    for i in range(len(tokens) // ps):
-      parent = hash_page(parent, tokens[i * ps:(i + 1) * ps])
-      hashes.append(parent)
-    return hashes
+    return list(iter_page_hashes(np.asarray(tokens, np.int32), self.page_size))
 
   def overlap(self, worker: int, tokens, hashes=None) -> int:
     """Leading pages of the request that `worker` holds (stops at the first
     miss: a page past a miss cannot be reused, its K/V depends on the miss)."""
     held = self._check_worker(worker).hashes
     n = 0
-    for h in self.page_hashes(tokens) if hashes is None else hashes:
+    hashes = iter_page_hashes(np.asarray(tokens, np.int32), self.page_size) \
+        if hashes is None else hashes
+    for h in hashes:
       if h not in held:
         break
       n += 1
@@ -187,7 +184,7 @@ class Router:
     hashes = self.page_hashes(tokens)
     return self._costs(len(tokens), {c: self.overlap(c, tokens, hashes) for c in cands})
 
-  def pick(self, tokens, candidates=None) -> int:
+  def pick(self, tokens, candidates=None, hashes=None) -> int:
     """Chooses a worker among `candidates` (default: all alive).
 
     kv: lowest cost (ties: lowest load, then the least recently picked, so
@@ -200,10 +197,11 @@ class Router:
 
     The request's load is then counted on the chosen worker at once (prompt
     tokens it must compute, pages it will hold), so a burst between two
-    reports spreads instead of herding onto one worker."""
+    reports spreads instead of herding onto one worker. hashes: the
+    request's `page_hashes`, when the caller has them already."""
     cands = self._candidates(candidates)
     isl, ps = len(tokens), self.page_size
-    hashes = self.page_hashes(tokens)
+    hashes = self.page_hashes(tokens) if hashes is None else hashes
     overlaps = {c: self.overlap(c, tokens, hashes) for c in cands}
     if self.policy == "kv":
       costs = self._costs(isl, overlaps)
