@@ -29,6 +29,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.models import transformer
 from jaxinfer.models.moe_ep import plan_from_params
 
 
@@ -58,6 +59,11 @@ class EngineConfig:
   # Speculative decoding with the model's MTP modules (decode steps pipelined
   # like the plain ones when async_scheduling is on).
   speculative: speculative.MTPConfig | None = None
+  # Run the layers unrolled over per-layer weight arrays (`unstack_layers`)
+  # instead of scanning the stacked ones. None: on the CPU backend, where the
+  # scan copies every layer's weights each step; keeps a second copy of the
+  # layer weights while the caller holds the stacked ones.
+  unroll_layers: bool | None = None
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -104,9 +110,11 @@ class Engine:
     self.mesh, self.layout = mesh, layout
     if mesh is not None:
       params = sharding.shard_params(cfg, params, mesh, layout)
-    self.cfg, self.params = cfg, params
-    self._ep = plan_from_params(params)
+    self.cfg = cfg
     self.config = config = config or EngineConfig()
+    self._unroll = (config.unroll_layers if config.unroll_layers is not None
+                    else jax.default_backend() == "cpu")
+    self._set_params(params)
     self.max_model_len = min(cfg.max_position_embeddings,
                              config.max_model_len or cfg.max_position_embeddings)
     ps = config.page_size
@@ -159,6 +167,11 @@ class Engine:
       self._verifies = self._verify_tokens = 0
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
+
+  def _set_params(self, params) -> None:
+    """params (stacked, as `init_params` makes them) and the layout the step runs."""
+    self.params, self._ep = params, plan_from_params(params)
+    self._step_params = transformer.unstack_layers(params) if self._unroll else params
 
   def _zero_load(self):
     moe_layers = sum(n for is_moe, _, n in self.cfg.segments() if is_moe)
@@ -348,12 +361,12 @@ class Engine:
     self._programs.add((shapes, greedy))
     if self._dp_axes:
       sampled, self.pool, self._load = steps.step_ranked(
-          self.cfg, self.params, self.pool, steps.stack_batches([b for b, _ in batches]),
+          self.cfg, self._step_params, self.pool, steps.stack_batches([b for b, _ in batches]),
           self._prev_sampled, self._load, max_q=shapes.max_q, ep=self._ep, mesh=self.mesh,
           axes=self._dp_axes, greedy=greedy)
     else:
       sampled, self.pool, self._load = steps.step(
-          self.cfg, self.params, self.pool, batches[0][0], self._prev_sampled, self._load,
+          self.cfg, self._step_params, self.pool, batches[0][0], self._prev_sampled, self._load,
           max_q=shapes.max_q, ep=self._ep, greedy=greedy)
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(self.schedulers, per_rank):
@@ -399,7 +412,7 @@ class Engine:
     greedy = all(s.request.sampling.temperature == 0 for s in scheduled)
     self._programs.add((shapes, K, greedy))
     emitted, self.pool, self._spec_state, self._load = speculative.spec_step(
-        self.cfg, self.params, self.pool, batch.pack(), self._spec_state, self._load,
+        self.cfg, self._step_params, self.pool, batch.pack(), self._spec_state, self._load,
         max_q=shapes.max_q, K=K, ep=self._ep, greedy=greedy)
     self.scheduler.on_dispatch(scheduled)
     self._overlapped += bool(self._in_flight)
@@ -584,8 +597,8 @@ class Engine:
     params = eplb.apply_placement(self.cfg, eplb.remove_placement(self.params), placements)
     if self.mesh is not None:
       params = sharding.shard_params(self.cfg, params, self.mesh, self.layout)
-    self.params, self._placements = params, placements
-    self._ep = plan_from_params(params)
+    self._set_params(params)
+    self._placements = placements
     self._load = self._zero_load()
     return dict(imbalance_before=before, imbalance_after=after, num_ranks=n,
                 num_redundant=num_redundant)

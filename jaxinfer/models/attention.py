@@ -14,6 +14,14 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, rms_norm
 
 
+def out_proj(out, wo):
+  """[B, T, N, H] x [N, H, D] -> [B, T, D] as one [B, T, N*H] x [N*H, D]
+  matmul, so the weight is read in its stored layout (the einsum made
+  XLA:CPU transpose wo into a copy every step)."""
+  B, T, N, H = out.shape
+  return (out.reshape(B, T, N * H) @ wo.reshape(N * H, wo.shape[-1])).astype(out.dtype)
+
+
 def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """Grouped-query attention with optional biases, q/k norm and sinks."""
   q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
@@ -26,7 +34,7 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, sinks=p.get("sinks"),
                           scale=cfg.softmax_scale(), impl=cfg.attention_impl)
-  out = jnp.einsum("BTNH,NHD->BTD", out, p["wo"])
+  out = out_proj(out, p["wo"])
   if cfg.o_bias:
     out = out + p["bo"]
   return out, cache
@@ -69,7 +77,7 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
                                 impl=cfg.attention_impl)
     out = jnp.einsum("BTNR,RNH->BTNH", out_lat, w_uv)
-  return jnp.einsum("BTNH,NHD->BTD", out, p["wo"]), cache
+  return out_proj(out, p["wo"]), cache
 
 
 def attention(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):

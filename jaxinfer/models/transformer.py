@@ -70,15 +70,41 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
                           None if cache is None else (cache, layer), ep, count_experts)
       return (x, None if cache is None else cache[0]), n
 
-    layers = jnp.arange(count, dtype=jnp.int32)
-    (x, seg_cache), seg_counts = jax.lax.scan(body, (x, seg_cache),
-                                              (params["layers"][seg], windows, layers))
+    seg_params = params["layers"][seg]
+    if isinstance(seg_params, (list, tuple)):  # per-layer params (`unstack_layers`): unrolled
+      seg_counts = []
+      for layer, p in enumerate(seg_params):
+        (x, seg_cache), n = body((x, seg_cache), (p, windows[layer], layer))
+        seg_counts.append(n)
+      seg_counts = None if seg_counts[0] is None else jnp.stack(seg_counts)
+    else:
+      layers = jnp.arange(count, dtype=jnp.int32)
+      (x, seg_cache), seg_counts = jax.lax.scan(body, (x, seg_cache),
+                                                (seg_params, windows, layers))
     new_caches.append(seg_cache)
     if seg_counts is not None:
       counts.append(seg_counts)
   x = rms_norm(x, params["final_norm"], cfg.norm_eps)
   caches = tuple(new_caches) if layer_caches is not None else None
   return x, caches, (jnp.concatenate(counts) if counts else None)
+
+
+def unstack_layers(params):
+  """Stacked params ({"layers": segments of [L, ...] trees}) -> the same tree
+  with each segment a tuple of per-layer trees, which `trunk` runs unrolled.
+
+  The step layout for XLA:CPU: a scanned layer slices its weights out of the
+  stack with a dynamic-slice that XLA:CPU copies every step (measured on
+  `bench_dense`: the copies took more time than the matmuls). Per-layer arrays
+  are read in place. Costs a copy of the layer weights and a longer compile."""
+  segs = []
+  for seg in params["layers"]:
+    if isinstance(seg, (list, tuple)):
+      segs.append(tuple(seg))
+      continue
+    n = jax.tree.leaves(seg)[0].shape[0]
+    segs.append(tuple(jax.tree.map(lambda w, i=i: w[i], seg) for i in range(n)))
+  return {**params, "layers": tuple(segs)}
 
 
 def head(cfg: ModelConfig, params, x):
