@@ -264,3 +264,23 @@ def test_async_overlaps_steps_and_matches_sync():
   assert runs[True][0] == runs[False][0]
   # Async: steps were dispatched while the previous one was in flight.
   assert runs[True][1]["overlapped_steps"] > 0 and runs[False][1]["overlapped_steps"] == 0
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "gpt_oss", "qwen3_moe"])
+def test_unrolled_step_layout_matches_scanned(name):
+  """EngineConfig(unroll_layers=True) (per-layer weights in the step layout,
+  experts split) and the scanned stacked layers: same greedy tokens and the
+  same routed-expert counts, over chunked prefill, decode and prefix hits."""
+  cfg, params = _model(name, seed=2)
+  prompts = _prompts(cfg, [3, 37, 70, 37], seed=4)
+  prompts[3] = prompts[1][:32] + prompts[3][:5]  # shares two pages with prompt 1
+  outs, loads = [], []
+  for unroll in (False, True):
+    eng = Engine(cfg, params, EngineConfig(num_pages=64, max_num_batched_tokens=32,
+                                           unroll_layers=unroll))
+    outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=9))])
+    loads.append(eng.expert_load() if cfg.is_moe else None)
+    _no_leak(eng)
+  assert outs[0] == outs[1]
+  if cfg.is_moe:
+    np.testing.assert_array_equal(loads[0], loads[1])

@@ -114,3 +114,28 @@ def test_prompt_over_context_and_cache_overflow_raise():
     models.forward(cfg, params, np.zeros((1, 3), np.int32), cache)
   with pytest.raises(ValueError, match="batch"):
     models.forward(cfg, params, np.zeros((2, 1), np.int32), cache)
+
+
+@pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
+@pytest.mark.parametrize("split_experts", [False, True])
+def test_step_layout_equals_stacked(name, split_experts):
+  """The engine's CPU layout (per-layer weights, fused gate/up, MLA's
+  up-projections transposed, experts split) computes the same logits, full
+  and cached; the split expert path with T tokens covers prefill chunks
+  (several rows per expert) as well as decode."""
+  from jaxinfer.models import transformer
+  cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
+  step = transformer.step_layout(cfg, params, split_experts=split_experts)
+  assert all(isinstance(seg, tuple) for seg in step["layers"])
+  if split_experts and cfg.is_moe:
+    moe_layer = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])
+    assert len(moe_layer["mlp"]["w_down"]) == cfg.num_experts
+  want = models.logits(cfg, params, tokens)
+  got = transformer._logits(cfg, step, jnp.asarray(tokens), None)
+  assert _rel(got, want) < 1e-5
+  cache = models.init_cache(cfg, tokens.shape[0], 16)
+  out1, cache = transformer._forward(cfg, step, jnp.asarray(tokens[:, :9]), cache, None)
+  out2, cache = transformer._forward(cfg, step, jnp.asarray(tokens[:, 9:10]), cache, None)
+  assert _rel(jnp.concatenate([out1, out2], axis=1), want[:, :10]) < 1e-5
+  with pytest.raises(ValueError, match="already in the step layout"):
+    transformer.step_layout(cfg, step)

@@ -33,8 +33,24 @@ from jaxinfer.models import transformer
 from jaxinfer.models.moe_ep import plan_from_params
 
 
+_UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
+  """Engine settings: frozen, keyword-only, checked on construction.
+
+  KV cache: page_size tokens per page; num_pages per attention-DP rank (None:
+  sized from kv_cache_bytes, else from kv_cache_memory_fraction of the free
+  device memory, host memory on CPU). Step: max_num_seqs sequences and
+  max_num_batched_tokens tokens, prompts prefilled in chunks of
+  prefill_chunk_size (None: the token budget). Requests: max_model_len (None:
+  the model's), enable_prefix_caching, ignore_eos. The comments on the
+  remaining fields say what they switch: async_scheduling,
+  record_expert_load, fixed_step_shapes, speculative (an `MTPConfig`),
+  unroll_layers.
+  """
+
   page_size: int = 16
   num_pages: int | None = None  # None: sized from kv_cache_bytes / free memory
   kv_cache_bytes: int | None = None
@@ -59,10 +75,12 @@ class EngineConfig:
   # Speculative decoding with the model's MTP modules (decode steps pipelined
   # like the plain ones when async_scheduling is on).
   speculative: speculative.MTPConfig | None = None
-  # Run the layers unrolled over per-layer weight arrays (`unstack_layers`)
-  # instead of scanning the stacked ones. None: on the CPU backend, where the
-  # scan copies every layer's weights each step; keeps a second copy of the
-  # layer weights while the caller holds the stacked ones.
+  # Run the layers unrolled over per-layer weight arrays in the step's layout
+  # (`models.transformer.step_layout`) instead of scanning the stacked ones.
+  # None: on the CPU backend when the layer weights reach 64 MiB, where the
+  # scan's weight copies dominate a step; smaller models keep the scan's
+  # faster compile. Keeps a second copy of the layer weights while the
+  # caller holds the stacked ones.
   unroll_layers: bool | None = None
 
   def __post_init__(self):
@@ -83,6 +101,8 @@ class EngineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RequestMetrics:
+  """Per-request timings (seconds, wall clock on the host) and token counts."""
+
   ttft_s: float | None  # submit -> first token
   tpot_s: float | None  # mean time per output token after the first
   prompt_tokens: int
@@ -94,6 +114,8 @@ class RequestMetrics:
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
+  """What a request produced so far: its tokens, why it stopped, its metrics."""
+
   request_id: int
   prompt_token_ids: list[int]
   token_ids: list[int]
@@ -102,6 +124,14 @@ class RequestOutput:
 
 
 class Engine:
+  """Serves requests on one model: a paged KV cache, a scheduler and jitted steps.
+
+  Batch form: `generate(prompts, sampling)`. Streaming form: `submit` each
+  request, then call `step` while `has_unfinished()`. With mesh and layout
+  (given together) the params and the page pool are placed on the mesh in
+  that `jaxinfer.sharding` layout; under "dp_attn_ep" each attention-DP rank
+  owns whole requests and its own slice of the pages.
+  """
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
                mesh=None, layout=None):
@@ -112,8 +142,10 @@ class Engine:
       params = sharding.shard_params(cfg, params, mesh, layout)
     self.cfg = cfg
     self.config = config = config or EngineConfig()
-    self._unroll = (config.unroll_layers if config.unroll_layers is not None
-                    else jax.default_backend() == "cpu")
+    self._unroll = config.unroll_layers
+    if self._unroll is None:
+      layer_bytes = sum(w.nbytes for w in jax.tree.leaves(params["layers"]))
+      self._unroll = jax.default_backend() == "cpu" and layer_bytes >= _UNROLL_MIN_BYTES
     self._set_params(params)
     self.max_model_len = min(cfg.max_position_embeddings,
                              config.max_model_len or cfg.max_position_embeddings)
@@ -171,7 +203,8 @@ class Engine:
   def _set_params(self, params) -> None:
     """params (stacked, as `init_params` makes them) and the layout the step runs."""
     self.params, self._ep = params, plan_from_params(params)
-    self._step_params = transformer.unstack_layers(params) if self._unroll else params
+    self._step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None)
+                         if self._unroll else params)
 
   def _zero_load(self):
     moe_layers = sum(n for is_moe, _, n in self.cfg.segments() if is_moe)
@@ -272,9 +305,11 @@ class Engine:
     return self.output(request_id)
 
   def has_unfinished(self) -> bool:
+    """Whether any request is queued, running, or has a step in flight."""
     return any(s.has_work() for s in self.schedulers) or bool(self._in_flight)
 
   def output(self, request_id: int) -> RequestOutput:
+    """The request's `RequestOutput` now (finished or not)."""
     req = self._requests[request_id]
     tpot = None
     if req.finish_s is not None and len(req.output) > 1:
@@ -604,6 +639,13 @@ class Engine:
                 num_redundant=num_redundant)
 
   def stats(self) -> dict:
+    """Engine-wide counters: steps, tokens_per_step, compiles (distinct step
+    programs), kv_pages_{total,used,cached,free}, preemptions, prompt and
+    cached prompt tokens, running, waiting, overlapped_steps (dispatched
+    before the previous step was read), dp_ranks, requests_per_rank; with
+    speculation also spec_num_draft_tokens, spec_verify_steps,
+    spec_mean_accepted_length (tokens per sequence per verify step),
+    spec_acceptance_per_position and spec_drafted_per_position."""
     allocs, reqs = self.allocators, self._requests.values()
     return dict(
         steps=self._num_steps,

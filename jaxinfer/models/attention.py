@@ -40,6 +40,27 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   return out, cache
 
 
+def absorbed_weights(cfg: ModelConfig, p):
+  """MLA's per-head up-projections from the latent, in the layouts the
+  per-head matmuls read: (w_uk [N, Hn, R], w_uv [N, R, Hv]). Stored so by
+  `step_layout` (transposing wkv_b [R, N, Hn + Hv] inside the step made
+  XLA:CPU copy it every step), else sliced from wkv_b here."""
+  if "w_uk" in p:
+    return p["w_uk"], p["w_uv"]
+  Hn = cfg.qk_nope_head_dim
+  return (jnp.transpose(p["wkv_b"][..., :Hn], (1, 2, 0)),
+          jnp.transpose(p["wkv_b"][..., Hn:], (1, 0, 2)))
+
+
+def step_layout(cfg: ModelConfig, p):
+  """One layer's attention weights as the engine's step reads them."""
+  if cfg.attention != "mla" or "wkv_b" not in p:
+    return p
+  w_uk, w_uv = absorbed_weights(cfg, p)
+  p = {k: v for k, v in p.items() if k != "wkv_b"}
+  return {**p, "w_uk": w_uk, "w_uv": w_uv}
+
+
 def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """DeepSeek multi-head latent attention.
 
@@ -59,24 +80,24 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   kv = jnp.einsum("BTD,DC->BTC", x, p["wkv_a"])  # [B, T, R + Hr]
   c = rms_norm(kv[..., :R], p["kv_norm"], cfg.norm_eps)
   k_rope = apply_rope(kv[:, :, None, R:], cos, sin, cfg.rope_interleave)[:, :, 0]
-  w_uk, w_uv = p["wkv_b"][..., :Hn], p["wkv_b"][..., Hn:]  # [R, N, Hn], [R, N, Hv]
+  w_uk, w_uv = absorbed_weights(cfg, p)  # [N, Hn, R], [N, R, Hv]
   scale = cfg.softmax_scale()
 
   if not ctx.caches_latent:
-    k_nope = jnp.einsum("BSR,RNH->BSNH", c, w_uk)
-    v = jnp.einsum("BSR,RNH->BSNH", c, w_uv)
+    k_nope = jnp.einsum("BSR,NHR->BSNH", c, w_uk)
+    v = jnp.einsum("BSR,NRH->BSNH", c, w_uv)
     k_rope_n = jnp.broadcast_to(k_rope[:, :, None], (*k_nope.shape[:3], k_rope.shape[-1]))
     k = jnp.concatenate([k_nope, k_rope_n], axis=-1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale,
                             impl=cfg.attention_impl)
   else:
-    q_lat = jnp.einsum("BTNH,RNH->BTNR", q_nope, w_uk)
+    q_lat = jnp.einsum("BTNH,NHR->BTNR", q_nope, w_uk)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
     new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
     out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
                                 impl=cfg.attention_impl)
-    out = jnp.einsum("BTNR,RNH->BTNH", out_lat, w_uv)
+    out = jnp.einsum("BTNR,NRH->BTNH", out_lat, w_uv)
   return out_proj(out, p["wo"]), cache
 
 

@@ -16,6 +16,8 @@ Expert paths (`cfg.moe_impl`), same outputs:
            reference: E/k times the FLOPs)
   grouped  token copies sorted by expert, one grouped matmul per projection
            (`jax.lax.ragged_dot`), unsorted and combined
+  split    (chosen by the weights: one array per expert, the Engine's CPU
+           layout) sorted copies, a loop per expert over its rows only
 
 Expert load balancing (`jaxinfer/eplb.py`) may store the experts in physical
 slot order (E_phys >= E slots, hot experts replicated) with the tables
@@ -30,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import glu, mlp
+from jaxinfer.models.layers import gate_up, glu, mlp
 
 
 def route(cfg: ModelConfig, p, x):
@@ -114,6 +116,43 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
+def _experts_split(cfg: ModelConfig, p, x, idx, weights):
+  """Routed experts held as one array per expert (`transformer.step_layout`):
+  token copies sorted by expert; each expert runs its rows in chunks of C
+  under a loop whose trip count is its row count / C, so an expert no token
+  chose costs nothing and a chosen one is read in place, once per chunk.
+  C (static) is about the mean rows per expert: 1 for decode, more for
+  prefill. This is the CPU decode path: XLA:CPU's grouped matmul touches
+  every expert, and slicing a stacked expert copies it."""
+  T, k = idx.shape
+  D = x.shape[1]
+  E = len(p["w_down"])  # physical slots
+  C = 1 << max(0, (-(-T * k // E) - 1).bit_length())
+  flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  starts = jnp.cumsum(sizes) - sizes
+  xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [T k + C, D]
+  ys = jnp.zeros((T * k + C, p["w_down"][0].shape[-1]), x.dtype)
+  rows = jnp.arange(C)
+  for e in range(E):
+    def chunk(i, ys, e=e):
+      start = starts[e] + i * C
+      xe = jax.lax.dynamic_slice_in_dim(xs, start, C)  # [C, D]
+      gate, up = gate_up(xe, {"w_gate_up": p["w_gate_up"][e]})
+      if cfg.expert_bias:
+        gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
+      ye = glu(cfg, gate, up) @ p["w_down"][e]
+      if cfg.expert_bias:
+        ye = ye + p["b_down"][e]
+      mine = (i * C + rows < sizes[e])[:, None]  # the chunk's tail belongs to later experts
+      return jax.lax.dynamic_update_slice_in_dim(
+          ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, C)), start, 0)
+    ys = jax.lax.fori_loop(0, (sizes[e] + C - 1) // C, chunk, ys)
+  y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
+  return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
+
+
 def expert_counts(idx, ok, length):
   """Routed copies per expert (or slot): idx [T, k], ok [T] bool -> int32 [length]."""
   return jnp.zeros((length,), jnp.int32).at[idx.reshape(-1)].add(
@@ -141,8 +180,11 @@ def moe(cfg: ModelConfig, p, x, ep=None, valid=None, count=None):
   counts = expert_counts(idx, ok, cfg.num_experts) if count == "logical" else None
   idx = physical_ids(p, idx, jnp.arange(B * T))
   if count == "physical":
-    counts = expert_counts(idx, ok, p["w_gate"].shape[0])
-  experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
+    counts = expert_counts(idx, ok, len(p["w_down"]))
+  if isinstance(p["w_down"], (list, tuple)):
+    experts = _experts_split
+  else:
+    experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
   out = experts(cfg, p, xt, idx, weights).astype(x.dtype)
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], xt)

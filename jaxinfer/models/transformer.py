@@ -17,7 +17,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
-from jaxinfer.models.layers import mlp, rms_norm, rope_cos_sin
+from jaxinfer.models.layers import fuse_gate_up, mlp, rms_norm, rope_cos_sin
 from jaxinfer.models.moe import moe
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -71,7 +71,7 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
       return (x, None if cache is None else cache[0]), n
 
     seg_params = params["layers"][seg]
-    if isinstance(seg_params, (list, tuple)):  # per-layer params (`unstack_layers`): unrolled
+    if isinstance(seg_params, (list, tuple)):  # per-layer params (`step_layout`): unrolled
       seg_counts = []
       for layer, p in enumerate(seg_params):
         (x, seg_cache), n = body((x, seg_cache), (p, windows[layer], layer))
@@ -89,21 +89,50 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
   return x, caches, (jnp.concatenate(counts) if counts else None)
 
 
-def unstack_layers(params):
-  """Stacked params ({"layers": segments of [L, ...] trees}) -> the same tree
-  with each segment a tuple of per-layer trees, which `trunk` runs unrolled.
+_EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 
-  The step layout for XLA:CPU: a scanned layer slices its weights out of the
-  stack with a dynamic-slice that XLA:CPU copies every step (measured on
-  `bench_dense`: the copies took more time than the matmuls). Per-layer arrays
-  are read in place. Costs a copy of the layer weights and a longer compile."""
+
+def step_layout(cfg: ModelConfig, params, split_experts: bool = False):
+  """Params as `init_params` makes them -> the layout the engine's CPU step
+  reads: each segment a tuple of per-layer trees (`trunk` runs them
+  unrolled), MLA's up-projections pre-transposed (`attention.step_layout`),
+  gate and up projections fused into one [D, 2F] matrix, and with
+  split_experts each routed expert's weights as its own array
+  (`moe` then runs only the chosen experts; not for expert-parallel params,
+  whose `moe_ep` wants them stacked). Same outputs.
+
+  Why: a scanned layer slices its weights out of the stack with a
+  dynamic-slice that XLA:CPU copies every step, and a weight transposed
+  inside the step is copied too (measured on `bench_dense` and `bench_moe`:
+  the copies took longer than the matmuls). Per-layer arrays in the wanted
+  layout are read in place. Costs a copy of the layer weights while the
+  stacked ones are kept, and a longer compile."""
+  def fused(p):
+    rest = {k: v for k, v in p.items() if k not in ("w_gate", "w_up")}
+    return {**rest, "w_gate_up": fuse_gate_up(p["w_gate"], p["w_up"])}
+
+  def layer_layout(layer):
+    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"])}
+    mlp = layer["mlp"]
+    if "router" not in mlp:
+      mlp = fused(mlp)
+    else:
+      if "shared" in mlp:
+        mlp = {**mlp, "shared": fused(mlp["shared"])}
+      if split_experts:
+        rest = {k: v for k, v in mlp.items() if k not in _EXPERT_KEYS}
+        E = mlp["w_down"].shape[0]
+        mlp = {**rest, "w_down": tuple(mlp["w_down"][e] for e in range(E)),
+               "w_gate_up": tuple(fuse_gate_up(mlp["w_gate"][e], mlp["w_up"][e])
+                                  for e in range(E))}
+    return {**layer, "mlp": mlp}
+
   segs = []
   for seg in params["layers"]:
     if isinstance(seg, (list, tuple)):
-      segs.append(tuple(seg))
-      continue
+      raise ValueError("step_layout: params are already in the step layout")
     n = jax.tree.leaves(seg)[0].shape[0]
-    segs.append(tuple(jax.tree.map(lambda w, i=i: w[i], seg) for i in range(n)))
+    segs.append(tuple(layer_layout(jax.tree.map(lambda w, i=i: w[i], seg)) for i in range(n)))
   return {**params, "layers": tuple(segs)}
 
 
