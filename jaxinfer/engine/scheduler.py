@@ -34,7 +34,11 @@ from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.kv_cache import PageAllocator, hash_page
 
 
-@dataclasses.dataclass
+# eq=False: requests are identities. The scheduler's `req in self.running`
+# checks would otherwise compare every field (prompts included) of every
+# running request: quadratic in the batch, 16M comparisons over 544 steps
+# of a 256-sequence batch.
+@dataclasses.dataclass(eq=False)
 class Request:
   id: int
   prompt: list[int]
@@ -63,6 +67,11 @@ class Request:
   def tokens(self) -> list[int]:
     """The known tokens (pending ones excluded)."""
     return self.prompt + self.output
+
+  @property
+  def num_known(self) -> int:
+    """len(tokens), without building the list."""
+    return len(self.prompt) + len(self.output)
 
   @property
   def total_len(self) -> int:
@@ -263,7 +272,7 @@ class Scheduler:
       if token in req.stop_ids:
         self.finish(req, "stop", now)
       elif (len(req.output) >= req.sampling.max_tokens
-            or len(req.tokens) >= self.max_model_len):
+            or req.num_known >= self.max_model_len):
         self.finish(req, "length", now)
       if req.finished:
         break
@@ -290,7 +299,7 @@ class Scheduler:
         # so K/V is valid through it and its accepted drafts; the rejected
         # rest lies past the length and is overwritten. Pipelined blocks still
         # in flight count at their most.
-        req.num_computed = len(req.tokens) - 1 + int(n) + req.spec_ahead
+        req.num_computed = req.num_known - 1 + int(n) + req.spec_ahead
         req.num_drafts = num_drafted
         events.append((req.id, self._append(req, row[:int(n)], now), req.finished))
       if not req.finished:
@@ -299,9 +308,12 @@ class Scheduler:
 
   def _register_full_pages(self, req: Request) -> None:
     """Hashes pages whose tokens are all known and whose K/V is computed."""
-    ps, tokens = self.alloc.page_size, req.tokens
-    full = min(req.num_computed, len(tokens)) // ps
-    for k in range(len(req.page_hashes), min(full, len(req.pages))):
+    ps = self.alloc.page_size
+    full = min(req.num_computed, req.num_known, len(req.pages) * ps) // ps
+    if full <= len(req.page_hashes):
+      return  # nothing new (most decode steps): skip building the token list
+    tokens = req.tokens
+    for k in range(len(req.page_hashes), full):
       parent = req.page_hashes[-1] if req.page_hashes else None
       h = hash_page(parent, tokens[k * ps:(k + 1) * ps])
       self.alloc.register(req.pages[k], h)

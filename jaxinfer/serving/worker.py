@@ -28,6 +28,7 @@ class WorkerStopped(RuntimeError):
 
 
 class Worker:
+  """An `Engine` on its own devices with a role ("mixed", "prefill", "decode")."""
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
                role: str = "mixed", devices: Sequence | None = None,
@@ -82,23 +83,34 @@ class Worker:
     self.error = reason
 
   def load(self) -> dict:
-    """The load a router weighs: prompt tokens still to compute (queued and
-    running) and KV pages in use."""
-    active = 0
-    for sch in self.engine.schedulers:
-      for req in (*sch.waiting, *sch.running):
-        active += max(0, len(req.prompt) - req.num_computed)
-    return dict(active_prefill_tokens=active,
-                decode_pages=sum(a.num_used() for a in self.engine.allocators))
+    """The load a router weighs (`load_report`)."""
+    return load_report(self.engine.schedulers, self.engine.allocators)
 
   def take_events(self) -> list[tuple[str, bytes]]:
-    """The allocators' prefix-page events ("stored" | "evicted", hash) since the last call."""
-    events = []
-    for a in self.engine.allocators:
-      events += a.events
-      a.events = []
-    return events
+    """The allocators' prefix-page events since the last call (`drain_events`)."""
+    return drain_events(self.engine.allocators)
 
   def __repr__(self) -> str:
     devs = "default device" if self.devices is None else f"{len(self.devices)} devices"
     return f"Worker({self.name!r}, role={self.role}, {devs}, layout={self.layout})"
+
+
+def load_report(schedulers, allocators) -> dict:
+  """The load a router weighs, from an engine's schedulers and allocators
+  (one per DP rank): prompt tokens still to compute (queued and running)
+  and KV pages in use. Shared with the cluster simulator."""
+  active = 0
+  for sch in schedulers:
+    for req in (*sch.waiting, *sch.running):
+      active += max(0, len(req.prompt) - req.num_computed)
+  return dict(active_prefill_tokens=active, decode_pages=sum(a.num_used() for a in allocators))
+
+
+def drain_events(allocators) -> list[tuple[str, bytes]]:
+  """The allocators' prefix-page events ("stored" | "evicted", hash) since
+  the last call, for `Router.report`."""
+  events = []
+  for a in allocators:
+    events += a.events
+    a.events = []
+  return events
