@@ -6,11 +6,18 @@
   python experiments/generate.py --model=tiny_dense        # a preset with random weights
   python experiments/generate.py --hf_dir=path/to/hf --prompt="Hello"   # needs tokenizer.json
   python experiments/generate.py --hf_dir=path/to/hf --prompt_ids=1,2,3
+  python experiments/generate.py --cpu_devices=8 --mesh=data=2,expert=4 --layout=dp_attn_ep
+      # sharded over 8 simulated CPU devices (attention data parallel + expert parallel)
 """
 
-from absl import app, flags
+import time
 
-from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run
+from absl import app, flags
+import jax
+import numpy as np
+
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, sharding
+from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.tokenizer import load_tokenizer
 
 _MODEL = flags.DEFINE_string("model", "default",
@@ -34,10 +41,41 @@ _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "KV page size (tokens)")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", None, "KV pool pages (default: from memory)")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "sequences per step")
 _TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "tokens per step")
+_MESH = flags.DEFINE_string("mesh", None, "run the Engine sharded on a mesh of all devices, "
+                            "e.g. data=2,expert=4 or data=2,tensor=4 (default: one device)")
+_LAYOUT = flags.DEFINE_enum("layout", "tp", list(sharding.LAYOUTS), "sharding layout (with --mesh)")
+_CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (XLA's "
+                                    "host platform device count) for --mesh on a CPU machine")
+
+
+def _run_on_mesh(cfg, params, *, prompts, sampling, engine_config, mesh, layout):
+  """`run.run_engine` on a mesh (it takes no mesh): an identical warm-up run
+  compiles, then a fresh engine's run is timed and summarised the same way."""
+  Engine(cfg, params, engine_config, mesh=mesh, layout=layout).generate(prompts, sampling)
+  eng = Engine(cfg, params, engine_config, mesh=mesh, layout=layout)
+  t0 = time.perf_counter()
+  outs = eng.generate(prompts, sampling)
+  wall = time.perf_counter() - t0
+  stats = eng.stats()
+  ttft = np.array([o.metrics.ttft_s for o in outs])
+  tpot = np.array([o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None])
+  pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
+  generated = sum(o.metrics.generated_tokens for o in outs)
+  summary = dict(requests=len(outs), generated_tokens=generated, tokens_per_s=generated / wall,
+                 ttft_p50_s=pct(ttft, 50), ttft_p90_s=pct(ttft, 90), tpot_p50_s=pct(tpot, 50),
+                 tpot_p90_s=pct(tpot, 90), dp_ranks=stats["dp_ranks"],
+                 requests_per_rank=stats["requests_per_rank"],
+                 **{k: stats[k] for k in ("prompt_tokens", "cached_prompt_tokens", "steps",
+                                          "tokens_per_step", "compiles", "preemptions")},
+                 **{k: v for k, v in stats.items() if k.startswith("spec_")})
+  return run.EngineRun(outputs=outs, summary=summary)
 
 
 def main(argv):
   del argv
+  if _CPU_DEVICES.value:  # before anything initialises JAX's backends
+    jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
+  mesh = sharding.make_mesh(parse_mesh(_MESH.value)) if _MESH.value else None
   source = dict(hf_dir=_HF_DIR.value) if _HF_DIR.value else (
       dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_MODEL.value))
   tok = None
@@ -60,15 +98,27 @@ def main(argv):
               for i in range(len(prompts))]
   spec = None
   if _DRAFT.value and cfg.num_mtp_layers and "mtp" in params:
-    spec = MTPConfig(num_draft_tokens=_DRAFT.value)
+    if mesh is not None and sharding.dp_axes(mesh, _LAYOUT.value):
+      print("note: MTP speculation is not supported under attention data parallelism "
+            f"({_LAYOUT.value}); decoding plainly")
+    else:
+      spec = MTPConfig(num_draft_tokens=_DRAFT.value)
   engine_config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
                                max_num_seqs=_MAX_SEQS.value,
                                max_num_batched_tokens=_TOKEN_BUDGET.value, speculative=spec)
-  res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
-                       engine_config=engine_config)
+  if mesh is None:
+    res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
+                         engine_config=engine_config)
+  else:
+    res = _run_on_mesh(cfg, params, prompts=prompts, sampling=sampling,
+                       engine_config=engine_config, mesh=mesh, layout=_LAYOUT.value)
 
   print(f"model: {source} ({cfg.model_type}, {cfg.attention}, "
         f"{'MoE' if cfg.is_moe else 'dense'}, {cfg.compute_dtype().name})")
+  if mesh is not None:
+    print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices, "
+          f"layout {_LAYOUT.value}, {res.summary['dp_ranks']} attention-DP ranks "
+          f"(requests per rank {res.summary['requests_per_rank']})")
   for i, out in enumerate(res.outputs):
     if tok:
       print(f"\n--- [{i}] prompt + completion ({out.finish_reason}) ---\n"

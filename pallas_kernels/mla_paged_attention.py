@@ -55,6 +55,7 @@ def mla_paged_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *
 
 def mla_paged_attention_reference(q_latent, q_rope, latent_pages, lengths, page_indices, *,
                                   sm_scale):
+  """Pure jnp, float32: `mla_paged_attention`'s semantics through `paged_attention_reference`."""
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mla_paged_attention_reference")
   out = paged_attention_reference(q, latent_pages[None], None, lengths, page_indices,
                                   sm_scale=sm_scale, dv=R)

@@ -69,6 +69,7 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,
                                      max_q, sm_scale=None, window=0, sinks=None, v_head_dim=None):
+  """Pure jnp, float32: `ragged_paged_attention`'s semantics through `paged_attention_reference`."""
   _check(q, cu_q_lens, kv_lens, max_q)
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]

@@ -38,6 +38,9 @@ class QueueFull(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class ServeOutput:
+  """A cluster request's result: tokens, finish reason (or error), TTFT and
+  TPOT in seconds, and where it ran."""
+
   request_id: int
   prompt_token_ids: list[int]
   token_ids: list[int]
@@ -79,6 +82,7 @@ class _Request:
 
 
 class Cluster:
+  """Routes requests over workers and steps them; see the module docstring."""
 
   def __init__(self, workers: Sequence[Worker], *, router: Router | str = "kv",
                disagg: DisaggConfig | None = None, max_queue: int | None = None,

@@ -25,6 +25,14 @@ MODES = ("conditional", "always", "never")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DisaggConfig:
+  """When to prefill remotely (`remote`), and how long a KV transfer may take.
+
+  mode: "conditional" (Dynamo's rule, above), "always" (every fresh prompt
+  on a prefill worker) or "never" (all prompts prefilled where they decode).
+  transfer_timeout_s: a transfer that has not landed by then frees its
+  reservation and the request is retried, at most max_retries times.
+  """
+
   mode: str = "conditional"  # "always": every fresh prompt remote; "never": all local
   max_local_prefill_length: int = 1000  # Dynamo's default
   max_prefill_queue_size: int = 2  # Dynamo's default

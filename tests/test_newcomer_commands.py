@@ -1,0 +1,61 @@
+"""The README's newcomer path, command by command, with short settings: an HF
+checkpoint checked against transformers (experiments/check_hf.py), generation
+sharded over simulated devices (experiments/generate.py --mesh), and a LoadGen
+run (experiments/mlperf_harness.py). Generation with the default model is
+tests/test_default_model.py."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, timeout=600):
+  # A fresh process: no inherited simulated-device flags, the script sets its own.
+  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
+                        timeout=timeout, env=env)
+
+
+def _needs(*modules):
+  missing = [m for m in modules if importlib.util.find_spec(m) is None]
+  return pytest.mark.skipif(bool(missing), reason=f"needs {missing} (pip install -e '.[hf]')")
+
+
+@_needs("torch", "transformers")
+def test_check_hf_matches_transformers():
+  out = _run(["experiments/check_hf.py", "--seq_len=8"])
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  lines = [l for l in out.stdout.splitlines() if "max|ours - hf|" in l]
+  assert len(lines) == 2 and all(l.endswith(")") and " OK " in l for l in lines), out.stdout
+
+
+@_needs("torch", "transformers")
+def test_check_hf_fails_above_tolerance():
+  out = _run(["experiments/check_hf.py", "--archs=llama", "--seq_len=4", "--tolerance=1e-12"])
+  assert out.returncode == 1, out.stdout[-2000:] + out.stderr[-3000:]
+  assert "FAIL" in out.stdout
+
+
+def test_generate_sharded_on_simulated_devices():
+  out = _run(["experiments/generate.py", "--cpu_devices=8", "--mesh=data=2,expert=4",
+              "--layout=dp_attn_ep", "--max_tokens=8", "--num_pages=32", "--max_num_seqs=4"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "over 8 cpu devices, layout dp_attn_ep, 8 attention-DP ranks" in out.stdout, out.stdout
+  for needle in ("prompt + completion", "TTFT", "tokens/s"):
+    assert needle in out.stdout, (needle, out.stdout[-2000:])
+
+
+@_needs("mlperf_loadgen")
+def test_mlperf_harness_short_run(tmp_path):
+  out = _run(["experiments/mlperf_harness.py", "--scenarios=Server", "--num_samples=4",
+              "--max_tokens=4", "--min_duration_ms=1000", "--min_query_count=8",
+              "--server_qps=4", f"--out={tmp_path}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "first tokens match True" in out.stdout, out.stdout[-2000:]
+  assert (tmp_path / "scenarios_performance.json").exists()
+  assert (tmp_path / "Server_performance" / "mlperf_log_summary.txt").exists()
