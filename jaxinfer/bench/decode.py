@@ -1,0 +1,500 @@
+"""End-to-end decode and prefill throughput: jaxinfer's `Engine` against HF
+transformers + PyTorch and the memory roofline, all measured in one run.
+
+What is measured, and why:
+
+  bandwidth  `measure_bandwidth`: a jitted `jnp.sum` streaming over a float32
+             array (1 GiB by default), median GB/s. Decode is memory bound, so
+             this is the ceiling the roofline divides by. Measured in the same
+             run because a shared machine's bandwidth moves with its load.
+  bytes      `decode_bytes_per_step`: what one decode step must read at least:
+             every weight but the embedding table (only `batch` rows of it), the
+             routed experts a batch touches on average, and the KV cache.
+  ours       `bench_engine`: requests through `jaxinfer.Engine`, the path users
+             run (scheduler, paged cache, sampling, host overhead included);
+             compiles are excluded by an identical warm-up on the same engine.
+  peer       `bench_hf`: `AutoModelForCausalLM.from_config` + greedy `generate`
+             on the same machine, same model shapes (random weights on both
+             sides; the weights are not copied over: only speed is compared),
+             timed per token from inside the call, like the Engine's TTFT/TPOT.
+
+Roofline: tokens/s <= batch * bandwidth / bytes per step (perf_facts.md).
+`run_decode_bench` runs everything and writes JSON + PNG via `results.write`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import hf_config as hf_config_lib
+from jaxinfer import models, presets
+from jaxinfer.bench import results
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import Engine, EngineConfig, SamplingParams
+from jaxinfer.models.attention import cache_entry_shapes
+from jaxinfer.models.specs import is_spec
+
+CONVENTIONS = {
+    "decode tokens_per_s": "ours: batch / mean TPOT over the batch's requests (every prompt is "
+                           "prefilled in one step, so TPOT spans decode steps only); hf: "
+                           "batch * (new_tokens - 1) / (time of the last token - time of the "
+                           "first) inside one generate call (a StoppingCriteria stamps each step)",
+    "prefill tokens_per_s": "ours: batch * prompt_len / max TTFT of max_tokens=1 requests; hf: "
+                            "batch * prompt_len / (generate call start -> first token), "
+                            "max_new_tokens=1",
+    "median/min/max": "over `repeats` timed runs, after one untimed warm-up run",
+    "bytes_per_step": "weights but the embedding table + batch embedding rows + (MoE) routed "
+                      "experts E(1 - (1 - k/E)^batch) per layer + KV of the mean decode context "
+                      "(prompt_len + new_tokens / 2); MTP modules excluded (plain decoding)",
+    "roofline_tokens_per_s": "batch * bandwidth.gbps * 1e9 / bytes_per_step.total; "
+                             "bandwidth.gbps: the higher of the jnp.sum read bandwidth "
+                             "measured before and after the timed cells",
+    "fraction_of_roofline": "tokens_per_s / roofline_tokens_per_s",
+    "ratio_vs_hf": "ours tokens_per_s / hf tokens_per_s (medians), same phase and batch",
+}
+
+
+# ----------------------------------------------------------------------------- roofline
+
+
+def _median_rate(fn, nbytes: float, repeats: int) -> float:
+  fn()  # compile / first touch
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return nbytes / statistics.median(times) / 1e9
+
+
+def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 9) -> dict:
+  """Streaming read bandwidth of this machine now -> {gbps, numpy_copy_gbps,
+  nbytes, repeats}. `gbps` (the roofline's) is a jitted `jnp.sum` over a
+  float32 array of nbytes: one read of every byte, the access pattern of a
+  decode step's weights. The numpy copy (read + write bytes counted) is for
+  reference. (numpy's `sum` is not: its pairwise float32 summation is
+  compute bound here, well under the read bandwidth.)"""
+  n = nbytes // 4
+  x = jnp.ones((n,), jnp.float32)
+  total = jax.jit(jnp.sum)
+  gbps = _median_rate(lambda: total(x).block_until_ready(), 4 * n, repeats)
+  del x
+  a = np.ones(n, np.float32)
+  b = np.empty_like(a)
+  copy = _median_rate(lambda: np.copyto(b, a), 8 * n, repeats)
+  return dict(gbps=gbps, numpy_copy_gbps=copy, nbytes=4 * n, repeats=repeats)
+
+
+def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
+  """Distinct experts `tokens` tokens route to on average, each picking top_k
+  of E uniformly: E * (1 - (1 - k/E)^tokens)."""
+  return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
+def decode_bytes_per_step(cfg: ModelConfig, batch: int, context_len: int,
+                          weight_dtype_bytes: int = 4, kv_dtype_bytes: int | None = None) -> dict:
+  """Bytes one decode step of `batch` sequences, each attending to
+  `context_len` cached tokens, must read -> {embed, weights, experts, kv, total}.
+
+  From `models.param_specs` shapes: every weight is read once per step except
+  the embedding table (batch rows gathered; the whole table once more if tied,
+  as the output head) and the routed experts (a leaf with an `expert` axis
+  counts E(1 - (1 - k/E)^batch) of its E slices). MTP modules are left out:
+  plain decoding does not run them. KV: `cache_entry_shapes` per token and
+  layer (MLA: the latent + rope key), over min(context, window) tokens."""
+  wb = weight_dtype_bytes
+  kvb = wb if kv_dtype_bytes is None else kv_dtype_bytes
+  specs = models.param_specs(cfg)
+  touched = (expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
+             if cfg.is_moe else 0.0)
+  V, D = specs["embed"].shape
+  out = dict(embed=float(batch * D * wb), weights=float(V * D * wb if cfg.tie_embeddings else 0),
+             experts=0.0, kv=0.0)
+  for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
+    top = path[0].key
+    if top in ("embed", "mtp"):
+      continue
+    n = math.prod(spec.shape) * wb
+    if "expert" in spec.logical_axes:
+      out["experts"] += n / spec.shape[spec.logical_axes.index("expert")] * touched
+    else:
+      out["weights"] += n
+  per_token_layer = sum(math.prod(e) for e in cache_entry_shapes(cfg).values()) * kvb
+  tokens = sum(min(context_len, cfg.layer_window(i) or context_len)
+               for i in range(cfg.num_layers))
+  out["kv"] = float(batch * tokens * per_token_layer)
+  out["total"] = out["embed"] + out["weights"] + out["experts"] + out["kv"]
+  return out
+
+
+# ----------------------------------------------------------------------------- ours
+
+
+def _spread(samples: list[float]) -> dict:
+  return dict(tokens_per_s=statistics.median(samples), tokens_per_s_min=min(samples),
+              tokens_per_s_max=max(samples), samples=samples)
+
+
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def _count_xla_compiles():
+  """Counts XLA backend compiles inside the block (-> a one-element list)."""
+  count = [0]
+
+  def listener(event, duration_secs, **kwargs):
+    del duration_secs, kwargs
+    count[0] += event == _COMPILE_EVENT
+
+  jax.monitoring.register_event_duration_secs_listener(listener)
+  try:
+    yield count
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_tokens: int,
+                 repeats: int, seed: int = 0) -> dict:
+  """`batch` random prompts of `prompt_len` tokens, submitted together through
+  one `Engine`, greedy, each run to exactly `new_tokens` (ignore_eos).
+
+  The token budget fits every prompt in one prefill step, so TTFT is that step
+  and TPOT spans pure decode steps. Prefix caching is off and every repeat
+  draws fresh prompts (nothing is served from cache). One untimed warm-up run
+  compiles the programs: the engine's program count (`stats()["compiles"]`)
+  before and after the timed runs should be equal, and `xla_compiles_timed`
+  (XLA backend compiles while timed) 0.
+  -> {prefill: spread, decode: spread | None, compiles_warm, compiles_after,
+      xla_compiles_timed}.
+  """
+  ps = 16
+  per_seq = -(-(prompt_len + new_tokens) // ps)
+  ec = EngineConfig(page_size=ps, num_pages=batch * per_seq + 1,  # + the reserved null page
+                    max_num_seqs=batch,
+                    max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False,
+                    ignore_eos=True)
+  engine = Engine(cfg, params, ec)
+  rng = np.random.default_rng(seed)
+  sampling = SamplingParams(max_tokens=new_tokens)
+
+  def once():
+    prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+    outs = engine.generate(prompts, sampling)
+    assert all(len(o.token_ids) == new_tokens for o in outs), "a request stopped early"
+    m = [o.metrics for o in outs]
+    prefill = batch * prompt_len / max(x.ttft_s for x in m)
+    decode = batch / statistics.mean(x.tpot_s for x in m) if new_tokens > 1 else None
+    return prefill, decode
+
+  once()
+  warm = engine.stats()["compiles"]
+  with _count_xla_compiles() as xla_compiles:
+    runs = [once() for _ in range(repeats)]
+  return dict(prefill=_spread([p for p, _ in runs]),
+              decode=_spread([d for _, d in runs]) if new_tokens > 1 else None,
+              compiles_warm=warm, compiles_after=engine.stats()["compiles"],
+              xla_compiles_timed=xla_compiles[0])
+
+
+# ----------------------------------------------------------------------------- HF peer
+
+
+def hf_config(cfg: ModelConfig) -> dict:
+  """The HF `config.json` dict of a llama- or deepseek_v3-family config: the
+  inverse of `ModelConfig.from_hf`, checked by mapping it back (runtime-only
+  fields dtype / attention_impl / moe_impl aside). Raises ValueError for
+  other families or configs HF cannot express."""
+  if cfg.model_type not in ("llama", "deepseek_v3"):
+    raise ValueError(f"hf_config: model_type {cfg.model_type!r} is not supported "
+                     "(llama, deepseek_v3)")
+  eos = list(cfg.eos_token_ids)
+  hf = dict(model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, intermediate_size=cfg.ffn_dim,
+            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
+            eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+            rope_parameters=_rope_parameters(cfg))
+  if cfg.model_type == "llama":
+    hf.update(head_dim=cfg.head_dim, attention_bias=cfg.qkv_bias, mlp_bias=False)
+  else:
+    first_dense = len(cfg.dense_layers)
+    if cfg.dense_layers != tuple(range(first_dense)):
+      raise ValueError(f"hf_config: deepseek_v3 dense layers must be a prefix, got "
+                       f"{cfg.dense_layers}")
+    hf.update(
+        attention_bias=False, q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        qk_head_dim=cfg.qk_head_dim, head_dim=cfg.qk_rope_head_dim,  # HF's convention
+        rope_interleave=cfg.rope_interleave, n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_ffn_dim,
+        n_shared_experts=cfg.num_shared_experts, norm_topk_prob=cfg.norm_topk_prob,
+        n_group=cfg.n_group, topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=first_dense,
+        num_nextn_predict_layers=cfg.num_mtp_layers)
+  back = hf_config_lib.from_hf(hf)
+  back = dataclasses.replace(back, dtype=cfg.dtype, attention_impl=cfg.attention_impl,
+                             moe_impl=cfg.moe_impl)
+  if back != cfg:
+    diff = [f.name for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(back, f.name)]
+    raise ValueError(f"hf_config: HF's {cfg.model_type} config cannot express fields {diff}")
+  return hf
+
+
+_ROPE_FIELDS = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                         "mscale", "mscale_all_dim", "attention_factor", "truncate")}
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+  """transformers 5's `rope_parameters` for cfg's RoPE."""
+  rs = cfg.rope_scaling
+  if rs is None:
+    return dict(rope_theta=cfg.rope_theta, rope_type="default")
+  out = dict(rope_theta=cfg.rope_theta, rope_type=rs.kind)
+  out.update({k: getattr(rs, k) for k in _ROPE_FIELDS[rs.kind] if getattr(rs, k) is not None})
+  return out
+
+
+def hf_model(hf: dict, *, threads: int | None = None):
+  """An HF causal LM with random weights from a config dict: float32, eval
+  mode, torch running `threads` threads (default os.cpu_count())."""
+  import torch
+  import transformers
+  transformers.logging.set_verbosity_error()
+  torch.set_num_threads(threads or os.cpu_count())
+  hf = dict(hf)
+  config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
+  return transformers.AutoModelForCausalLM.from_config(config).float().eval()
+
+
+def hf_param_count(model) -> int:
+  """Parameters plus persistent buffers (DeepSeek's router score bias is a
+  buffer in HF and a parameter here), each storage counted once."""
+  seen = {}
+  for v in model.state_dict().values():
+    seen[(v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))] = v.numel()
+  return sum(seen.values())
+
+
+def bench_hf(model, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
+             seed: int = 0) -> dict:
+  """Greedy `generate` of a [batch, prompt_len] random prompt (attention mask
+  of ones), exactly `new_tokens` new tokens (min_new_tokens = max_new_tokens)
+  under `torch.inference_mode`, timed per step from inside the call: a
+  stopping criterion stamps the clock as each token lands. As for the Engine,
+  prefill tokens/s = batch * prompt_len / time to the first token and decode
+  tokens/s = batch * (new_tokens - 1) / (last token - first token), so both
+  come from one call and no difference of two noisy calls can go negative.
+  One untimed warm-up call first. -> {prefill, decode | None}."""
+  import torch
+  import transformers
+
+  class Clock(transformers.StoppingCriteria):
+    def __init__(self):
+      self.stamps = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+      self.stamps.append(time.perf_counter())
+      return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+  gen = torch.Generator().manual_seed(seed)
+  ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen)
+  mask = torch.ones_like(ids)
+  eos = model.config.eos_token_id
+  pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
+
+  def once():
+    clock = Clock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+      out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                           stopping_criteria=transformers.StoppingCriteriaList([clock]))
+    assert out.shape == (batch, prompt_len + new_tokens), out.shape
+    assert len(clock.stamps) == new_tokens, len(clock.stamps)
+    first, last = clock.stamps[0], clock.stamps[-1]
+    decode = batch * (new_tokens - 1) / (last - first) if new_tokens > 1 else None
+    return batch * prompt_len / (first - t0), decode
+
+  once()
+  runs = [once() for _ in range(repeats)]
+  return dict(prefill=_spread([p for p, _ in runs]),
+              decode=_spread([d for _, d in runs]) if new_tokens > 1 else None)
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def _machine() -> dict:
+  cpu = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+  except OSError:
+    pass
+  out = dict(cpu=cpu, cpu_count=os.cpu_count(), python=platform.python_version(),
+             jax=jax.__version__, backend=jax.default_backend())
+  for name in ("torch", "transformers"):
+    mod = sys.modules.get(name)
+    out[name] = getattr(mod, "__version__", None)
+  return out
+
+
+def format_table(rows: list[dict]) -> str:
+  lines = ["| phase | side | batch | prompt | tokens/s median (min-max) | ours/HF | "
+           "roofline tok/s | fraction of roofline |", "|---|---|---|---|---|---|---|---|"]
+  fmt = lambda x, f: "-" if x is None else format(x, f)
+  for r in rows:
+    lines.append(
+        f"| {r['phase']} | {r['side']} | {r['batch']} | {r['prompt_len']} | "
+        f"{r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}) | "
+        f"{fmt(r.get('ratio_vs_hf'), '.2f')} | {fmt(r.get('roofline_tokens_per_s'), '.1f')} | "
+        f"{fmt(r.get('fraction_of_roofline'), '.2f')} |")
+  return "\n".join(lines)
+
+
+def _plot(rows: list[dict], path: str) -> None:
+  try:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+  except ImportError:
+    return
+  dec = [r for r in rows if r["phase"] == "decode"]
+  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  for side, style in (("jaxinfer", "o-"), ("hf", "s-")):
+    sel = sorted((r for r in dec if r["side"] == side), key=lambda r: r["batch"])
+    if not sel:
+      continue
+    b = [r["batch"] for r in sel]
+    axes[0].errorbar(b, [r["tokens_per_s"] for r in sel], fmt=style, capsize=3, label=side,
+                     yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in sel],
+                           [r["tokens_per_s_max"] - r["tokens_per_s"] for r in sel]])
+    axes[1].plot(b, [r["fraction_of_roofline"] for r in sel], style, label=side)
+  roof = sorted({(r["batch"], r["roofline_tokens_per_s"]) for r in dec})
+  axes[0].plot([b for b, _ in roof], [t for _, t in roof], "kx--", label="memory roofline")
+  axes[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens / s",
+              title="decode throughput")
+  axes[1].set(xscale="log", xlabel="batch", ylabel="fraction of the roofline",
+              title="decode vs memory roofline")
+  for ax in axes:
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+
+
+def _bandwidth(nbytes: int, when: str) -> dict:
+  bw = measure_bandwidth(nbytes)
+  print(f"bandwidth ({when}): {bw['gbps']:.1f} GB/s (jnp.sum); numpy copy "
+        f"{bw['numpy_copy_gbps']:.1f} GB/s (read + write)", flush=True)
+  return bw
+
+
+_COMPILE_KEYS = ("compiles_warm", "compiles_after", "xla_compiles_timed")
+
+
+def _row(phase, side, batch, prompt_len, new_tokens, spread, **extra) -> dict:
+  return dict(phase=phase, side=side, batch=batch, prompt_len=prompt_len,
+              new_tokens=new_tokens, **spread, **extra)
+
+
+def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_len: int = 128,
+                     prefill_len: int = 512, new_tokens: int = 64, repeats: int = 5,
+                     peer: str = "hf", threads: int | None = None,
+                     bandwidth_bytes: int = 1 << 30, seed: int = 0,
+                     out: str | None = None, command: str | None = None) -> dict:
+  """Bandwidth, then per batch ours and HF's decode, then prefill at
+  `prefill_len` (batch 1), then bandwidth again (the roofline takes the
+  higher); prints a table and writes out.json / out.png.
+  -> the written JSON object. peer: "hf" or "none"."""
+  if peer not in ("hf", "none"):
+    raise ValueError(f"peer must be 'hf' or 'none', got {peer!r}")
+  if new_tokens < 2 or repeats < 1 or min(batches) < 1:
+    raise ValueError("need new_tokens >= 2, repeats >= 1 and batches >= 1")
+  # Plain decoding never runs the MTP modules: leave them out of the weights.
+  cfg = dataclasses.replace(presets.get(model), num_mtp_layers=0)
+  threads = threads or os.cpu_count()
+  bw_start = _bandwidth(bandwidth_bytes, "start")
+  params = models.init_params(cfg, jax.random.key(seed))
+  dtype = jnp.dtype(cfg.compute_dtype())
+  meta = dict(model=model, params=models.count_params(cfg), dtype=dtype.name,
+              batches=list(batches), prompt_len=prompt_len, prefill_len=prefill_len,
+              new_tokens=new_tokens, repeats=repeats, peer=peer, torch_threads=threads,
+              seed=seed, conventions=CONVENTIONS)
+  hf = None
+  if peer == "hf":
+    hf = hf_model(hf_config(cfg), threads=threads)
+    meta.update(hf_params=hf_param_count(hf), hf_attn_implementation=hf.config._attn_implementation)
+    if meta["hf_params"] != meta["params"]:
+      raise AssertionError(f"HF model has {meta['hf_params']} params, ours {meta['params']}")
+  meta.update(machine=_machine(), command=command or " ".join(map(shlex.quote, sys.argv)))
+
+  cells = []  # (phase, side, batch, prompt_len, new_tokens, result)
+
+  def cell(phase, side, b, plen, n, res):
+    cells.append((phase, side, b, plen, n, res))
+    print(f"{phase} batch {b} {side}: {res[phase]['tokens_per_s']:.1f} tok/s", flush=True)
+
+  for b in batches:
+    cell("decode", "jaxinfer", b, prompt_len, new_tokens,
+         bench_engine(cfg, params, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
+                      repeats=repeats, seed=seed))
+    if hf is not None:
+      cell("decode", "hf", b, prompt_len, new_tokens,
+           bench_hf(hf, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+                    seed=seed))
+  cell("prefill", "jaxinfer", 1, prefill_len, 1,
+       bench_engine(cfg, params, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats,
+                    seed=seed))
+  if hf is not None:
+    cell("prefill", "hf", 1, prefill_len, 1,
+         bench_hf(hf, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats, seed=seed))
+  del params, hf
+  bw_end = _bandwidth(bandwidth_bytes, "end")
+  # The roofline is a ceiling: the higher of the two measurements (a shared
+  # machine's load moves the bandwidth during the run).
+  gbps = max(bw_start["gbps"], bw_end["gbps"])
+  meta["bandwidth"] = dict(gbps=gbps, start=bw_start, end=bw_end)
+
+  rows = []
+  for phase, side, b, plen, n, res in cells:
+    extra = {k: res[k] for k in _COMPILE_KEYS if k in res}
+    if phase == "decode":
+      bytes_ = decode_bytes_per_step(cfg, b, plen + n // 2, dtype.itemsize)
+      roof = b * gbps * 1e9 / bytes_["total"]
+      extra.update(bytes_per_step=bytes_, roofline_tokens_per_s=roof,
+                   fraction_of_roofline=res["decode"]["tokens_per_s"] / roof)
+    rows.append(_row(phase, side, b, plen, n, res[phase], **extra))
+  for r in rows:
+    if r["side"] == "jaxinfer":
+      peer_row = next((p for p in rows if p["side"] == "hf" and p["phase"] == r["phase"]
+                       and p["batch"] == r["batch"]), None)
+      r["ratio_vs_hf"] = peer_row and r["tokens_per_s"] / peer_row["tokens_per_s"]
+  grew = [r for r in rows if r.get("compiles_after", 0) != r.get("compiles_warm", 0)
+          or r.get("xla_compiles_timed", 0)]
+  if grew:
+    where = [(r["phase"], r["batch"]) for r in grew]
+    print(f"WARNING: programs compiled during the timed runs of {where}")
+  print("\n" + format_table(rows))
+  out = out or os.path.join("experiments", "results", f"bench_decode_{model}")
+  return results.write(out, rows, _plot, **meta)
