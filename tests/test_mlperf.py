@@ -52,3 +52,18 @@ def test_bad_samples_are_named():
   with pytest.raises(ValueError, match="scenario"):
     mlperf.run_loadgen(mlperf.EngineSUT(engine, [[1, 2]], SamplingParams(max_tokens=2)),
                        scenario="SingleStream", outdir="/tmp/unused")
+
+
+def test_parse_accuracy_log_reads_loadgen_bytes(tmp_path):
+  import json as _json
+  import numpy as _np
+  from jaxinfer.serving import mlperf as _mlperf
+  rows = [{"seq_id": 0, "qsl_idx": 3, "data": _np.asarray([5, 70000, 2], "<i4").tobytes().hex().upper()},
+          {"seq_id": 1, "qsl_idx": 1, "data": _np.asarray([9], "<i4").tobytes().hex()}]
+  path = tmp_path / "mlperf_log_accuracy.json"
+  path.write_text(_json.dumps(rows))
+  assert _mlperf.parse_accuracy_log(str(path)) == {3: [5, 70000, 2], 1: [9]}
+  rows.append({"seq_id": 2, "qsl_idx": 3, "data": _np.asarray([6], "<i4").tobytes().hex()})
+  path.write_text(_json.dumps(rows))
+  with pytest.raises(ValueError, match="sample 3 logged twice"):
+    _mlperf.parse_accuracy_log(str(path))

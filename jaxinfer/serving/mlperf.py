@@ -215,3 +215,20 @@ def parse_summary(path: str) -> dict:
         out[key] = value
   out["valid"] = str(out.get("Result is", "")).upper() == "VALID"
   return out
+
+
+def parse_accuracy_log(path: str) -> dict[int, list[int]]:
+  """LoadGen's mlperf_log_accuracy.json (accuracy mode: the bytes each
+  QuerySamplesComplete handed LoadGen, hex, here int32 token ids) ->
+  {qsl_idx: token ids}. What LoadGen received, independent of the SUT's
+  own bookkeeping: MLPerf scores accuracy from this log."""
+  import json
+  with open(path) as f:
+    entries = json.load(f)
+  out = {}
+  for e in entries:
+    tokens = np.frombuffer(bytes.fromhex(e["data"]), dtype="<i4").tolist()
+    if e["qsl_idx"] in out and out[e["qsl_idx"]] != tokens:
+      raise ValueError(f"{path}: sample {e['qsl_idx']} logged twice with different tokens")
+    out[e["qsl_idx"]] = tokens
+  return out
