@@ -10,13 +10,11 @@
       # sharded over 8 simulated CPU devices (attention data parallel + expert parallel)
 """
 
-import time
 
 from absl import app, flags
 import jax
-import numpy as np
 
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, sharding
+from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding
 from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -46,29 +44,6 @@ _MESH = flags.DEFINE_string("mesh", None, "run the Engine sharded on a mesh of a
 _LAYOUT = flags.DEFINE_enum("layout", "tp", list(sharding.LAYOUTS), "sharding layout (with --mesh)")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (XLA's "
                                     "host platform device count) for --mesh on a CPU machine")
-
-
-def _run_on_mesh(cfg, params, *, prompts, sampling, engine_config, mesh, layout):
-  """`run.run_engine` on a mesh (it takes no mesh): an identical warm-up run
-  compiles, then a fresh engine's run is timed and summarised the same way."""
-  Engine(cfg, params, engine_config, mesh=mesh, layout=layout).generate(prompts, sampling)
-  eng = Engine(cfg, params, engine_config, mesh=mesh, layout=layout)
-  t0 = time.perf_counter()
-  outs = eng.generate(prompts, sampling)
-  wall = time.perf_counter() - t0
-  stats = eng.stats()
-  ttft = np.array([o.metrics.ttft_s for o in outs])
-  tpot = np.array([o.metrics.tpot_s for o in outs if o.metrics.tpot_s is not None])
-  pct = lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan")
-  generated = sum(o.metrics.generated_tokens for o in outs)
-  summary = dict(requests=len(outs), generated_tokens=generated, tokens_per_s=generated / wall,
-                 ttft_p50_s=pct(ttft, 50), ttft_p90_s=pct(ttft, 90), tpot_p50_s=pct(tpot, 50),
-                 tpot_p90_s=pct(tpot, 90), dp_ranks=stats["dp_ranks"],
-                 requests_per_rank=stats["requests_per_rank"],
-                 **{k: stats[k] for k in ("prompt_tokens", "cached_prompt_tokens", "steps",
-                                          "tokens_per_step", "compiles", "preemptions")},
-                 **{k: v for k, v in stats.items() if k.startswith("spec_")})
-  return run.EngineRun(outputs=outs, summary=summary)
 
 
 def main(argv):
@@ -106,12 +81,9 @@ def main(argv):
   engine_config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
                                max_num_seqs=_MAX_SEQS.value,
                                max_num_batched_tokens=_TOKEN_BUDGET.value, speculative=spec)
-  if mesh is None:
-    res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
-                         engine_config=engine_config)
-  else:
-    res = _run_on_mesh(cfg, params, prompts=prompts, sampling=sampling,
-                       engine_config=engine_config, mesh=mesh, layout=_LAYOUT.value)
+  res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
+                       engine_config=engine_config, mesh=mesh,
+                       layout=_LAYOUT.value if mesh is not None else None)
 
   print(f"model: {source} ({cfg.model_type}, {cfg.attention}, "
         f"{'MoE' if cfg.is_moe else 'dense'}, {cfg.compute_dtype().name})")

@@ -64,15 +64,20 @@ class EngineRun:
 
 
 def run_engine(cfg: ModelConfig, params, *, prompts, sampling, engine_config: EngineConfig,
-               warmup: bool = True, progress: bool = True) -> EngineRun:
+               warmup: bool = True, progress: bool = True, mesh=None,
+               layout: str | None = None) -> EngineRun:
   """Runs prompts through a fresh Engine and summarises the run.
 
   With warmup, an identical run on a throwaway engine first compiles the step
-  programs, so the timed run measures serving, not compilation.
+  programs, so the timed run measures serving, not compilation. mesh and
+  layout (together, or neither) shard the engine as `Engine` does.
   """
+  def engine():
+    return Engine(cfg, params, engine_config, mesh=mesh, layout=layout)
+
   if warmup:
-    Engine(cfg, params, engine_config).generate(prompts, sampling)
-  eng = Engine(cfg, params, engine_config)
+    engine().generate(prompts, sampling)
+  eng = engine()
   bar = tqdm.tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
   t0 = time.perf_counter()
   outs = eng.generate(prompts, sampling, progress=lambda n: bar.update(1))
@@ -90,5 +95,6 @@ def run_engine(cfg: ModelConfig, params, *, prompts, sampling, engine_config: En
       prompt_tokens=stats["prompt_tokens"], cached_prompt_tokens=stats["cached_prompt_tokens"],
       steps=stats["steps"], tokens_per_step=stats["tokens_per_step"],
       compiles=stats["compiles"], preemptions=stats["preemptions"],
+      dp_ranks=stats["dp_ranks"], requests_per_rank=stats["requests_per_rank"],
       **{k: v for k, v in stats.items() if k.startswith("spec_")})
   return EngineRun(outputs=outs, summary=summary)

@@ -287,13 +287,8 @@ class Engine:
     return req.id
 
   def _pick_rank(self) -> int:
-    """The DP rank with the least work: tokens still to prefill plus KV in use
-    (not request counts, which ignore how long the requests are)."""
-    def load(r):
-      sch = self.schedulers[r]
-      pending = sum(q.total_len - q.num_computed for q in (*sch.waiting, *sch.running))
-      return pending + self.allocators[r].num_used() * self.config.page_size
-    return min(range(self.num_ranks), key=load)
+    """The DP rank with the least work (`Scheduler.load`)."""
+    return min(range(self.num_ranks), key=lambda r: self.schedulers[r].load())
 
   def abort(self, request_id: int) -> RequestOutput:
     """Stops a request, freeing its pages; returns what it produced."""

@@ -115,6 +115,13 @@ class Scheduler:
   def add(self, req: Request) -> None:
     self.waiting.append(req)
 
+  def load(self) -> int:
+    """This rank's work in tokens: tokens still to compute (queued and
+    running) plus KV in use. Attention DP places a request on the least
+    loaded rank (request counts would ignore how long the requests are)."""
+    pending = sum(q.total_len - q.num_computed for q in (*self.waiting, *self.running))
+    return pending + self.alloc.num_used() * self.alloc.page_size
+
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import gate_up, glu, mlp
+from jaxinfer.models.layers import glu, mlp
 
 
 def route(cfg: ModelConfig, p, x):
@@ -139,7 +139,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
     def chunk(i, ys, e=e):
       start = starts[e] + i * C
       xe = jax.lax.dynamic_slice_in_dim(xs, start, C)  # [C, D]
-      gate, up = gate_up(xe, {"w_gate_up": p["w_gate_up"][e]})
+      gate, up = jnp.split(xe @ p["w_gate_up"][e], 2, axis=-1)
       if cfg.expert_bias:
         gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
       ye = glu(cfg, gate, up) @ p["w_down"][e]

@@ -188,11 +188,7 @@ class _Worker:
     if self.spec.rank_policy == "round_robin":
       self._rr = (self._rr + 1) % len(self.schedulers)
       return self._rr
-    def load(r):  # Engine._pick_rank: tokens to compute plus KV in use
-      sch = self.schedulers[r]
-      pending = sum(q.total_len - q.num_computed for q in (*sch.waiting, *sch.running))
-      return pending + self.allocators[r].num_used() * self.page_size
-    return min(range(len(self.schedulers)), key=load)
+    return min(range(len(self.schedulers)), key=lambda r: self.schedulers[r].load())
 
   def _new(self, owner, tokens, max_tokens, **fields) -> Request:
     rid, self._next_id = self._next_id, self._next_id + 1
