@@ -11,22 +11,19 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import apply_rope, rms_norm
+from jaxinfer.models.layers import PackedLinear, apply_rope, linear, pack_linear, rms_norm
 
 
 def out_proj(out, wo):
-  """[B, T, N, H] x [N, H, D] -> [B, T, D] as one [B, T, N*H] x [N*H, D]
-  matmul, so the weight is read in its stored layout (the einsum made
-  XLA:CPU transpose wo into a copy every step)."""
-  B, T, N, H = out.shape
-  return (out.reshape(B, T, N * H) @ wo.reshape(N * H, wo.shape[-1])).astype(out.dtype)
+  """[B, T, N, H] x [N, H, D] (or its `PackedLinear`) -> [B, T, D] as one
+  [B, T, N*H] x [N*H, D] matmul, so the weight is read in its stored layout
+  (the einsum made XLA:CPU transpose wo into a copy every step)."""
+  return linear(out, wo, in_dims=2).astype(out.dtype)
 
 
 def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """Grouped-query attention with optional biases, q/k norm and sinks."""
-  q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
-  k = jnp.einsum("BTD,DKH->BTKH", x, p["wk"])
-  v = jnp.einsum("BTD,DKH->BTKH", x, p["wv"])
+  q, k, v = linear(x, p["wq"]), linear(x, p["wk"]), linear(x, p["wv"])
   if cfg.qkv_bias:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
@@ -52,13 +49,20 @@ def absorbed_weights(cfg: ModelConfig, p):
           jnp.transpose(p["wkv_b"][..., Hn:], (1, 0, 2)))
 
 
-def step_layout(cfg: ModelConfig, p):
-  """One layer's attention weights as the engine's step reads them."""
-  if cfg.attention != "mla" or "wkv_b" not in p:
-    return p
-  w_uk, w_uv = absorbed_weights(cfg, p)
-  p = {k: v for k, v in p.items() if k != "wkv_b"}
-  return {**p, "w_uk": w_uk, "w_uv": w_uv}
+_PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a": 1}  # -> in_dims
+
+
+def step_layout(cfg: ModelConfig, p, pack_blocks: int | None = None):
+  """One layer's attention weights as the engine's step reads them: MLA's
+  up-projections pre-transposed; with pack_blocks, the projections packed
+  (`layers.pack_linear`)."""
+  if cfg.attention == "mla" and "wkv_b" in p:
+    w_uk, w_uv = absorbed_weights(cfg, p)
+    p = {**{k: v for k, v in p.items() if k != "wkv_b"}, "w_uk": w_uk, "w_uv": w_uv}
+  if pack_blocks:
+    p = {k: pack_linear(v, _PROJECTIONS[k], pack_blocks)
+         if k in _PROJECTIONS and not isinstance(v, PackedLinear) else v for k, v in p.items()}
+  return p
 
 
 def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
@@ -71,13 +75,13 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """
   R, Hn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
   if cfg.q_lora_rank:
-    q = jnp.einsum("BTD,DR->BTR", x, p["wq_a"])
-    q = jnp.einsum("BTR,RNH->BTNH", rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"])
+    q = linear(x, p["wq_a"])
+    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"])
   else:
-    q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"])
+    q = linear(x, p["wq"])
   q_nope, q_rope = q[..., :Hn], q[..., Hn:]
   q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-  kv = jnp.einsum("BTD,DC->BTC", x, p["wkv_a"])  # [B, T, R + Hr]
+  kv = linear(x, p["wkv_a"])  # [B, T, R + Hr]
   c = rms_norm(kv[..., :R], p["kv_norm"], cfg.norm_eps)
   k_rope = apply_rope(kv[:, :, None, R:], cos, sin, cfg.rope_interleave)[:, :, 0]
   w_uk, w_uv = absorbed_weights(cfg, p)  # [N, Hn, R], [N, R, Hv]

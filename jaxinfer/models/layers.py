@@ -1,7 +1,9 @@
-"""Small shared pieces: RMSNorm, RoPE frequencies and rotation, the gated MLP."""
+"""Small shared pieces: RMSNorm, RoPE frequencies and rotation, the gated
+MLP, and `linear` (a projection from a plain or a packed weight)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -16,6 +18,51 @@ def rms_norm(x, weight, eps):
   xf = x.astype(jnp.float32)
   xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
   return weight * xf.astype(x.dtype)
+
+
+# ---------------------------------------------------------------- linear
+
+@jax.tree_util.register_pytree_node_class
+@dataclasses.dataclass(frozen=True)
+class PackedLinear:
+  """One projection weight [*In, *Out] as the engine's CPU step reads it
+  (`pack_linear`): the flattened Out columns cut into blocks, each stored
+  transposed [Out_i, In]. Measured on the 2-core dev machine (XLA:CPU,
+  float32, a chain of 24 [1024, 5632] weights, interleaved runs): the
+  transposed form reads the weights 1.3-1.4x faster at 8 and 32 rows and as
+  fast at 1 row; 2 blocks, independent matmuls XLA runs on both cores, are
+  1.2x faster at 512 rows."""
+  blocks: tuple  # of [Out_i, In] arrays
+  out_shape: tuple  # Out, the weight's trailing dims
+
+  def tree_flatten(self):
+    return self.blocks, self.out_shape
+
+  @classmethod
+  def tree_unflatten(cls, out_shape, blocks):
+    return cls(tuple(blocks), out_shape)
+
+
+def pack_linear(w, in_dims: int = 1, blocks: int = 2) -> PackedLinear:
+  """[*In, *Out] (In the first in_dims dims) -> `PackedLinear` of `blocks` blocks."""
+  if not 1 <= in_dims < w.ndim:
+    raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")
+  n_in = math.prod(w.shape[:in_dims])
+  wt = jnp.transpose(w.reshape(n_in, -1))  # [Out, In]
+  n = max(1, min(blocks, wt.shape[0]))
+  return PackedLinear(tuple(jnp.array_split(wt, n, axis=0)), tuple(w.shape[in_dims:]))
+
+
+def linear(x, w, in_dims: int = 1, preferred_element_type=None):
+  """x [..., *In] times w [*In, *Out] (or its `PackedLinear`) -> [..., *Out],
+  contracting the last in_dims dims of x."""
+  if isinstance(w, PackedLinear):
+    xi = x.reshape(*x.shape[:x.ndim - in_dims], -1)
+    ys = [jnp.einsum("...I,OI->...O", xi, b, preferred_element_type=preferred_element_type)
+          for b in w.blocks]
+    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
+    return y.reshape(*y.shape[:-1], *w.out_shape)
+  return jnp.tensordot(x, w, axes=in_dims, preferred_element_type=preferred_element_type)
 
 
 # ---------------------------------------------------------------- RoPE
@@ -114,13 +161,12 @@ def fuse_gate_up(w_gate, w_up):
 def gate_up(x, p):
   """x [..., D] -> (gate, up) [..., F] from w_gate/w_up or the fused w_gate_up."""
   if "w_gate_up" in p:
-    gu = x @ p["w_gate_up"]
-    return jnp.split(gu, 2, axis=-1)
+    return jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)
   return (jnp.einsum("...D,DF->...F", x, p["w_gate"]), jnp.einsum("...D,DF->...F", x, p["w_up"]))
 
 
 def mlp(cfg: ModelConfig, p, x):
   """Dense gated MLP. x [..., D]; p: w_gate/w_up [D, F] (or w_gate_up
-  [D, 2F]), w_down [F, D]."""
+  [D, 2F]), w_down [F, D]; fused and down weights plain or packed."""
   gate, up = gate_up(x, p)
-  return jnp.einsum("...F,FD->...D", glu(cfg, gate, up), p["w_down"])
+  return linear(glu(cfg, gate, up), p["w_down"])

@@ -28,6 +28,8 @@ the expert paths count slots from the weights, `p["w_gate"].shape[0]`.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -121,13 +123,17 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
   token copies sorted by expert; each expert runs its rows in chunks of C
   under a loop whose trip count is its row count / C, so an expert no token
   chose costs nothing and a chosen one is read in place, once per chunk.
-  C (static) is about the mean rows per expert: 1 for decode, more for
-  prefill. This is the CPU decode path: XLA:CPU's grouped matmul touches
-  every expert, and slicing a stacked expert copies it."""
+  C (static) is the expected rows per chosen expert rounded up to a power
+  of two: 1 at one token (or two), 2 at 4-16 (measured on `bench_moe`'s
+  experts, 2-core CPU: 1.2-1.3x faster than C = 1 at 4, 8 and 16 tokens, as
+  fewer chunks re-read an expert; 1.06x slower at 2), more for prefill.
+  This is the CPU decode path: XLA:CPU's grouped matmul touches every
+  expert, and slicing a stacked expert copies it."""
   T, k = idx.shape
   D = x.shape[1]
   E = len(p["w_down"])  # physical slots
-  C = 1 << max(0, (-(-T * k // E) - 1).bit_length())
+  rows = T * k / (E * (1 - (1 - k / E) ** T))  # expected rows per chosen expert
+  C = 1 if rows < 1.1 else 1 << math.ceil(math.log2(rows))
   flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)

@@ -17,7 +17,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
-from jaxinfer.models.layers import fuse_gate_up, mlp, rms_norm, rope_cos_sin
+from jaxinfer.models.layers import fuse_gate_up, linear, mlp, pack_linear, rms_norm, rope_cos_sin
 from jaxinfer.models.moe import moe
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -92,14 +92,17 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
 _EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 
 
-def step_layout(cfg: ModelConfig, params, split_experts: bool = False):
+def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
+                pack_blocks: int | None = None):
   """Params as `init_params` makes them -> the layout the engine's CPU step
   reads: each segment a tuple of per-layer trees (`trunk` runs them
   unrolled), MLA's up-projections pre-transposed (`attention.step_layout`),
   gate and up projections fused into one [D, 2F] matrix, and with
   split_experts each routed expert's weights as its own array
   (`moe` then runs only the chosen experts; not for expert-parallel params,
-  whose `moe_ep` wants them stacked). Same outputs.
+  whose `moe_ep` wants them stacked), and with pack_blocks the projections
+  (attention, dense and shared MLPs, lm_head) packed transposed in that many
+  column blocks (`layers.PackedLinear`; unsharded params). Same outputs.
 
   Why: a scanned layer slices its weights out of the stack with a
   dynamic-slice that XLA:CPU copies every step, and a weight transposed
@@ -107,12 +110,16 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False):
   the copies took longer than the matmuls). Per-layer arrays in the wanted
   layout are read in place. Costs a copy of the layer weights while the
   stacked ones are kept, and a longer compile."""
+  def pack(w):
+    return pack_linear(w, 1, pack_blocks) if pack_blocks else w
+
   def fused(p):
-    rest = {k: v for k, v in p.items() if k not in ("w_gate", "w_up")}
-    return {**rest, "w_gate_up": fuse_gate_up(p["w_gate"], p["w_up"])}
+    rest = {k: v for k, v in p.items() if k not in ("w_gate", "w_up", "w_down")}
+    return {**rest, "w_gate_up": pack(fuse_gate_up(p["w_gate"], p["w_up"])),
+            "w_down": pack(p["w_down"])}
 
   def layer_layout(layer):
-    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"])}
+    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], pack_blocks)}
     mlp = layer["mlp"]
     if "router" not in mlp:
       mlp = fused(mlp)
@@ -133,14 +140,17 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False):
       raise ValueError("step_layout: params are already in the step layout")
     n = jax.tree.leaves(seg)[0].shape[0]
     segs.append(tuple(layer_layout(jax.tree.map(lambda w, i=i: w[i], seg)) for i in range(n)))
-  return {**params, "layers": tuple(segs)}
+  out = {**params, "layers": tuple(segs)}
+  if "lm_head" in params:
+    out["lm_head"] = pack(params["lm_head"])
+  return out
 
 
 def head(cfg: ModelConfig, params, x):
   """Hidden [..., D] -> float32 logits [..., V]."""
   if cfg.tie_embeddings:
     return jnp.einsum("...D,VD->...V", x, params["embed"], preferred_element_type=jnp.float32)
-  return jnp.einsum("...D,DV->...V", x, params["lm_head"], preferred_element_type=jnp.float32)
+  return linear(x, params["lm_head"], preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
