@@ -1,4 +1,5 @@
-"""`ModelConfig.from_hf`: HF `config.json` -> `ModelConfig`.
+"""`ModelConfig.from_hf`: HF `config.json` -> `ModelConfig`, and `to_hf`,
+its inverse for the llama and deepseek_v3 families.
 
 Every key of the dict is either read, checked to hold a value we honour, or on
 a short list of keys that do not change inference (training-only settings and
@@ -8,6 +9,7 @@ would silently ignore is a numerics bug waiting to happen.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jaxinfer.config import ModelConfig, RopeScaling
@@ -233,3 +235,66 @@ def _rope(r: _Reader) -> dict:
 def _no_more(params: dict, kind: str) -> None:
   if params:
     raise ValueError(f"config.json: rope parameters {sorted(params)} are not supported for rope type {kind!r}")
+
+
+# ------------------------------------------------- ModelConfig -> HF
+
+def to_hf(cfg: ModelConfig) -> dict:
+  """The HF `config.json` dict of a llama- or deepseek_v3-family config: the
+  inverse of `ModelConfig.from_hf`, checked by mapping it back (runtime-only
+  fields dtype / attention_impl / moe_impl aside). Raises ValueError for
+  other families or configs HF cannot express."""
+  if cfg.model_type not in ("llama", "deepseek_v3"):
+    raise ValueError(f"to_hf: model_type {cfg.model_type!r} is not supported "
+                     "(llama, deepseek_v3)")
+  eos = list(cfg.eos_token_ids)
+  hf = dict(model_type=cfg.model_type, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+            num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
+            num_key_value_heads=cfg.num_kv_heads, intermediate_size=cfg.ffn_dim,
+            rms_norm_eps=cfg.norm_eps, tie_word_embeddings=cfg.tie_embeddings,
+            max_position_embeddings=cfg.max_position_embeddings, hidden_act="silu",
+            eos_token_id=eos[0] if len(eos) == 1 else (eos or None),
+            rope_parameters=_rope_parameters(cfg))
+  if cfg.model_type == "llama":
+    hf.update(head_dim=cfg.head_dim, attention_bias=cfg.qkv_bias, mlp_bias=False)
+  else:
+    first_dense = len(cfg.dense_layers)
+    if cfg.dense_layers != tuple(range(first_dense)):
+      raise ValueError(f"to_hf: deepseek_v3 dense layers must be a prefix, got "
+                       f"{cfg.dense_layers}")
+    hf.update(
+        attention_bias=False, q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank, qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim, v_head_dim=cfg.v_head_dim,
+        qk_head_dim=cfg.qk_head_dim, head_dim=cfg.qk_rope_head_dim,  # HF's convention
+        rope_interleave=cfg.rope_interleave, n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.num_experts_per_tok, moe_intermediate_size=cfg.moe_ffn_dim,
+        n_shared_experts=cfg.num_shared_experts, norm_topk_prob=cfg.norm_topk_prob,
+        n_group=cfg.n_group, topk_group=cfg.topk_group,
+        routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=first_dense,
+        num_nextn_predict_layers=cfg.num_mtp_layers)
+  back = from_hf(hf)
+  back = dataclasses.replace(back, dtype=cfg.dtype, attention_impl=cfg.attention_impl,
+                             moe_impl=cfg.moe_impl)
+  if back != cfg:
+    diff = [f.name for f in dataclasses.fields(cfg)
+            if getattr(cfg, f.name) != getattr(back, f.name)]
+    raise ValueError(f"to_hf: HF's {cfg.model_type} config cannot express fields {diff}")
+  return hf
+
+
+_ROPE_FIELDS = {"linear": ("factor",),
+                "llama3": ("factor", "low_freq_factor", "high_freq_factor",
+                           "original_max_position_embeddings"),
+                "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                         "mscale", "mscale_all_dim", "attention_factor", "truncate")}
+
+
+def _rope_parameters(cfg: ModelConfig) -> dict:
+  """transformers 5's `rope_parameters` for cfg's RoPE."""
+  rs = cfg.rope_scaling
+  if rs is None:
+    return dict(rope_theta=cfg.rope_theta, rope_type="default")
+  out = dict(rope_theta=cfg.rope_theta, rope_type=rs.kind)
+  out.update({k: getattr(rs, k) for k in _ROPE_FIELDS[rs.kind] if getattr(rs, k) is not None})
+  return out

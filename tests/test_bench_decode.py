@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from jaxinfer import ModelConfig, models, presets
+from jaxinfer import ModelConfig, hf_config, models, presets
 from jaxinfer.bench import decode
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -71,23 +71,23 @@ def test_expected_experts():
                                   "llama3_8b", "deepseek_v3"])
 def test_hf_config_round_trips(name):
   cfg = presets.get(name)
-  assert ModelConfig.from_hf(decode.hf_config(cfg)) == cfg
+  assert ModelConfig.from_hf(hf_config.to_hf(cfg)) == cfg
 
 
 @pytest.mark.parametrize("name", ["bench_dense", "bench_moe"])
 def test_hf_config_matches_reference_json(name):
   ref = json.loads((FIXTURES / "bench_configs" / f"{name}.json").read_text())
-  ours = decode.hf_config(presets.get(name))
+  ours = hf_config.to_hf(presets.get(name))
   assert {k: ref.get(k, "<missing>") for k in ours} == ours
 
 
 def test_hf_config_rejects_what_it_cannot_express():
   with pytest.raises(ValueError, match="model_type"):
-    decode.hf_config(presets.get("mixtral_8x7b"))
+    hf_config.to_hf(presets.get("mixtral_8x7b"))
   with pytest.raises(ValueError, match="qk_norm"):
-    decode.hf_config(dataclasses.replace(presets.get("tiny_dense"), qk_norm=True))
+    hf_config.to_hf(dataclasses.replace(presets.get("tiny_dense"), qk_norm=True))
   with pytest.raises(ValueError, match="prefix"):
-    decode.hf_config(dataclasses.replace(presets.get("tiny_moe"), dense_layers=(1,)))
+    hf_config.to_hf(dataclasses.replace(presets.get("tiny_moe"), dense_layers=(1,)))
 
 
 @pytest.mark.skipif(not HAVE_HF, reason="transformers / torch not installed")
@@ -96,7 +96,7 @@ def test_hf_model_has_our_param_count(name):
   # The full bench_moe allocates 3.2 GB in torch: 2 layers (1 dense, 1 MoE) and
   # a small vocabulary keep every kind of weight at its real shape.
   cfg = dataclasses.replace(presets.get(name), num_layers=2, vocab_size=512, num_mtp_layers=0)
-  model = decode.hf_model(decode.hf_config(cfg), threads=1)
+  model = decode.hf_model(hf_config.to_hf(cfg), threads=1)
   assert decode.hf_param_count(model) == models.count_params(cfg)
 
 

@@ -28,7 +28,7 @@ from jaxinfer import eplb, kv_cache, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.engine.scheduler import Request, Scheduler, capacity_error
 from jaxinfer.models import transformer
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -252,15 +252,11 @@ class Engine:
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= self.cfg.vocab_size:
       raise ValueError(f"prompt token ids must be in [0, {self.cfg.vocab_size}), got min {lo}, max {hi}")
-    if arr.size >= self.max_model_len:
-      raise ValueError(f"prompt length {arr.size} is at or over the context limit "
-                       f"(max_model_len {self.max_model_len})")
-    longest = min(arr.size + sampling.max_tokens, self.max_model_len)
-    pages = -(-longest // self.config.page_size)
-    if pages > self.allocator.usable_pages:
-      raise ValueError(f"request needs {pages} KV pages (prompt {arr.size} + max_tokens "
-                       f"{sampling.max_tokens}), more than the whole pool "
-                       f"({self.allocator.usable_pages} pages)")
+    why = capacity_error(arr.size, sampling.max_tokens, max_model_len=self.max_model_len,
+                         page_size=self.config.page_size,
+                         usable_pages=self.allocator.usable_pages)
+    if why:
+      raise ValueError(why)
     return arr.astype(np.int64).tolist(), sampling
 
   def check_request(self, prompt, sampling) -> tuple[list[int], SamplingParams]:

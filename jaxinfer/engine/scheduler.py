@@ -34,6 +34,21 @@ from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.kv_cache import PageAllocator, hash_page
 
 
+def capacity_error(prompt_len: int, max_tokens: int, *, max_model_len: int, page_size: int,
+                   usable_pages: int) -> str | None:
+  """Why a request can never be served (its prompt reaches the context limit,
+  or its longest sequence needs more KV pages than the whole pool), or None.
+  The Engine raises it; the cluster simulator reports it."""
+  if prompt_len >= max_model_len:
+    return (f"prompt length {prompt_len} is at or over the context limit "
+            f"(max_model_len {max_model_len})")
+  pages = -(-min(prompt_len + max_tokens, max_model_len) // page_size)
+  if pages > usable_pages:
+    return (f"request needs {pages} KV pages (prompt {prompt_len} + max_tokens {max_tokens}), "
+            f"more than the whole pool ({usable_pages} pages)")
+  return None
+
+
 # eq=False: requests are identities. The scheduler's `req in self.running`
 # checks would otherwise compare every field (prompts included) of every
 # running request: quadratic in the batch, 16M comparisons over 544 steps

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.engine.scheduler import Request, Scheduler
+from jaxinfer.engine.scheduler import Request, Scheduler, capacity_error
 from jaxinfer.kv_cache import PageAllocator
 from jaxinfer.serving.cluster import percentiles
 from jaxinfer.serving.disagg import DisaggConfig
@@ -177,12 +177,8 @@ class _Worker:
 
   def check(self, prompt_len: int, max_tokens: int) -> str | None:
     """Why the engine would reject this request, or None (Engine._validate)."""
-    if prompt_len >= self.max_model_len:
-      return f"prompt length {prompt_len} is at or over max_model_len {self.max_model_len}"
-    pages = -(-min(prompt_len + max_tokens, self.max_model_len) // self.page_size)
-    if pages > self.allocators[0].usable_pages:
-      return f"needs {pages} KV pages, more than a rank's pool ({self.allocators[0].usable_pages})"
-    return None
+    return capacity_error(prompt_len, max_tokens, max_model_len=self.max_model_len,
+                          page_size=self.page_size, usable_pages=self.allocators[0].usable_pages)
 
   def _pick_rank(self) -> int:
     if self.spec.rank_policy == "round_robin":
