@@ -5,8 +5,10 @@
   python experiments/check_hf.py --archs=llama --seq_len=32
   python experiments/check_hf.py --hf_dir=path/to/hf_checkpoint   # a checkpoint of your own
 
-Without --hf_dir, builds each architecture as a tiny random transformers model,
-saves it as safetensors to a temporary directory, loads that directory with
+Without --hf_dir, builds each of --archs (any name in
+`checkpoint.hf_build.BASE_CONFIGS`, the configs of the test fixtures) as a
+tiny random transformers model with `hf_build.save_tiny`, which saves it as
+safetensors to a temporary directory, loads that directory with
 `jaxinfer.checkpoint.load_hf` (float32) and compares `models.logits` with the
 transformers model's logits on random tokens. Prints max|ours - hf| and the
 relative error max|ours - hf| / max|hf|; exits non-zero when the relative error
@@ -23,38 +25,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import checkpoint, models
+from jaxinfer.checkpoint import hf_build
 
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "an HF checkpoint directory (config.json + "
                               "*.safetensors) to check instead of the tiny random models")
-_ARCHS = flags.DEFINE_list("archs", ["llama", "deepseek_v3"], "tiny random architectures to "
-                           "build: llama, deepseek_v3")
+_ARCHS = flags.DEFINE_list("archs", ["llama", "deepseek_v3"], "tiny random models to build: "
+                           "names in checkpoint.hf_build.BASE_CONFIGS ("
+                           + ", ".join(sorted(hf_build.BASE_CONFIGS)) + ")")
 _SEQ_LEN = flags.DEFINE_integer("seq_len", 16, "tokens per sequence")
 _BATCH = flags.DEFINE_integer("batch", 2, "sequences")
 _SEED = flags.DEFINE_integer("seed", 0, "weights and tokens seed")
 _TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "largest relative error accepted "
                                 "(float32 parity measures ~1e-6)")
-
-# Tiny configs (vocab 256, hidden 64): a few MB, built in seconds.
-TINY = {
-    "llama": ("LlamaConfig", dict(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-        tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=8.0,
-                             low_freq_factor=1.0, high_freq_factor=4.0,
-                             original_max_position_embeddings=32))),
-    "deepseek_v3": ("DeepseekV3Config", dict(
-        vocab_size=256, hidden_size=64, intermediate_size=64, moe_intermediate_size=16,
-        num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=48,
-        kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=3, n_shared_experts=1,
-        routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
-        max_position_embeddings=128, rope_interleave=True, tie_word_embeddings=False,
-        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
-                             original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
-                             mscale=1.0, mscale_all_dim=1.0))),
-}
-
 
 def _transformers():
   try:
@@ -73,22 +55,6 @@ def _load_hf_model(torch, transformers, path):
         path, experts_implementation="eager", **kwargs).eval()
   except (TypeError, ValueError):
     return transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-
-
-def _save_tiny(torch, transformers, arch: str, path: str) -> None:
-  """A tiny random HF model of `arch`, saved as safetensors in `path`."""
-  cls_name, kwargs = TINY[arch]
-  config = getattr(transformers, cls_name)(initializer_range=0.2, **kwargs)
-  torch.manual_seed(_SEED.value)
-  model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-  with torch.no_grad():  # non-trivial norms and router biases, so none can be silently dropped
-    for name, p in model.named_parameters():
-      if name.endswith("norm.weight"):
-        p.copy_(1 + 0.1 * torch.randn_like(p))
-    for name, b in model.named_buffers():
-      if name.endswith("e_score_correction_bias"):
-        b.copy_(0.1 * torch.randn_like(b))
-  model.save_pretrained(path, safe_serialization=True)
 
 
 def check(path: str, name: str, torch, transformers) -> float:
@@ -116,13 +82,14 @@ def main(argv):
   if _HF_DIR.value:
     rels = [check(_HF_DIR.value, "hf_dir", torch, transformers)]
   else:
-    unknown = sorted(set(_ARCHS.value) - set(TINY))
+    unknown = sorted(set(_ARCHS.value) - set(hf_build.BASE_CONFIGS))
     if unknown:
-      raise app.UsageError(f"--archs: unknown {unknown}; choose from {sorted(TINY)}")
+      raise app.UsageError(f"--archs: unknown {unknown}; choose from "
+                           f"{sorted(hf_build.BASE_CONFIGS)} (checkpoint.hf_build.BASE_CONFIGS)")
     rels = []
     for arch in _ARCHS.value:
       with tempfile.TemporaryDirectory() as d:
-        _save_tiny(torch, transformers, arch, d)
+        hf_build.save_tiny(arch, d, seed=_SEED.value)
         rels.append(check(d, arch, torch, transformers))
   if max(rels) > _TOLERANCE.value:
     sys.exit(1)
