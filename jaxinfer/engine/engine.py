@@ -34,10 +34,10 @@ from jaxinfer.models.moe_ep import plan_from_params
 
 
 _UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
-# Unrolled and unsharded, the projections are packed transposed in 2 column
-# blocks (`layers.PackedLinear`: measured faster at 8-512 rows on the 2-core
-# dev machine, as fast at 1 row).
-_PACK_BLOCKS = 2
+# Unrolled and unsharded, the projections are stored transposed, one block
+# each (`layers.PackedLinear`: measured 1.1-1.45x faster at 1-32 rows on the
+# 2-core dev machine; more blocks were slower at 1 row).
+_PACK_BLOCKS = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

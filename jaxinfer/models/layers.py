@@ -26,12 +26,12 @@ def rms_norm(x, weight, eps):
 @dataclasses.dataclass(frozen=True)
 class PackedLinear:
   """One projection weight [*In, *Out] as the engine's CPU step reads it
-  (`pack_linear`): the flattened Out columns cut into blocks, each stored
-  transposed [Out_i, In]. Measured on the 2-core dev machine (XLA:CPU,
-  float32, a chain of 24 [1024, 5632] weights, interleaved runs): the
-  transposed form reads the weights 1.3-1.4x faster at 8 and 32 rows and as
-  fast at 1 row; 2 blocks, independent matmuls XLA runs on both cores, are
-  1.2x faster at 512 rows."""
+  (`pack_linear`): the flattened Out columns stored transposed [Out, In],
+  optionally cut into blocks [Out_i, In] (independent matmuls). Measured on
+  the 2-core dev machine (XLA:CPU, float32, `bench_dense`'s projections,
+  interleaved runs): transposed reads the weights 1.1x faster than [In, Out]
+  at 1 row, 1.45x at 8, 1.4x at 32 and as fast at 512; cutting into 2 blocks
+  was 0.85x of one block at 1 row, 1.08x at 32, equal at 8 and 512."""
   blocks: tuple  # of [Out_i, In] arrays
   out_shape: tuple  # Out, the weight's trailing dims
 
@@ -43,7 +43,7 @@ class PackedLinear:
     return cls(tuple(blocks), out_shape)
 
 
-def pack_linear(w, in_dims: int = 1, blocks: int = 2) -> PackedLinear:
+def pack_linear(w, in_dims: int = 1, blocks: int = 1) -> PackedLinear:
   """[*In, *Out] (In the first in_dims dims) -> `PackedLinear` of `blocks` blocks."""
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")

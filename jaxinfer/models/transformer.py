@@ -101,7 +101,7 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   split_experts each routed expert's weights as its own array
   (`moe` then runs only the chosen experts; not for expert-parallel params,
   whose `moe_ep` wants them stacked), and with pack_blocks the projections
-  (attention, dense and shared MLPs, lm_head) packed transposed in that many
+  (attention, dense and shared MLPs, lm_head) stored transposed in that many
   column blocks (`layers.PackedLinear`; unsharded params). Same outputs.
 
   Why: a scanned layer slices its weights out of the stack with a
