@@ -14,6 +14,7 @@ from jaxinfer import models, presets
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.engine.sampling import filter_logits
 from jaxinfer.engine.speculative import MTPConfig, accept
+from jaxinfer.models.layers import PackedLinear
 
 
 def _cfg(**kw):
@@ -155,3 +156,23 @@ def test_sampled_speculative_output_follows_the_target_distribution():
   assert chi2 < dof + 6 * np.sqrt(2 * dof), (chi2, dof)
   # The test has power: the drafts' own distribution is far from the target's.
   assert np.abs(counts.sum((1, 2)) / n - p[0, 0]).max() < 0.05
+
+
+def test_unrolled_speculative_greedy_equals_scanned_plain_greedy():
+  """The step layout (per-layer, transposed projections, split experts)
+  under MTP speculation: the greedy tokens of plain scanned decoding."""
+  cfg = _cfg()
+  params = models.init_params(cfg, jax.random.PRNGKey(3))
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (5, 23, 40)]
+  sampling = SamplingParams(max_tokens=12)
+  outs = []
+  for unroll, spec in ((False, None), (True, MTPConfig(num_draft_tokens=2))):
+    eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=64, max_num_batched_tokens=32,
+                                           unroll_layers=unroll, speculative=spec))
+    outs.append([o.token_ids for o in eng.generate(prompts, sampling)])
+  assert isinstance(eng._step_params["layers"][0], tuple)  # the unrolled engine ran last
+  assert any(isinstance(w, PackedLinear) for w in jax.tree.leaves(
+      eng._step_params, is_leaf=lambda w: isinstance(w, PackedLinear)))
+  assert outs[0] == outs[1]
+  assert all(len(o) == 12 for o in outs[1])
