@@ -40,10 +40,9 @@ _TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "largest relative error accep
 
 def _transformers():
   try:
-    import torch
-    import transformers
+    torch, transformers = hf_build.import_torch_transformers()
   except ImportError as e:
-    raise SystemExit(f"check_hf needs torch and transformers ({e}): pip install -e '.[hf]'")
+    raise SystemExit(f"check_hf: {e}")
   transformers.utils.logging.disable_progress_bar()
   return torch, transformers
 

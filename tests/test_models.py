@@ -117,8 +117,8 @@ def test_prompt_over_context_and_cache_overflow_raise():
 
 
 @pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
-@pytest.mark.parametrize("split_experts,pack_blocks", [(False, None), (True, 3), (False, 2)])
-def test_step_layout_equals_stacked(name, split_experts, pack_blocks):
+@pytest.mark.parametrize("split_experts,transpose", [(False, False), (True, True), (False, True)])
+def test_step_layout_equals_stacked(name, split_experts, transpose):
   """The engine's CPU layout (per-layer weights, fused gate/up, MLA's
   up-projections transposed, experts split, projections packed) computes
   the same logits, full and cached; the split expert path with T tokens
@@ -127,14 +127,13 @@ def test_step_layout_equals_stacked(name, split_experts, pack_blocks):
   from jaxinfer.models.layers import PackedLinear
   cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
   step = transformer.step_layout(cfg, params, split_experts=split_experts,
-                                 pack_blocks=pack_blocks)
+                                 transpose_projections=transpose)
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
   packed = [isinstance(w, PackedLinear) for w in attn.values()]
-  assert any(packed) == bool(pack_blocks)
-  if pack_blocks:
-    assert all(len(w.blocks) == pack_blocks for w in attn.values() if isinstance(w, PackedLinear))
-    assert isinstance(step.get("lm_head", PackedLinear((), ())), PackedLinear)
+  assert any(packed) == transpose
+  if transpose:
+    assert isinstance(step.get("lm_head", PackedLinear(None, ())), PackedLinear)
   if split_experts and cfg.is_moe:
     moe_layer = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])
     assert len(moe_layer["mlp"]["w_down"]) == cfg.num_experts
@@ -149,18 +148,17 @@ def test_step_layout_equals_stacked(name, split_experts, pack_blocks):
     transformer.step_layout(cfg, step)
 
 
-@pytest.mark.parametrize("shape,in_dims,blocks", [((6, 10), 1, 2), ((6, 10), 1, 3),
-                                                  ((4, 3, 5), 2, 2), ((6, 2, 5), 1, 4),
-                                                  ((6, 2), 1, 5)])
-def test_packed_linear_equals_tensordot(shape, in_dims, blocks):
-  """`linear` over a packed weight (transposed, uneven column blocks, several
-  in/out dims) equals the plain contraction; bad in_dims are refused."""
+@pytest.mark.parametrize("shape,in_dims", [((6, 10), 1), ((4, 3, 5), 2), ((6, 2, 5), 1),
+                                           ((6, 2), 1)])
+def test_packed_linear_equals_tensordot(shape, in_dims):
+  """`linear` over a packed (transposed) weight with several in/out dims
+  equals the plain contraction; bad in_dims are refused."""
   from jaxinfer.models.layers import linear, pack_linear
   rng = np.random.default_rng(0)
   w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
   x = jnp.asarray(rng.standard_normal((2, 3, *shape[:in_dims]), dtype=np.float32))
-  packed = pack_linear(w, in_dims, blocks)
-  assert len(packed.blocks) == min(blocks, int(np.prod(shape[in_dims:])))
+  packed = pack_linear(w, in_dims)
+  assert packed.wt.shape == (int(np.prod(shape[in_dims:])), int(np.prod(shape[:in_dims])))
   want = jnp.tensordot(x, w, axes=in_dims)
   got = jax.jit(linear, static_argnums=2)(x, packed, in_dims)
   assert got.shape == want.shape

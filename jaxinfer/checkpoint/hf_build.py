@@ -207,7 +207,7 @@ BASE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def _torch_transformers():
+def import_torch_transformers():
   """(torch, transformers), or an ImportError that says how to install them."""
   try:
     import torch
@@ -225,7 +225,7 @@ def build_config(name: str, overrides: dict | None = None):
   """
   if name not in BASE_CONFIGS:
     raise KeyError(f"unknown base config {name!r}; choose from {sorted(BASE_CONFIGS)}")
-  _, transformers = _torch_transformers()
+  _, transformers = import_torch_transformers()
   config_cls, kwargs = BASE_CONFIGS[name]
   kwargs = copy.deepcopy(kwargs)
   kwargs.update(copy.deepcopy(overrides or {}))
@@ -251,7 +251,7 @@ def reinit_weights(model, generator, bias_std: float = 0.1) -> None:
   * DeepSeek e_score_correction_bias: N(0, bias_std^2)  (~ the spread of sigmoid scores)
   * GPT-OSS sinks:                N(0, 1)
   """
-  torch, _ = _torch_transformers()
+  torch, _ = import_torch_transformers()
   with torch.no_grad():
     for name in model.state_dict().keys():
       try:
@@ -282,7 +282,7 @@ def build_model(name: str, *, seed: int = 0, overrides: dict | None = None,
                 bias_std: float = 0.1):
   """A float32 HF model of base config `name` (eager attention and experts, eval mode)
   with `reinit_weights` drawn from `seed`."""
-  torch, transformers = _torch_transformers()
+  torch, transformers = import_torch_transformers()
   config = build_config(name, overrides)
   torch.manual_seed(seed)  # from_config's own init, overwritten below
   model = transformers.AutoModelForCausalLM.from_config(

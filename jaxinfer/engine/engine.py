@@ -34,10 +34,6 @@ from jaxinfer.models.moe_ep import plan_from_params
 
 
 _UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
-# Unrolled and unsharded, the projections are stored transposed, one block
-# each (`layers.PackedLinear`: measured 1.1-1.45x faster at 1-32 rows on the
-# 2-core dev machine; more blocks were slower at 1 row).
-_PACK_BLOCKS = 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,9 +203,10 @@ class Engine:
   def _set_params(self, params) -> None:
     """params (stacked, as `init_params` makes them) and the layout the step runs."""
     self.params, self._ep = params, plan_from_params(params)
-    pack = _PACK_BLOCKS if self.mesh is None else None
+    # Unsharded, the projections are stored transposed (`layers.PackedLinear`:
+    # measured 1.1-1.45x faster at 1-32 rows on the 2-core dev machine).
     self._step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None,
-                                                 pack_blocks=pack)
+                                                 transpose_projections=self.mesh is None)
                          if self._unroll else params)
 
   def _zero_load(self):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import PackedLinear, apply_rope, linear, pack_linear, rms_norm
+from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm
 
 
 def out_proj(out, wo):
@@ -52,16 +52,15 @@ def absorbed_weights(cfg: ModelConfig, p):
 _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a": 1}  # -> in_dims
 
 
-def step_layout(cfg: ModelConfig, p, pack_blocks: int | None = None):
+def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False):
   """One layer's attention weights as the engine's step reads them: MLA's
-  up-projections pre-transposed; with pack_blocks, the projections packed
-  (`layers.pack_linear`)."""
+  up-projections pre-transposed; with transpose_projections, the
+  projections as `layers.PackedLinear`."""
   if cfg.attention == "mla" and "wkv_b" in p:
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = {**{k: v for k, v in p.items() if k != "wkv_b"}, "w_uk": w_uk, "w_uv": w_uv}
-  if pack_blocks:
-    p = {k: pack_linear(v, _PROJECTIONS[k], pack_blocks)
-         if k in _PROJECTIONS and not isinstance(v, PackedLinear) else v for k, v in p.items()}
+  if transpose_projections:
+    p = {k: pack_linear(v, _PROJECTIONS[k]) if k in _PROJECTIONS else v for k, v in p.items()}
   return p
 
 

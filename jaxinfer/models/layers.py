@@ -26,31 +26,29 @@ def rms_norm(x, weight, eps):
 @dataclasses.dataclass(frozen=True)
 class PackedLinear:
   """One projection weight [*In, *Out] as the engine's CPU step reads it
-  (`pack_linear`): the flattened Out columns stored transposed [Out, In],
-  optionally cut into blocks [Out_i, In] (independent matmuls). Measured on
-  the 2-core dev machine (XLA:CPU, float32, `bench_dense`'s projections,
-  interleaved runs): transposed reads the weights 1.1x faster than [In, Out]
-  at 1 row, 1.45x at 8, 1.4x at 32 and as fast at 512; cutting into 2 blocks
-  was 0.85x of one block at 1 row, 1.08x at 32, equal at 8 and 512."""
-  blocks: tuple  # of [Out_i, In] arrays
+  (`pack_linear`): stored transposed, wt [Out, In] with Out flattened.
+  Measured on the 2-core dev machine (XLA:CPU, float32, `bench_dense`'s
+  projections, interleaved runs): XLA:CPU reads it 1.1x faster than
+  [In, Out] at 1 row, 1.45x at 8, 1.4x at 32 and as fast at 512. (Cutting
+  it into 2 column blocks, independent matmuls, was 0.85x at 1 row, 1.08x
+  at 32 and equal at 8 and 512, so it is one block.)"""
+  wt: jax.Array  # [Out, In]
   out_shape: tuple  # Out, the weight's trailing dims
 
   def tree_flatten(self):
-    return self.blocks, self.out_shape
+    return (self.wt,), self.out_shape
 
   @classmethod
-  def tree_unflatten(cls, out_shape, blocks):
-    return cls(tuple(blocks), out_shape)
+  def tree_unflatten(cls, out_shape, children):
+    return cls(children[0], out_shape)
 
 
-def pack_linear(w, in_dims: int = 1, blocks: int = 1) -> PackedLinear:
-  """[*In, *Out] (In the first in_dims dims) -> `PackedLinear` of `blocks` blocks."""
+def pack_linear(w, in_dims: int = 1) -> PackedLinear:
+  """[*In, *Out] (In the first in_dims dims) -> `PackedLinear`."""
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")
-  n_in = math.prod(w.shape[:in_dims])
-  wt = jnp.transpose(w.reshape(n_in, -1))  # [Out, In]
-  n = max(1, min(blocks, wt.shape[0]))
-  return PackedLinear(tuple(jnp.array_split(wt, n, axis=0)), tuple(w.shape[in_dims:]))
+  wt = jnp.transpose(w.reshape(math.prod(w.shape[:in_dims]), -1))
+  return PackedLinear(wt, tuple(w.shape[in_dims:]))
 
 
 def linear(x, w, in_dims: int = 1, preferred_element_type=None):
@@ -58,9 +56,7 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None):
   contracting the last in_dims dims of x."""
   if isinstance(w, PackedLinear):
     xi = x.reshape(*x.shape[:x.ndim - in_dims], -1)
-    ys = [jnp.einsum("...I,OI->...O", xi, b, preferred_element_type=preferred_element_type)
-          for b in w.blocks]
-    y = ys[0] if len(ys) == 1 else jnp.concatenate(ys, axis=-1)
+    y = jnp.einsum("...I,OI->...O", xi, w.wt, preferred_element_type=preferred_element_type)
     return y.reshape(*y.shape[:-1], *w.out_shape)
   return jnp.tensordot(x, w, axes=in_dims, preferred_element_type=preferred_element_type)
 

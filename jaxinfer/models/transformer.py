@@ -93,16 +93,16 @@ _EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 
 
 def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
-                pack_blocks: int | None = None):
+                transpose_projections: bool = False):
   """Params as `init_params` makes them -> the layout the engine's CPU step
   reads: each segment a tuple of per-layer trees (`trunk` runs them
   unrolled), MLA's up-projections pre-transposed (`attention.step_layout`),
   gate and up projections fused into one [D, 2F] matrix, and with
   split_experts each routed expert's weights as its own array
   (`moe` then runs only the chosen experts; not for expert-parallel params,
-  whose `moe_ep` wants them stacked), and with pack_blocks the projections
-  (attention, dense and shared MLPs, lm_head) stored transposed in that many
-  column blocks (`layers.PackedLinear`; unsharded params). Same outputs.
+  whose `moe_ep` wants them stacked), and with transpose_projections the
+  projections (attention, dense and shared MLPs, lm_head) stored transposed
+  (`layers.PackedLinear`; unsharded params). Same outputs.
 
   Why: a scanned layer slices its weights out of the stack with a
   dynamic-slice that XLA:CPU copies every step, and a weight transposed
@@ -111,7 +111,7 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   layout are read in place. Costs a copy of the layer weights while the
   stacked ones are kept, and a longer compile."""
   def pack(w):
-    return pack_linear(w, 1, pack_blocks) if pack_blocks else w
+    return pack_linear(w) if transpose_projections else w
 
   def fused(p):
     rest = {k: v for k, v in p.items() if k not in ("w_gate", "w_up", "w_down")}
@@ -119,7 +119,7 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
             "w_down": pack(p["w_down"])}
 
   def layer_layout(layer):
-    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], pack_blocks)}
+    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], transpose_projections)}
     mlp = layer["mlp"]
     if "router" not in mlp:
       mlp = fused(mlp)
