@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import (PagedBlocks, paged_attention_core,
-                                            paged_attention_reference, validate_paged)
+from pallas_kernels.paged_attention import (PagedBlocks, check_tiles, paged_attention_reference,
+                                            ragged_core, validate_paged)
 
 
 def _prepare(q_latent, q_rope, latent_pages, name):
@@ -36,20 +36,24 @@ def _prepare(q_latent, q_rope, latent_pages, name):
 
 
 def mla_paged_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
-                        pages_per_compute_block=1, num_splits=1, interpret=False,
-                        _out_init=None):
+                        pages_per_compute_block=1, num_splits=1, num_warps=4, num_stages=2,
+                        interpret=False):
   """Absorbed MLA attention over the latent pool (shapes in the module docstring).
   sm_scale is required: MLA scales by 1/sqrt(nope + rope dims) (times YaRN's
-  mscale^2), not by the latent width."""
+  mscale^2), not by the latent width. The R + Hr wide rows are read as
+  power-of-two column parts (512 + 64), never padded."""
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mla_paged_attention")
   k_pages = latent_pages[None]
   validate_paged(q, k_pages, None, lengths, page_indices, window=0, sinks=None,
                  name="mla_paged_attention")
-  blocks = PagedBlocks(pages_per_compute_block, num_splits)
+  blocks = PagedBlocks(pages_per_compute_block, num_splits, num_warps, num_stages)
   blocks.validate()
-  q_lens = jnp.full((q.shape[0],), q.shape[1], jnp.int32)
-  out = paged_attention_core(q, k_pages, None, lengths, page_indices, q_lens, scale=sm_scale,
-                             dv=R, blocks=blocks, interpret=interpret, _out_init=_out_init)
+  B, Q, N, D = q.shape
+  check_tiles(D, R, latent_pages.shape[1], blocks, interpret, "mla_paged_attention")
+  cu = jnp.arange(B + 1, dtype=jnp.int32) * Q
+  out = ragged_core(q.reshape(B * Q, N, D), k_pages, None, lengths, page_indices, cu, max_q=Q,
+                    scale=sm_scale, dv=R, blocks=blocks, interpret=interpret)
+  out = out.reshape(B, Q, N, R)
   return out[:, 0] if squeeze else out
 
 

@@ -1,5 +1,6 @@
-"""Paged attention over a KV page pool: decode (Q = 1) and multi-query verify
-(Q > 1, causal among the Q), GQA, sliding window, attention sinks, split-K.
+"""Paged attention over a KV page pool: decode (Q = 1), multi-query verify
+(Q > 1, causal among the Q) and ragged mixed batches, GQA, sliding window,
+attention sinks, split-K.
 
 Layout (shared with the engine's page pool and jax's Pallas GPU op):
   q            [B, N, D] or [B, Q, N, D]   (Q newest tokens of each sequence)
@@ -8,11 +9,28 @@ Layout (shared with the engine's page pool and jax's Pallas GPU op):
   lengths      [B] int32, KV tokens of each sequence including its Q new ones
   page_indices [B, pages_per_seq] int32    (unused slots may point at any page, e.g. 0)
 
-One program per (sequence, KV head, split): its rows are every query head of
-the KV group times the Q query tokens, so each page is read once per KV head.
-Split-K (flash-decoding): the sequence's pages are divided over `num_splits`
-programs, each returning an unnormalised partial (acc, max, sum) that the
-wrapper merges with log-sum-exp weights; the sinks join the denominator there.
+The core (`ragged_core`) works on a token-flattened batch: sequence b owns the
+query rows cu_q_lens[b]:cu_q_lens[b + 1]. Its work items are query blocks: a
+sequence with q tokens gets ceil(q / block_q) items, so a decode token costs
+one small item and a prefill chunk is tiled, never padded to the longest.
+One program per (item, KV head x row block, split):
+
+  rows      an item's block_q tokens x the G query heads of one KV head,
+            tiled into row blocks of at most 64 (tensor-core tiles >= 16);
+            a KV head's pages are read once per row block, so once per step
+            whenever G x block_q <= 64 (every decode case but MLA without TP).
+  pages     the pool stays in HBM: each program gathers only its own pages,
+            `pages_per_compute_block` per loop step, through pointer loads
+            (Triton pipelines them over `num_stages` buffers).
+  head dim  split into power-of-two parts (MLA 576 = 512 + 64, 192 = 128 + 64):
+            scores add the parts' dots, nothing is padded.
+  split-K   (flash-decoding) a sequence's pages are divided over `num_splits`
+            programs; each returns an unnormalised partial (acc, max, sum) that
+            the wrapper merges with log-sum-exp weights; sinks join the
+            denominator there.
+
+On GPU the kernel lowers through Triton (jax 0.10: `plgpu.CompilerParams`);
+it runs on CPU in interpret mode.
 """
 
 from __future__ import annotations
@@ -23,164 +41,259 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+MAX_ROWS = 64  # rows per program: [64, 512] f32 accumulators stay in registers
 
 
 @dataclasses.dataclass(frozen=True)
 class PagedBlocks:
-  """pages_per_compute_block: pages loaded per inner iteration (block_k =
-  that x page_size); num_splits: programs per sequence over its pages."""
+  """pages_per_compute_block: pages loaded per loop step (block_k = that x
+  page_size); num_splits: programs per sequence over its pages; num_warps /
+  num_stages: Triton's launch and software-pipelining depth (GPU only)."""
 
   pages_per_compute_block: int = 1
   num_splits: int = 1
+  num_warps: int = 4
+  num_stages: int = 2
 
   def validate(self):
-    for name in ("pages_per_compute_block", "num_splits"):
+    for name in ("pages_per_compute_block", "num_splits", "num_warps", "num_stages"):
       v = getattr(self, name)
-      if not isinstance(v, int) or v < 1:
+      if not isinstance(v, int) or isinstance(v, bool) or v < 1:
         raise ValueError(f"{name} must be an int >= 1, got {v!r}")
 
 
-def _kernel(q_ref, k_ref, v_ref, tables_ref, lengths_ref, qlens_ref, window_ref, layer_ref,
-            o_ref, m_ref, l_ref, *, scale, group, pages_per_split, ppcb, dv, values_from_keys):
-  # q_ref [R, D]: rows r = query token (r // group) x head (r % group) of this KV head
-  # k_ref [L, K, P, ps, D], v_ref [L, K, P, ps, Dv]: whole stacked pools (read at
-  #   [layer, kv head, page]; v_ref unused when values_from_keys)
-  # tables_ref [pages_per_split]; lengths_ref, qlens_ref, window_ref, layer_ref [1]
-  # o_ref [R, Dv] f32; m_ref, l_ref [R] f32 (unnormalised partials of this split)
-  head, split = pl.program_id(1), pl.program_id(2)
-  layer = layer_ref[0]
-  rows = q_ref.shape[0]
+def pow2_parts(n: int) -> tuple[tuple[int, int], ...]:
+  """(start, size) column parts of a width-n axis, each a power of two,
+  largest first: 576 -> ((0, 512), (512, 64))."""
+  parts, start = [], 0
+  for bit in reversed(range(n.bit_length())):
+    if n & (1 << bit):
+      parts.append((start, 1 << bit))
+      start += 1 << bit
+  return tuple(parts)
+
+
+def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
+  """Why the compiled (GPU) kernel cannot tile these sizes, or None.
+  Triton tiles are powers of two and its dots need every dim >= 16."""
+  small = [n for _, n in pow2_parts(D) + pow2_parts(Dv) if n < 16]
+  if small:
+    return (f"head dims D={D}, Dv={Dv} split into power-of-two parts {pow2_parts(D)}, "
+            f"{pow2_parts(Dv)}; parts below 16 cannot be tensor-core tiles")
+  if page_size & (page_size - 1) or ppcb & (ppcb - 1):
+    return f"page_size ({page_size}) and pages_per_compute_block ({ppcb}) must be powers of two"
+  if page_size * ppcb < 16:
+    return f"page_size x pages_per_compute_block = {page_size * ppcb} keys per step must be >= 16"
+  return None
+
+
+def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_ref, *,
+            scale, group, row_blocks, block_r, pages_per_split, ppcb, k_parts, v_parts,
+            v_from_k):
+  # q_ref     [block_r, D]        rows r: token r // G of the item x query head r % G
+  # k_ref     [L, K, P, ps, D]    the whole stacked pool, left in HBM (pointer loads)
+  # v_ref     [L, K, P, ps, Dv]   (None when v_from_k: values are k's first Dv columns)
+  # table_ref [pages_per_split]   this split's page ids of the item's sequence
+  # item_ref  [4] int32           kv_end (keys visible to the item's last token),
+  #                               q_pos0 (first token's position), n_tok, unused
+  # glob_ref  [2] int32           layer, window (0 = none)
+  # o_ref [block_r, Dv] f32, m_ref / l_ref [block_r] f32: this split's partials
+  head = pl.program_id(1) // row_blocks
+  row0 = (pl.program_id(1) % row_blocks) * block_r
+  split = pl.program_id(2)
+  layer, window = glob_ref[0], glob_ref[1]
+  kv_end, q_pos0, n_tok = item_ref[0], item_ref[1], item_ref[2]
   page_size = k_ref.shape[3]
   block_k = ppcb * page_size
-  kv_len, q_len, window = lengths_ref[0], qlens_ref[0], window_ref[0]
-  q = q_ref[...].astype(jnp.float32)
-  r = jnp.arange(rows, dtype=jnp.int32)
-  q_pos = kv_len - q_len + r // group  # [R]
-  row_valid = r < q_len * group
+  r = row0 + lax.broadcasted_iota(jnp.int32, (block_r, block_k), 0)
+  q_pos = q_pos0 + r // group  # [block_r, block_k]
+  row_valid = r < n_tok * group
+  dtype = q_ref.dtype
+  exact = lax.Precision.HIGHEST if dtype == jnp.float32 else None
+  dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32, precision=exact)
+  qs = [q_ref[:, pl.ds(a, n)] for a, n in k_parts]
 
   first_page = split * pages_per_split
-  end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_len, page_size))
-  # With a window, pages wholly before every query's window are skipped.
-  lo_tok = jnp.where(window > 0, kv_len - q_len - window + 1, 0)
+  end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_end, page_size))
+  # With a window, pages wholly before every row's window are skipped.
+  lo_tok = jnp.where(window > 0, q_pos0 - window + 1, 0)
   start_page = jnp.maximum(first_page, jnp.maximum(lo_tok, 0) // page_size)
-  # Iterate over compute blocks aligned to this split's first page.
   first_block = (start_page - first_page) // ppcb
   num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
 
   def body(blk, carry):
-    acc, m, l = carry
-    local = blk * ppcb
-    pages = [tables_ref[local + i] for i in range(ppcb)]
-    k = jnp.concatenate([k_ref[layer, head, p] for p in pages]).astype(jnp.float32)
-    if values_from_keys:
-      v = k[:, :dv]
-    else:
-      v = jnp.concatenate([v_ref[layer, head, p] for p in pages]).astype(jnp.float32)
-    s = jnp.dot(q, k.T) * scale  # [R, block_k]
-    k_pos = (first_page + local) * page_size + jnp.arange(block_k, dtype=jnp.int32)
-    mask = (k_pos[None, :] < kv_len) & (k_pos[None, :] <= q_pos[:, None]) & row_valid[:, None]
-    mask &= (window == 0) | (q_pos[:, None] - k_pos[None, :] < window)
+    accs, m, l = carry
+    pages = table_ref[pl.ds(blk * ppcb, ppcb)]  # [ppcb]
+    ks = [k_ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n) for a, n in k_parts]
+    s = sum(dot(q, k, (((1,), (1,)), ((), ()))) for q, k in zip(qs, ks)) * scale
+    k_pos = (first_page + blk * ppcb) * page_size + lax.broadcasted_iota(
+        jnp.int32, (block_r, block_k), 1)
+    mask = (k_pos < kv_end) & (k_pos <= q_pos) & row_valid
+    mask &= (window == 0) | (q_pos - k_pos < window)
     s = jnp.where(mask, s, MASK)
-    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
     corr = jnp.exp(m - m_new)
-    return corr[:, None] * acc + jnp.dot(p, v), m_new, corr * l + p.sum(axis=-1)
+    if v_from_k:
+      vs = ks[:len(v_parts)]
+    else:
+      vs = [v_ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n) for a, n in v_parts]
+    pv = p.astype(dtype)
+    accs = tuple(corr[:, None] * acc + dot(pv, v, (((1,), (0,)), ((), ())))
+                 for acc, v in zip(accs, vs))
+    return accs, m_new, corr * l + p.sum(axis=1)
 
-  init = (jnp.zeros((rows, dv), jnp.float32), jnp.full((rows,), MASK, jnp.float32),
-          jnp.zeros((rows,), jnp.float32))
-  acc, m, l = jax.lax.fori_loop(first_block, num_blocks, body, init)
-  o_ref[...] = acc
+  init = (tuple(jnp.zeros((block_r, n), jnp.float32) for _, n in v_parts),
+          jnp.full((block_r,), MASK, jnp.float32), jnp.zeros((block_r,), jnp.float32))
+  accs, m, l = lax.fori_loop(first_block, num_blocks, body, init)
+  for (a, n), acc in zip(v_parts, accs):
+    o_ref[:, pl.ds(a, n)] = acc
   m_ref[...] = m
   l_ref[...] = l
 
 
-def paged_attention_core(q, k_pages, v_pages, lengths, page_indices, q_lens, *, scale,
-                         window=0, sinks=None, dv=None, blocks: PagedBlocks = PagedBlocks(),
-                         layer=None, interpret=False, _out_init=None):
-  """q [B, Q, N, D] (each sequence's first q_lens[b] rows are real) -> [B, Q, N, Dv].
-  Shared by paged, MLA and ragged attention; callers validate inputs.
-  layer: the pools carry a leading layer axis ([L, K, P, ps, D]) and this
-  (possibly traced) layer is read, without slicing it out of the stack."""
+@dataclasses.dataclass(frozen=True)
+class Items:
+  """The work plan of one call: item w covers tokens [start, start + n_tok) of
+  sequence seq (n_tok = 0: an empty item past the last sequence)."""
+
+  seq: jax.Array  # [W]
+  start: jax.Array  # [W] first token row in the flattened q
+  n_tok: jax.Array  # [W]
+  first: jax.Array  # [B] first item of each sequence
+
+
+def plan_items(cu_q_lens, num_items: int, block_q: int) -> Items:
+  """Query-block work items of a ragged batch (static count num_items)."""
+  B = cu_q_lens.shape[0] - 1
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  per_seq = (q_lens + block_q - 1) // block_q
+  ends = jnp.cumsum(per_seq)
+  first = ends - per_seq
+  w = jnp.arange(num_items, dtype=jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), B - 1).astype(jnp.int32)
+  j = w - first[seq]
+  start = cu_q_lens[seq] + j * block_q
+  n_tok = jnp.where(w < ends[-1], jnp.clip(q_lens[seq] - j * block_q, 0, block_q), 0)
+  return Items(seq, start, n_tok.astype(jnp.int32), first.astype(jnp.int32))
+
+
+def item_sizes(num_kv_heads: int, num_q_heads: int, max_q: int, num_tokens: int,
+               num_seqs: int) -> tuple[int, int, int]:
+  """-> (block_q tokens per item, rows per program, number of items W)."""
+  G = num_q_heads // num_kv_heads
+  block_q = min(pl.next_power_of_2(max_q), max(1, MAX_ROWS // pl.next_power_of_2(G)))
+  rows = max(16, pl.next_power_of_2(block_q * G))
+  # sum_b ceil(q_b / block_q) <= T / block_q + B, and <= B ceil(max_q / block_q).
+  W = min(num_seqs * pl.cdiv(max_q, block_q), num_tokens // block_q + num_seqs)
+  return block_q, rows, max(W, 1)
+
+
+def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q, scale,
+                window=0, sinks=None, dv=None, blocks: PagedBlocks = PagedBlocks(), layer=None,
+                interpret=False):
+  """q [T, N, D] token-flattened (module docstring) -> [T, N, Dv] (rows past
+  cu_q_lens[-1] are 0). Shared by paged, MLA and ragged attention; callers
+  validate inputs. layer: pools carry a leading layer axis [L, K, P, ps, D] and
+  this (possibly traced) layer is read, never sliced out of the stack."""
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
-  B, Q, N, D = q.shape
+  T, N, D = q.shape
   _, K, _, page_size, _ = k_pages.shape
-  values_from_keys = v_pages is None
-  dv = dv if values_from_keys else v_pages.shape[-1]
+  B = kv_lens.shape[0]
+  v_from_k = v_pages is None
+  dv = dv if v_from_k else v_pages.shape[-1]
   G = N // K
-  ppcb = blocks.pages_per_compute_block
-  splits = blocks.num_splits
+  k_parts, v_parts = pow2_parts(D), pow2_parts(dv)
+  if v_from_k and k_parts[:len(v_parts)] != v_parts:  # value columns first: loads are shared
+    k_parts = v_parts + tuple((dv + a, n) for a, n in pow2_parts(D - dv))
+  ppcb, splits = blocks.pages_per_compute_block, blocks.num_splits
   pps = page_indices.shape[1]
-  pages_per_split = -(-pps // splits)
-  pages_per_split = -(-pages_per_split // ppcb) * ppcb
+  pages_per_split = pl.cdiv(pl.cdiv(pps, splits), ppcb) * ppcb
+  block_q, rows, W = item_sizes(K, N, max_q, T, B)
+  block_r = min(rows, MAX_ROWS)
+  row_blocks = rows // block_r
+
+  it = plan_items(cu_q_lens.astype(jnp.int32), W, block_q)
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  kv_lens = kv_lens.astype(jnp.int32)
+  q_pos0 = kv_lens[it.seq] - q_lens[it.seq] + (it.start - cu_q_lens[it.seq])
+  item_meta = jnp.stack([q_pos0 + it.n_tok, q_pos0, it.n_tok, jnp.zeros_like(q_pos0)], 1)
   tables = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pages_per_split * splits - pps)))
-  rows = Q * G
-  rows_pad = max(16, 1 << (rows - 1).bit_length())
-  # [B, Q, K, G, D] -> [B, K, Q * G, D]: a KV head's query heads and tokens as rows.
-  qr = q.reshape(B, Q, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, rows, D)
-  qr = jnp.pad(qr, ((0, 0), (0, 0), (0, rows_pad - rows), (0, 0)))
-  window_arr = jnp.asarray(window, jnp.int32).reshape(1)
-  kernel = functools.partial(_kernel, scale=scale, group=G, pages_per_split=pages_per_split,
-                             ppcb=ppcb, dv=dv, values_from_keys=values_from_keys)
-  whole = lambda a: pl.BlockSpec(a.shape, lambda b, h, s: (0,) * a.ndim)
+  tables = tables[it.seq]  # [W, pages]
+  # Item rows: token t of the item x head g of a KV head -> [W, K, rows, D].
+  tok = jnp.clip(it.start[:, None] + jnp.arange(block_q)[None], 0, T - 1)  # [W, block_q]
+  qi = q[tok].reshape(W, block_q, K, G, D).transpose(0, 2, 1, 3, 4).reshape(W, K, -1, D)
+  qi = jnp.pad(qi, ((0, 0), (0, 0), (0, rows - block_q * G), (0, 0)))
+  glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+
+  kernel = functools.partial(
+      _kernel, scale=scale, group=G, row_blocks=row_blocks, block_r=block_r,
+      pages_per_split=pages_per_split, ppcb=ppcb, k_parts=k_parts, v_parts=v_parts,
+      v_from_k=v_from_k)
+  hbm = pl.BlockSpec(memory_space=pl.ANY)
+  rb = lambda i: i % row_blocks
+  kvh = lambda i: i // row_blocks
   in_specs = [
-      pl.BlockSpec((None, None, rows_pad, D), lambda b, h, s: (b, h, 0, 0)),
-      whole(k_pages),
-      None if values_from_keys else whole(v_pages),
-      pl.BlockSpec((None, pages_per_split), lambda b, h, s: (b, s)),
-      pl.BlockSpec((1,), lambda b, h, s: (b,)),
-      pl.BlockSpec((1,), lambda b, h, s: (b,)),
-      pl.BlockSpec((1,), lambda b, h, s: (0,)),
-      pl.BlockSpec((1,), lambda b, h, s: (0,)),
+      pl.BlockSpec((None, None, block_r, D), lambda w, i, s: (w, kvh(i), rb(i), 0)),
+      hbm,
+      None if v_from_k else hbm,
+      pl.BlockSpec((None, pages_per_split), lambda w, i, s: (w, s)),
+      pl.BlockSpec((None, 4), lambda w, i, s: (w, 0)),
+      pl.BlockSpec((2,), lambda w, i, s: (0,)),
   ]
-  out_shape = [jax.ShapeDtypeStruct((B, K, splits, rows_pad, dv), jnp.float32),
-               jax.ShapeDtypeStruct((B, K, splits, rows_pad), jnp.float32),
-               jax.ShapeDtypeStruct((B, K, splits, rows_pad), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, None, None, rows_pad, dv), lambda b, h, s: (b, h, s, 0, 0)),
-               pl.BlockSpec((None, None, None, rows_pad), lambda b, h, s: (b, h, s, 0)),
-               pl.BlockSpec((None, None, None, rows_pad), lambda b, h, s: (b, h, s, 0))]
-  args = [qr, k_pages, v_pages, tables, lengths.astype(jnp.int32), q_lens.astype(jnp.int32),
-          window_arr, jnp.asarray(layer, jnp.int32).reshape(1)]
-  aliases = {}
-  if _out_init is not None:  # tests: a poisoned output buffer
-    in_specs.append(out_specs[0])
-    aliases = {len(args): 0}
-    args.append(_out_init)
-  if values_from_keys:
+  args = [qi, k_pages, v_pages, tables, item_meta.astype(jnp.int32), glob]
+  out_shape = [jax.ShapeDtypeStruct((W, K, splits, rows, dv), jnp.float32),
+               jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32),
+               jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32)]
+  out_specs = [
+      pl.BlockSpec((None, None, None, block_r, dv), lambda w, i, s: (w, kvh(i), s, rb(i), 0)),
+      pl.BlockSpec((None, None, None, block_r), lambda w, i, s: (w, kvh(i), s, rb(i))),
+      pl.BlockSpec((None, None, None, block_r), lambda w, i, s: (w, kvh(i), s, rb(i)))]
+  if v_from_k:
     in_specs.pop(2)
     args.pop(2)
-    aliases = {i - 1: o for i, o in aliases.items()}
     kernel = functools.partial(_drop_arg, kernel, 2)
-  if _out_init is not None:
-    kernel = functools.partial(_ignore_alias_input, kernel, len(args) - 1)
-  acc, m, l = pl.pallas_call(kernel, grid=(B, K, splits), in_specs=in_specs,
-                             out_specs=out_specs, out_shape=out_shape,
-                             input_output_aliases=aliases, interpret=interpret)(*args)
-  # Merge the splits (log-sum-exp); sinks add exp(sink - m) to the denominator.
-  m_all = jnp.max(m, axis=2)  # [B, K, R]
+  acc, m, l = pl.pallas_call(
+      kernel, grid=(W, K * row_blocks, splits), in_specs=in_specs, out_specs=out_specs,
+      out_shape=out_shape, interpret=interpret, name="paged_attention",
+      compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
+                                           num_stages=blocks.num_stages))(*args)
+  out = merge_splits(acc, m, l, sinks, G)  # [W, K, rows, Dv]
+  # Token t of sequence b sits in item first[b] + i // block_q, row (i % block_q) G + g.
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  i = t - cu_q_lens[seq]
+  w = jnp.clip(it.first[seq] + i // block_q, 0, W - 1)
+  tok_rows = (i % block_q)[:, None] * G + jnp.arange(G)[None]  # [T, G]
+  out = out[w[:, None, None], jnp.arange(K)[None, :, None], tok_rows[:, None, :]]  # [T, K, G, Dv]
+  valid = t < cu_q_lens[-1]
+  return jnp.where(valid[:, None, None], out.reshape(T, N, dv), 0).astype(q.dtype)
+
+
+def merge_splits(acc, m, l, sinks, group):
+  """Split-K partials [W, K, S, R(, Dv)] -> normalised [W, K, R, Dv]; the
+  sinks (one logit per query head, row r -> head r % G) join the denominator."""
+  m_all = jnp.max(m, axis=2)  # [W, K, R]
   w = jnp.exp(m - m_all[:, :, None])
   num = jnp.sum(acc * w[..., None], axis=2)
   den = jnp.sum(l * w, axis=2)
   if sinks is not None:
-    sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(K, G), (1, Q))  # row r -> head r % G
-    sink_rows = jnp.pad(sink_rows, ((0, 0), (0, rows_pad - rows)), constant_values=MASK)
+    K, R = m_all.shape[1:]
+    sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(K, group), (1, -(-R // group)))[:, :R]
     den = den + jnp.exp(sink_rows[None] - m_all)
-  out = jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
-  out = out[:, :, :rows].reshape(B, K, Q, G, dv).transpose(0, 2, 1, 3, 4)
-  return out.reshape(B, Q, N, dv).astype(q.dtype)
+  return jnp.where(den[..., None] > 0, num / jnp.where(den > 0, den, 1.0)[..., None], 0.0)
 
 
 def _drop_arg(kernel, index, *refs):
   return kernel(*refs[:index], None, *refs[index:])
-
-
-def _ignore_alias_input(kernel, index, *refs):
-  return kernel(*refs[:index], *refs[index + 1:])
 
 
 def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks, name,
@@ -221,9 +334,17 @@ def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks,
          "lengths must be >= each sequence's query count (they include the new tokens)")
 
 
+def check_tiles(D, Dv, page_size, blocks: PagedBlocks, interpret: bool, name: str):
+  """Compiled kernels only: a named ValueError for sizes Triton cannot tile."""
+  why = None if interpret else tile_error(D, Dv, page_size, blocks.pages_per_compute_block)
+  if why:
+    raise ValueError(f"{name}: the GPU kernel cannot tile these shapes: {why} "
+                     "(jaxinfer.ops falls back to XLA for them)")
+
+
 def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None, window=0,
-                    sinks=None, pages_per_compute_block=1, num_splits=1, interpret=False,
-                    _out_init=None):
+                    sinks=None, pages_per_compute_block=1, num_splits=1, num_warps=4,
+                    num_stages=2, interpret=False):
   """Paged decode / verify attention (layout in the module docstring).
 
   q [B, N, D] -> [B, N, Dv]; q [B, Q, N, D] -> [B, Q, N, Dv], the Q queries
@@ -233,13 +354,17 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None
   q4 = q[:, None] if squeeze else q
   validate_paged(q4, k_pages, v_pages, lengths, page_indices, window=window, sinks=sinks,
                  name="paged_attention")
-  blocks = PagedBlocks(pages_per_compute_block, num_splits)
+  blocks = PagedBlocks(pages_per_compute_block, num_splits, num_warps, num_stages)
   blocks.validate()
-  scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  q_lens = jnp.full((q4.shape[0],), q4.shape[1], jnp.int32)
-  out = paged_attention_core(q4, k_pages, v_pages, lengths, page_indices, q_lens, scale=scale,
-                             window=window, sinks=sinks, blocks=blocks, interpret=interpret,
-                             _out_init=_out_init)
+  B, Q, N, D = q4.shape
+  dv = D if v_pages is None else v_pages.shape[-1]
+  check_tiles(D, dv, k_pages.shape[2], blocks, interpret, "paged_attention")
+  scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+  cu = jnp.arange(B + 1, dtype=jnp.int32) * Q
+  out = ragged_core(q4.reshape(B * Q, N, D), k_pages, v_pages, lengths, page_indices, cu,
+                    max_q=Q, scale=scale, window=window, sinks=sinks, blocks=blocks,
+                    interpret=interpret)
+  out = out.reshape(B, Q, N, -1)
   return out[:, 0] if squeeze else out
 
 
@@ -263,7 +388,8 @@ def paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_
   q_lens = jnp.full((B,), Q, jnp.int32) if q_lens is None else q_lens
   q_pos = (lengths - q_lens)[:, None] + jnp.arange(Q)[None]  # [B, Q]
   k_pos = jnp.arange(S)
-  s = jnp.einsum("bqkgd,bskd->bkgqs", q4.reshape(B, Q, K, G, D), k) * scale
+  s = jnp.einsum("bqkgd,bskd->bkgqs", q4.reshape(B, Q, K, G, D), k,
+                 precision=lax.Precision.HIGHEST) * scale
   mask = (k_pos[None, None] < lengths[:, None, None]) & (k_pos[None, None] <= q_pos[..., None])
   if window:
     mask &= q_pos[..., None] - k_pos[None, None] < window
@@ -278,5 +404,6 @@ def paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_
   if sinks is not None:
     den = den + jnp.exp(sinks.astype(jnp.float32).reshape(1, K, G, 1, 1) - m)
   p = e / jnp.where(den > 0, den, 1.0)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(B, Q, N, v.shape[-1])
+  out = jnp.einsum("bkgqs,bskd->bqkgd", p, v,
+                   precision=lax.Precision.HIGHEST).reshape(B, Q, N, v.shape[-1])
   return (out[:, 0] if squeeze else out).astype(q.dtype)

@@ -8,19 +8,20 @@
   page_indices [B, pages_per_seq]; max_q (static) >= every sequence's query count
   -> [T, N, Dv]; rows past cu_q_lens[-1] (padding) are 0.
 
-Each sequence's queries are laid out as a [max_q] block for the paged core
-(causal among them, aligned to the end of its KV), so one kernel launch
-serves prefill chunks and decodes together.
+The kernel (`paged_attention.ragged_core`) tiles each sequence's queries into
+query-block work items: a decode token is one small item, a prefill chunk of
+q tokens ceil(q / block_q) items; no sequence is padded to max_q.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention import (PagedBlocks, paged_attention_core,
-                                            paged_attention_reference, validate_paged)
+from pallas_kernels.paged_attention import (PagedBlocks, check_tiles, paged_attention_reference,
+                                            ragged_core, validate_paged)
 
 
 def to_padded(q, cu_q_lens, max_q):
@@ -49,22 +50,26 @@ def _check(q, cu_q_lens, kv_lens, max_q):
 
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
                            sm_scale=None, window=0, sinks=None, v_head_dim=None,
-                           pages_per_compute_block=1, num_splits=1, layer=None, interpret=False):
+                           pages_per_compute_block=1, num_splits=1, num_warps=4, num_stages=2,
+                           layer=None, interpret=False):
   """See the module docstring. layer: pools are stacked [L, K, P, page_size, D]
   and this (possibly traced) layer is read, e.g. from inside a layer scan."""
   _check(q, cu_q_lens, kv_lens, max_q)
-  q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
-  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   one_layer = (lambda a: a if a is None or layer is None else a[0])
-  validate_paged(q_pad, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices,
+  B = kv_lens.shape[0]
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  q_shape = jax.ShapeDtypeStruct((B, max_q, *q.shape[1:]), q.dtype)  # for the checks
+  validate_paged(q_shape, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices,
                  window=window, sinks=sinks, name="ragged_paged_attention", q_lens=q_lens)
-  blocks = PagedBlocks(pages_per_compute_block, num_splits)
+  blocks = PagedBlocks(pages_per_compute_block, num_splits, num_warps, num_stages)
   blocks.validate()
-  scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-  out = paged_attention_core(q_pad, k_pages, v_pages, kv_lens, page_indices, q_lens,
-                             scale=scale, window=window, sinks=sinks, dv=v_head_dim,
-                             blocks=blocks, layer=layer, interpret=interpret)
-  return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
+  D = q.shape[-1]
+  dv = v_head_dim if v_pages is None else v_pages.shape[-1]
+  check_tiles(D, dv, k_pages.shape[-2], blocks, interpret, "ragged_paged_attention")
+  scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+  return ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, max_q=max_q,
+                     scale=scale, window=window, sinks=sinks, dv=v_head_dim, blocks=blocks,
+                     layer=layer, interpret=interpret)
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,

@@ -1,0 +1,134 @@
+"""Compile for GPUs from a CPU process: compile-only H100 / A100 devices.
+
+With `jax[cuda12]`'s PJRT plugin and ptxas installed (the `gpu-compile` extra:
+`jax-cuda12-plugin`, `jax-cuda12-pjrt`, `nvidia-cuda-nvcc-cu12`), XLA builds real
+GPU executables on a machine without a GPU: `jax.experimental.topologies`
+describes the devices from a `GpuTargetConfig` (the text protos in
+`jaxinfer/gpu_targets/`), and programs lowered for a mesh of them compile
+into the same code a GPU process would run, with `memory_analysis()`.
+
+  gpu = gpu_compile.target("h100")                 # device facts + roofline numbers
+  mesh = gpu_compile.mesh({"data": 2, "expert": 4}, gpu="h100")
+  compiled = jax.jit(f).lower(*abstract_args_on(mesh)).compile()
+
+Multi-host topologies (e.g. 4 hosts x 8 GPUs) come from `hosts=`; the mesh
+then spans every host's devices, as under `jax.distributed` on a cluster.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import math
+import pathlib
+from typing import Mapping
+
+import jax
+
+from jaxinfer import sharding
+
+_TARGETS_DIR = pathlib.Path(__file__).parent / "gpu_targets"
+INSTALL_HINT = ('pip install -e ".[gpu-compile]" (jax-cuda12-plugin, jax-cuda12-pjrt and '
+                'nvidia-cuda-nvcc-cu12 matching the installed jax)')
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuTarget:
+  """One GPU model: its XLA target config and the figures rooflines use."""
+
+  name: str
+  proto: str  # file in jaxinfer/gpu_targets/
+  hbm_bytes: float  # device memory
+  hbm_bandwidth: float  # bytes/s (datasheet)
+  bf16_flops: float  # dense bf16 tensor-core FLOP/s (datasheet)
+  smem_per_block: int  # opt-in shared memory per thread block, bytes
+
+  def config_text(self) -> str:
+    return (_TARGETS_DIR / self.proto).read_text()
+
+
+TARGETS = {
+    "h100": GpuTarget("h100", "h100_sxm.txtpb", hbm_bytes=80e9, hbm_bandwidth=3.35e12,
+                      bf16_flops=989e12, smem_per_block=232448),
+    "a100": GpuTarget("a100", "a100_sxm.txtpb", hbm_bytes=80e9, hbm_bandwidth=2.039e12,
+                      bf16_flops=312e12, smem_per_block=166912),
+}
+
+
+def target(gpu: str = "h100") -> GpuTarget:
+  if gpu not in TARGETS:
+    raise ValueError(f"gpu must be one of {sorted(TARGETS)}, got {gpu!r}")
+  return TARGETS[gpu]
+
+
+def toolchain_error() -> str | None:
+  """Why GPU programs cannot be compiled in this environment, or None."""
+  missing = [m for m in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if not _importable(m)]
+  if missing:
+    return f"the GPU compile toolchain is not installed (missing {missing}): {INSTALL_HINT}"
+  return None
+
+
+def _importable(module: str) -> bool:
+  try:
+    return importlib.util.find_spec(module) is not None
+  except ModuleNotFoundError:
+    return False
+
+
+@functools.cache
+def topology(gpu: str = "h100", *, hosts: int = 1, devices_per_host: int = 1):
+  """A compile-only topology of `hosts` x `devices_per_host` GPUs of one model."""
+  for name, v in (("hosts", hosts), ("devices_per_host", devices_per_host)):
+    if not isinstance(v, int) or v < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+  why = toolchain_error()
+  if why:
+    raise RuntimeError(why)
+  from jax.experimental import topologies
+  return topologies.get_topology_desc(platform="cuda", target_config=target(gpu).config_text(),
+                                      topology=f"1x{hosts}x{devices_per_host}")
+
+
+def devices(gpu: str = "h100", *, hosts: int = 1, devices_per_host: int = 1) -> list:
+  return list(topology(gpu, hosts=hosts, devices_per_host=devices_per_host).devices)
+
+
+def mesh(axes: Mapping[str, int], *, gpu: str = "h100", hosts: int = 1) -> jax.sharding.Mesh:
+  """A mesh of compile-only GPUs: product(axes) devices spread over `hosts`
+  (devices are ordered host by host, so inner mesh axes stay inside a host)."""
+  n = math.prod(axes.values())
+  if n % hosts:
+    raise ValueError(f"mesh {dict(axes)} has {n} devices, not divisible by hosts={hosts}")
+  return sharding.make_mesh(axes, devices(gpu, hosts=hosts, devices_per_host=n // hosts))
+
+
+def abstract(tree, shardings):
+  """ShapeDtypeStructs of `tree` (arrays or ShapeDtypeStructs) placed on `shardings`
+  (a matching tree, or one sharding for every leaf)."""
+  if isinstance(shardings, jax.sharding.Sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings), tree)
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      shardings)
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+  """Per-device bytes of one compiled program (from `memory_analysis()`)."""
+
+  argument_bytes: int
+  output_bytes: int
+  alias_bytes: int
+  temp_bytes: int
+
+  @classmethod
+  def of(cls, compiled) -> "MemoryReport":
+    m = compiled.memory_analysis()
+    return cls(int(m.argument_size_in_bytes), int(m.output_size_in_bytes),
+               int(m.alias_size_in_bytes), int(m.temp_size_in_bytes))
+
+  @property
+  def peak_bytes(self) -> int:
+    """Arguments + outputs not aliased to an argument + temporaries."""
+    return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
