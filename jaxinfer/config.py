@@ -112,9 +112,14 @@ class ModelConfig:
 
   # Param/compute dtype name; None: bfloat16 on GPU/TPU, float32 on CPU.
   dtype: str | None = None
-  # Attention kernels (jaxinfer/ops.py): None picks Pallas on GPU, XLA
-  # elsewhere; "pallas" on CPU runs the kernels in interpret mode.
+  # Attention kernels (jaxinfer/ops.py): "xla", "pallas", or None: Pallas
+  # for a GPU kernel target, XLA otherwise.
   attention_impl: str | None = None
+  # The device the kernels are built for, static in every jitted step:
+  # "gpu" compiles the Pallas kernels through Triton (also from a CPU process
+  # lowering for compile-only GPUs, `jaxinfer.gpu_compile`), "cpu" runs
+  # them in interpret mode, None follows the process's default backend.
+  kernel_target: str | None = None
   eos_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
@@ -247,6 +252,8 @@ def _validate(c: ModelConfig) -> None:
   need(c.num_mtp_layers >= 0, f"num_mtp_layers must be >= 0, got {c.num_mtp_layers}")
   need(c.attention_impl in (None, "xla", "pallas"),
        f"attention_impl must be None, 'xla' or 'pallas', got {c.attention_impl!r}")
+  need(c.kernel_target in (None, "gpu", "cpu"),
+       f"kernel_target must be None, 'gpu' or 'cpu', got {c.kernel_target!r}")
   if c.dtype is not None:
     need(c.dtype in ("float32", "bfloat16", "float16"),
          f"dtype must be float32, bfloat16 or float16, got {c.dtype!r}")

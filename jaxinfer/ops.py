@@ -1,8 +1,22 @@
 """The one kernel dispatch. Model code calls these; it never branches on backend.
 
-Each op takes `implementation`: "xla" (pure JAX, every backend), "pallas"
-(`pallas_kernels`; compiled on GPU, interpret mode elsewhere), or None: Pallas
-on GPU, XLA otherwise. Models pass `ModelConfig.attention_impl`.
+Each op takes two static choices, which models pass from their config
+(`ModelConfig.attention_impl`, `ModelConfig.kernel_target`):
+
+  implementation  "xla" (pure JAX), "pallas" (`pallas_kernels`), or None:
+                  Pallas for a GPU target, XLA otherwise.
+  target          the device the program is built for: "gpu" (Pallas kernels
+                  compiled through Triton, even when this process runs on CPU:
+                  programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
+                  "cpu" (Pallas runs in interpret mode), or None: the
+                  process's default backend.
+
+The target is a config field, not the process's backend, because a program's
+kernels must match the devices it is compiled for, and a CPU process can build
+GPU programs. With a GPU target and implementation None, a shape the GPU kernel
+cannot tile (`paged_attention.tile_error`) runs the XLA path instead; an
+explicit "pallas" raises the kernel's ValueError. GPU tiling of the paged
+kernel comes from shapes alone (`paged_tiling`).
 
   causal_attention        full causal self-attention (prefill without a cache)
   attention               queries at arbitrary positions over a padded KV range (XLA)
@@ -17,30 +31,61 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels
+from pallas_kernels.paged_attention import tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
-_IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("xla", "pallas")
+TARGETS = ("gpu", "cpu")
 _MASKED = -1e30
+_KEYS_PER_STEP = 64  # paged kernel: keys loaded per loop step on GPU
+_SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
 
 
-def resolve(implementation: str | None) -> tuple[str, bool]:
-  """-> (implementation, interpret): Pallas kernels are interpreted off GPU."""
-  on_gpu = jax.default_backend() == "gpu"
-  impl = implementation or ("pallas" if on_gpu else "xla")
-  if impl not in _IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {_IMPLEMENTATIONS} or None, got {impl!r}")
-  return impl, not on_gpu
+def resolve_target(target: str | None) -> str:
+  """The kernel target: `target` itself, or for None the process's default
+  backend ("gpu" on a GPU process, "cpu" on anything else)."""
+  if target is None:
+    return "gpu" if jax.default_backend() == "gpu" else "cpu"
+  if target not in TARGETS:
+    raise ValueError(f"target must be one of {TARGETS} or None, got {target!r}")
+  return target
+
+
+def resolve(implementation: str | None, target: str | None = None) -> tuple[str, bool]:
+  """-> (implementation, interpret): Pallas for a GPU target unless told
+  otherwise; Pallas kernels are interpreted unless the target is "gpu"."""
+  target = resolve_target(target)
+  impl = implementation or ("pallas" if target == "gpu" else "xla")
+  if impl not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
+  return impl, target != "gpu"
+
+
+def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int) -> dict:
+  """GPU tiling of the paged kernel from static shapes: pages_per_compute_block
+  so that ~64 keys are loaded per loop step, and split-K (num_splits, up to 8,
+  never more than the sequence has page blocks) when sequences x KV heads
+  give fewer programs than an H100 has SMs. The kernel's keyword arguments."""
+  ppcb = max(1, _KEYS_PER_STEP // page_size)
+  out = dict(pages_per_compute_block=ppcb, num_splits=1)
+  programs = num_seqs * num_kv_heads
+  if programs < _SM_PROGRAMS:
+    out["num_splits"] = max(1, min(8, 2 * _SM_PROGRAMS // programs, -(-pages_per_seq // ppcb)))
+  return out
 
 
 def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scale,
-                     implementation: str | None = None):
+                     implementation: str | None = None, target: str | None = None):
   """Causal self-attention: q [B, T, N, Hk], k [B, T, K, Hk], v [B, T, K, Hv].
 
   window may be traced (a scanned layer's); the Pallas kernel needs it static,
   so it then switches over `window_choices` (the model's distinct windows).
+  The GPU kernel pads head dims to powers of two; below 16 (no tensor-core
+  tile) implementation None runs XLA.
   """
-  impl, interpret = resolve(implementation)
-  if impl == "xla":
+  impl, interpret = resolve(implementation, target)
+  small = min(q.shape[-1], v.shape[-1]) < 16
+  if impl == "xla" or (not interpret and small and implementation is None):
     B, T = q.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     return _attention_xla(q, k, v, pos, jnp.full((B,), T, jnp.int32), window, sinks, scale)
@@ -56,7 +101,7 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
-              implementation: str | None = None):
+              implementation: str | None = None, target: str | None = None):
   """Causal grouped-query attention over a (possibly padded) key range.
 
   q [B, T, N, Hk]; k [B, S, K, Hk]; v [B, S, K, Hv]; N % K == 0.
@@ -66,7 +111,9 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
   (HF's sliding-window rule). `window` may be a traced scalar (scanned layers).
   sinks [N] or None: a learned logit per head in the softmax denominator
   (GPT-OSS). Returns [B, T, N, Hv] in q's dtype; softmax runs in float32.
+  Every target runs this XLA form (`target` is validated, nothing more).
   """
+  resolve_target(target)
   if implementation not in (None, "xla"):
     raise ValueError(f"attention: only the 'xla' implementation exists, got {implementation!r}")
   return _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale)
@@ -103,7 +150,7 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
-                           implementation: str | None = None):
+                           implementation: str | None = None, target: str | None = None):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
@@ -115,12 +162,26 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   ([L, K, P, page_size, H]) and this layer's pages are read (gathered
   directly, never slicing the layer's whole pool). Rows past cu_q_lens[-1] are padding and return
   zeros. -> [T, N, Hv].
+
+  GPU target: the kernel tiled by `paged_tiling`, or (implementation None)
+  the XLA path where `tile_error` says the kernel cannot tile the shapes.
   """
-  impl, interpret = resolve(implementation)
+  impl, interpret = resolve(implementation, target)
+  if impl == "pallas":
+    tiling = {}
+    if not interpret:
+      page_size = k_pages.shape[-2]  # pools [(L,) K, P, page_size, H]
+      tiling = paged_tiling(page_table.shape[0], k_pages.shape[-4], page_table.shape[1],
+                            page_size)
+      dv = v_head_dim if v_pages is None else v_pages.shape[-1]
+      why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
+      if why and implementation is None:
+        impl = "xla"
   if impl == "pallas":
     return pallas_kernels.ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
-        window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, interpret=interpret)
+        window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, interpret=interpret,
+        **tiling)
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]

@@ -30,7 +30,8 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, sinks=p.get("sinks"),
-                          scale=cfg.softmax_scale(), impl=cfg.attention_impl)
+                          scale=cfg.softmax_scale(), impl=cfg.attention_impl,
+                          target=cfg.kernel_target)
   out = out_proj(out, p["wo"])
   if cfg.o_bias:
     out = out + p["bo"]
@@ -93,13 +94,13 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     k = jnp.concatenate([k_nope, k_rope_n], axis=-1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale,
-                            impl=cfg.attention_impl)
+                            impl=cfg.attention_impl, target=cfg.kernel_target)
   else:
     q_lat = jnp.einsum("BTNH,NHR->BTNR", q_nope, w_uk)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
     new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
     out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
-                                impl=cfg.attention_impl)
+                                impl=cfg.attention_impl, target=cfg.kernel_target)
     out = jnp.einsum("BTNR,NRH->BTNH", out_lat, w_uv)
   return out_proj(out, p["wo"]), cache
 

@@ -11,6 +11,11 @@ the same for every cache; the context type (not a mode string) decides:
                      prefill chunks and decode tokens with per-sequence
                      metadata (the layout of vLLM v1 / ragged paged attention)
 
+`attend` takes the config's kernel choices (`impl`: ModelConfig.attention_impl,
+`target`: ModelConfig.kernel_target) and hands them to every `jaxinfer.ops`
+call unchanged, so the kernels a jitted step builds follow the config, never
+the backend of the process tracing it.
+
 New entries are a dict matching the cache: GQA {k [B, T, K, H], v}; MLA
 {kv [B, T, R + Hr]} (normed latent + roped shared key). For MLA the context
 reads k = the whole entry (one KV head) and v = its first `latent_dim` columns.
@@ -51,10 +56,11 @@ class FullContext:
   def token_valid(self):
     return None
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
+             target=None):
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
-                               sinks=sinks, scale=scale, implementation=impl)
+                               sinks=sinks, scale=scale, implementation=impl, target=target)
     return out, cache
 
 
@@ -71,7 +77,8 @@ class ContiguousContext:
   def token_valid(self):
     return None
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
+             target=None):
     # Per-sequence offsets into a contiguous cache: the XLA path (a reference;
     # the engine's paged path is the one with kernels).
     stack, layer = cache  # {name: [L, B, S, ...]}
@@ -81,7 +88,7 @@ class ContiguousContext:
     stack = {n: stack[n].at[layer, rows, pos].set(new[n].astype(stack[n].dtype)) for n in stack}
     k, v = _split({n: stack[n][layer] for n in stack}, latent_dim, head_axis=2)
     out = ops.attention(q, k, v, q_positions=pos, kv_lengths=self.starts + T,
-                        window=window, sinks=sinks, scale=scale)
+                        window=window, sinks=sinks, scale=scale, target=target)
     return out, (stack, layer)
 
 
@@ -111,7 +118,8 @@ class PagedContext:
   def token_valid(self):
     return self.valid[None]
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
+             target=None):
     stack, layer = cache  # GQA {k, v [L, K, P, ps, H]}; MLA {kv [L, P, ps, C]}
     page_size = next(iter(stack.values())).shape[-2]
     page = self.page_table[self.token_seq, self.positions // page_size]
@@ -129,7 +137,7 @@ class PagedContext:
     out = ops.ragged_paged_attention(
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
-        v_head_dim=latent_dim, layer=layer, implementation=impl)
+        v_head_dim=latent_dim, layer=layer, implementation=impl, target=target)
     return out[None], (stack, layer)
 
 
@@ -162,7 +170,8 @@ class RankedPagedContext:
   def token_valid(self):
     return self.valid
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
+             target=None):
     from jax.sharding import PartitionSpec as P
     stack, layer = cache
     rank = P(self.axes)
@@ -175,7 +184,8 @@ class RankedPagedContext:
       ctx = PagedContext(positions[0], token_seq[0], valid[0], cu[0], kv_lens[0], table[0],
                          self.max_q)
       out, (stack, _) = ctx.attend(q, new, (stack, layer), latent_dim=latent_dim, window=window,
-                                   sinks=sinks if has_sinks else None, scale=scale, impl=impl)
+                                   sinks=sinks if has_sinks else None, scale=scale, impl=impl,
+                                   target=target)
       return out, stack
 
     fields = (self.positions, self.token_seq, self.valid, self.cu_q_lens, self.kv_lens,
