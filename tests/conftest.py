@@ -11,7 +11,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402
 
+import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Kernel test classes run in interpret mode everywhere; their GPU subclasses
+# (compiled kernels) are defined only where this process has a GPU, e.g.
+# `JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_*.py` (experiments/gpu_day.sh).
+ON_GPU = jax.default_backend() == "gpu"
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 HF_FIXTURES = ["llama", "llama_sharded", "mixtral", "qwen3_moe", "deepseek_v3",

@@ -6,8 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import pallas_kernels as pk
+from conftest import ON_GPU
 
 
 def _rel(out, ref):
@@ -39,49 +41,158 @@ CASES = [  # B, Q, N, K, D, ps, pps, extra
 ]
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_paged_attention_matches_reference(case, dtype, tol):
-  B, Q, N, K, D, ps, pps, extra = CASES[case]
-  rng = np.random.default_rng(case)
-  q, kp, vp, lengths, tables = _inputs(rng, B=B, Q=Q, N=N, K=K, D=D, ps=ps, P=3 * pps + 2,
-                                       pps=pps, dtype=dtype)
-  extra = dict(extra)
-  sinks = jnp.asarray(rng.normal(size=N), jnp.float32) if extra.pop("sinks", False) else None
-  window = extra.pop("window", 0)
-  out = pk.paged_attention(q, kp, vp, lengths, tables, window=window, sinks=sinks,
-                           interpret=True, **extra)
-  ref = pk.paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
-                                     vp.astype(jnp.float32), lengths, tables, window=window,
-                                     sinks=sinks)
-  assert _rel(out, ref) <= tol
+class TestPagedKernels:
+  """Paged, MLA and ragged kernels against their references, in interpret mode
+  on CPU; `TestPagedKernelsGpu` (collected only where a GPU is present) runs
+  the same tests compiled."""
 
+  interpret = True
 
-def test_lengths_edge_cases_and_decode_form():
-  # length 1, exactly one page, a last page with one token, several pages.
-  rng = np.random.default_rng(7)
-  ps = 16
-  q, kp, vp, lengths, tables = _inputs(rng, B=5, Q=1, N=4, K=2, D=64, ps=ps, P=30, pps=6,
-                                       dtype=jnp.float32, lengths=[1, 16, 17, 33, 96])
-  out = pk.paged_attention(q[:, 0], kp, vp, lengths, tables, interpret=True)  # [B, N, D] form
-  assert out.shape == (5, 4, 64)
-  ref = pk.paged_attention_reference(q[:, 0], kp, vp, lengths, tables)
-  assert _rel(out, ref) <= 1e-5
+  @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
+  @pytest.mark.parametrize("case", range(len(CASES)))
+  def test_paged_attention_matches_reference(self, case, dtype, tol):
+    B, Q, N, K, D, ps, pps, extra = CASES[case]
+    rng = np.random.default_rng(case)
+    q, kp, vp, lengths, tables = _inputs(rng, B=B, Q=Q, N=N, K=K, D=D, ps=ps, P=3 * pps + 2,
+                                         pps=pps, dtype=dtype)
+    extra = dict(extra)
+    sinks = jnp.asarray(rng.normal(size=N), jnp.float32) if extra.pop("sinks", False) else None
+    window = extra.pop("window", 0)
+    out = pk.paged_attention(q, kp, vp, lengths, tables, window=window, sinks=sinks,
+                             interpret=self.interpret, **extra)
+    ref = pk.paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                       vp.astype(jnp.float32), lengths, tables, window=window,
+                                       sinks=sinks)
+    assert _rel(out, ref) <= tol
 
+  def test_lengths_edge_cases_and_decode_form(self):
+    # length 1, exactly one page, a last page with one token, several pages.
+    rng = np.random.default_rng(7)
+    ps = 16
+    q, kp, vp, lengths, tables = _inputs(rng, B=5, Q=1, N=4, K=2, D=64, ps=ps, P=30, pps=6,
+                                         dtype=jnp.float32, lengths=[1, 16, 17, 33, 96])
+    out = pk.paged_attention(q[:, 0], kp, vp, lengths, tables,  # the [B, N, D] form
+                             interpret=self.interpret)
+    assert out.shape == (5, 4, 64)
+    ref = pk.paged_attention_reference(q[:, 0], kp, vp, lengths, tables)
+    assert _rel(out, ref) <= 1e-5
 
-def test_every_output_element_is_written():
-  # Interpret mode starts every kernel output as NaN, so an element a program
-  # never writes shows up as NaN (and `_rel` rejects non-finite outputs).
-  from jax.experimental import pallas as pl
-  unwritten = pl.pallas_call(lambda o_ref: None, out_shape=jax.ShapeDtypeStruct((4,), jnp.float32),
-                             interpret=True)()
-  assert np.isnan(np.asarray(unwritten)).all()
-  rng = np.random.default_rng(8)
-  q, kp, vp, lengths, tables = _inputs(rng, B=2, Q=2, N=4, K=2, D=64, ps=8, P=10, pps=3,
-                                       dtype=jnp.float32)
-  out = pk.paged_attention(q, kp, vp, lengths, tables, num_splits=2, interpret=True)
-  ref = pk.paged_attention_reference(q, kp, vp, lengths, tables)
-  assert _rel(out, ref) <= 1e-5
+  def test_every_output_element_is_written(self):
+    # Interpret mode starts every kernel output as NaN, so an element a program
+    # never writes shows up as NaN (and `_rel` rejects non-finite outputs).
+    unwritten = pl.pallas_call(lambda o_ref: None, interpret=True,
+                               out_shape=jax.ShapeDtypeStruct((4,), jnp.float32))()
+    assert np.isnan(np.asarray(unwritten)).all()
+    rng = np.random.default_rng(8)
+    q, kp, vp, lengths, tables = _inputs(rng, B=2, Q=2, N=4, K=2, D=64, ps=8, P=10, pps=3,
+                                         dtype=jnp.float32)
+    out = pk.paged_attention(q, kp, vp, lengths, tables, num_splits=2, interpret=self.interpret)
+    ref = pk.paged_attention_reference(q, kp, vp, lengths, tables)
+    assert _rel(out, ref) <= 1e-5
+
+  @pytest.mark.parametrize("Q,splits", [(1, 1), (3, 2)])
+  def test_mla_paged_attention(self, Q, splits):
+    rng = np.random.default_rng(10 + Q)
+    B, N, R, Hr, ps, P, pps = 3, 4, 64, 16, 16, 12, 4
+    q_lat = jnp.asarray(rng.normal(size=(B, Q, N, R)), jnp.float32)
+    q_rope = jnp.asarray(rng.normal(size=(B, Q, N, Hr)), jnp.float32)
+    pages = jnp.asarray(rng.normal(size=(P, ps, R + Hr)), jnp.float32)
+    lengths = jnp.asarray([Q, 17, 64], jnp.int32)
+    tables = jnp.asarray(rng.integers(1, P, (B, pps)), jnp.int32)
+    scale = 1 / math.sqrt(48)
+    out = pk.mla_paged_attention(q_lat, q_rope, pages, lengths, tables, sm_scale=scale,
+                                 num_splits=splits, interpret=self.interpret)
+    ref = pk.mla_paged_attention_reference(q_lat, q_rope, pages, lengths, tables, sm_scale=scale)
+    assert out.shape == (B, Q, N, R)
+    assert _rel(out, ref) <= 1e-5
+    # Cross-check against expanded dense math for sequence 2.
+    L = 64
+    lat = pages[tables[2]].reshape(-1, R + Hr)[:L]
+    s = (jnp.einsum("qnr,sr->nqs", q_lat[2], lat[:, :R]) +
+         jnp.einsum("qnh,sh->nqs", q_rope[2], lat[:, R:])) * scale
+    s = jnp.where(jnp.arange(L)[None, None] <= (L - Q + jnp.arange(Q))[None, :, None], s, -jnp.inf)
+    dense = jnp.einsum("nqs,sr->qnr", jax.nn.softmax(s, axis=-1), lat[:, :R])
+    assert _rel(out[2], dense) <= 1e-5
+
+  @pytest.mark.parametrize("mla", [False, True])
+  def test_ragged_paged_attention_mixed_batch(self, mla):
+    rng = np.random.default_rng(11)
+    ps, P, pps = 8, 40, 6
+    q_lens = [5, 1, 1, 8, 0, 0]  # prefill chunks, decodes, and 2 padded sequences
+    kv_lens = [20, 9, 44, 8, 0, 0]
+    B = len(q_lens)
+    K, N, D = (1, 4, 40) if mla else (2, 4, 64)
+    T = 24  # 15 real tokens + padding
+    q = jnp.asarray(rng.normal(size=(T, N, D)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
+    vp = None if mla else jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
+    tables = rng.integers(1, P, (B, pps))
+    tables[4:] = 0  # padded sequences point at the null page
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    kw = dict(max_q=8, v_head_dim=32 if mla else None, window=0 if mla else 6)
+    out = pk.ragged_paged_attention(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
+                                    jnp.asarray(tables, jnp.int32), cu, interpret=self.interpret,
+                                    **kw)
+    ref = pk.ragged_paged_attention_reference(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
+                                              jnp.asarray(tables, jnp.int32), cu, **kw)
+    assert out.shape == (T, N, 32 if mla else D)
+    assert _rel(out, ref) <= 1e-5
+    assert np.all(np.asarray(out[15:]) == 0)  # padding rows
+
+  @pytest.mark.parametrize("kwargs,exc,match", [
+      (dict(q=np.zeros((2, 1, 5, 64), np.float32)), ValueError, "multiple of KV heads"),
+      (dict(lengths=np.zeros((3,), np.int32)), ValueError, "lengths must be"),
+      (dict(page_indices=np.zeros((2, 3), np.float32)), TypeError, "page_indices must be integer"),
+      (dict(lengths=np.array([100, 1], np.int32)), ValueError, "exceeds pages_per_seq"),
+      (dict(q=np.zeros((2, 1, 4, 32), np.float32)), ValueError, "head dim"),
+      (dict(num_splits=0), ValueError, "num_splits"),
+      (dict(window=-1), ValueError, "window"),
+  ])
+  def test_paged_bad_inputs(self, kwargs, exc, match):
+    args = dict(q=np.zeros((2, 1, 4, 64), np.float32), k_pages=np.zeros((2, 5, 8, 64), np.float32),
+                v_pages=np.zeros((2, 5, 8, 64), np.float32), lengths=np.array([3, 9], np.int32),
+                page_indices=np.zeros((2, 3), np.int32))
+    args.update(kwargs)
+    args = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
+    with pytest.raises(exc, match=match):
+      pk.paged_attention(**args, interpret=self.interpret)
+
+  @pytest.mark.parametrize("N,K,D,dv,q_lens,max_q", [
+      (8, 1, 64, None, [20, 1, 13, 1], 32),     # G 8: 8-token items, a chunk over 3 items
+      (4, 2, 32, None, [1, 1, 1, 40, 1], 64),   # many decodes around one long chunk
+      (128, 1, 40, 32, [1, 2, 1], 2),           # MLA-like G 128: two 64-row blocks per item
+      (6, 2, 48, None, [9, 3], 16),             # G 3 (not a power of two), D 48 = 32 + 16
+  ])
+  def test_ragged_items_tile_chunks_and_rows(self, N, K, D, dv, q_lens, max_q):
+    rng = np.random.default_rng(sum(q_lens) + N)
+    ps, P = 8, 64
+    B = len(q_lens)
+    kv_lens = [q + int(rng.integers(0, 30)) for q in q_lens]
+    pps = max(-(-k // ps) for k in kv_lens)
+    T = sum(q_lens) + 3
+    q = jnp.asarray(rng.normal(size=(T, N, D)), jnp.float32)
+    kp = jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
+    vp = None if dv else jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
+    tables = jnp.asarray(rng.integers(1, P, (B, pps)), jnp.int32)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    args = (q, kp, vp, jnp.asarray(kv_lens, jnp.int32), tables, cu)
+    kw = dict(max_q=max_q, v_head_dim=dv, window=0 if dv else 11)
+    out = pk.ragged_paged_attention(*args, interpret=self.interpret, num_splits=2, **kw)
+    ref = pk.ragged_paged_attention_reference(*args, **kw)
+    assert _rel(out, ref) <= 1e-5
+    assert np.all(np.asarray(out[sum(q_lens):]) == 0)
+
+  def test_items_cover_every_token_once(self):
+    from pallas_kernels.paged_attention import item_sizes, plan_items
+    q_lens = np.array([5, 1, 0, 17, 1, 8])
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    block_q, rows, W = item_sizes(2, 16, 17, int(cu[-1]), len(q_lens))
+    assert (block_q, rows) == (8, 64)
+    it = plan_items(cu, W, block_q)
+    covered = np.concatenate([np.arange(s, s + n) for s, n in
+                              zip(np.asarray(it.start), np.asarray(it.n_tok))])
+    assert sorted(covered.tolist()) == list(range(int(cu[-1])))
+    assert np.asarray(it.n_tok).max() <= block_q
 
 
 def test_reference_matches_dense_attention():
@@ -100,70 +211,23 @@ def test_reference_matches_dense_attention():
     assert _rel(ref[b], dense[0]) <= 1e-5
 
 
-@pytest.mark.parametrize("Q,splits", [(1, 1), (3, 2)])
-def test_mla_paged_attention(Q, splits):
-  rng = np.random.default_rng(10 + Q)
-  B, N, R, Hr, ps, P, pps = 3, 4, 64, 16, 16, 12, 4
-  q_lat = jnp.asarray(rng.normal(size=(B, Q, N, R)), jnp.float32)
-  q_rope = jnp.asarray(rng.normal(size=(B, Q, N, Hr)), jnp.float32)
-  pages = jnp.asarray(rng.normal(size=(P, ps, R + Hr)), jnp.float32)
-  lengths = jnp.asarray([Q, 17, 64], jnp.int32)
-  tables = jnp.asarray(rng.integers(1, P, (B, pps)), jnp.int32)
-  scale = 1 / math.sqrt(48)
-  out = pk.mla_paged_attention(q_lat, q_rope, pages, lengths, tables, sm_scale=scale,
-                               num_splits=splits, interpret=True)
-  ref = pk.mla_paged_attention_reference(q_lat, q_rope, pages, lengths, tables, sm_scale=scale)
-  assert out.shape == (B, Q, N, R)
-  assert _rel(out, ref) <= 1e-5
-  # Cross-check against expanded dense math for sequence 2.
-  L = 64
-  lat = pages[tables[2]].reshape(-1, R + Hr)[:L]
-  s = (jnp.einsum("qnr,sr->nqs", q_lat[2], lat[:, :R]) +
-       jnp.einsum("qnh,sh->nqs", q_rope[2], lat[:, R:])) * scale
-  s = jnp.where(jnp.arange(L)[None, None] <= (L - Q + jnp.arange(Q))[None, :, None], s, -jnp.inf)
-  dense = jnp.einsum("nqs,sr->qnr", jax.nn.softmax(s, axis=-1), lat[:, :R])
-  assert _rel(out[2], dense) <= 1e-5
 
-
-@pytest.mark.parametrize("mla", [False, True])
-def test_ragged_paged_attention_mixed_batch(mla):
-  rng = np.random.default_rng(11)
-  ps, P, pps = 8, 40, 6
-  q_lens = [5, 1, 1, 8, 0, 0]  # prefill chunks, decodes, and 2 padded sequences
-  kv_lens = [20, 9, 44, 8, 0, 0]
-  B = len(q_lens)
-  K, N, D = (1, 4, 40) if mla else (2, 4, 64)
-  T = 24  # 15 real tokens + padding
-  q = jnp.asarray(rng.normal(size=(T, N, D)), jnp.float32)
-  kp = jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
-  vp = None if mla else jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.float32)
-  tables = rng.integers(1, P, (B, pps))
-  tables[4:] = 0  # padded sequences point at the null page
-  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-  kw = dict(max_q=8, v_head_dim=32 if mla else None, window=0 if mla else 6)
-  out = pk.ragged_paged_attention(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
-                                  jnp.asarray(tables, jnp.int32), cu, interpret=True, **kw)
-  ref = pk.ragged_paged_attention_reference(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
-                                            jnp.asarray(tables, jnp.int32), cu, **kw)
-  assert out.shape == (T, N, 32 if mla else D)
-  assert _rel(out, ref) <= 1e-5
-  assert np.all(np.asarray(out[15:]) == 0)  # padding rows
-
-
-@pytest.mark.parametrize("kwargs,exc,match", [
-    (dict(q=np.zeros((2, 1, 5, 64), np.float32)), ValueError, "multiple of KV heads"),
-    (dict(lengths=np.zeros((3,), np.int32)), ValueError, "lengths must be"),
-    (dict(page_indices=np.zeros((2, 3), np.float32)), TypeError, "page_indices must be integer"),
-    (dict(lengths=np.array([100, 1], np.int32)), ValueError, "exceeds pages_per_seq"),
-    (dict(q=np.zeros((2, 1, 4, 32), np.float32)), ValueError, "head dim"),
-    (dict(num_splits=0), ValueError, "num_splits"),
-    (dict(window=-1), ValueError, "window"),
+@pytest.mark.parametrize("D,ps,ppcb,match", [
+    (72, 16, 1, "parts below 16"),       # 72 = 64 + 8
+    (64, 24, 1, "powers of two"),
+    (64, 8, 1, "must be >= 16"),         # 8 keys per loop step
 ])
-def test_paged_bad_inputs(kwargs, exc, match):
-  args = dict(q=np.zeros((2, 1, 4, 64), np.float32), k_pages=np.zeros((2, 5, 8, 64), np.float32),
-              v_pages=np.zeros((2, 5, 8, 64), np.float32), lengths=np.array([3, 9], np.int32),
-              page_indices=np.zeros((2, 3), np.int32))
-  args.update(kwargs)
-  args = {k: (jnp.asarray(v) if isinstance(v, np.ndarray) else v) for k, v in args.items()}
-  with pytest.raises(exc, match=match):
-    pk.paged_attention(**args, interpret=True)
+def test_untileable_gpu_shapes_get_a_named_error(D, ps, ppcb, match):
+  # Checked before lowering, so a CPU process sees what a GPU compile would meet.
+  q, kp, vp, lengths, tables = _inputs(np.random.default_rng(0), B=1, Q=1, N=2, K=1, D=D, ps=ps,
+                                       P=4, pps=2, dtype=jnp.float32)
+  with pytest.raises(ValueError, match=f"cannot tile.*{match}"):
+    pk.paged_attention(q, kp, vp, lengths, tables, pages_per_compute_block=ppcb)
+  out = pk.paged_attention(q, kp, vp, lengths, tables, interpret=True)  # interpret: any shape
+  assert _rel(out, pk.paged_attention_reference(q, kp, vp, lengths, tables)) <= 1e-5
+
+if ON_GPU:
+  class TestPagedKernelsGpu(TestPagedKernels):
+    """The same tests, compiled for the GPU this process runs on."""
+
+    interpret = False
