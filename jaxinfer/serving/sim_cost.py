@@ -288,6 +288,10 @@ class RooflineCost:
   # this roofline beyond the kernel efficiencies above.
   slowdown: float = 1.0
   kv_link: str = "nvlink"  # "nvlink" | "network": where disaggregated K/V travels
+  # HBM bytes the attention kernel reads per minimum K/V byte (planned /
+  # minimum of experiments/results/kernel_report_h100.json, via
+  # jaxinfer.bench.kernel_report.kv_read_factor); 1: every K/V byte once.
+  attn_kv_factor: float = 1.0
 
   def __post_init__(self):
     if self.weight_dtype not in WEIGHT_BYTES:
@@ -302,6 +306,9 @@ class RooflineCost:
       raise ValueError(f"RooflineCost: comm_overlap must be in [0, 1], got {self.comm_overlap}")
     if not self.slowdown >= 1:
       raise ValueError(f"RooflineCost: slowdown must be >= 1, got {self.slowdown}")
+    if not self.attn_kv_factor >= 1:
+      raise ValueError(f"RooflineCost: attn_kv_factor must be >= 1 (no kernel reads less than "
+                       f"the minimum), got {self.attn_kv_factor}")
     if self.moe_imbalance < 0 or self.attn_imbalance < 1:
       raise ValueError("RooflineCost: moe_imbalance must be >= 0 and attn_imbalance >= 1")
     if self.par.ep > 1 and not self.cfg.is_moe:
@@ -417,7 +424,7 @@ class RooflineCost:
     component's seconds to `parts` and returns the total."""
     c, tp, bw, F = self._c, self.par.tp, self._bw, self._flops
     Fa = self.device.bf16_flops * self.device.attn_flop_eff
-    kv_tok = self.kv_bytes_per_token(layers=1)
+    kv_tok = self.kv_bytes_per_token(layers=1) * self.attn_kv_factor  # bytes the kernel reads
     nonexp = c.attn + (c.dense_mlp if kind == "dense" else c.mtp_dense if kind == "mtp"
                        else c.shared)
     worst_attn = worst_dense = 0.0

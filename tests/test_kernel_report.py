@@ -1,0 +1,121 @@
+"""The per-kernel resource report: shape formulas on hand-counted examples,
+the executable reader on a real H100 compile, the issue's bytes goal on the
+decode cases, and the simulator charging what the report says kernels read."""
+
+import pytest
+
+from jaxinfer import gpu_compile, presets
+from jaxinfer.bench import gpu_cases, gpu_executable, kernel_report, traffic
+from jaxinfer.serving.sim_cost import RooflineCost, StepShape, device
+
+
+def test_visible_keys_and_flops_by_hand():
+  # q = 2 tokens at positions 3, 4 of kv = 5: 4 + 5 pairs, each 2 (D + Dv) FLOPs per head.
+  assert traffic.attention_flops([(2, 5)], N=1, D=4, Dv=4) == 9 * 2 * 8
+  assert traffic.visible_keys(9, 10, window=4) == 4
+  assert traffic.min_kv_tokens(4, 100, window=8) == 11
+
+
+def test_split_pages_loads_whole_compute_blocks():
+  # 40 keys = 3 pages of 16; blocks of 2 pages -> 2 blocks = 4 pages (one masked).
+  assert traffic.split_pages(40, 39, 0, ps=16, pages_per_split=4, ppcb=2) == 4
+  # window 8 from position 39: first key 32 = page 2 = second block -> 1 block.
+  assert traffic.split_pages(40, 39, 0, ps=16, pages_per_split=4, ppcb=2, window=8) == 2
+  # the second split of 2 pages starts at page 2: only page 2 is visible, 1 block of 2.
+  assert traffic.split_pages(40, 39, 1, ps=16, pages_per_split=2, ppcb=2) == 2
+
+
+def test_paged_traffic_by_hand():
+  # 2 decode sequences of 32 keys, N=2 q heads on K=1 KV head, D = Dv = 16, bf16:
+  # block_q 1, rows max(16, 2) = 16 (one row block), W = 2 items, 2 pages each.
+  t = traffic.paged_traffic([(1, 32)] * 2, N=2, K=1, D=16, Dv=16, ps=16, pages_per_seq=2)
+  assert t.tiling["rows"] == 16 and t.tiling["row_blocks"] == 1 and t.tiling["items"] == 2
+  assert t.planned["kv"] == 4 * 16 * 32 * 2 == t.minimum["kv"]
+  assert t.planned["q"] == 2 * 2 * 16 * 2 + 2 * 16 * 16 * 2 + 2 * 16 * 16 * 2
+  assert t.planned["partials"] == 2 * 2 * 16 * 18 * 4
+  assert t.planned["out"] == t.minimum["out"] == 2 * 2 * 16 * 2
+  assert t.flops == 2 * 32 * 2 * 2 * 32
+  assert t.ratio == t.planned_bytes / t.minimum_bytes > 1
+
+
+def test_mla_with_128_heads_reads_the_latent_twice():
+  t = traffic.paged_traffic([(1, 4096)] * 4, N=128, K=1, D=576, Dv=512, ps=64,
+                            pages_per_seq=64, v_from_k=True)
+  assert t.tiling["row_blocks"] == 2
+  assert t.planned["kv"] == 2 * t.minimum["kv"] == 2 * 4 * 4096 * 576 * 2
+
+
+def test_flash_traffic_by_hand():
+  # T = S = 128, blocks of 64: query block 0 sees key block 0, block 1 sees both.
+  t = traffic.flash_traffic(B=1, T=128, S=128, N=1, K=1, D=64, Dv=64)
+  assert t.tiling["key_blocks_per_head"] == 3
+  assert t.planned["kv"] == 3 * 64 * 128 * 2
+  assert t.minimum["kv"] == 128 * 128 * 2
+  assert t.flops == 128 * 129 // 2 * 2 * 128
+  assert traffic.roofline_s(2e12, 1e9, peak_flops=1e12, bandwidth=1e9) == 2.0
+
+
+def test_paged_traffic_rejects_bad_shapes():
+  with pytest.raises(ValueError, match="multiple of K"):
+    traffic.paged_traffic([(1, 8)], N=3, K=2, D=16, Dv=16, ps=16, pages_per_seq=1)
+  with pytest.raises(ValueError, match="1 <= q <= kv"):
+    traffic.paged_traffic([(4, 2)], N=2, K=1, D=16, Dv=16, ps=16, pages_per_seq=1)
+
+
+def test_planned_never_below_minimum_and_decode_gqa_within_ten_percent():
+  for case in gpu_cases.CASES:
+    assert kernel_report.case_traffic(case).ratio >= 1, case.name
+  decode = [c for c in gpu_cases.CASES if c.kernel == "paged" and c.Q == 1 and not c.window]
+  assert len(decode) >= 5
+  for case in decode:
+    assert kernel_report.case_traffic(case).ratio <= 1.10, case.name
+
+
+def test_executable_facts_of_a_compiled_decode_case(tmp_path):
+  case = gpu_cases.get("llama8b_decode_ps16")
+  compiled = kernel_report.compile_case(case, str(tmp_path))
+  facts = kernel_report.executable_facts(compiled, "paged_attention", gpu="h100",
+                                         dump_dir=str(tmp_path))
+  t = kernel_report.case_traffic(case)
+  assert 1 <= facts["registers"] <= 255
+  assert 0 < facts["dynamic_smem_bytes"] <= facts["smem_bytes"] <= 232448
+  assert facts["smem_limit_bytes"] == gpu_compile.target("h100").smem_per_block
+  assert facts["threads"] == 4 * 32  # num_warps = 4
+  grid = facts["grid"]
+  assert grid[0] * grid[1] * grid[2] == t.tiling["programs"]
+  assert facts["spill_store_bytes"] == 0 and facts["ptxas_registers"] == facts["registers"]
+  assert facts["unavailable"] == {}
+
+
+def test_elf_and_snappy_readers_reject_garbage():
+  with pytest.raises(ValueError, match="ELF"):
+    gpu_executable.elf_sections(b"not an elf at all" * 4)
+  assert gpu_executable.snappy_decompress(b"\x05\x10hello") == b"hello"
+  # a back-reference copying its own output: "ab" then 4 more bytes from offset 2.
+  assert gpu_executable.snappy_decompress(b"\x06\x04ab\x01\x02") == b"ababab"
+
+
+def _report(ratio):
+  row = dict(model="llama3_1_8b", kernel="paged", gpu="h100", shapes=dict(N=32),
+             planned_over_minimum=ratio)
+  return dict(cases=[row, dict(row, planned_over_minimum=1.0)])
+
+
+def test_kv_read_factor_picks_the_worst_decode_case():
+  assert kernel_report.kv_read_factor(_report(1.5), model="llama3_1_8b") == 1.5
+  assert kernel_report.kv_read_factor(_report(1.5), model="llama3_1_8b",
+                                      heads_per_device=32) == 1.5
+  with pytest.raises(ValueError, match="no decode case"):
+    kernel_report.kv_read_factor(_report(1.5), model="llama3_1_8b", heads_per_device=8)
+
+
+def test_simulator_charges_the_reported_kv_reads():
+  cfg = presets.get("llama3_8b")
+  shape = [StepShape(decode_seqs=64, kv_read_tokens=64 * 8192, pairs_decode=64 * 8192)]
+  kw = dict(cfg=cfg, device=device("h100"), weight_dtype="bf16", layer_floor_s=0.0)
+  base = RooflineCost(**kw).step_time(shape).parts["attention"]
+  factor = kernel_report.kv_read_factor(_report(2.0), model="llama3_1_8b")
+  with_report = RooflineCost(**kw, attn_kv_factor=factor).step_time(shape).parts["attention"]
+  assert with_report == pytest.approx(2.0 * base)
+  with pytest.raises(ValueError, match="attn_kv_factor"):
+    RooflineCost(**kw, attn_kv_factor=0.5)
