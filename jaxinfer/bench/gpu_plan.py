@@ -1,0 +1,432 @@
+"""GPU plans: the Engine's own step programs compiled for GPUs from a CPU process.
+
+`gpu_plan(preset=..., mesh_axes=..., layout=..., gpu="h100", hosts=1, ...)`
+builds abstract params (the spec tree with `sharding.param_shardings`), an
+abstract page pool (`kv_cache.init_pool` under `jax.eval_shape`, placed by
+`sharding.kv_pool_spec`) and step batches made by the engine's own
+`steps.pad_batch`, on a mesh of compile-only GPUs (`jaxinfer.gpu_compile`),
+and lowers + compiles the Engine's jitted steps with the config's kernel
+target set to "gpu" (Pallas kernels through Triton):
+
+  decode      `steps.step`: `batch` sequences, one token each, `context` tokens
+  mixed       `steps.step`: one prefill chunk of `prefill_tokens` + decodes
+  speculative `speculative.spec_step` (MTP models, not under dp_attn_ep): each
+              sequence verifies `num_draft_tokens` drafts
+  dp_attn_ep  `steps.step_ranked` (attention DP in `shard_map`, experts split
+              over every mesh axis, all-to-all dispatch): `batch` per rank
+
+Nothing is allocated. Per device and program: params and KV bytes (exact,
+from the shard shapes), `memory_analysis()` (arguments, temporaries, peak)
+against the GPU's memory, and FLOPs and bytes moved from shapes alone
+(`step_cost`) with a roofline time max(FLOPs / peak, bytes / bandwidth) from
+`gpu_compile.target`. Collectives are not in the roofline.
+
+When the params, or params + KV, do not fit one device, nothing is compiled:
+the report says what does not fit and by how much.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxinfer import gpu_compile, kv_cache, presets, sharding
+from jaxinfer.bench.sharding_report import parse_mesh
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import speculative, steps
+from jaxinfer.models import specs as specs_lib
+from jaxinfer.models.moe_ep import plan_from_params
+from jaxinfer.serving.sim_cost import param_counts
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
+_GB = 1e9
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Workload:
+  """Per attention rank (the whole step outside dp_attn_ep): `batch` sequences
+  of `context` tokens; the mixed step replaces one decode by a prefill chunk
+  of `prefill_tokens`; the speculative step verifies `num_draft_tokens`."""
+
+  batch: int = 8
+  context: int = 1024
+  prefill_tokens: int = 256
+  page_size: int = 16
+  kv_pages: int = 0  # pages per rank; 0: what `batch` x `context` needs (+ the null page)
+  num_draft_tokens: int = 0  # 0: no speculative program
+  greedy: bool = True  # every row temperature 0 (skips the sampling filters' sort)
+
+  def __post_init__(self):
+    for name in ("batch", "context", "prefill_tokens", "page_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.kv_pages < 0 or not 0 <= self.num_draft_tokens <= 8:
+      raise ValueError(f"kv_pages must be >= 0 and num_draft_tokens in [0, 8], got "
+                       f"{self.kv_pages}, {self.num_draft_tokens}")
+
+  def pages_per_seq(self) -> int:
+    return -(-max(self.context, self.prefill_tokens) // self.page_size)
+
+  def pool_pages(self) -> int:
+    return self.kv_pages or self.batch * self.pages_per_seq() + 1
+
+
+def gpu_config(cfg: ModelConfig, dtype: str) -> ModelConfig:
+  """cfg with its kernels built for GPU and params/KV in `dtype`."""
+  return dataclasses.replace(cfg, kernel_target="gpu", dtype=dtype)
+
+
+def abstract_params(cfg: ModelConfig, mesh, layout: str):
+  """The spec tree as ShapeDtypeStructs in the layout's shardings (no allocation)."""
+  return gpu_compile.abstract(specs_lib.abstract_params(cfg),
+                              sharding.param_shardings(cfg, mesh, layout))
+
+
+def abstract_pool(cfg: ModelConfig, mesh, layout: str, pages_per_rank: int, page_size: int,
+                  mtp: bool = False):
+  """The Engine's page pool (`kv_cache.init_pool`, every rank's pages) as
+  ShapeDtypeStructs sharded by `sharding.kv_pool_spec`."""
+  dp = sharding.dp_axes(mesh, layout)
+  ranks = math.prod(mesh.shape[a] for a in dp) if dp else 1
+  pool = jax.eval_shape(lambda: kv_cache.init_pool(cfg, pages_per_rank * ranks, page_size,
+                                                   cfg.compute_dtype(), mtp=mtp))
+  return gpu_compile.abstract(pool, NamedSharding(mesh, sharding.kv_pool_spec(cfg, mesh, layout)))
+
+
+def host_batch(seqs, page_size: int, pages: int, seq_cap: int):
+  """seqs [(query tokens, KV length after the step)] -> (StepBatch of numpy
+  arrays from `steps.pad_batch`, its StepShapes), bucketed as `Engine._shapes`."""
+  q_lens = [q for q, _ in seqs]
+  shapes = steps.StepShapes(tokens=steps.bucket(sum(q_lens), 1 << 30),
+                            seqs=steps.bucket(len(seqs), seq_cap),
+                            pages=steps.bucket(pages, 1 << 30),
+                            max_q=steps.bucket(max(q_lens), 1 << 30))
+  positions, token_seq = [], []
+  for i, (q, kv) in enumerate(seqs):
+    positions += range(kv - q, kv)
+    token_seq += [i] * q
+  T, B = sum(q_lens), len(seqs)
+  tables = [list(range(1 + i * pages, 1 + i * pages + -(-kv // page_size)))
+            for i, (_, kv) in enumerate(seqs)]
+  batch = steps.pad_batch(
+      shapes, tokens=[1] * T, from_prev=[-1] * T, positions=positions, token_seq=token_seq,
+      q_lens=q_lens, kv_lens=[kv for _, kv in seqs], page_tables=tables,
+      temperature=[0.0] * B, top_k=[0] * B, top_p=[1.0] * B, seeds=[0] * B,
+      sample_idx=[0] * B)
+  return batch, shapes
+
+
+def spec_host_batch(seqs, K: int, page_size: int, pages: int, seq_cap: int):
+  """Decode sequences each verifying K drafts -> (SpecBatch.pack() arrays, StepShapes)."""
+  batch, shapes = host_batch([(K + 1, kv) for _, kv in seqs], page_size, pages, seq_cap)
+  B, T = shapes.seqs, shapes.tokens
+  n = len(seqs)
+  draft_j = steps.pad([j - 1 for _ in seqs for j in range(K + 1)], T, np.int32, -1)
+  fill = lambda v, dtype=np.int32: steps.pad([v] * n, B, dtype)
+  spec = speculative.SpecBatch(
+      tokens=batch.tokens, draft_j=draft_j, positions=batch.positions,
+      token_seq=batch.token_seq, valid=batch.valid, cu_q_lens=batch.cu_q_lens,
+      kv_lens=batch.kv_lens, page_table=batch.page_table, logits_idx=batch.logits_idx,
+      slot=steps.pad(range(n), B, np.int32), num_draft=fill(K), samples=fill(True, bool),
+      from_state=fill(False, bool), chunk_next=fill(0),
+      capacity=steps.pad([-(-kv // page_size) * page_size for _, kv in seqs], B, np.int32),
+      max_len=fill(1 << 30), prompt_len=fill(1), temperature=batch.temperature,
+      top_k=batch.top_k, top_p=batch.top_p, seeds=batch.seeds)
+  return spec.pack(), shapes
+
+
+def _replicated(mesh, tree):
+  return gpu_compile.abstract(tree, NamedSharding(mesh, P()))
+
+
+def _load(cfg: ModelConfig, mesh):
+  """The Engine's EPLB load counter [Lm, E] (recorded by default), or None."""
+  if not cfg.is_moe:
+    return None
+  moe_layers = sum(n for is_moe, _, n in cfg.segments() if is_moe)
+  return _replicated(mesh, jax.ShapeDtypeStruct((moe_layers, cfg.num_experts), jnp.int32))
+
+
+def lower_step(cfg: ModelConfig, params, pool, mesh, seqs, w: Workload):
+  """`steps.step` lowered for one (unranked) batch -> (Lowered, StepShapes)."""
+  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
+  prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
+  lowered = steps.step.lower(cfg, params, pool, _replicated(mesh, batch), _replicated(mesh, prev),
+                             _load(cfg, mesh), max_q=shapes.max_q, ep=plan_from_params(params),
+                             greedy=w.greedy)
+  return lowered, shapes
+
+
+def lower_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
+  """`steps.step_ranked` (attention DP): every rank runs `seqs`; batch fields
+  [n, ...] split over the DP axes as the ranked context's `shard_map` reads them."""
+  axes = sharding.dp_axes(mesh, layout)
+  n = math.prod(mesh.shape[a] for a in axes)
+  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
+  ranked = steps.stack_batches([batch] * n)
+  split = NamedSharding(mesh, P(axes))
+  prev = jax.ShapeDtypeStruct((n, shapes.seqs), jnp.int32)
+  lowered = steps.step_ranked.lower(
+      cfg, params, pool, gpu_compile.abstract(ranked, split), gpu_compile.abstract(prev, split),
+      _load(cfg, mesh), max_q=shapes.max_q, ep=plan_from_params(params), mesh=mesh, axes=axes,
+      greedy=w.greedy)
+  return lowered, shapes
+
+
+def lower_spec(cfg: ModelConfig, params, pool, mesh, seqs, w: Workload):
+  """`speculative.spec_step` (MTP draft + verify), pool with its MTP entry."""
+  K = w.num_draft_tokens
+  packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
+  state = jax.eval_shape(lambda: speculative.init_state(cfg, shapes.seqs, K))
+  lowered = speculative.spec_step.lower(
+      cfg, params, pool, _replicated(mesh, packed), _replicated(mesh, state), _load(cfg, mesh),
+      max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy)
+  return lowered, shapes
+
+
+def _shard_bytes(tree) -> int:
+  return sum(math.prod(a.sharding.shard_shape(a.shape)) * a.dtype.itemsize
+             for a in jax.tree.leaves(tree))
+
+
+def param_bytes(cfg: ModelConfig, params) -> dict:
+  """Per-device bytes of abstract sharded params by role: all, embed (read
+  by row), routed experts of the main layers, mtp (the MTP modules)."""
+  flat, _ = jax.tree_util.tree_flatten_with_path(specs_lib.param_specs(cfg),
+                                                 is_leaf=specs_lib.is_spec)
+  out = dict(all=0, embed=0, routed=0, mtp=0)
+  for (kp, spec), a in zip(flat, jax.tree.leaves(params)):
+    top = getattr(kp[0], "key", None)
+    b = _shard_bytes(a)
+    out["all"] += b
+    if top in ("embed", "mtp"):
+      out[top] += b
+    elif "expert" in spec.logical_axes:
+      out["routed"] += b
+  return out
+
+
+def _split(mesh, axis) -> int:
+  names = () if axis is None else axis if isinstance(axis, tuple) else (axis,)
+  return math.prod(mesh.shape[a] for a in names)
+
+
+def step_cost(cfg: ModelConfig, mesh, layout: str, seqs, pbytes: dict, *, ranks: int = 1,
+              draft: int = 0) -> dict:
+  """Per-device FLOPs and HBM bytes of one step from shapes. seqs [(query
+  tokens, KV length)] of one rank; `ranks` attention-DP ranks run such a
+  batch each (their routed tokens share the expert-parallel devices). FLOPs:
+  2 x params used per token (top-k routed experts), attention 2 q.kv pairs x
+  (qk + v dims) (causal pairs counted whole: an upper bound), logits rows.
+  Bytes: weights read once (routed experts by the fraction a uniform router
+  touches, embedding rows only, MTP only when drafting) + the KV read.
+  draft: K of a speculative step (MTP module over every row + K - 1 drafts)."""
+  c, t = param_counts(cfg), sharding.rules(layout, mesh)
+  a, m, v, e = (_split(mesh, t[k]) for k in ("q_heads", "mlp", "vocab", "expert"))
+  T, B = sum(q for q, _ in seqs), len(seqs)
+  k = max(cfg.num_experts_per_tok, 1)
+  entry = kv_cache.page_bytes(cfg, 1, jnp.int8)  # cached values per token, all layers
+  if cfg.attention == "mla":  # absorbed: scores over latent + rope key, values the latent
+    qk_v = 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim
+  else:
+    qk_v = cfg.head_dim * 2
+  pairs = sum(q * kv for q, kv in seqs)
+  flops = 2 * cfg.num_layers * (T * c.attn + pairs * cfg.num_heads * qk_v) / a
+  flops += 2 * T * (c.dense_mlp * c.dense_layers + c.shared * c.moe_layers) / m
+  flops += 2 * T * ranks * k * c.expert * c.moe_layers / (max(e, 1) * m)
+  flops += 2 * B * (draft + 1) * c.head / v
+  if draft:
+    flops += 2 * (T + (draft - 1) * B) * (c.mtp_dense + k * c.mtp_expert) / m
+  touched = 1.0
+  if cfg.is_moe:
+    touched = 1 - (1 - k / cfg.num_experts) ** (T * ranks)
+  weights = pbytes["all"] - pbytes["embed"] - (1 - touched) * pbytes["routed"]
+  weights -= 0 if draft else pbytes["mtp"]
+  kv_split = _split(mesh, t["kv_heads"]) if cfg.attention == "gqa" and ranks == 1 else 1
+  item = jnp.dtype(cfg.compute_dtype()).itemsize
+  kv = sum(kv for _, kv in seqs) * entry * item / kv_split
+  return dict(flops=float(flops), weight_bytes=float(weights), kv_read_bytes=float(kv),
+              bytes=float(weights + kv))
+
+
+def roofline(cost: dict, gpu: str) -> dict:
+  """max(FLOPs / peak bf16 FLOP/s, bytes / HBM bandwidth) of `gpu_compile.target(gpu)`."""
+  g = gpu_compile.target(gpu)
+  compute_s, memory_s = cost["flops"] / g.bf16_flops, cost["bytes"] / g.hbm_bandwidth
+  return dict(compute_s=compute_s, memory_s=memory_s, step_s=max(compute_s, memory_s),
+              bound="compute" if compute_s > memory_s else "memory")
+
+
+def fit_verdict(params_bytes: int, kv_bytes: int, hbm_bytes: float) -> dict:
+  """Whether params, then params + KV, fit one device; `message` names what
+  does not fit and by how much."""
+  gb = lambda b: f"{b / _GB:.1f} GB"
+  if params_bytes > hbm_bytes:
+    return dict(fits=False, message=f"params do not fit: {gb(params_bytes)} per device > "
+                f"{gb(hbm_bytes)} of device memory (over by {gb(params_bytes - hbm_bytes)})")
+  if params_bytes + kv_bytes > hbm_bytes:
+    over = params_bytes + kv_bytes - hbm_bytes
+    return dict(fits=False, message=f"params + KV do not fit: {gb(params_bytes)} + "
+                f"{gb(kv_bytes)} per device > {gb(hbm_bytes)} (over by {gb(over)}; "
+                f"{gb(hbm_bytes - params_bytes)} is left for KV)")
+  return dict(fits=True, message=f"params + KV fit: {gb(params_bytes + kv_bytes)} per device "
+              f"<= {gb(hbm_bytes)}")
+
+
+def kernel_gathers(hlo: str) -> int:
+  """All-gathers XLA placed around the Pallas kernels in compiled HLO text:
+  GSPMD cannot split a custom call, so outside `shard_map` (tp layouts) it
+  gathers the kernel's sharded operands (the page pool) whole on every device."""
+  return sum(1 for line in hlo.splitlines()
+             if "all-gather-start(" in line and "pallas_call" in line)
+
+
+def collectives(hlo: str) -> dict:
+  """Collective ops in compiled HLO text, by kind (async starts or sync ops)."""
+  count = lambda op: sum(1 for line in hlo.splitlines()
+                         if f" {op}(" in line or f" {op}-start(" in line)
+  return {op.replace("-", "_"): count(op) for op in ("all-to-all", "all-gather", "all-reduce")}
+
+
+def compile_program(lowered, hbm_bytes: float) -> dict:
+  """Compiles a Lowered step -> memory_analysis per device, peak vs HBM,
+  whether the Pallas kernels are in it (`TRITON_CALL`), `kernel_gathers`
+  and the `collectives`."""
+  compiled = lowered.compile()
+  mem = gpu_compile.MemoryReport.of(compiled)
+  hlo = compiled.as_text()
+  return dict(memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
+              fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
+              kernel_all_gathers=kernel_gathers(hlo), collectives=collectives(hlo))
+
+
+def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, list]:
+  """-> ([(name, seqs, ranks, draft, lower(params, pools))], notes on skipped programs)."""
+  decode = [(1, w.context)] * w.batch
+  mixed = [(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1)
+  dp = sharding.dp_axes(mesh, layout)
+  out, notes = [], []
+  if dp:
+    n = math.prod(mesh.shape[a] for a in dp)
+    for name, seqs in (("dp_attn_ep decode", decode), ("dp_attn_ep mixed", mixed)):
+      out.append((name, seqs, n, 0, lambda p, pools, s=seqs: lower_ranked(
+          cfg, p, pools[0], mesh, layout, s, w)))
+  else:
+    for name, seqs in (("decode", decode), ("mixed", mixed)):
+      out.append((name, seqs, 1, 0, lambda p, pools, s=seqs: lower_step(
+          cfg, p, pools[0], mesh, s, w)))
+  K = w.num_draft_tokens
+  if K and not cfg.num_mtp_layers:
+    notes.append("speculative: skipped, the model has no MTP modules")
+  elif K and dp:
+    notes.append("speculative: skipped, the Engine does not run MTP under attention DP "
+                 "(dp_attn_ep) yet")
+  elif K:
+    spec = [(K + 1, w.context)] * w.batch
+    out.append((f"speculative K={K}", spec, 1, K,
+                lambda p, pools: lower_spec(cfg, p, pools[1], mesh, spec, w)))
+  return out, notes
+
+
+def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str = "h100",
+             hosts: int = 1, dtype: str = "bfloat16", workload: Workload = Workload()) -> dict:
+  """The Engine's steps for `model` (a preset name or a ModelConfig) compiled
+  for `gpu`s on a mesh of `mesh_axes` over `hosts` hosts (see the module
+  docstring). -> a JSON-able dict; `fit` says whether params + KV fit, and
+  when they do not, `programs` is empty."""
+  cfg = gpu_config(presets.get(model) if isinstance(model, str) else model, dtype)
+  w, target = workload, gpu_compile.target(gpu)
+  mesh = gpu_compile.mesh(dict(mesh_axes), gpu=gpu, hosts=hosts)
+  params = abstract_params(cfg, mesh, layout)
+  pb = param_bytes(cfg, params)
+  specs, notes = _programs(cfg, mesh, layout, w)
+  spec = any(d for _, _, _, d, _ in specs)
+  pools = [abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size)]
+  pools.append(abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size, mtp=True)
+               if spec else None)
+  kv = _shard_bytes(pools[-1] if spec else pools[0])
+  fit = fit_verdict(pb["all"], kv, target.hbm_bytes)
+  report = dict(model=cfg.model_type if not isinstance(model, str) else model, layout=layout,
+                mesh_axes=dict(mesh_axes), gpu=gpu, hosts=hosts, devices=mesh.size,
+                devices_per_host=mesh.size // hosts, dtype=dtype,
+                workload=dataclasses.asdict(w), hbm_bytes=target.hbm_bytes,
+                params_bytes_per_device=pb["all"], kv_bytes_per_device=kv,
+                kv_pages_per_rank=w.pool_pages(), fit=fit, notes=notes, programs=[], verdicts=[])
+  if not fit["fits"]:
+    return report
+  for name, seqs, ranks, draft, lower in specs:
+    lowered, shapes = lower(params, pools)
+    entry = dict(name=name, shapes=dataclasses.asdict(shapes), ranks=ranks,
+                 **compile_program(lowered, target.hbm_bytes))
+    entry["cost"] = step_cost(cfg, mesh, layout, seqs, pb, ranks=ranks, draft=draft)
+    entry["roofline"] = roofline(entry["cost"], gpu)
+    report["programs"].append(entry)
+  report["verdicts"] = [program_verdict(p, target.hbm_bytes) for p in report["programs"]]
+  return report
+
+
+def program_verdict(program: dict, hbm_bytes: float) -> str:
+  """One line: whether a compiled program's peak fits, naming the parts."""
+  m = program["memory"]
+  peak, name = program["peak_bytes"] / _GB, program["name"]
+  parts = (f"arguments (params + KV + batch) {m['argument_bytes'] / _GB:.1f} GB + temporaries "
+           f"{m['temp_bytes'] / _GB:.1f} GB")
+  if program["fits"]:
+    return f"{name}: fits, peak {peak:.1f} GB <= {hbm_bytes / _GB:.0f} GB ({parts})"
+  return (f"{name}: DOES NOT FIT, peak {peak:.1f} GB > {hbm_bytes / _GB:.0f} GB (over by "
+          f"{peak - hbm_bytes / _GB:.1f} GB; {parts})")
+
+
+def format_plan(r: dict) -> str:
+  """A plain-text table of `gpu_plan`'s dict (GB = 1e9 bytes, per device)."""
+  mesh = ",".join(f"{k}={v}" for k, v in r["mesh_axes"].items())
+  w = r["workload"]
+  lines = [f"{r['model']}  layout={r['layout']}  mesh {mesh}  {r['hosts']} host(s) x "
+           f"{r['devices_per_host']} {r['gpu'].upper()} ({r['devices']} devices)  {r['dtype']}",
+           f"workload per rank: batch {w['batch']} x context {w['context']}, prefill chunk "
+           f"{w['prefill_tokens']}, page size {w['page_size']}, {r['kv_pages_per_rank']} pages, "
+           f"draft tokens {w['num_draft_tokens']}",
+           f"per device: params {r['params_bytes_per_device'] / _GB:.2f} GB, KV "
+           f"{r['kv_bytes_per_device'] / _GB:.2f} GB, device memory {r['hbm_bytes'] / _GB:.0f} GB",
+           ("FITS: " if r["fit"]["fits"] else "DOES NOT FIT: ") + r["fit"]["message"]]
+  lines += [f"note: {n}" for n in r["notes"]]
+  if not r["programs"]:
+    lines.append("nothing compiled")
+    return "\n".join(lines)
+  lines += ["", f"{'program':<22}{'T':>6}{'B':>5}{'pages':>6}{'args GB':>9}{'temp GB':>9}"
+                f"{'peak GB':>9}{'fits':>6}{'triton':>7}{'gathers':>8}{'GFLOP':>10}{'GB moved':>9}"
+                f"{'roofline ms':>12}  bound"]
+  for p in r["programs"]:
+    m, s, c, t = p["memory"], p["shapes"], p["cost"], p["roofline"]
+    lines.append(f"{p['name']:<22}{s['tokens']:>6}{s['seqs']:>5}{s['pages']:>6}"
+                 f"{m['argument_bytes'] / _GB:>9.2f}{m['temp_bytes'] / _GB:>9.2f}"
+                 f"{p['peak_bytes'] / _GB:>9.2f}{'yes' if p['fits'] else 'NO':>6}"
+                 f"{'yes' if p['triton_kernels'] else 'no':>7}{p['kernel_all_gathers']:>8}"
+                 f"{c['flops'] / 1e9:>10.1f}{c['bytes'] / _GB:>9.2f}{t['step_s'] * 1e3:>12.3f}"
+                 f"  {t['bound']}")
+  lines += [""] + r["verdicts"]
+  lines += ["", "T tokens / B sequences per rank (bucketed); args = params + pool + batch; "
+                "gathers: all-gathers around the Pallas kernels (GSPMD replicates a custom "
+                "call's operands outside shard_map); roofline: max(FLOPs / peak, bytes / HBM "
+                "bandwidth) per device, collectives not included."]
+  return "\n".join(lines)
+
+
+def run_gpu_plan(*, model: str, mesh: str, layout: str, gpu: str = "h100", hosts: int = 1,
+                 dtype: str = "bfloat16", json_out: str | None = None, **workload) -> dict:
+  """`gpu_plan` for a 'data=4,expert=8' mesh string and `Workload` fields as
+  keywords; prints the table and writes the dict as JSON to `json_out` when given."""
+  report = gpu_plan(model=model, mesh_axes=parse_mesh(mesh), layout=layout, gpu=gpu,
+                    hosts=hosts, dtype=dtype, workload=Workload(**workload))
+  print(format_plan(report))
+  if json_out:
+    with open(json_out, "w") as f:
+      json.dump(report, f, indent=1)
+    print(f"\nwrote {json_out}")
+  return report
