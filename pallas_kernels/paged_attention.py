@@ -13,7 +13,8 @@ The core (`ragged_core`) works on a token-flattened batch: sequence b owns the
 query rows cu_q_lens[b]:cu_q_lens[b + 1]. Its work items are query blocks: a
 sequence with q tokens gets ceil(q / block_q) items, so a decode token costs
 one small item and a prefill chunk is tiled, never padded to the longest.
-One program per (item, KV head x row block, split):
+One program per (KV head x row block, item, split), the first axis fastest in
+launch order, so an item's row blocks run side by side and share its pages in L2:
 
   rows      an item's block_q tokens x the G query heads of one KV head,
             tiled into row blocks of at most 64 (tensor-core tiles >= 16);
@@ -103,8 +104,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_
   #                               q_pos0 (first token's position), n_tok, unused
   # glob_ref  [2] int32           layer, window (0 = none)
   # o_ref [block_r, Dv] f32, m_ref / l_ref [block_r] f32: this split's partials
-  head = pl.program_id(1) // row_blocks
-  row0 = (pl.program_id(1) % row_blocks) * block_r
+  head = pl.program_id(0) // row_blocks
+  row0 = (pl.program_id(0) % row_blocks) * block_r
   split = pl.program_id(2)
   layer, window = glob_ref[0], glob_ref[1]
   kv_end, q_pos0, n_tok = item_ref[0], item_ref[1], item_ref[2]
@@ -242,27 +243,27 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
   rb = lambda i: i % row_blocks
   kvh = lambda i: i // row_blocks
   in_specs = [
-      pl.BlockSpec((None, None, block_r, D), lambda w, i, s: (w, kvh(i), rb(i), 0)),
+      pl.BlockSpec((None, None, block_r, D), lambda i, w, s: (w, kvh(i), rb(i), 0)),
       hbm,
       None if v_from_k else hbm,
-      pl.BlockSpec((None, pages_per_split), lambda w, i, s: (w, s)),
-      pl.BlockSpec((None, 4), lambda w, i, s: (w, 0)),
-      pl.BlockSpec((2,), lambda w, i, s: (0,)),
+      pl.BlockSpec((None, pages_per_split), lambda i, w, s: (w, s)),
+      pl.BlockSpec((None, 4), lambda i, w, s: (w, 0)),
+      pl.BlockSpec((2,), lambda i, w, s: (0,)),
   ]
   args = [qi, k_pages, v_pages, tables, item_meta.astype(jnp.int32), glob]
   out_shape = [jax.ShapeDtypeStruct((W, K, splits, rows, dv), jnp.float32),
                jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32),
                jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32)]
   out_specs = [
-      pl.BlockSpec((None, None, None, block_r, dv), lambda w, i, s: (w, kvh(i), s, rb(i), 0)),
-      pl.BlockSpec((None, None, None, block_r), lambda w, i, s: (w, kvh(i), s, rb(i))),
-      pl.BlockSpec((None, None, None, block_r), lambda w, i, s: (w, kvh(i), s, rb(i)))]
+      pl.BlockSpec((None, None, None, block_r, dv), lambda i, w, s: (w, kvh(i), s, rb(i), 0)),
+      pl.BlockSpec((None, None, None, block_r), lambda i, w, s: (w, kvh(i), s, rb(i))),
+      pl.BlockSpec((None, None, None, block_r), lambda i, w, s: (w, kvh(i), s, rb(i)))]
   if v_from_k:
     in_specs.pop(2)
     args.pop(2)
     kernel = functools.partial(_drop_arg, kernel, 2)
   acc, m, l = pl.pallas_call(
-      kernel, grid=(W, K * row_blocks, splits), in_specs=in_specs, out_specs=out_specs,
+      kernel, grid=(K * row_blocks, W, splits), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret, name="paged_attention",
       compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                            num_stages=blocks.num_stages))(*args)
