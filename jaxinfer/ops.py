@@ -25,19 +25,19 @@ kernel comes from shapes alone (`paged_tiling`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels
-from pallas_kernels.paged_attention import tile_error
+from pallas_kernels.paged_attention import gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
 IMPLEMENTATIONS = ("xla", "pallas")
 TARGETS = ("gpu", "cpu")
 _MASKED = -1e30
-_KEYS_PER_STEP = 64  # paged kernel: keys loaded per loop step on GPU
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
 
 
@@ -61,17 +61,20 @@ def resolve(implementation: str | None, target: str | None = None) -> tuple[str,
   return impl, target != "gpu"
 
 
-def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int) -> dict:
-  """GPU tiling of the paged kernel from static shapes: pages_per_compute_block
-  so that ~64 keys are loaded per loop step, and split-K (num_splits, up to 8,
-  never more than the sequence has page blocks) when sequences x KV heads
-  give fewer programs than an H100 has SMs. The kernel's keyword arguments."""
-  ppcb = max(1, _KEYS_PER_STEP // page_size)
-  out = dict(pages_per_compute_block=ppcb, num_splits=1)
-  programs = num_seqs * num_kv_heads
-  if programs < _SM_PROGRAMS:
-    out["num_splits"] = max(1, min(8, 2 * _SM_PROGRAMS // programs, -(-pages_per_seq // ppcb)))
-  return out
+def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
+                 num_q_heads: int | None = None, max_q: int = 1, head_dim: int = 128,
+                 value_dim: int | None = None, values_from_keys: bool = False) -> dict:
+  """GPU tiling of the paged kernel from static shapes (the kernel's keyword
+  arguments): `pallas_kernels.paged_attention.gpu_blocks`, i.e. ~64 keys
+  per loop step, split-K (up to 8) when sequences x KV heads x row blocks
+  give fewer than ~2 programs per H100 SM and the split partials stay under
+  10% of the KV bytes, 8 warps for MLA-wide values."""
+  b = gpu_blocks(num_seqs=num_seqs, num_kv_heads=num_kv_heads,
+                 num_q_heads=num_q_heads or num_kv_heads, max_q=max_q,
+                 pages_per_seq=pages_per_seq, page_size=page_size, head_dim=head_dim,
+                 value_dim=value_dim or head_dim, values_from_keys=values_from_keys,
+                 sms=_SM_PROGRAMS)
+  return dataclasses.asdict(b)
 
 
 def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scale,
@@ -171,9 +174,10 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
     tiling = {}
     if not interpret:
       page_size = k_pages.shape[-2]  # pools [(L,) K, P, page_size, H]
-      tiling = paged_tiling(page_table.shape[0], k_pages.shape[-4], page_table.shape[1],
-                            page_size)
       dv = v_head_dim if v_pages is None else v_pages.shape[-1]
+      tiling = paged_tiling(page_table.shape[0], k_pages.shape[-4], page_table.shape[1],
+                            page_size, num_q_heads=q.shape[1], max_q=max_q,
+                            head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None)
       why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
       if why and implementation is None:
         impl = "xla"

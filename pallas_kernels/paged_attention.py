@@ -79,6 +79,32 @@ def pow2_parts(n: int) -> tuple[tuple[int, int], ...]:
   return tuple(parts)
 
 
+def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int,
+               pages_per_seq: int, page_size: int, head_dim: int, value_dim: int,
+               values_from_keys: bool = False, sms: int = 132) -> PagedBlocks:
+  """GPU tiling from static shapes.
+
+  - pages_per_compute_block: ~64 keys per loop step.
+  - num_warps 8 when Dv >= 256 (MLA's [64, 512] f32 accumulator is 128
+    registers a thread at 256 threads; at 128 threads ptxas spills).
+  - num_splits (split-K): enough programs for ~2 per SM when sequences x KV
+    heads x row blocks fall short, but never so many that the f32 partials
+    (rows x (Dv + 2) x 4 bytes, written and read, per split) exceed 10% of
+    the KV bytes the programs read, nor more splits than page blocks.
+  """
+  ppcb = max(1, 64 // page_size)
+  _, rows, _ = item_sizes(num_kv_heads, num_q_heads, max_q, num_seqs * max_q, num_seqs)
+  row_blocks = rows // min(rows, MAX_ROWS)
+  programs = num_seqs * num_kv_heads * row_blocks
+  splits = max(1, 2 * sms // programs)
+  kv_bytes = pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim)) * 2
+  partial_bytes = rows * (value_dim + 2) * 4 * 2
+  splits = min(splits, 8, max(1, int(0.1 * kv_bytes * row_blocks / partial_bytes)),
+               pl.cdiv(pages_per_seq, ppcb))
+  return PagedBlocks(pages_per_compute_block=ppcb, num_splits=max(1, splits),
+                     num_warps=8 if value_dim >= 256 else 4)
+
+
 def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
   """Why the compiled (GPU) kernel cannot tile these sizes, or None.
   Triton tiles are powers of two and its dots need every dim >= 16."""
@@ -99,7 +125,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_
   # q_ref     [block_r, D]        rows r: token r // G of the item x query head r % G
   # k_ref     [L, K, P, ps, D]    the whole stacked pool, left in HBM (pointer loads)
   # v_ref     [L, K, P, ps, Dv]   (None when v_from_k: values are k's first Dv columns)
-  # table_ref [pages_per_split]   this split's page ids of the item's sequence
+  # table_ref [pages_padded]      the item's sequence's page ids (+ ppcb padding)
   # item_ref  [4] int32           kv_end (keys visible to the item's last token),
   #                               q_pos0 (first token's position), n_tok, unused
   # glob_ref  [2] int32           layer, window (0 = none)
@@ -121,20 +147,21 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_
 
   first_page = split * pages_per_split
   end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_end, page_size))
-  # With a window, pages wholly before every row's window are skipped.
+  # With a window, pages wholly before every row's window are skipped; blocks
+  # start at the first page needed (the table carries ppcb pages of padding).
   lo_tok = jnp.where(window > 0, q_pos0 - window + 1, 0)
   start_page = jnp.maximum(first_page, jnp.maximum(lo_tok, 0) // page_size)
-  first_block = (start_page - first_page) // ppcb
-  num_blocks = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
+  num_blocks = pl.cdiv(jnp.maximum(end_page - start_page, 0), ppcb)
+  end_tok = end_page * page_size
 
   def body(blk, carry):
     accs, m, l = carry
-    pages = table_ref[pl.ds(blk * ppcb, ppcb)]  # [ppcb]
+    local = start_page + blk * ppcb
+    pages = table_ref[pl.ds(local, ppcb)]  # [ppcb]
     ks = [k_ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n) for a, n in k_parts]
     s = sum(dot(q, k, (((1,), (1,)), ((), ()))) for q, k in zip(qs, ks)) * scale
-    k_pos = (first_page + blk * ppcb) * page_size + lax.broadcasted_iota(
-        jnp.int32, (block_r, block_k), 1)
-    mask = (k_pos < kv_end) & (k_pos <= q_pos) & row_valid
+    k_pos = local * page_size + lax.broadcasted_iota(jnp.int32, (block_r, block_k), 1)
+    mask = (k_pos < jnp.minimum(kv_end, end_tok)) & (k_pos <= q_pos) & row_valid
     mask &= (window == 0) | (q_pos - k_pos < window)
     s = jnp.where(mask, s, MASK)
     m_new = jnp.maximum(m, s.max(axis=1))
@@ -151,7 +178,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_
 
   init = (tuple(jnp.zeros((block_r, n), jnp.float32) for _, n in v_parts),
           jnp.full((block_r,), MASK, jnp.float32), jnp.zeros((block_r,), jnp.float32))
-  accs, m, l = lax.fori_loop(first_block, num_blocks, body, init)
+  accs, m, l = lax.fori_loop(0, num_blocks, body, init)
   for (a, n), acc in zip(v_parts, accs):
     o_ref[:, pl.ds(a, n)] = acc
   m_ref[...] = m
@@ -227,8 +254,9 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
   kv_lens = kv_lens.astype(jnp.int32)
   q_pos0 = kv_lens[it.seq] - q_lens[it.seq] + (it.start - cu_q_lens[it.seq])
   item_meta = jnp.stack([q_pos0 + it.n_tok, q_pos0, it.n_tok, jnp.zeros_like(q_pos0)], 1)
-  tables = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pages_per_split * splits - pps)))
-  tables = tables[it.seq]  # [W, pages]
+  pages_padded = pages_per_split * splits + ppcb
+  tables = jnp.pad(page_indices.astype(jnp.int32), ((0, 0), (0, pages_padded - pps)))
+  tables = tables[it.seq]  # [W, pages_padded]
   # Item rows: token t of the item x head g of a KV head -> [W, K, rows, D].
   tok = jnp.clip(it.start[:, None] + jnp.arange(block_q)[None], 0, T - 1)  # [W, block_q]
   qi = q[tok].reshape(W, block_q, K, G, D).transpose(0, 2, 1, 3, 4).reshape(W, K, -1, D)
@@ -246,7 +274,7 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
       pl.BlockSpec((None, None, block_r, D), lambda i, w, s: (w, kvh(i), rb(i), 0)),
       hbm,
       None if v_from_k else hbm,
-      pl.BlockSpec((None, pages_per_split), lambda i, w, s: (w, s)),
+      pl.BlockSpec((None, pages_padded), lambda i, w, s: (w, 0)),
       pl.BlockSpec((None, 4), lambda i, w, s: (w, 0)),
       pl.BlockSpec((2,), lambda i, w, s: (0,)),
   ]

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from jaxinfer import ops
 
 POOL_PAGES = 32768  # pages in every case's pool
 
@@ -60,15 +61,13 @@ class KernelCase:
     return self.ctx // self.ps
 
   def blocks(self) -> dict:
-    """Kernel tiling for the case: ~64 keys per loop step; split-K so that
-    small decode batches still give every SM programs."""
+    """Kernel tiling for the case: the Engine's own (`ops.paged_tiling`)."""
     if self.kernel == "flash":
       return {}
-    kw = dict(pages_per_compute_block=max(1, 64 // self.ps))
-    programs = self.B * self.K
-    if programs < 132:
-      kw["num_splits"] = min(8, max(1, 264 // programs), self.pages_per_seq)
-    return kw
+    max_q = self.prefill_tokens or self.Q
+    return ops.paged_tiling(self.B, self.K, self.pages_per_seq, self.ps, num_q_heads=self.N,
+                            max_q=max_q, head_dim=self.D, value_dim=self.Dv,
+                            values_from_keys=self.kernel == "mla" or self.D != self.Dv)
 
 
 def _c(name, kernel, model, **kw):

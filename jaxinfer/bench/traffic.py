@@ -82,15 +82,13 @@ def _items(seqs, W: int, block_q: int) -> list[tuple[int, int, int]]:
 def split_pages(kv_end: int, q_pos0: int, split: int, *, ps: int, pages_per_split: int,
                 ppcb: int, window: int = 0) -> int:
   """Pages one paged program loads: its split's pages from the window's first
-  page (rounded down to a whole compute block) to ceil(kv_end / ps), in
-  whole blocks of ppcb pages (the last block's masked pages are still loaded)."""
+  page to ceil(kv_end / ps), in whole blocks of ppcb pages starting at that
+  first page (the last block's masked pages are still loaded)."""
   first = split * pages_per_split
   end = min(first + pages_per_split, -(-kv_end // ps))
   lo_tok = q_pos0 - window + 1 if window else 0
   start = max(first, max(lo_tok, 0) // ps)
-  first_block = (start - first) // ppcb
-  num_blocks = -(-max(end - first, 0) // ppcb)
-  return max(num_blocks - first_block, 0) * ppcb
+  return -(-max(end - start, 0) // ppcb) * ppcb
 
 
 def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv: int,
