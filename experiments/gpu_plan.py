@@ -11,6 +11,11 @@ Needs the GPU compile toolchain (`pip install -e ".[gpu-compile]"`); nothing is
 allocated (abstract params, pool and batches).
 """
 
+import os
+
+# Compile-only GPUs need no GPU: keep the CUDA plugin from trying to start one.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 from absl import app, flags
 
 from jaxinfer.bench.gpu_plan import run_gpu_plan

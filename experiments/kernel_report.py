@@ -9,6 +9,11 @@ minimum HBM bytes and the roofline from the shapes.
 Needs the gpu-compile extra (CUDA PJRT plugin + ptxas); run with JAX_PLATFORMS=cpu.
 """
 
+import os
+
+# Compile-only GPUs need no GPU: keep the CUDA plugin from trying to start one.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
 from absl import app, flags
 
 from jaxinfer.bench.kernel_report import HEADER, run_report

@@ -87,8 +87,12 @@ def topology(gpu: str = "h100", *, hosts: int = 1, devices_per_host: int = 1):
   if why:
     raise RuntimeError(why)
   from jax.experimental import topologies
-  return topologies.get_topology_desc(platform="cuda", target_config=target(gpu).config_text(),
-                                      topology=f"1x{hosts}x{devices_per_host}")
+  try:
+    return topologies.get_topology_desc(platform="cuda", target_config=target(gpu).config_text(),
+                                        topology=f"1x{hosts}x{devices_per_host}")
+  except NotImplementedError as e:  # the plugin tried CUDA at start-up, failed, and left
+    raise RuntimeError("no compile-only CUDA topology in this process: on a machine without "
+                       "a GPU, start it with JAX_PLATFORMS=cpu (set before jax is imported)") from e
 
 
 def devices(gpu: str = "h100", *, hosts: int = 1, devices_per_host: int = 1) -> list:
