@@ -8,7 +8,9 @@
   ragged_paged_attention   an engine step's mixed prefill + decode batch in one call
 
 This package imports nothing from `jaxinfer`; `jaxinfer/ops.py` picks kernels.
-All kernels run on CPU in Pallas interpret mode (`interpret=True`).
+All kernels run on CPU in Pallas interpret mode (`interpret=True`) and lower
+through Triton for GPUs (jax 0.10: `plgpu.CompilerParams`); the tests compile
+them into H100 and A100 executables at serving shapes on a CPU machine.
 """
 
 from pallas_kernels.mla_paged_attention import mla_paged_attention, mla_paged_attention_reference
