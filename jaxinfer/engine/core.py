@@ -1,0 +1,225 @@
+"""The engine's host core: requests, one `Scheduler` + `PageAllocator` per
+attention-DP rank, the rank choice, the KV hand-over bookkeeping of
+disaggregated serving and the step's bucketed program shapes.
+
+`Engine` runs this core on devices; the cluster simulator (`jaxinfer/sim/`)
+runs the same core with modelled step times, so what it schedules, admits,
+reserves and pads is the engine's own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jaxinfer.engine import steps
+from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.scheduler import Request, Scheduler, capacity_error
+from jaxinfer.kv_cache import PageAllocator
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestMetrics:
+  """Per-request timings (seconds, wall clock on the host) and token counts."""
+
+  ttft_s: float | None  # submit -> first token
+  tpot_s: float | None  # mean time per output token after the first
+  prompt_tokens: int
+  cached_prompt_tokens: int  # served from the prefix cache
+  computed_prompt_tokens: int  # prompt tokens computed (more than uncached after a preemption)
+  generated_tokens: int
+  preemptions: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestOutput:
+  """What a request produced so far: its tokens, why it stopped, its metrics."""
+
+  request_id: int
+  prompt_token_ids: list[int]
+  token_ids: list[int]
+  finish_reason: str | None  # "stop" | "length" | "abort"; None while running
+  metrics: RequestMetrics
+
+
+class EngineCore:
+  """Requests over per-rank schedulers and page allocators (no devices).
+
+  A subclass calls `_init_core` with an `EngineConfig` and the ranks' pool
+  size, then steps the schedulers its own way."""
+
+  def _init_core(self, config, *, num_ranks: int, num_pages: int, max_model_len: int,
+                 vocab_size: int, eos_ids: Sequence[int]) -> None:
+    self.config, self.num_ranks, self.max_model_len = config, num_ranks, max_model_len
+    self.max_pages_per_seq = -(-max_model_len // config.page_size)
+    self.vocab_size, self._eos_ids = vocab_size, frozenset(eos_ids)
+    self._spec = config.speculative
+    self.allocators = [PageAllocator(num_pages, config.page_size,
+                                     prefix_caching=config.enable_prefix_caching)
+                       for _ in range(num_ranks)]
+    self.allocator = self.allocators[0]
+    chunk = min(config.prefill_chunk_size or config.max_num_batched_tokens,
+                config.max_num_batched_tokens)
+    self.schedulers = [Scheduler(a, max_num_seqs=config.max_num_seqs,
+                                 max_num_batched_tokens=config.max_num_batched_tokens,
+                                 prefill_chunk_size=chunk, max_model_len=max_model_len)
+                       for a in self.allocators]
+    self.scheduler = self.schedulers[0]
+    self._chunk = chunk
+    self._requests: dict[int, Request] = {}
+    self._next_id = 0
+
+  # ------------------------------------------------------------ requests
+
+  def _validate(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
+    if sampling is None:
+      sampling = SamplingParams()
+    if not isinstance(sampling, SamplingParams):
+      raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    arr = np.asarray(prompt)
+    if arr.ndim != 1 or arr.size == 0:
+      raise ValueError(f"prompt must be a non-empty 1-D sequence of token ids, got shape {arr.shape}")
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise TypeError(f"prompt token ids must be integers, got dtype {arr.dtype}")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= self.vocab_size:
+      raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got min {lo}, max {hi}")
+    why = capacity_error(arr.size, sampling.max_tokens, max_model_len=self.max_model_len,
+                         page_size=self.config.page_size,
+                         usable_pages=self.allocator.usable_pages)
+    if why:
+      raise ValueError(why)
+    return arr.astype(np.int64).tolist(), sampling
+
+  def check_request(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
+    """Validates a request without queueing it -> (token ids, sampling)."""
+    return self._validate(prompt, sampling)
+
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None, *,
+             hold_pages: bool = False) -> int:
+    """Queues a request; returns its id. Raises on bad input, queueing nothing.
+    hold_pages: when it finishes (not on abort), its KV pages stay allocated
+    for `take_pages` (a disaggregated prefill hands them to a decode worker)."""
+    rid = self._enqueue(*self._validate(prompt, sampling))
+    self._requests[rid].hold_pages = hold_pages
+    return rid
+
+  def _new_request(self, tokens: list[int], sampling: SamplingParams, **fields) -> Request:
+    stop = set(sampling.stop_token_ids)
+    if not self.config.ignore_eos:
+      stop |= self._eos_ids
+    rid = self._next_id
+    self._next_id += 1
+    fields.setdefault("rank", self._pick_rank())
+    req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop), **fields)
+    self._requests[rid] = req
+    return req
+
+  def _enqueue(self, tokens: list[int], sampling: SamplingParams) -> int:
+    req = self._new_request(tokens, sampling)
+    self.schedulers[req.rank].add(req)
+    return req.id
+
+  def _pick_rank(self) -> int:
+    """The DP rank with the least work (`Scheduler.load`)."""
+    return min(range(self.num_ranks), key=lambda r: self.schedulers[r].load())
+
+  def abort(self, request_id: int) -> RequestOutput:
+    """Stops a request, freeing its pages; returns what it produced."""
+    req = self._requests.get(request_id)
+    if req is None:
+      raise ValueError(f"abort: unknown request_id {request_id}")
+    if not req.finished:
+      self.schedulers[req.rank].finish(req, "abort")
+    return self.output(request_id)
+
+  def has_unfinished(self) -> bool:
+    """Whether any request is queued or running."""
+    return any(s.has_work() for s in self.schedulers)
+
+  def output(self, request_id: int) -> RequestOutput:
+    """The request's `RequestOutput` now (finished or not)."""
+    req = self._requests[request_id]
+    tpot = None
+    if req.finish_s is not None and len(req.output) > 1:
+      tpot = (req.finish_s - req.first_token_s) / (len(req.output) - 1)
+    ttft = None if req.first_token_s is None else req.first_token_s - req.arrival_s
+    metrics = RequestMetrics(ttft_s=ttft, tpot_s=tpot, prompt_tokens=len(req.prompt),
+                             cached_prompt_tokens=req.cached_prompt_tokens,
+                             computed_prompt_tokens=req.prefill_computed,
+                             generated_tokens=len(req.output), preemptions=req.preemptions)
+    return RequestOutput(request_id=req.id, prompt_token_ids=list(req.prompt),
+                         token_ids=list(req.output), finish_reason=req.finish_reason,
+                         metrics=metrics)
+
+  # ------------------------------------------------------------ step shapes
+
+  def spec_draft_tokens(self, sch: Scheduler) -> int:
+    """The MTP drafts K of a rank's next speculative step (by its batch)."""
+    return self._spec.draft_tokens_for(
+        min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
+
+  def step_shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
+    """The bucketed program shapes for the non-empty per-rank schedules."""
+    c = self.config
+    pages = steps.bucket(max(len(s.request.pages) for sch in busy for s in sch),
+                         self.max_pages_per_seq)
+    if c.fixed_step_shapes:
+      return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
+                              max_q=max_q_cap)
+    return steps.StepShapes(
+        tokens=steps.bucket(max(sum(s.num_tokens for s in sch) for sch in busy),
+                            c.max_num_batched_tokens),
+        seqs=steps.bucket(max(len(sch) for sch in busy), c.max_num_seqs),
+        pages=pages, max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
+
+  # ------------------------------------------------------------ KV hand-over
+
+  def take_pages(self, request_id: int) -> tuple[int, list[int]]:
+    """A finished request submitted with hold_pages: -> (rank, its KV pages
+    in token order), now the caller's to `read_pages` and `release_pages`."""
+    req = self._requests.get(request_id)
+    if req is None or not req.hold_pages:
+      raise ValueError(f"take_pages: request {request_id} was not submitted with hold_pages")
+    if not req.finished:
+      raise ValueError(f"take_pages: request {request_id} has not finished")
+    pages, req.pages = req.pages, []
+    return req.rank, pages
+
+  def release_pages(self, rank: int, pages) -> None:
+    self.allocators[rank].release(pages)
+
+  def reserve_pages(self, num_tokens: int) -> tuple[int, list[int]] | None:
+    """Pages for num_tokens of K/V on the least-loaded rank, taken now (the
+    decode side of a disaggregated prefill reserves first). None if the pool
+    cannot spare them."""
+    rank = self._pick_rank()
+    pages = self.allocators[rank].allocate(-(-num_tokens // self.config.page_size))
+    return None if pages is None else (rank, pages)
+
+  def submit_prefilled(self, prompt: Sequence[int], first_token: int,
+                       sampling: SamplingParams | None, rank: int, pages: list[int], *,
+                       arrival_s: float | None = None, first_token_s: float | None = None) -> int:
+    """Queues a request whose prompt K/V is already in `pages` (reserved on
+    `rank`, then written) and whose first token was sampled elsewhere; it
+    decodes from there. The pages become the request's."""
+    tokens, sampling = self._validate(prompt, sampling)
+    if not 0 <= int(first_token) < self.vocab_size:
+      raise ValueError(f"submit_prefilled: first_token {first_token} is out of the vocabulary "
+                       f"[0, {self.vocab_size})")
+    if sampling.max_tokens < 2:
+      raise ValueError("submit_prefilled: max_tokens < 2 leaves nothing to decode after the "
+                       "first token")
+    if len(pages) * self.config.page_size < len(tokens):
+      raise ValueError(f"submit_prefilled: {len(pages)} pages hold fewer than the prompt's "
+                       f"{len(tokens)} tokens")
+    now = time.perf_counter()
+    req = self._new_request(tokens, sampling, rank=rank, pages=list(pages),
+                            num_computed=len(tokens), output=[int(first_token)], admitted=True,
+                            arrival_s=now if arrival_s is None else arrival_s,
+                            first_token_s=now if first_token_s is None else first_token_s)
+    self.schedulers[rank].add(req)
+    return req.id
