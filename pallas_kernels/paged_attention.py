@@ -47,7 +47,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-MAX_ROWS = 64  # rows per program: [64, 512] f32 accumulators stay in registers
+MAX_ROWS = 128  # rows per program for values up to 128 wide ([128, 128] f32 accumulators)
+MAX_ROWS_WIDE = 64  # ... and for wider values (MLA's [64, 512] f32 accumulators)
+
+
+def max_rows(dv: int) -> int:
+  """Rows a program tiles: accumulators [rows, Dv] f32 must stay in registers."""
+  return MAX_ROWS if dv <= 128 else MAX_ROWS_WIDE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,24 +91,28 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
   """GPU tiling from static shapes.
 
   - pages_per_compute_block: ~64 keys per loop step.
-  - num_warps 8 when Dv >= 256 (MLA's [64, 512] f32 accumulator is 128
-    registers a thread at 256 threads; at 128 threads ptxas spills).
+  - num_warps 8 when the f32 accumulator exceeds [64, 128] (MLA's [64, 512]
+    is 128 registers a thread at 256 threads; at 128 threads ptxas spills).
   - num_splits (split-K): enough programs for ~2 per SM when sequences x KV
     heads x row blocks fall short, but never so many that the f32 partials
     (rows x (Dv + 2) x 4 bytes, written and read, per split) exceed 10% of
     the KV bytes the programs read, nor more splits than page blocks.
   """
   ppcb = max(1, 64 // page_size)
-  _, rows, _ = item_sizes(num_kv_heads, num_q_heads, max_q, num_seqs * max_q, num_seqs)
-  row_blocks = rows // min(rows, MAX_ROWS)
+  _, rows, _ = item_sizes(num_kv_heads, num_q_heads, max_q, num_seqs * max_q, num_seqs,
+                          value_dim)
+  block_r = min(rows, max_rows(value_dim))
+  row_blocks = rows // block_r
   programs = num_seqs * num_kv_heads * row_blocks
   splits = max(1, 2 * sms // programs)
   kv_bytes = pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim)) * 2
   partial_bytes = rows * (value_dim + 2) * 4 * 2
   splits = min(splits, 8, max(1, int(0.1 * kv_bytes * row_blocks / partial_bytes)),
                pl.cdiv(pages_per_seq, ppcb))
+  # 8 warps keep a [64, 512] or [128, 128] f32 accumulator at <= 128 registers a thread.
+  wide = value_dim >= 256 or block_r * value_dim > 64 * 128
   return PagedBlocks(pages_per_compute_block=ppcb, num_splits=max(1, splits),
-                     num_warps=8 if value_dim >= 256 else 4)
+                     num_warps=8 if wide else 4)
 
 
 def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
@@ -119,9 +129,9 @@ def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
   return None
 
 
-def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_ref, *,
-            scale, group, row_blocks, block_r, pages_per_split, ppcb, k_parts, v_parts,
-            v_from_k):
+def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, group,
+            row_blocks, block_r, pages_per_split, ppcb, k_parts, v_parts, v_from_k, normalize,
+            has_sinks):
   # q_ref     [block_r, D]        rows r: token r // G of the item x query head r % G
   # k_ref     [L, K, P, ps, D]    the whole stacked pool, left in HBM (pointer loads)
   # v_ref     [L, K, P, ps, Dv]   (None when v_from_k: values are k's first Dv columns)
@@ -129,7 +139,11 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_
   # item_ref  [4] int32           kv_end (keys visible to the item's last token),
   #                               q_pos0 (first token's position), n_tok, unused
   # glob_ref  [2] int32           layer, window (0 = none)
-  # o_ref [block_r, Dv] f32, m_ref / l_ref [block_r] f32: this split's partials
+  # sink_ref  [block_r] f32       (normalize with sinks) each row's head's sink logit
+  # normalize (one split): o_ref [block_r, Dv] in q's dtype, the attention output;
+  # else o_ref [block_r, Dv] f32, m_ref / l_ref [block_r] f32: this split's partials
+  sink_ref = refs[0] if normalize and has_sinks else None
+  o_ref, *ml_refs = refs[1:] if sink_ref is not None else refs
   head = pl.program_id(0) // row_blocks
   row0 = (pl.program_id(0) % row_blocks) * block_r
   split = pl.program_id(2)
@@ -176,13 +190,21 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, o_ref, m_ref, l_
                  for acc, v in zip(accs, vs))
     return accs, m_new, corr * l + p.sum(axis=1)
 
-  init = (tuple(jnp.zeros((block_r, n), jnp.float32) for _, n in v_parts),
-          jnp.full((block_r,), MASK, jnp.float32), jnp.zeros((block_r,), jnp.float32))
+  if sink_ref is not None:  # the sink: a virtual key with logit `sink` and a zero value
+    m0, l0 = sink_ref[...], jnp.ones((block_r,), jnp.float32)
+  else:
+    m0, l0 = jnp.full((block_r,), MASK, jnp.float32), jnp.zeros((block_r,), jnp.float32)
+  init = (tuple(jnp.zeros((block_r, n), jnp.float32) for _, n in v_parts), m0, l0)
   accs, m, l = lax.fori_loop(0, num_blocks, body, init)
+  if normalize:  # one split: the output itself (rows that see nothing are 0)
+    inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
+    for (a, n), acc in zip(v_parts, accs):
+      o_ref[:, pl.ds(a, n)] = (acc * inv[:, None]).astype(o_ref.dtype)
+    return
   for (a, n), acc in zip(v_parts, accs):
     o_ref[:, pl.ds(a, n)] = acc
-  m_ref[...] = m
-  l_ref[...] = l
+  ml_refs[0][...] = m
+  ml_refs[1][...] = l
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,10 +234,12 @@ def plan_items(cu_q_lens, num_items: int, block_q: int) -> Items:
 
 
 def item_sizes(num_kv_heads: int, num_q_heads: int, max_q: int, num_tokens: int,
-               num_seqs: int) -> tuple[int, int, int]:
-  """-> (block_q tokens per item, rows per program, number of items W)."""
+               num_seqs: int, value_dim: int = 128) -> tuple[int, int, int]:
+  """-> (block_q tokens per item, rows per item (all its row blocks), number
+  of items W). An item holds as many tokens as one program's rows allow."""
   G = num_q_heads // num_kv_heads
-  block_q = min(pl.next_power_of_2(max_q), max(1, MAX_ROWS // pl.next_power_of_2(G)))
+  block_q = min(pl.next_power_of_2(max_q),
+                max(1, max_rows(value_dim) // pl.next_power_of_2(G)))
   rows = max(16, pl.next_power_of_2(block_q * G))
   # sum_b ceil(q_b / block_q) <= T / block_q + B, and <= B ceil(max_q / block_q).
   W = min(num_seqs * pl.cdiv(max_q, block_q), num_tokens // block_q + num_seqs)
@@ -245,9 +269,10 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
   ppcb, splits = blocks.pages_per_compute_block, blocks.num_splits
   pps = page_indices.shape[1]
   pages_per_split = pl.cdiv(pl.cdiv(pps, splits), ppcb) * ppcb
-  block_q, rows, W = item_sizes(K, N, max_q, T, B)
-  block_r = min(rows, MAX_ROWS)
+  block_q, rows, W = item_sizes(K, N, max_q, T, B, dv)
+  block_r = min(rows, max_rows(dv))
   row_blocks = rows // block_r
+  normalize = splits == 1  # one split: the kernel writes the output, no merge
 
   it = plan_items(cu_q_lens.astype(jnp.int32), W, block_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
@@ -266,7 +291,7 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
   kernel = functools.partial(
       _kernel, scale=scale, group=G, row_blocks=row_blocks, block_r=block_r,
       pages_per_split=pages_per_split, ppcb=ppcb, k_parts=k_parts, v_parts=v_parts,
-      v_from_k=v_from_k)
+      v_from_k=v_from_k, normalize=normalize, has_sinks=sinks is not None)
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   rb = lambda i: i % row_blocks
   kvh = lambda i: i // row_blocks
@@ -279,23 +304,30 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
       pl.BlockSpec((2,), lambda i, w, s: (0,)),
   ]
   args = [qi, k_pages, v_pages, tables, item_meta.astype(jnp.int32), glob]
-  out_shape = [jax.ShapeDtypeStruct((W, K, splits, rows, dv), jnp.float32),
-               jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32),
-               jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32)]
-  out_specs = [
-      pl.BlockSpec((None, None, None, block_r, dv), lambda i, w, s: (w, kvh(i), s, rb(i), 0)),
-      pl.BlockSpec((None, None, None, block_r), lambda i, w, s: (w, kvh(i), s, rb(i))),
-      pl.BlockSpec((None, None, None, block_r), lambda i, w, s: (w, kvh(i), s, rb(i)))]
+  if normalize and sinks is not None:  # row r of KV head k: head k G + r % G's sink
+    sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(K, G), (1, pl.cdiv(rows, G)))
+    in_specs.append(pl.BlockSpec((None, block_r), lambda i, w, s: (kvh(i), rb(i))))
+    args.append(sink_rows[:, :rows])
+  o_spec = pl.BlockSpec((None, None, None, block_r, dv), lambda i, w, s: (w, kvh(i), s, rb(i), 0))
+  ml_spec = pl.BlockSpec((None, None, None, block_r), lambda i, w, s: (w, kvh(i), s, rb(i)))
+  if normalize:
+    out_shape = [jax.ShapeDtypeStruct((W, K, 1, rows, dv), q.dtype)]
+    out_specs = [o_spec]
+  else:
+    out_shape = [jax.ShapeDtypeStruct((W, K, splits, rows, dv), jnp.float32),
+                 jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((W, K, splits, rows), jnp.float32)]
+    out_specs = [o_spec, ml_spec, ml_spec]
   if v_from_k:
     in_specs.pop(2)
     args.pop(2)
     kernel = functools.partial(_drop_arg, kernel, 2)
-  acc, m, l = pl.pallas_call(
+  outs = pl.pallas_call(
       kernel, grid=(K * row_blocks, W, splits), in_specs=in_specs, out_specs=out_specs,
       out_shape=out_shape, interpret=interpret, name="paged_attention",
       compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps,
                                            num_stages=blocks.num_stages))(*args)
-  out = merge_splits(acc, m, l, sinks, G)  # [W, K, rows, Dv]
+  out = outs[0][:, :, 0] if normalize else merge_splits(*outs, sinks, G)  # [W, K, rows, Dv]
   # Token t of sequence b sits in item first[b] + i // block_q, row (i % block_q) G + g.
   t = jnp.arange(T, dtype=jnp.int32)
   seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)

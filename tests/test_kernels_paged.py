@@ -186,8 +186,9 @@ class TestPagedKernels:
     from pallas_kernels.paged_attention import item_sizes, plan_items
     q_lens = np.array([5, 1, 0, 17, 1, 8])
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    block_q, rows, W = item_sizes(2, 16, 17, int(cu[-1]), len(q_lens))
-    assert (block_q, rows) == (8, 64)
+    block_q, rows, W = item_sizes(2, 16, 17, int(cu[-1]), len(q_lens))  # G 8, Dv 128
+    assert (block_q, rows) == (16, 128)
+    assert item_sizes(2, 16, 17, int(cu[-1]), len(q_lens), 512)[:2] == (8, 64)  # MLA-wide
     it = plan_items(cu, W, block_q)
     covered = np.concatenate([np.arange(s, s + n) for s, n in
                               zip(np.asarray(it.start), np.asarray(it.n_tok))])

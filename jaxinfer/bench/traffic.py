@@ -14,7 +14,7 @@ import math
 from typing import Sequence
 
 from pallas_kernels.flash_attention import BlockSizes
-from pallas_kernels.paged_attention import MAX_ROWS, item_sizes
+from pallas_kernels.paged_attention import item_sizes, max_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,17 +102,19 @@ def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv
              = K x row_blocks x sum over items and splits of pages ...
     q        the wrapper's gather (W x block_q x N x D read, W x K x rows x D
              written) + each program's [block_r, D] tile (once per split)
-    partials f32 acc [rows, Dv] + m, l [rows] per (item, KV head, split),
-             written by the kernel and read by the merge
-    out      T x N x Dv x e;  tables: page ids (int32) gathered and read.
+    partials split-K only: f32 acc [rows, Dv] + m, l [rows] per (item, KV
+             head, split), written by the kernel and read by the merge
+    out      one split: the kernel writes [W, K, rows, Dv] x e, gathered to
+             T x N x Dv x e; split-K: the merge writes T x N x Dv x e
+    tables   page ids (int32) gathered and read.
   minimum: sum_b min_kv_tokens x K x (D + Dv | D) x e + q + out, T = sum q."""
   if N % K:
     raise ValueError(f"N={N} must be a multiple of K={K}")
   if not seqs or any(q < 1 or kv < q for q, kv in seqs):
     raise ValueError(f"seqs must be non-empty (q, kv) pairs with 1 <= q <= kv, got {seqs}")
   T, B, G = sum(q for q, _ in seqs), len(seqs), N // K
-  block_q, rows, W = item_sizes(K, N, max(q for q, _ in seqs), T, B)
-  block_r = min(rows, MAX_ROWS)
+  block_q, rows, W = item_sizes(K, N, max(q for q, _ in seqs), T, B, Dv)
+  block_r = min(rows, max_rows(Dv))
   row_blocks = rows // block_r
   pages_per_split = -(-(-(-pages_per_seq // splits)) // ppcb) * ppcb
   items = _items(seqs, W, block_q)
@@ -123,8 +125,8 @@ def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv
   planned = dict(
       kv=K * row_blocks * sum(pages) * ps * tok_bytes,
       q=W * block_q * N * D * e + W * K * rows * D * e + programs * block_r * D * e,
-      partials=2 * W * K * splits * rows * (Dv + 2) * 4,
-      out=T * N * Dv * e,
+      partials=2 * W * K * splits * rows * (Dv + 2) * 4 * (splits > 1),
+      out=T * N * Dv * e + 2 * W * K * rows * Dv * e * (splits == 1),
       tables=programs * (pages_per_split + 4) * 4 + W * pages_per_split * splits * 4
       + B * pages_per_seq * 4)
   minimum = dict(kv=K * sum(min_kv_tokens(q, kv, window) for q, kv in seqs) * tok_bytes,
