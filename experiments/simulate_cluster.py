@@ -1,5 +1,5 @@
 """Cluster simulator: the engine's scheduler and the serving router over
-simulated workers (`jaxinfer/serving/sim.py`).
+simulated workers (`jaxinfer/sim/`).
 
   python experiments/simulate_cluster.py --mode=calibrate_check   # fit on this machine, check 2 workloads
   python experiments/simulate_cluster.py --mode=scale             # DeepSeek-R1 on 8..288 GPUs
@@ -15,7 +15,8 @@ scale            roofline step times of --sim_model on the device table:
                  disaggregated x MTP Pareto (tokens/s/GPU vs p99 TPOT, best
                  under the DeepSeek-R1 Interactive and Server limits, $/M
                  tokens), KV-aware vs round-robin routing, attention-DP
-                 rank balance. Every assumption is in sim_cost.py/sim_study.py.
+                 rank balance. Every assumption is in jaxinfer/sim/cost.py and
+                 jaxinfer/bench/sim_scale.py.
 Results: a table on stdout, JSON and a plot under experiments/results/.
 """
 
@@ -28,8 +29,8 @@ from absl import app, flags
 
 from jaxinfer import run
 from jaxinfer.bench import results
-from jaxinfer.serving import sim_calibrate, sim_study
-from jaxinfer.serving.sim import TRTLLM_R1_ACCEPTANCE
+from jaxinfer.bench import sim_calibration, sim_scale
+from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -176,7 +177,7 @@ def calibrate_check_main():
     cfg, params, _ = run.load_default_model()
   else:
     cfg, params = run.load_model(preset=_MODEL.value, dtype="float32")
-  out = sim_calibrate.calibrate_check(
+  out = sim_calibration.calibrate_check(
       cfg=cfg, params=params, num_pages=_NUM_PAGES.value, max_num_seqs=_MAX_NUM_SEQS.value,
       max_num_batched_tokens=_BUDGET.value, tolerance=_TOLERANCE.value,
       rounds=_ROUNDS_CHECK.value, seed=_SEED.value)
@@ -208,7 +209,7 @@ def scale_main():
   extra = {}
   if _EXTRA_ACCEPTANCE.value and _ACCEPTANCE.value != "measured":
     extra["measured"] = measured_acceptance()
-  out = sim_study.scale_study(
+  out = sim_scale.scale_study(
       model=_SIM_MODEL.value, devices=_DEVICES.value, gpus=[int(g) for g in _GPUS.value],
       pareto_device=_PARETO_DEVICE.value, pareto_gpus=_PARETO_GPUS.value, isl=_ISL.value,
       osl=_OSL.value, weight_dtype=_WEIGHT_DTYPE.value, kv_dtype=_KV_DTYPE.value,

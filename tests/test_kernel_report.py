@@ -6,7 +6,7 @@ import pytest
 
 from jaxinfer import gpu_compile, presets
 from jaxinfer.bench import gpu_cases, gpu_executable, kernel_report, traffic
-from jaxinfer.serving.sim_cost import RooflineCost, StepShape, device
+from jaxinfer.sim.cost import RooflineCost, StepShape, device
 
 
 def test_visible_keys_and_flops_by_hand():

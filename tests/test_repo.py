@@ -13,14 +13,16 @@ LAYERS = [
     ("jaxinfer/checkpoint", 3), ("jaxinfer/kv_cache.py", 3), ("jaxinfer/tokenizer.py", 1),
     ("jaxinfer/sharding.py", 3), ("jaxinfer/eplb.py", 3), ("jaxinfer/bench", 5),
     ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5), ("jaxinfer/training.py", 3),
-    ("jaxinfer/serving", 5), ("jaxinfer/gpu_compile.py", 3),
+    ("jaxinfer/serving", 5), ("jaxinfer/sim", 5), ("jaxinfer/gpu_compile.py", 3),
 ]
 MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
                 "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.models": 2,
                 "jaxinfer.checkpoint": 3, "jaxinfer.kv_cache": 3, "jaxinfer.tokenizer": 1,
                 "jaxinfer.sharding": 3, "jaxinfer.eplb": 3, "jaxinfer.bench": 5,
                 "jaxinfer.engine": 4, "jaxinfer.run": 5, "jaxinfer.training": 3,
-                "jaxinfer.serving": 5, "jaxinfer.gpu_compile": 3}
+                "jaxinfer.serving": 5, "jaxinfer.sim": 5, "jaxinfer.gpu_compile": 3}
+# Within a layer: (importer, what it must not import).
+FORBIDDEN = [("jaxinfer/serving", "jaxinfer.sim")]
 
 
 def _layer_of_module(name):
@@ -59,4 +61,20 @@ def test_no_upward_imports():
             bad.append((str(f), n))
           elif dep is not None and dep > layer:
             bad.append((str(f.relative_to(ROOT)), n))
+  assert not bad, bad
+
+
+def _imports(f):
+  for node in ast.walk(ast.parse(f.read_text())):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      yield node.module
+
+
+def test_serving_does_not_import_the_simulator():
+  # The simulator runs the serving flow; serving never depends on it.
+  bad = [(str(f.relative_to(ROOT)), n) for where, banned in FORBIDDEN
+         for f in sorted((ROOT / where).rglob("*.py")) for n in _imports(f)
+         if n == banned or n.startswith(banned + ".")]
   assert not bad, bad

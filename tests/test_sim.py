@@ -9,9 +9,10 @@ import pytest
 from jaxinfer import EngineConfig, MTPConfig, models, presets
 from jaxinfer.serving import workloads
 from jaxinfer.serving.disagg import DisaggConfig
-from jaxinfer.serving.sim import Simulator, WorkerSpec, check_acceptance
-from jaxinfer.serving.sim_cost import (CalibratedCost, Parallelism, RooflineCost, StepShape,
-                                       cost_per_million_tokens, device, param_counts)
+from jaxinfer.sim.cost import (CalibratedCost, Parallelism, RooflineCost, StepShape,
+                               cost_per_million_tokens, device, param_counts)
+from jaxinfer.sim.engine import WorkerSpec, check_acceptance
+from jaxinfer.sim.simulator import Simulator
 
 # 5 ms a step plus 0.1 ms a token: a CPU-like engine.
 COST = CalibratedCost(features=("const", "tokens"), coef=(5e-3, 1e-4), max_model_len=4096)
@@ -218,7 +219,7 @@ def test_measured_steps_and_simulated_steps_match_the_real_engine():
   # A burst runs the same schedule in the engine and in the simulator (the
   # same Scheduler, no timing in the loop): equal step counts and tokens.
   from jaxinfer.serving.cluster import Cluster
-  from jaxinfer.serving.sim_calibrate import measure_steps
+  from jaxinfer.bench.sim_calibration import measure_steps
   from jaxinfer.serving.worker import Worker
   import jax
   cfg = presets.get("tiny_dense", num_layers=1, dtype="float32")

@@ -27,7 +27,41 @@ class WorkerStopped(RuntimeError):
   """Raised by a stopped worker's `step`."""
 
 
-class Worker:
+class EngineWorker:
+  """An engine with a role, a name and a liveness: what the request flow
+  (`flow.Flow`) routes to. The engine is an `Engine` (a `Worker`) or the
+  cluster simulator's engine over modelled step times."""
+
+  def __init__(self, engine, *, role: str = "mixed", name: str | None = None):
+    if role not in ROLES:
+      raise ValueError(f"{type(self).__name__}: role must be one of {ROLES}, got {role!r}")
+    self.engine, self.role = engine, role
+    self.name = name or role
+    self.alive = True
+    self.error: str | None = None
+
+  @property
+  def page_size(self) -> int:
+    return self.engine.config.page_size
+
+  def has_work(self) -> bool:
+    return self.alive and self.engine.has_unfinished()
+
+  def stop(self, reason: str = "stopped") -> None:
+    """Takes the worker out of service; its requests are the caller's to re-route."""
+    self.alive = False
+    self.error = reason
+
+  def load(self) -> dict:
+    """The load a router weighs (`load_report`)."""
+    return load_report(self.engine.schedulers, self.engine.allocators)
+
+  def take_events(self) -> list[tuple[str, bytes]]:
+    """The allocators' prefix-page events since the last call (`drain_events`)."""
+    return drain_events(self.engine.allocators)
+
+
+class Worker(EngineWorker):
   """An `Engine` on its own devices with a role ("mixed", "prefill", "decode")."""
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
@@ -46,21 +80,12 @@ class Worker:
       if not devices:
         raise ValueError("Worker: devices is empty")
       mesh = sharding.make_mesh(mesh_axes or {"tensor": len(devices)}, devices)
-    self.engine = Engine(cfg, params, config, mesh=mesh, layout=layout if mesh else None)
-    self.role, self.layout = role, layout if mesh else None
+    super().__init__(Engine(cfg, params, config, mesh=mesh, layout=layout if mesh else None),
+                     role=role, name=name)
+    self.layout = layout if mesh else None
     self.devices = devices
-    self.name = name or role
-    self.alive = True
-    self.error: str | None = None
     self._fail_after: int | None = None
     self.steps = 0
-
-  @property
-  def page_size(self) -> int:
-    return self.engine.config.page_size
-
-  def has_work(self) -> bool:
-    return self.alive and self.engine.has_unfinished()
 
   def step(self) -> list[tuple[int, list[int], bool]]:
     """Advances the engine one step (no-op without work) -> its events."""
@@ -77,19 +102,6 @@ class Worker:
     """Fault injection: `step` raises once the worker has run `steps` steps."""
     self._fail_after = steps
 
-  def stop(self, reason: str = "stopped") -> None:
-    """Takes the worker out of service; its requests are the caller's to re-route."""
-    self.alive = False
-    self.error = reason
-
-  def load(self) -> dict:
-    """The load a router weighs (`load_report`)."""
-    return load_report(self.engine.schedulers, self.engine.allocators)
-
-  def take_events(self) -> list[tuple[str, bytes]]:
-    """The allocators' prefix-page events since the last call (`drain_events`)."""
-    return drain_events(self.engine.allocators)
-
   def __repr__(self) -> str:
     devs = "default device" if self.devices is None else f"{len(self.devices)} devices"
     return f"Worker({self.name!r}, role={self.role}, {devs}, layout={self.layout})"
@@ -98,7 +110,7 @@ class Worker:
 def load_report(schedulers, allocators) -> dict:
   """The load a router weighs, from an engine's schedulers and allocators
   (one per DP rank): prompt tokens still to compute (queued and running)
-  and KV pages in use. Shared with the cluster simulator."""
+  and KV pages in use."""
   active = 0
   for sch in schedulers:
     for req in (*sch.waiting, *sch.running):

@@ -1,6 +1,6 @@
-"""Cluster studies at DeepSeek-R1 scale with the simulator (`serving/sim.py`).
+"""Cluster studies at DeepSeek-R1 scale with the simulator (`jaxinfer/sim/`).
 
-`scale_study(...)` runs, on roofline step times (`sim_cost.RooflineCost`):
+`scale_study(...)` runs, on roofline step times (`sim.cost.RooflineCost`):
 
   anchors  batch-1 decode of DeepSeek-R1 on 8 B200 (TP8, FP4) against
            TensorRT-LLM's published 111 tokens/s/user (253 with MTP3): how
@@ -41,9 +41,10 @@ from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.speculative import MTPConfig
 from jaxinfer.serving import workloads
 from jaxinfer.serving.disagg import DisaggConfig
-from jaxinfer.serving.sim import TRTLLM_R1_ACCEPTANCE, Simulator, WorkerSpec, check_acceptance
-from jaxinfer.serving.sim_cost import (Parallelism, RooflineCost, StepShape,
-                                       cost_per_million_tokens, device)
+from jaxinfer.sim.cost import (Parallelism, RooflineCost, StepShape, cost_per_million_tokens,
+                               device)
+from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE, WorkerSpec, check_acceptance
+from jaxinfer.sim.simulator import Simulator
 
 PAGE = 64  # FlashMLA's page size
 # TensorRT-LLM's balanced attention DP: average / max tokens per rank 0.88

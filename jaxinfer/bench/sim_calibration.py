@@ -33,8 +33,9 @@ import numpy as np
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.serving import workloads
 from jaxinfer.serving.cluster import Cluster
-from jaxinfer.serving.sim import Simulator, WorkerSpec
-from jaxinfer.serving.sim_cost import CalibratedCost, step_shape
+from jaxinfer.sim.cost import CalibratedCost, step_shape
+from jaxinfer.sim.engine import WorkerSpec
+from jaxinfer.sim.simulator import Simulator
 from jaxinfer.serving.worker import Worker
 
 FEATURES = ("const", "tokens", "seqs", "padded_kv")
@@ -70,8 +71,7 @@ def measure_steps(cluster: Cluster, items) -> tuple[list, list, float]:
   original = sch.on_dispatch
 
   def on_dispatch(scheduled):
-    dispatched.append(step_shape(scheduled, config=engine.config,
-                                 max_pages_per_seq=engine.max_pages_per_seq))
+    dispatched.append(step_shape(scheduled, engine=engine))
     original(scheduled)
 
   marks = []  # (time, shapes dispatched so far, work left after the step)

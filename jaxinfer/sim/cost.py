@@ -1,4 +1,4 @@
-"""Step-time models for the cluster simulator (`serving/sim.py`).
+"""Step-time models for the cluster simulator (`sim/simulator.py`).
 
 One interface: `step_time(shapes) -> StepCost`, where `shapes` holds one
 `StepShape` per simulated attention-DP rank of an instance (what its
@@ -27,7 +27,6 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import steps
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
 
@@ -158,16 +157,14 @@ class StepShape:
     return self.prefill_seqs + self.decode_seqs
 
 
-def step_shape(scheduled, *, config, max_pages_per_seq: int, spec_k: int = 0) -> StepShape:
+def step_shape(scheduled, *, engine, spec_k: int = 0) -> StepShape:
   """The StepShape of one rank's `Scheduler.schedule()` output, with the
-  padding `Engine._shapes` would give it under `config` (an EngineConfig)."""
+  padded program shape `engine.step_shapes` (an `EngineCore`'s) gives it."""
   f = dict(prefill_tokens=0, prefill_seqs=0, sampling_prefills=0, decode_seqs=0,
            draft_tokens=0, kv_read_tokens=0, pairs_prefill=0, pairs_decode=0)
-  pages = 0
   for s in scheduled:
     n, end = s.num_tokens, s.start + s.num_tokens
     f["kv_read_tokens"] += end
-    pages = max(pages, len(s.request.pages))
     if s.samples and n - s.num_draft == 1 and s.start >= len(s.request.prompt):
       f["decode_seqs"] += 1
       f["draft_tokens"] += s.num_draft
@@ -179,16 +176,10 @@ def step_shape(scheduled, *, config, max_pages_per_seq: int, spec_k: int = 0) ->
       f["pairs_prefill"] += n * s.start + n * (n + 1) // 2
   if not scheduled:
     return StepShape(**f)
-  budget, seqs = config.max_num_batched_tokens, config.max_num_seqs
-  padded_pages = steps.bucket(pages, max_pages_per_seq)
-  total = f["prefill_tokens"] + f["decode_seqs"] + f["draft_tokens"]
-  if config.fixed_step_shapes:  # mirrors Engine._shapes
-    padded_tokens, padded_seqs = budget, seqs
-  else:
-    padded_tokens = steps.bucket(total, budget)
-    padded_seqs = steps.bucket(len(scheduled), seqs)
-  return StepShape(**f, mtp_k=spec_k, padded_tokens=padded_tokens, padded_seqs=padded_seqs,
-                   padded_pages=padded_pages, page_size=config.page_size)
+  # max_q does not enter a StepShape; any cap will do.
+  program = engine.step_shapes([scheduled], engine.config.max_num_batched_tokens)
+  return StepShape(**f, mtp_k=spec_k, padded_tokens=program.tokens, padded_seqs=program.seqs,
+                   padded_pages=program.pages, page_size=engine.config.page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,7 +256,7 @@ class RooflineCost:
   # ASSUMED: the least time one layer's kernels take at any batch (launch
   # gaps, latency-bound small kernels). 100 us puts batch-1 decode of
   # DeepSeek-R1 on 8 B200 (TP8, FP4) at 8.8 ms/step (114 tokens/s/user),
-  # near TensorRT-LLM's published 111; see sim_study's anchors.
+  # near TensorRT-LLM's published 111; see bench/sim_scale.py's anchors.
   layer_floor_s: float = 100e-6
   # ASSUMED: per step, sampling and the host's share not overlapped.
   step_overhead_s: float = 300e-6
