@@ -42,7 +42,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
-from jaxinfer.serving.sim_cost import param_counts
+from jaxinfer.sim.cost import param_counts
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
 _GB = 1e9
