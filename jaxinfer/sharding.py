@@ -153,6 +153,14 @@ def dp_axes(mesh: Mesh, layout: str) -> tuple[str, ...]:
   return () if batch is None else (batch if isinstance(batch, tuple) else (batch,))
 
 
+def head_axis(mesh: Mesh, layout: str):
+  """The mesh axis attention heads (q and GQA KV heads, contiguous blocks of
+  them) are split over: "tensor" under tp / tp_attn_ep when the mesh has it,
+  else None. The engine's paged attention runs per device of this axis
+  (`models.context.PagedContext`), since GSPMD cannot split the kernel."""
+  return rules(layout, mesh)["q_heads"]
+
+
 def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
   """PartitionSpec of the engine's page pool (GQA [L, K, P, ps, H], MLA
   [L, P, ps, C]): pages split over the attention-DP ranks under dp_attn_ep;

@@ -130,6 +130,9 @@ class Engine(EngineCore):
     # whole requests and a slice of the page pool; otherwise one rank.
     self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
     self.num_ranks = math.prod(mesh.shape[a] for a in self._dp_axes) if self._dp_axes else 1
+    # Heads split over a mesh axis (tp, tp_attn_ep): attention runs per device in shard_map.
+    head_axis = sharding.head_axis(mesh, layout) if mesh is not None else None
+    self._heads = dict(mesh=mesh, head_axis=head_axis) if head_axis else {}
     self._spec = config.speculative
     if self._spec is not None:
       if not cfg.num_mtp_layers or "mtp" not in params:
@@ -268,7 +271,7 @@ class Engine(EngineCore):
     else:
       sampled, self.pool, self._load = steps.step(
           self.cfg, self._step_params, self.pool, batches[0][0], self._prev_sampled, self._load,
-          max_q=shapes.max_q, ep=self._ep, greedy=greedy)
+          max_q=shapes.max_q, ep=self._ep, greedy=greedy, **self._heads)
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(self.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
@@ -313,7 +316,7 @@ class Engine(EngineCore):
     self._programs.add((shapes, K, greedy))
     emitted, self.pool, self._spec_state, self._load = speculative.spec_step(
         self.cfg, self._step_params, self.pool, batch.pack(), self._spec_state, self._load,
-        max_q=shapes.max_q, K=K, ep=self._ep, greedy=greedy)
+        max_q=shapes.max_q, K=K, ep=self._ep, greedy=greedy, **self._heads)
     self.scheduler.on_dispatch(scheduled)
     self._overlapped += bool(self._in_flight)
     self._in_flight.append((scheduled, emitted, K))

@@ -205,10 +205,11 @@ def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy
   return tokens, n_acc
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh",
+                                              "head_axis"),
                    donate_argnames=("pool", "state", "load"))
 def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
-              ep=None, greedy: bool = False):
+              ep=None, greedy: bool = False, mesh=None, head_axis=None):
   """-> (emitted [B, K + 3] int32, new pool, new state, new load): row b emitted
   emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
   not sample), after verifying emitted[b, K + 2] drafts (fewer than the
@@ -219,6 +220,7 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
   greedy (static): every request in the batch has temperature 0 (argmax
   everywhere; the draft distributions are not kept).
+  mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
   """
   batch = SpecBatch.unpack(packed)
   T = batch.tokens.shape[0]
@@ -245,7 +247,8 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
                      state["drafts"][row_slot, jnp.maximum(batch.draft_j, 0)], batch.tokens)
   tokens = jnp.where(fs & (j_row == 0), state["last"][row_slot], tokens)
   ctx = PagedContext(positions=positions, token_seq=b, valid=valid, cu_q_lens=batch.cu_q_lens,
-                     kv_lens=kv_lens, page_table=batch.page_table, max_q=max_q)
+                     kv_lens=kv_lens, page_table=batch.page_table, max_q=max_q, mesh=mesh,
+                     head_axis=head_axis)
   main_pool, mtp_pool = pool[:-1], pool[-1]
   x, main_pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, main_pool, ep,
                                            None if load is None else "logical")
@@ -291,7 +294,7 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
       ctx_k = PagedContext(positions=pos_k, token_seq=jnp.arange(B, dtype=jnp.int32), valid=ok,
                            cu_q_lens=jnp.arange(B + 1, dtype=jnp.int32),
                            kv_lens=jnp.where(ok, pos_k + 1, 0), page_table=batch.page_table,
-                           max_q=1)
+                           max_q=1, mesh=mesh, head_axis=head_axis)
       cos_k, sin_k = rope_cos_sin(cfg, pos_k[None])
       h, mtp_pool = mtp.apply(cfg, params, m, h[None], drafts[-1][None], cos_k, sin_k, ctx_k,
                               mtp_pool, ep)

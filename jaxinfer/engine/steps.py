@@ -108,21 +108,26 @@ def _sample(logits, batch, greedy):
                 batch.top_p.reshape(-1))
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "mesh",
+                                              "head_axis"),
                    donate_argnames=("pool", "load"))
 def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
-         max_q: int, ep=None, greedy: bool = False):
+         max_q: int, ep=None, greedy: bool = False, mesh=None, head_axis=None):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
   fixed size), new pool, new load). prev_sampled [S]: the previous step's
   output, from which tokens not yet read back by the host are taken (async
   scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
   statistics, padding rows excluded), or None to record nothing. greedy
-  (static): every row has temperature 0."""
+  (static): every row has temperature 0. mesh, head_axis (static): the mesh
+  axis the layout splits attention heads and the pool over
+  (`sharding.head_axis`), so attention runs per device in shard_map; None:
+  no split."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
-                     page_table=batch.page_table, max_q=max_q)
+                     page_table=batch.page_table, max_q=max_q, mesh=mesh,
+                     head_axis=head_axis)
   x, pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool, ep,
                                       None if load is None else "logical")
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]

@@ -31,6 +31,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer import ops
 
@@ -101,6 +102,11 @@ class PagedContext:
   Token t belongs to sequence token_seq[t] at position positions[t]; its K/V
   go to page page_table[seq, pos // page_size], slot pos % page_size (padding
   tokens, valid[t] False, write into the reserved null page 0).
+
+  mesh / head_axis (static): when the engine's layout splits attention heads
+  over `head_axis` (tp, tp_attn_ep), attention runs per device of that axis
+  in `shard_map` (the kernel is a custom call GSPMD cannot split; outside
+  shard_map XLA gathers the whole pool around it). None: one program.
   """
 
   positions: jax.Array  # [T] int32
@@ -110,6 +116,8 @@ class PagedContext:
   kv_lens: jax.Array  # [B] int32: KV length after this step
   page_table: jax.Array  # [B, pages_per_seq] int32
   max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
+  mesh: object = dataclasses.field(metadata=dict(static=True), default=None)
+  head_axis: object = dataclasses.field(metadata=dict(static=True), default=None)
   caches_latent = True
 
   def token_positions(self, T: int):
@@ -120,6 +128,40 @@ class PagedContext:
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
              target=None):
+    kw = dict(latent_dim=latent_dim, scale=scale, impl=impl, target=target)
+    if self.mesh is None or self.head_axis is None:
+      return self._attend_local(q, new, cache, window=window, sinks=sinks, **kw)
+    return self._attend_per_head_shard(q, new, cache, window, sinks, kw)
+
+  def _attend_per_head_shard(self, q, new, cache, window, sinks, kw):
+    """`_attend_local` on each device of `head_axis`: its q heads [1, T, N/n, H]
+    and its pool slice. GQA pools [L, K, P, ps, H] are split over KV heads like
+    wk/wv (`sharding.kv_pool_spec`); q head i reads KV head i // (N/K), so
+    contiguous splits of N and K keep every q head's KV head on its device.
+    MLA's pool [L, P, ps, C] (one latent head) is replicated: each device
+    writes the same entries into its copy and attends its q heads over all of it."""
+    stack, layer = cache
+    heads = P(None, None, self.head_axis)  # q [1, T, N, H], out [1, T, N, Hv], GQA k/v [1, T, K, H]
+    latent = kw["latent_dim"] is not None
+    pool = {n: P() if latent else P(None, self.head_axis) for n in stack}
+    has_sinks = sinks is not None
+    local_ctx = dataclasses.replace(self, mesh=None, head_axis=None)
+
+    def local(ctx, q, new, stack, layer, window, sinks):
+      out, (stack, _) = ctx._attend_local(q, new, (stack, layer), window=window,
+                                          sinks=sinks if has_sinks else None, **kw)
+      return out, stack
+
+    out, stack = jax.shard_map(
+        local, mesh=self.mesh,
+        in_specs=(P(), heads, {n: P() if latent else heads for n in new}, pool, P(), P(),
+                  P(self.head_axis) if has_sinks else P()),
+        out_specs=(heads, pool), check_vma=False,
+    )(local_ctx, q, new, stack, jnp.asarray(layer), jnp.asarray(window, jnp.int32),
+      sinks if has_sinks else jnp.zeros((), jnp.float32))
+    return out, (stack, layer)
+
+  def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, impl, target):
     stack, layer = cache  # GQA {k, v [L, K, P, ps, H]}; MLA {kv [L, P, ps, C]}
     page_size = next(iter(stack.values())).shape[-2]
     page = self.page_table[self.token_seq, self.positions // page_size]
@@ -172,7 +214,6 @@ class RankedPagedContext:
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
              target=None):
-    from jax.sharding import PartitionSpec as P
     stack, layer = cache
     rank = P(self.axes)
     pool_spec = {n: (P(None, self.axes) if latent_dim is not None else P(None, None, self.axes))
