@@ -2,7 +2,8 @@
 
 Architectures differ only through fields (attention kind, router kind, window
 pattern, sinks, q/k norm, MTP depth, ...), so model code branches on field
-values, never on a model name. `ModelConfig.from_hf` lives in `hf_config.py`.
+values, never on a model name. The HF `config.json` key mapping behind
+`ModelConfig.from_hf` lives in `hf_config.py`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+from jaxinfer.hf_config import model_config_fields
 
 AttentionKind = Literal["gqa", "mla"]
 # softmax_topk: softmax over all experts, then top-k (Mixtral, Qwen3-MoE).
@@ -188,8 +191,10 @@ class ModelConfig:
   @classmethod
   def from_hf(cls, hf: dict) -> "ModelConfig":
     """Maps an HF `config.json` dict; raises on anything it cannot honour."""
-    from jaxinfer import hf_config  # same layer; kept in its own file
-    return hf_config.from_hf(hf)
+    kw = model_config_fields(hf)
+    if "rope_scaling" in kw:
+      kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
+    return cls(**kw)
 
 
 def default_dtype() -> jnp.dtype:

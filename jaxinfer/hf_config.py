@@ -1,5 +1,7 @@
-"""`ModelConfig.from_hf`: HF `config.json` -> `ModelConfig`, and `to_hf`,
-its inverse for the llama and deepseek_v3 families.
+"""HF `config.json` <-> `ModelConfig` fields: `model_config_fields` (what
+`ModelConfig.from_hf` builds its config from) and `to_hf`, its inverse for the
+llama and deepseek_v3 families. Plain dicts on this side: the module imports
+nothing from jaxinfer, so `config.py` imports it without a cycle.
 
 Every key of the dict is either read, checked to hold a value we honour, or on
 a short list of keys that do not change inference (training-only settings and
@@ -11,8 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any
-
-from jaxinfer.config import ModelConfig, RopeScaling
 
 SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
@@ -67,7 +67,9 @@ class _Reader:
     return sorted(k for k in self.hf if k not in self.used and k not in _IGNORED)
 
 
-def from_hf(hf: dict) -> ModelConfig:
+def model_config_fields(hf: dict) -> dict[str, Any]:
+  """`ModelConfig` keyword arguments of an HF `config.json` dict (`rope_scaling`
+  as a dict of `RopeScaling` fields); raises on any key it cannot honour."""
   if not isinstance(hf, dict):
     raise TypeError(f"from_hf expects a config.json dict, got {type(hf).__name__}")
   model_type = hf.get("model_type")
@@ -104,7 +106,7 @@ def from_hf(hf: dict) -> ModelConfig:
     raise ValueError(
         f"config.json ({model_type}): unsupported keys {leftover}; jaxinfer would "
         "silently ignore them")
-  return ModelConfig(**kw)
+  return kw
 
 
 def _head_dim(r: _Reader, kw: dict) -> int:
@@ -228,7 +230,7 @@ def _rope(r: _Reader) -> dict:
     else:
       params.pop(key, None)
   _no_more(params, kind)
-  out["rope_scaling"] = RopeScaling(**fields)
+  out["rope_scaling"] = fields  # `RopeScaling` fields
   return out
 
 
@@ -239,7 +241,7 @@ def _no_more(params: dict, kind: str) -> None:
 
 # ------------------------------------------------- ModelConfig -> HF
 
-def to_hf(cfg: ModelConfig) -> dict:
+def to_hf(cfg) -> dict:
   """The HF `config.json` dict of a llama- or deepseek_v3-family config: the
   inverse of `ModelConfig.from_hf`, checked by mapping it back (runtime-only
   fields dtype / attention_impl / kernel_target / moe_impl aside). Raises ValueError for
@@ -273,7 +275,7 @@ def to_hf(cfg: ModelConfig) -> dict:
         n_group=cfg.n_group, topk_group=cfg.topk_group,
         routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=first_dense,
         num_nextn_predict_layers=cfg.num_mtp_layers)
-  back = from_hf(hf)
+  back = type(cfg).from_hf(hf)
   back = dataclasses.replace(back, dtype=cfg.dtype, attention_impl=cfg.attention_impl,
                              kernel_target=cfg.kernel_target, moe_impl=cfg.moe_impl)
   if back != cfg:
@@ -290,7 +292,7 @@ _ROPE_FIELDS = {"linear": ("factor",),
                          "mscale", "mscale_all_dim", "attention_factor", "truncate")}
 
 
-def _rope_parameters(cfg: ModelConfig) -> dict:
+def _rope_parameters(cfg) -> dict:
   """transformers 5's `rope_parameters` for cfg's RoPE."""
   rs = cfg.rope_scaling
   if rs is None:

@@ -1,29 +1,17 @@
-"""Mixture-of-experts layer: routers and two interchangeable expert paths.
-
-`route` returns, per token, the chosen experts and their combine weights:
-  softmax_topk    p = softmax(logits); top-k of p; renormalise if norm_topk_prob
-                  (Mixtral always, Qwen3-MoE by flag)
-  topk_softmax    top-k of logits (+ bias); softmax over the k (GPT-OSS)
-  sigmoid_grouped s = sigmoid(logits); choose with s + b (b selection-only):
-                  keep the topk_group groups with the largest sum of their top-2
-                  biased scores, then top-k experts inside them; weights are the
-                  unbiased s, renormalised if norm_topk_prob, times
-                  routed_scaling_factor (DeepSeek-V3 `noaux_tc`)
-Routing runs in float32.
+"""Mixture-of-experts layer: routing (`moe_core.route`) and three
+interchangeable single-device expert paths; with an expert-parallel plan the
+layer runs `moe_ep.moe_ep` instead (same outputs).
 
 Expert paths (`cfg.moe_impl`), same outputs:
   dense    every expert on every token, masked by the combine weights (a
            reference: E/k times the FLOPs)
   grouped  token copies sorted by expert, one grouped matmul per projection
-           (`jax.lax.ragged_dot`), unsorted and combined
+           (`jax.lax.ragged_dot`, `moe_core.grouped_ffn`), unsorted and combined
   split    (chosen by the weights: one array per expert, the Engine's CPU
            layout) sorted copies, a loop per expert over its rows only
 
-Expert load balancing (`jaxinfer/eplb.py`) may store the experts in physical
-slot order (E_phys >= E slots, hot experts replicated) with the tables
-`eplb_replicas` [E, R] and `eplb_num_replicas` [E]; `physical_ids` then maps
-the router's logical choice to a slot. The router stays logical (E columns);
-the expert paths count slots from the weights, `p["w_gate"].shape[0]`.
+With EPLB-placed params (`moe_core.physical_ids`) the paths count physical
+slots from the weights, `p["w_gate"].shape[0]`.
 """
 
 from __future__ import annotations
@@ -35,51 +23,8 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import glu, mlp
-
-
-def route(cfg: ModelConfig, p, x):
-  """x [T, D] -> (expert ids [T, k] int32, weights [T, k] float32)."""
-  k = cfg.num_experts_per_tok
-  logits = jnp.einsum("TD,DE->TE", x.astype(jnp.float32), p["router"].astype(jnp.float32))
-  if cfg.router_bias:
-    logits = logits + p["router_bias"].astype(jnp.float32)
-  if cfg.router == "topk_softmax":
-    top, idx = jax.lax.top_k(logits, k)
-    return idx, jax.nn.softmax(top, axis=-1)
-  if cfg.router == "softmax_topk":
-    weights, idx = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), k)
-    if cfg.norm_topk_prob:
-      weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return idx, weights
-  # sigmoid_grouped (DeepSeek-V3).
-  scores = jax.nn.sigmoid(logits)
-  choice = scores + p["score_bias"].astype(jnp.float32)
-  if cfg.n_group > 1:
-    T, E = choice.shape
-    grouped = choice.reshape(T, cfg.n_group, E // cfg.n_group)
-    group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, n_group]
-    _, top_groups = jax.lax.top_k(group_scores, cfg.topk_group)
-    keep = jnp.zeros((T, cfg.n_group), bool).at[jnp.arange(T)[:, None], top_groups].set(True)
-    keep = jnp.repeat(keep, E // cfg.n_group, axis=1)
-    choice = jnp.where(keep, choice, -jnp.inf)
-  _, idx = jax.lax.top_k(choice, k)
-  weights = jnp.take_along_axis(scores, idx, axis=-1)
-  if cfg.norm_topk_prob:
-    weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
-  return idx, weights * cfg.routed_scaling_factor
-
-
-def physical_ids(p, idx, token):
-  """Logical expert ids [T, k] -> physical slots (identity without EPLB tables).
-
-  token [T]: global token indices. Token t takes replica t % num_replicas of
-  its expert, spreading a hot expert's tokens evenly over its replicas; every
-  replica holds the same weights, so the choice never changes the output.
-  """
-  if "eplb_replicas" not in p:
-    return idx
-  r = token[:, None] % p["eplb_num_replicas"][idx]
-  return p["eplb_replicas"][idx, r]
+from jaxinfer.models.moe_core import expert_counts, grouped_ffn, physical_ids, route
+from jaxinfer.models.moe_ep import ExpertParallel, moe_ep
 
 
 def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
@@ -93,19 +38,6 @@ def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
   if cfg.expert_bias:
     y = y + p["b_down"]
   return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine)
-
-
-def grouped_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):
-  """Expert FFN on rows grouped by expert: xs [R, D] sorted by expert_ids [R],
-  sizes [E] rows per expert (rows past sum(sizes) compute to zero)."""
-  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
-  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
-  if cfg.expert_bias:
-    gate, up = gate + p["b_gate"][expert_ids], up + p["b_up"][expert_ids]
-  ys = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
-  if cfg.expert_bias:
-    ys = ys + p["b_down"][expert_ids]
-  return ys
 
 
 def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
@@ -159,13 +91,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def expert_counts(idx, ok, length):
-  """Routed copies per expert (or slot): idx [T, k], ok [T] bool -> int32 [length]."""
-  return jnp.zeros((length,), jnp.int32).at[idx.reshape(-1)].add(
-      jnp.repeat(ok.astype(jnp.int32), idx.shape[1]))
-
-
-def moe(cfg: ModelConfig, p, x, ep=None, valid=None, count=None):
+def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | None = None, valid=None, count=None):
   """x [B, T, D] -> ([B, T, D], counts): routed experts plus shared experts.
 
   ep: an `moe_ep.ExpertParallel` plan when the experts are split over mesh
@@ -176,8 +102,7 @@ def moe(cfg: ModelConfig, p, x, ep=None, valid=None, count=None):
   counts is None.
   """
   if ep is not None:
-    from jaxinfer.models.moe_ep import moe_ep  # same layer
-    return moe_ep(cfg, p, x, ep, route, valid, count)
+    return moe_ep(cfg, p, x, ep, valid, count)
   B, T, D = x.shape
   xt = x.reshape(B * T, D)
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)

@@ -18,7 +18,7 @@ Shared experts run locally on each rank's tokens.
 
 With an EPLB placement (`jaxinfer/eplb.py`) E counts physical slots (read from
 `w_gate`), the rank holds slots [r E/n, (r + 1) E/n), and each rank maps its
-routed logical ids to slots (`moe.physical_ids`, tables replicated) before
+routed logical ids to slots (`moe_core.physical_ids`, tables replicated) before
 dispatch.
 """
 
@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import mlp
-from jaxinfer.models.moe import expert_counts, grouped_ffn, physical_ids
+from jaxinfer.models.moe_core import expert_counts, grouped_ffn, physical_ids, route
 
 # Replicated on every rank: the logical router and the EPLB slot tables.
 _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num_replicas")
@@ -115,7 +115,7 @@ def _replicated(cfg, p, x, idx, weights, ok, axes, n, e_local):
   return jax.lax.dynamic_slice_in_dim(total, rank * t, t)
 
 
-def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, route, valid=None, count=None):
+def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, valid=None, count=None):
   """x [B, T, D] -> ([B, T, D], counts or None) with experts split over
   ep.axes; count as in `moe.moe` (summed over the ranks' tokens)."""
   B, T, D = x.shape
