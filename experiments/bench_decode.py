@@ -5,6 +5,11 @@ measured in this run on this machine (`jaxinfer/bench/decode.py`).
   python experiments/bench_decode.py                       # bench_dense, batch 1, 8, 32, HF peer
   python experiments/bench_decode.py --model=bench_moe
   python experiments/bench_decode.py --batches=1 --repeats=1 --new_tokens=16 --peer=none
+  python experiments/bench_decode.py --config=configs/bench_decode.py:bench_moe --config.batches=1,8
+
+A config (`configs/bench_decode.py`, the default: these flags' defaults; its
+argument picks the preset) sets the flags it names; a flag given on the
+command line wins over it (`jaxinfer.bench.flag_config`).
 
 Writes experiments/results/bench_decode_<model>.json and .png: per (side,
 batch) the median (min, max) tokens/s over --repeats runs, ours / HF, the
@@ -16,11 +21,16 @@ import importlib.util
 import os
 
 from absl import app, flags
+from ml_collections import config_flags
 
+from jaxinfer.bench import flag_config
 from jaxinfer.bench.decode import run_decode_bench
 
 _HAVE_HF = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_decode.py"),
+    "benchmark shapes (configs/bench_decode.py[:preset]); override with --config.<field>=")
 _MODEL = flags.DEFINE_string("model", "bench_dense", "preset name (jaxinfer.presets)")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "decode batch sizes")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt tokens before decoding")
@@ -39,6 +49,7 @@ _OUT = flags.DEFINE_string("out", None, "output prefix (.json, .png); default "
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   out = _OUT.value or os.path.join(os.path.dirname(__file__), "results",
                                    f"bench_decode_{_MODEL.value}")
   run_decode_bench(model=_MODEL.value, batches=[int(b) for b in _BATCHES.value],

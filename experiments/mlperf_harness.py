@@ -6,6 +6,11 @@ a Server QPS search.
   python experiments/mlperf_harness.py                                # all three scenarios
   python experiments/mlperf_harness.py --scenarios=Server --search    # highest valid Server QPS
   python experiments/mlperf_harness.py --mode=accuracy
+  python experiments/mlperf_harness.py --config=configs/mlperf_gpt_oss.py --config.scenarios=Server
+
+A config (`configs/mlperf_*.py`, default `configs/mlperf_default_model.py`:
+these flags' defaults) sets the flags it names; a flag given on the command
+line wins over it (`jaxinfer.bench.flag_config`).
 
 Latency limits are a model's published Server / Interactive TTFT and TPOT
 99th-percentile limits (`--limits`, from mlperf.conf via
@@ -22,9 +27,10 @@ import os
 import shutil
 
 from absl import app, flags
+from ml_collections import config_flags
 
-from jaxinfer import Engine, EngineConfig, SamplingParams, run, training
-from jaxinfer.bench import results
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, training
+from jaxinfer.bench import flag_config, results
 from jaxinfer.serving import mlperf
 
 # (TTFT ms, TPOT ms) 99th-percentile limits: Server, Interactive.
@@ -32,6 +38,9 @@ LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175),
           "deepseek-r1": ((2000, 80), (1500, 15)), "gpt-oss-120b": ((3000, 80), (2000, 15))}
 
 FLAGS = flags.FLAGS
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "mlperf_default_model.py"),
+    "experiment config (configs/mlperf_*.py); override a field with --config.<field>=")
 flags.DEFINE_list("scenarios", ["Offline", "Server", "Interactive"], "LoadGen scenarios")
 flags.DEFINE_enum("mode", "performance", ["performance", "accuracy"], "LoadGen mode")
 flags.DEFINE_string("dataset", "", "JSONL of prompts ({'tokens': [...]} or {'text': ...}); "
@@ -81,10 +90,7 @@ def _dataset(tokenizer):
 
 
 def _engine(cfg, params):
-  spec = None
-  if FLAGS.speculative:
-    from jaxinfer import MTPConfig
-    spec = MTPConfig(num_draft_tokens=FLAGS.speculative)
+  spec = MTPConfig(num_draft_tokens=FLAGS.speculative) if FLAGS.speculative else None
   # Fixed step shapes: the warm-up compiles every program a run needs, so no
   # LoadGen query waits on a compile.
   return Engine(cfg, params, EngineConfig(page_size=16, max_num_seqs=FLAGS.max_num_seqs,
@@ -185,6 +191,7 @@ def search(cfg, params, prompts):
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, FLAGS, __file__)
   cfg, params, tokenizer = run.load_default_model()
   prompts = _dataset(tokenizer)
   rows, found = [], None

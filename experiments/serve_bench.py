@@ -4,6 +4,8 @@ on the default model, replayed in real time through `serving.Cluster`.
   python experiments/serve_bench.py                              # every experiment
   python experiments/serve_bench.py --experiments=routing --rates=4,8
   python experiments/serve_bench.py --experiments=disagg,faults
+  python experiments/serve_bench.py --config=configs/serving_topologies.py:tp2
+      # a worker topology from configs/ (a flag on the command line wins over it)
 
 Experiments:
   routing  multi-turn conversations on shared prefixes, and independent
@@ -37,16 +39,20 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxinfer import EngineConfig, SamplingParams, run  # noqa: E402
-from jaxinfer.bench import results  # noqa: E402
+from jaxinfer.bench import flag_config, results  # noqa: E402
 from jaxinfer.serving import workloads  # noqa: E402
 from jaxinfer.serving.cluster import Cluster, percentiles  # noqa: E402
 from jaxinfer.serving.disagg import DisaggConfig  # noqa: E402
 from jaxinfer.serving.worker import Worker  # noqa: E402
 
 FLAGS = flags.FLAGS
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "serving topology (configs/serving_topologies.py:<name>); "
+    "override a field with --config.<field>=")
 flags.DEFINE_list("experiments", ["routing", "disagg", "faults"], "which experiments to run")
 flags.DEFINE_string("model", "tiny_dense", "a preset (random weights, float32) or 'default' "
                     "(the bundled trained model); small and fast by default, so that four "
@@ -255,6 +261,7 @@ def _plot(rows, path):
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, FLAGS, __file__)
   if FLAGS.model == "default":
     cfg, params, _ = run.load_default_model()
   else:

@@ -1,0 +1,62 @@
+"""Experiment configs over an absl script's flags.
+
+A config is a `configs/*.py` module whose `get_config()` returns an
+`ml_collections.ConfigDict`: a `script` field naming the experiment script it
+is for, and fields named as that script's flags. A script takes it with
+`ml_collections.config_flags.DEFINE_config_file("config", ...)` and calls
+`apply_config` first thing in `main`:
+
+  python experiments/mlperf_harness.py --config=configs/mlperf_gpt_oss.py
+  python experiments/mlperf_harness.py --config=configs/mlperf_gpt_oss.py --config.scenarios=Server
+
+Precedence, highest first: a flag given on the command line (`--scenarios=`),
+the config (with its `--config.<field>=` overrides), the flag's default. So a
+script keeps its flags, their help and their defaults; a config names a
+setting once and a field no flag consumes is an error, not a silent no-op.
+Tuples (what `--config.<field>=a,b` parses to) fill list flags; a None field
+(`config_dict.placeholder(type)`, overridable from the command line) leaves
+its flag's default.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import flags
+
+
+def apply_config(config, flag_values: flags.FlagValues, script: str) -> dict:
+  """Sets each flag of `flag_values` named by a `config` field, unless it was
+  given on the command line. `script`: the running script's path; it must
+  end with the config's `script` field. Returns {field: value} as applied.
+
+  Raises ValueError naming the field when no flag consumes it, the config is
+  for another script, or a value does not parse as its flag's type."""
+  if config is None:
+    return {}
+  fields = dict(config.items())
+  target = fields.pop("script", None)
+  if target is None or not os.path.abspath(script).endswith(os.path.normpath(target)):
+    raise ValueError(f"--config: the config is for script {target!r}, not {script!r} "
+                     "(a config names its script in a `script` field)")
+  unknown = sorted(k for k in fields if k not in flag_values or k == "config")
+  if unknown:
+    raise ValueError(f"--config: fields {unknown} are not flags of {target}")
+  applied = {}
+  for name, value in fields.items():
+    flag = flag_values[name]
+    if flag.present or value is None:
+      continue  # the command line wins over the config; None: the flag's default
+    flag.value = _parse(flag, name, value)
+    applied[name] = flag.value
+  return applied
+
+
+def _parse(flag, name, value):
+  """value -> what the flag itself would hold (a list flag holds strings)."""
+  if isinstance(value, (tuple, list)):
+    value = [str(v) for v in value]
+  try:
+    return flag.parser.parse(value)
+  except (ValueError, TypeError) as e:
+    raise ValueError(f"--config.{name}={value!r}: {e}") from None
