@@ -68,7 +68,7 @@ def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size
   arguments): `pallas_kernels.paged_attention.gpu_blocks`, i.e. ~64 keys
   per loop step, split-K (up to 8) when sequences x KV heads x row blocks
   give fewer than ~2 programs per H100 SM and the split partials stay under
-  10% of the KV bytes, 8 warps for MLA-wide values."""
+  5% of the KV bytes, 8 warps for MLA-wide values."""
   b = gpu_blocks(num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                  num_q_heads=num_q_heads or num_kv_heads, max_q=max_q,
                  pages_per_seq=pages_per_seq, page_size=page_size, head_dim=head_dim,

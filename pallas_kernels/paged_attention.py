@@ -95,7 +95,7 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
     is 128 registers a thread at 256 threads; at 128 threads ptxas spills).
   - num_splits (split-K): enough programs for ~2 per SM when sequences x KV
     heads x row blocks fall short, but never so many that the f32 partials
-    (rows x (Dv + 2) x 4 bytes, written and read, per split) exceed 10% of
+    (rows x (Dv + 2) x 4 bytes, written and read, per split) exceed 5% of
     the KV bytes the programs read, nor more splits than page blocks.
   """
   ppcb = max(1, 64 // page_size)
@@ -107,7 +107,7 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
   splits = max(1, 2 * sms // programs)
   kv_bytes = pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim)) * 2
   partial_bytes = rows * (value_dim + 2) * 4 * 2
-  splits = min(splits, 8, max(1, int(0.1 * kv_bytes * row_blocks / partial_bytes)),
+  splits = min(splits, 8, max(1, int(0.05 * kv_bytes * row_blocks / partial_bytes)),
                pl.cdiv(pages_per_seq, ppcb))
   # 8 warps keep a [64, 512] or [128, 128] f32 accumulator at <= 128 registers a thread.
   wide = value_dim >= 256 or block_r * value_dim > 64 * 128

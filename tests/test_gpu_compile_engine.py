@@ -58,11 +58,11 @@ def test_paged_tiling_from_shapes():
                              if k in ("pages_per_compute_block", "num_splits", "num_warps")}
   assert tiling(64, 8, 512, 16) == dict(pages_per_compute_block=4, num_splits=1, num_warps=4)
   assert tiling(1, 1, 2048, 16) == dict(pages_per_compute_block=4, num_splits=8, num_warps=4)
-  assert tiling(32, 1, 64, 64) == dict(pages_per_compute_block=1, num_splits=8, num_warps=4)
+  assert tiling(32, 1, 64, 64) == dict(pages_per_compute_block=1, num_splits=6, num_warps=4)
   assert tiling(2, 1, 4, 16)["num_splits"] == 1  # one page block per sequence
-  # MLA, 128 heads a rank: 2 row blocks; the f32 partials cap split-K at 3; 8 warps.
+  # MLA, 128 heads a rank: 2 row blocks; the f32 partials cap split-K at 1; 8 warps.
   assert tiling(32, 1, 128, 64, num_q_heads=128, head_dim=576, value_dim=512,
-                values_from_keys=True) == dict(pages_per_compute_block=1, num_splits=3,
+                values_from_keys=True) == dict(pages_per_compute_block=1, num_splits=1,
                                                num_warps=8)
 
 

@@ -32,8 +32,14 @@ def test_paged_traffic_by_hand():
   assert t.tiling["rows"] == 16 and t.tiling["row_blocks"] == 1 and t.tiling["items"] == 2
   assert t.planned["kv"] == 4 * 16 * 32 * 2 == t.minimum["kv"]
   assert t.planned["q"] == 2 * 2 * 16 * 2 + 2 * 16 * 16 * 2 + 2 * 16 * 16 * 2
-  assert t.planned["partials"] == 2 * 2 * 16 * 18 * 4
-  assert t.planned["out"] == t.minimum["out"] == 2 * 2 * 16 * 2
+  # one split: no f32 partials; the kernel writes [W, K, rows, Dv], gathered to [T, N, Dv].
+  assert t.planned["partials"] == 0
+  assert t.minimum["out"] == 2 * 2 * 16 * 2
+  assert t.planned["out"] == t.minimum["out"] + 2 * (2 * 1 * 16 * 16 * 2)
+  split = traffic.paged_traffic([(1, 32)] * 2, N=2, K=1, D=16, Dv=16, ps=16, pages_per_seq=2,
+                                splits=2)
+  assert split.planned["partials"] == 2 * 2 * 2 * 16 * 18 * 4  # acc + m + l, written and read
+  assert split.planned["out"] == split.minimum["out"]
   assert t.flops == 2 * 32 * 2 * 2 * 32
   assert t.ratio == t.planned_bytes / t.minimum_bytes > 1
 
