@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from einops import rearrange
 import numpy as np
 
 from jaxinfer.config import ModelConfig
@@ -115,9 +116,11 @@ def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> d
     s[("b_up",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 1::2])
     s[("b_down",)] = _one(f"{x}.down_proj_bias", (E, D))
   elif has(f"{x}.gate_up_proj"):
-    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D), lambda w: w[:, :F].transpose(0, 2, 1))
-    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D), lambda w: w[:, F:].transpose(0, 2, 1))
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: w.transpose(0, 2, 1))
+    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
+                          lambda w: rearrange(w[:, :F], "E F D -> E D F"))
+    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
+                        lambda w: rearrange(w[:, F:], "E F D -> E D F"))
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: rearrange(w, "E D F -> E F D"))
   else:
     g, u, d = expert_names
     s[("w_gate",)] = _stack_experts(x + ".{e}." + g + ".weight", E, (F, D), lambda w: w.T)

@@ -8,6 +8,7 @@ layer's cache slice, and returns (out [B, T, D], new cache slice).
 
 from __future__ import annotations
 
+from einops import rearrange
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
@@ -46,8 +47,9 @@ def absorbed_weights(cfg: ModelConfig, p):
   if "w_uk" in p:
     return p["w_uk"], p["w_uv"]
   Hn = cfg.qk_nope_head_dim
-  return (jnp.transpose(p["wkv_b"][..., :Hn], (1, 2, 0)),
-          jnp.transpose(p["wkv_b"][..., Hn:], (1, 0, 2)))
+  wkv_b = p["wkv_b"]  # [R, N, Hn + Hv]
+  return (rearrange(wkv_b[..., :Hn], "R N Hn -> N Hn R"),
+          rearrange(wkv_b[..., Hn:], "R N Hv -> N R Hv"))
 
 
 _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a": 1}  # -> in_dims

@@ -3,9 +3,9 @@ MLP, and `linear` (a projection from a plain or a packed weight)."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
+from flax import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +22,7 @@ def rms_norm(x, weight, eps):
 
 # ---------------------------------------------------------------- linear
 
-@jax.tree_util.register_pytree_node_class
-@dataclasses.dataclass(frozen=True)
+@struct.dataclass
 class PackedLinear:
   """One projection weight [*In, *Out] as the engine's CPU step reads it
   (`pack_linear`): stored transposed, wt [Out, In] with Out flattened.
@@ -33,14 +32,7 @@ class PackedLinear:
   it into 2 column blocks, independent matmuls, was 0.85x at 1 row, 1.08x
   at 32 and equal at 8 and 512, so it is one block.)"""
   wt: jax.Array  # [Out, In]
-  out_shape: tuple  # Out, the weight's trailing dims
-
-  def tree_flatten(self):
-    return (self.wt,), self.out_shape
-
-  @classmethod
-  def tree_unflatten(cls, out_shape, children):
-    return cls(children[0], out_shape)
+  out_shape: tuple = struct.field(pytree_node=False)  # Out, the weight's trailing dims
 
 
 def pack_linear(w, in_dims: int = 1) -> PackedLinear:
