@@ -153,13 +153,14 @@ def _load(cfg: ModelConfig, mesh):
   return _replicated(mesh, jax.ShapeDtypeStruct((moe_layers, cfg.num_experts), jnp.int32))
 
 
-def lower_step(cfg: ModelConfig, params, pool, mesh, seqs, w: Workload):
-  """`steps.step` lowered for one (unranked) batch -> (Lowered, StepShapes)."""
+def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
+  """`steps.step` lowered for one (unranked) batch -> (Lowered, StepShapes);
+  attention per head shard (shard_map) where the layout splits heads, as the Engine runs it."""
   batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
   prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
   lowered = steps.step.lower(cfg, params, pool, _replicated(mesh, batch), _replicated(mesh, prev),
                              _load(cfg, mesh), max_q=shapes.max_q, ep=plan_from_params(params),
-                             greedy=w.greedy)
+                             greedy=w.greedy, **_heads(mesh, layout))
   return lowered, shapes
 
 
@@ -179,14 +180,21 @@ def lower_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Wor
   return lowered, shapes
 
 
-def lower_spec(cfg: ModelConfig, params, pool, mesh, seqs, w: Workload):
+def _heads(mesh, layout: str) -> dict:
+  """The Engine's head split for its steps: {} or dict(mesh=, head_axis=)."""
+  axis = sharding.head_axis(mesh, layout)
+  return {} if axis is None else dict(mesh=mesh, head_axis=axis)
+
+
+def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
   """`speculative.spec_step` (MTP draft + verify), pool with its MTP entry."""
   K = w.num_draft_tokens
   packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
   state = jax.eval_shape(lambda: speculative.init_state(cfg, shapes.seqs, K))
   lowered = speculative.spec_step.lower(
       cfg, params, pool, _replicated(mesh, packed), _replicated(mesh, state), _load(cfg, mesh),
-      max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy)
+      max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
+      **_heads(mesh, layout))
   return lowered, shapes
 
 
@@ -320,7 +328,7 @@ def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, l
   else:
     for name, seqs in (("decode", decode), ("mixed", mixed)):
       out.append((name, seqs, 1, 0, lambda p, pools, s=seqs: lower_step(
-          cfg, p, pools[0], mesh, s, w)))
+          cfg, p, pools[0], mesh, layout, s, w)))
   K = w.num_draft_tokens
   if K and not cfg.num_mtp_layers:
     notes.append("speculative: skipped, the model has no MTP modules")
@@ -330,7 +338,7 @@ def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, l
   elif K:
     spec = [(K + 1, w.context)] * w.batch
     out.append((f"speculative K={K}", spec, 1, K,
-                lambda p, pools: lower_spec(cfg, p, pools[1], mesh, spec, w)))
+                lambda p, pools: lower_spec(cfg, p, pools[1], mesh, layout, spec, w)))
   return out, notes
 
 
