@@ -20,7 +20,9 @@ its flag's default.
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 
 from absl import flags
 
@@ -60,3 +62,14 @@ def _parse(flag, name, value):
     return flag.parser.parse(value)
   except (ValueError, TypeError) as e:
     raise ValueError(f"--config.{name}={value!r}: {e}") from None
+
+
+def load_config(path: str | pathlib.Path, arg: str | None = None):
+  """`get_config(arg)` (or `get_config()`) of the config file at `path`: how
+  a config builds on another (config files are loaded by path, not imported
+  as a package)."""
+  path = pathlib.Path(path)
+  spec = importlib.util.spec_from_file_location(f"_config_{path.stem}", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config() if arg is None else module.get_config(arg)
