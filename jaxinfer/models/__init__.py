@@ -2,6 +2,8 @@
 
   specs        the abstract param tree (shape, dtype, logical axes, init)
   layers       RMSNorm, RoPE, gated MLP
+  layouts      typed alternative param layouts (fused MLP, absorbed MLA, split
+               or dense-reference experts); blocks dispatch on their type
   attention    GQA and MLA blocks (with a contiguous KV cache)
   moe          routers and the dense / grouped expert paths
   transformer  the decoder: `logits` (full forward) and `forward` (cached)

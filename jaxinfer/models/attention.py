@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm
+from jaxinfer.models.layouts import AbsorbedMLA
 
 
 def out_proj(out, wo):
@@ -41,11 +42,10 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
 
 def absorbed_weights(cfg: ModelConfig, p):
   """MLA's per-head up-projections from the latent, in the layouts the
-  per-head matmuls read: (w_uk [N, Hn, R], w_uv [N, R, Hv]). Stored so by
-  `step_layout` (transposing wkv_b [R, N, Hn + Hv] inside the step made
-  XLA:CPU copy it every step), else sliced from wkv_b here."""
-  if "w_uk" in p:
-    return p["w_uk"], p["w_uv"]
+  per-head matmuls read: (w_uk [N, Hn, R], w_uv [N, R, Hv]). Stored so in a
+  `layouts.AbsorbedMLA`, else sliced from the stacked wkv_b here."""
+  if isinstance(p, AbsorbedMLA):
+    return p.w_uk, p.w_uv
   Hn = cfg.qk_nope_head_dim
   wkv_b = p["wkv_b"]  # [R, N, Hn + Hv]
   return (rearrange(wkv_b[..., :Hn], "R N Hn -> N Hn R"),
@@ -57,13 +57,14 @@ _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a
 
 def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False):
   """One layer's attention weights as the engine's step reads them: MLA's
-  up-projections pre-transposed; with transpose_projections, the
-  projections as `layers.PackedLinear`."""
-  if cfg.attention == "mla" and "wkv_b" in p:
+  as an `AbsorbedMLA` (up-projections pre-transposed); with
+  transpose_projections, the projections as `layers.PackedLinear`."""
+  if cfg.attention == "mla":
     w_uk, w_uv = absorbed_weights(cfg, p)
-    p = {**{k: v for k, v in p.items() if k != "wkv_b"}, "w_uk": w_uk, "w_uv": w_uv}
+    p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
   if transpose_projections:
-    p = {k: pack_linear(v, _PROJECTIONS[k]) if k in _PROJECTIONS else v for k, v in p.items()}
+    packed = {k: pack_linear(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS}
+    p = p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
   return p
 
 

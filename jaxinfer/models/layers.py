@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling, yarn_get_mscale
+from jaxinfer.models.layouts import FusedMLP
 
 
 def rms_norm(x, weight, eps):
@@ -141,20 +142,15 @@ def glu(cfg: ModelConfig, gate, up):
 
 
 def fuse_gate_up(w_gate, w_up):
-  """[D, F] twice -> [D, 2F]: one matmul reads both (the step layout; fewer,
-  larger matmuls run closer to the memory bandwidth on CPU)."""
+  """[D, F] twice -> [D, 2F]: one matmul reads both (`layouts.FusedMLP`)."""
   return jnp.concatenate([w_gate, w_up], axis=-1)
 
 
-def gate_up(x, p):
-  """x [..., D] -> (gate, up) [..., F] from w_gate/w_up or the fused w_gate_up."""
-  if "w_gate_up" in p:
-    return jnp.split(linear(x, p["w_gate_up"]), 2, axis=-1)
-  return (jnp.einsum("...D,DF->...F", x, p["w_gate"]), jnp.einsum("...D,DF->...F", x, p["w_up"]))
-
-
 def mlp(cfg: ModelConfig, p, x):
-  """Dense gated MLP. x [..., D]; p: w_gate/w_up [D, F] (or w_gate_up
-  [D, 2F]), w_down [F, D]; fused and down weights plain or packed."""
-  gate, up = gate_up(x, p)
+  """Dense gated MLP. x [..., D]; p: {w_gate, w_up [D, F], w_down [F, D]},
+  or a `layouts.FusedMLP` (weights plain or packed)."""
+  if isinstance(p, FusedMLP):
+    gate, up = jnp.split(linear(x, p.w_gate_up), 2, axis=-1)
+  else:
+    gate, up = linear(x, p["w_gate"]), linear(x, p["w_up"])
   return linear(glu(cfg, gate, up), p["w_down"])

@@ -2,13 +2,20 @@
 interchangeable single-device expert paths; with an expert-parallel plan the
 layer runs `moe_ep.moe_ep` instead (same outputs).
 
-Expert paths (`cfg.moe_impl`), same outputs:
-  dense    every expert on every token, masked by the combine weights (a
-           reference: E/k times the FLOPs)
-  grouped  token copies sorted by expert, one grouped matmul per projection
-           (`jax.lax.ragged_dot`, `moe_core.grouped_ffn`), unsorted and combined
-  split    (chosen by the weights: one array per expert, the Engine's CPU
-           layout) sorted copies, a loop per expert over its rows only
+Expert paths, chosen by the type of the layer's params (`layouts`), same
+outputs:
+  grouped  (the stacked dict of `specs`) token copies sorted by expert, one
+           grouped matmul per projection (`jax.lax.ragged_dot`,
+           `moe_core.grouped_ffn`), unsorted and combined
+  dense    (`DenseExperts`) every expert on every token, masked by the
+           combine weights (a reference: E/k times the FLOPs)
+  split    (`SplitExperts`: one array per expert, the Engine's CPU layout)
+           sorted copies, a loop per expert over its rows only
+
+`cfg.moe_impl` stays a config field (users and tests pick the reference
+path through the config, as they pick `attention_impl`); `with_impl` turns
+it into the params' type once, where a block is entered, so the layer
+itself never reads it.
 
 With EPLB-placed params (`moe_core.physical_ids`) the paths count physical
 slots from the weights, `p["w_gate"].shape[0]`.
@@ -23,8 +30,17 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import glu, mlp
+from jaxinfer.models.layouts import DenseExperts, SplitExperts
 from jaxinfer.models.moe_core import expert_counts, grouped_ffn, physical_ids, route
 from jaxinfer.models.moe_ep import ExpertParallel, moe_ep
+
+
+def with_impl(cfg: ModelConfig, p):
+  """A MoE layer's params in the type that runs `cfg.moe_impl`: the stacked
+  dict marked `DenseExperts` for "dense"; any other layout as it is."""
+  if cfg.moe_impl == "dense" and isinstance(p, dict):
+    return DenseExperts(p)
+  return p
 
 
 def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
@@ -51,7 +67,7 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
 
 
 def _experts_split(cfg: ModelConfig, p, x, idx, weights):
-  """Routed experts held as one array per expert (`transformer.step_layout`):
+  """Routed experts held as one array per expert (`SplitExperts`):
   token copies sorted by expert; each expert runs its rows in chunks of C
   under a loop whose trip count is its row count / C, so an expert no token
   chose costs nothing and a chosen one is read in place, once per chunk.
@@ -63,7 +79,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
   expert, and slicing a stacked expert copies it."""
   T, k = idx.shape
   D = x.shape[1]
-  E = len(p["w_down"])  # physical slots
+  E = len(p.w_down)  # physical slots
   rows = T * k / (E * (1 - (1 - k / E) ** T))  # expected rows per chosen expert
   C = 1 if rows < 1.1 else 1 << math.ceil(math.log2(rows))
   flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
@@ -71,16 +87,16 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
   xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [T k + C, D]
-  ys = jnp.zeros((T * k + C, p["w_down"][0].shape[-1]), x.dtype)
+  ys = jnp.zeros((T * k + C, p.w_down[0].shape[-1]), x.dtype)
   rows = jnp.arange(C)
   for e in range(E):
     def chunk(i, ys, e=e):
       start = starts[e] + i * C
       xe = jax.lax.dynamic_slice_in_dim(xs, start, C)  # [C, D]
-      gate, up = jnp.split(xe @ p["w_gate_up"][e], 2, axis=-1)
+      gate, up = jnp.split(xe @ p.w_gate_up[e], 2, axis=-1)
       if cfg.expert_bias:
         gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
-      ye = glu(cfg, gate, up) @ p["w_down"][e]
+      ye = glu(cfg, gate, up) @ p.w_down[e]
       if cfg.expert_bias:
         ye = ye + p["b_down"][e]
       mine = (i * C + rows < sizes[e])[:, None]  # the chunk's tail belongs to later experts
@@ -112,10 +128,12 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | None = None, valid=None, co
   idx = physical_ids(p, idx, jnp.arange(B * T))
   if count == "physical":
     counts = expert_counts(idx, ok, len(p["w_down"]))
-  if isinstance(p["w_down"], (list, tuple)):
+  if isinstance(p, SplitExperts):
     experts = _experts_split
+  elif isinstance(p, DenseExperts):
+    experts = _experts_dense
   else:
-    experts = _experts_grouped if cfg.moe_impl == "grouped" else _experts_dense
+    experts = _experts_grouped
   out = experts(cfg, p, xt, idx, weights).astype(x.dtype)
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], xt)

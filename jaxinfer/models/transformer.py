@@ -16,9 +16,10 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
+from jaxinfer.models import moe as moe_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import fuse_gate_up, linear, mlp, pack_linear, rms_norm, rope_cos_sin
-from jaxinfer.models.moe import moe
+from jaxinfer.models.layouts import FusedMLP, SplitExperts
 from jaxinfer.models.moe_ep import plan_from_params
 
 
@@ -28,6 +29,8 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
 
   count_experts "logical" | "physical" (statistics runs, e.g. EPLB): the MoE
   layer's routed copies per expert (per slot of EPLB-placed params); else None.
+  The MLP runs the path its params' type names (`layouts`); `cfg.moe_impl`
+  becomes that type here (`moe.with_impl`).
   """
   a, cache = attn_lib.attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps),
                                 cos, sin, ctx, window, cache)
@@ -35,7 +38,8 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
   h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
   if not is_moe:
     return x + mlp(cfg, p["mlp"], h), cache, None
-  y, counts = moe(cfg, p["mlp"], h, ep, valid=ctx.token_valid(), count=count_experts)
+  y, counts = moe_lib.moe(cfg, moe_lib.with_impl(cfg, p["mlp"]), h, ep, valid=ctx.token_valid(),
+                          count=count_experts)
   return x + y, cache, counts
 
 
@@ -96,13 +100,14 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
                 transpose_projections: bool = False):
   """Params as `init_params` makes them -> the layout the engine's CPU step
   reads: each segment a tuple of per-layer trees (`trunk` runs them
-  unrolled), MLA's up-projections pre-transposed (`attention.step_layout`),
-  gate and up projections fused into one [D, 2F] matrix, and with
-  split_experts each routed expert's weights as its own array
-  (`moe` then runs only the chosen experts; not for expert-parallel params,
-  whose `moe_ep` wants them stacked), and with transpose_projections the
-  projections (attention, dense and shared MLPs, lm_head) stored transposed
-  (`layers.PackedLinear`; unsharded params). Same outputs.
+  unrolled), MLA's attention an `AbsorbedMLA` (`attention.step_layout`),
+  dense and shared MLPs a `FusedMLP` (gate and up one [D, 2F] matrix), and
+  with split_experts each MoE layer a `SplitExperts` (each routed expert its
+  own array: `moe` then runs only the chosen experts; not for
+  expert-parallel params, whose `moe_ep` wants them stacked), and with
+  transpose_projections the projections (attention, dense and shared MLPs,
+  lm_head) stored transposed (`layers.PackedLinear`; unsharded params).
+  Same outputs. (`layouts` has the types.)
 
   Why: a scanned layer slices its weights out of the stack with a
   dynamic-slice that XLA:CPU copies every step, and a weight transposed
@@ -114,34 +119,32 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
     return pack_linear(w) if transpose_projections else w
 
   def fused(p):
-    rest = {k: v for k, v in p.items() if k not in ("w_gate", "w_up", "w_down")}
-    return {**rest, "w_gate_up": pack(fuse_gate_up(p["w_gate"], p["w_up"])),
-            "w_down": pack(p["w_down"])}
+    return FusedMLP(w_gate_up=pack(fuse_gate_up(p["w_gate"], p["w_up"])), w_down=pack(p["w_down"]))
 
-  def layer_layout(layer):
+  def layer_layout(layer, is_moe):
     layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], transpose_projections)}
     mlp = layer["mlp"]
-    if "router" not in mlp:
+    if not is_moe:
       mlp = fused(mlp)
     else:
-      if "shared" in mlp:
+      if cfg.num_shared_experts:
         mlp = {**mlp, "shared": fused(mlp["shared"])}
       if split_experts:
         rest = {k: v for k, v in mlp.items() if k not in _EXPERT_KEYS}
         E = mlp["w_down"].shape[0]
-        mlp = {**rest, "w_down": tuple(mlp["w_down"][e] for e in range(E)),
-               "w_gate_up": tuple(fuse_gate_up(mlp["w_gate"][e], mlp["w_up"][e])
-                                  for e in range(E))}
+        mlp = SplitExperts(w_down=tuple(mlp["w_down"][e] for e in range(E)),
+                           w_gate_up=tuple(fuse_gate_up(mlp["w_gate"][e], mlp["w_up"][e])
+                                           for e in range(E)), **rest)
     return {**layer, "mlp": mlp}
 
   segs = []
-  for seg in params["layers"]:
+  for seg, (is_moe, _, n) in zip(params["layers"], cfg.segments()):
     if isinstance(seg, (list, tuple)):
       raise ValueError("step_layout: params are already in the step layout")
-    n = jax.tree.leaves(seg)[0].shape[0]
-    segs.append(tuple(layer_layout(jax.tree.map(lambda w, i=i: w[i], seg)) for i in range(n)))
+    segs.append(tuple(layer_layout(jax.tree.map(lambda w, i=i: w[i], seg), is_moe)
+                      for i in range(n)))
   out = {**params, "layers": tuple(segs)}
-  if "lm_head" in params:
+  if not cfg.tie_embeddings:
     out["lm_head"] = pack(params["lm_head"])
   return out
 

@@ -1,0 +1,115 @@
+"""Typed param layouts: the alternative shapes a block's weights take.
+
+The stacked tree of `specs.param_specs` (what `init_params`, `load_hf`,
+the shardings and checkpoint restore use) is nested dicts of arrays: one
+layout, nothing to tell apart. Every other layout is a type, and the block
+runs the path its weights' type names (`isinstance`), never one chosen by
+key presence or a mode string:
+
+  FusedMLP      dense gated MLP, gate and up fused into one [D, 2F] matmul
+                (`transformer.step_layout`)
+  AbsorbedMLA   MLA attention with wkv_b stored as the per-head absorbed
+                up-projections w_uk / w_uv (`attention.step_layout`)
+  SplitExperts  MoE layer with one array per routed expert, run expert by
+                expert over its rows only (`transformer.step_layout`)
+  DenseExperts  MoE layer's stacked experts marked for the dense reference
+                path (every expert on every token; `cfg.moe_impl="dense"`)
+
+`layers.PackedLinear` (a projection stored transposed) is the fifth.
+
+Each is a flax `struct.dataclass` (a registered pytree: `jax.tree`, `jit`,
+`scan`, `device_put` see its arrays) and also reads as a read-only mapping
+over its set fields (`p["wo"]`, `"router" in p`), so code that only reads
+weights by name is layout-agnostic; only the dispatch looks at the type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+import dataclasses
+from typing import Any
+
+from flax import struct
+
+
+class _Fields(Mapping):
+  """Mapping view over a layout dataclass's fields that are set (not None)."""
+
+  def __getitem__(self, key):
+    value = getattr(self, key, None) if key in self._names() else None
+    if value is None:
+      raise KeyError(key)
+    return value
+
+  def __iter__(self):
+    return (k for k in self._names() if getattr(self, k) is not None)
+
+  def __len__(self):
+    return sum(1 for _ in self)
+
+  @classmethod
+  def _names(cls):
+    return tuple(f.name for f in dataclasses.fields(cls))
+
+
+@struct.dataclass
+class FusedMLP(_Fields):
+  """Dense gated MLP read as one [D, 2F] matmul for gate and up (gate
+  columns first; fewer, larger matmuls run closer to the memory bandwidth on
+  CPU). Either weight plain or a `layers.PackedLinear`."""
+  w_gate_up: Any  # [D, 2F]
+  w_down: Any  # [F, D]
+
+
+@struct.dataclass
+class AbsorbedMLA(_Fields):
+  """MLA attention weights with wkv_b [R, N, Hn + Hv] stored as the
+  absorbed per-head up-projections in the layouts the per-head matmuls read
+  (transposing wkv_b inside the step made XLA:CPU copy it every step).
+  Projections plain or `layers.PackedLinear`; wq or (wq_a, q_norm, wq_b)."""
+  w_uk: Any  # [N, Hn, R]
+  w_uv: Any  # [N, R, Hv]
+  wkv_a: Any  # [D, R + Hr]
+  kv_norm: Any  # [R]
+  wo: Any  # [N, Hv, D]
+  wq: Any = None  # [D, N, Hn + Hr] (no q LoRA)
+  wq_a: Any = None  # [D, Rq]
+  q_norm: Any = None  # [Rq]
+  wq_b: Any = None  # [Rq, N, Hn + Hr]
+
+
+@struct.dataclass
+class SplitExperts(_Fields):
+  """A MoE layer whose routed experts are held one array per expert (the
+  Engine's CPU layout: a chosen expert is read in place, an unchosen one
+  not at all; slicing a stacked expert copies it on XLA:CPU). Gate and up
+  fused per expert; router, biases, shared experts and EPLB tables as in
+  the stacked layout."""
+  router: Any  # [D, E]
+  w_gate_up: tuple  # E x [D, 2F]
+  w_down: tuple  # E x [F, D]
+  router_bias: Any = None  # [E]
+  score_bias: Any = None  # [E]
+  b_gate: Any = None  # [E, F]
+  b_up: Any = None  # [E, F]
+  b_down: Any = None  # [E, D]
+  shared: Any = None  # dense MLP params
+  eplb_replicas: Any = None  # [E, R]
+  eplb_num_replicas: Any = None  # [E]
+
+
+@struct.dataclass
+class DenseExperts(Mapping):
+  """A MoE layer's stacked params (the dict of `specs`) marked for the dense
+  reference path: every expert on every token, masked by the combine
+  weights (E/k times the FLOPs). Reads as that dict."""
+  params: dict
+
+  def __getitem__(self, key):
+    return self.params[key]
+
+  def __iter__(self):
+    return iter(self.params)
+
+  def __len__(self):
+    return len(self.params)
