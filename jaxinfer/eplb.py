@@ -282,6 +282,26 @@ def remove_placement(params):
   return dict(params, layers=tuple(layers))
 
 
+def rebalance(cfg: ModelConfig, params, load, placements, *, num_ranks: int,
+              num_redundant: int = 0, reshard=None):
+  """A serving engine's EPLB step over the load it recorded (int [Lm, E]):
+  plans a placement over num_ranks expert-parallel ranks, applies it to the
+  params (placed or logical; outputs unchanged) and, when given, places them
+  with reshard(params). placements: the params' current ones (None: the
+  default contiguous split). -> (new params, new placements, report with the
+  per-rank imbalance of the load before and after)."""
+  if not np.asarray(load).any():
+    raise ValueError("rebalance: no routed tokens recorded yet; serve some requests first")
+  new = plan_placement(load, num_ranks, num_redundant)
+  before = imbalance(load, placements, num_ranks=num_ranks)
+  after = imbalance(load, new)
+  params = apply_placement(cfg, remove_placement(params), new)
+  if reshard is not None:
+    params = reshard(params)
+  return params, new, dict(imbalance_before=before, imbalance_after=after, num_ranks=num_ranks,
+                           num_redundant=num_redundant)
+
+
 def shard_placed_params(params, mesh: Mesh, axes):
   """Places placed params on `mesh`: routed expert weights [L, S, ...] split
   over `axes` on the slot dim (so rank r holds slots [r S/n, (r + 1) S/n),

@@ -13,7 +13,6 @@ device-to-host read per step is the sampled tokens.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import math
 import os
@@ -25,9 +24,11 @@ import numpy as np
 
 from jaxinfer import eplb, kv_cache, sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import speculative, steps
+from jaxinfer.engine import speculative
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
+from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.spec_runner import SpecRunner
 from jaxinfer.models import transformer
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -149,20 +150,9 @@ class Engine(EngineCore):
     self.pool = kv_cache.init_pool(cfg, num_pages * self.num_ranks, config.page_size, dtype,
                                    sharding=self._pool_sharding() if mesh is not None else None,
                                    mtp=self._spec is not None)
-    self._programs: set[steps.StepShapes] = set()
-    self._num_steps = self._num_step_tokens = self._overlapped = 0
-    self._in_flight: collections.deque = collections.deque()  # (scheduled per rank, samples)
-    shape = (self.num_ranks, config.max_num_seqs) if self._dp_axes else (config.max_num_seqs,)
-    self._prev_sampled = jnp.zeros(shape, jnp.int32)
     self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
-    if self._spec is not None:
-      self._spec_state = speculative.init_state(cfg, config.max_num_seqs,
-                                                self._spec.num_draft_tokens)
-      self._slot_of: dict[int, int] = {}
-      self._free_slots = list(range(config.max_num_seqs))
-      self._drafted = np.zeros(self._spec.num_draft_tokens, np.int64)
-      self._accepted = np.zeros(self._spec.num_draft_tokens, np.int64)
-      self._verifies = self._verify_tokens = 0
+    # The step runner: builds, dispatches and reads its own steps.
+    self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
 
@@ -204,7 +194,7 @@ class Engine(EngineCore):
 
   def has_unfinished(self) -> bool:
     """Whether any request is queued, running, or has a step in flight."""
-    return super().has_unfinished() or bool(self._in_flight)
+    return super().has_unfinished() or bool(self._runner.in_flight)
 
   # ------------------------------------------------------------ stepping
 
@@ -213,174 +203,7 @@ class Engine(EngineCore):
     finished) events that became known: with async scheduling, those of the
     previous step, read back while this one runs. Under attention DP every
     rank steps together, an idle one on an all-padding batch."""
-    if self._spec is not None:
-      return self._step_speculative()
-    per_rank = [s.schedule() for s in self.schedulers]
-    scheduled = any(per_rank)
-    if scheduled:
-      self._dispatch(per_rank)
-    keep = 1 if scheduled and self.config.async_scheduling else 0
-    events = []
-    while len(self._in_flight) > keep:
-      done, sampled = self._in_flight.popleft()
-      sampled = np.asarray(sampled).reshape(self.num_ranks, -1)  # the one device-to-host read
-      for sch, rank_done, rank_sampled in zip(self.schedulers, done, sampled):
-        events += sch.apply(rank_done, rank_sampled[:len(rank_done)])
-    return events
-
-  def _rank_batch(self, scheduled, shapes):
-    tokens, from_prev, positions, token_seq = [], [], [], []
-    for i, s in enumerate(scheduled):
-      req = s.request
-      known = req.tokens
-      for pos in range(s.start, s.start + s.num_tokens):
-        if pos < len(known):
-          tokens.append(known[pos])
-          from_prev.append(-1)
-        else:  # sampled by the previous step, not read back yet
-          tokens.append(0)
-          from_prev.append(req.pending_row)
-      positions += range(s.start, s.start + s.num_tokens)
-      token_seq += [i] * s.num_tokens
-    reqs = [s.request for s in scheduled]
-    return steps.pad_batch(
-        shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
-        q_lens=[s.num_tokens for s in scheduled],
-        kv_lens=[s.start + s.num_tokens for s in scheduled],
-        page_tables=[r.pages for r in reqs], **self._sampling_of(reqs),
-        sample_idx=[len(r.output) + r.pending for r in reqs]), len(tokens)
-
-  @staticmethod
-  def _sampling_of(reqs) -> dict:
-    """Per-request sampling fields, as the step batches take them."""
-    return dict(temperature=[r.sampling.temperature for r in reqs],
-                top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
-                seeds=[r.sampling.seed % (1 << 32) for r in reqs])
-
-  def _dispatch(self, per_rank) -> None:
-    busy = [sch for sch in per_rank if sch]
-    shapes = self.step_shapes(busy, self._chunk)
-    batches = [self._rank_batch(sch, shapes) for sch in per_rank]
-    greedy = all(s.request.sampling.temperature == 0 for sch in busy for s in sch)
-    self._programs.add((shapes, greedy))
-    if self._dp_axes:
-      sampled, self.pool, self._load = steps.step_ranked(
-          self.cfg, self._step_params, self.pool, steps.stack_batches([b for b, _ in batches]),
-          self._prev_sampled, self._load, max_q=shapes.max_q, ep=self._ep, mesh=self.mesh,
-          axes=self._dp_axes, greedy=greedy)
-    else:
-      sampled, self.pool, self._load = steps.step(
-          self.cfg, self._step_params, self.pool, batches[0][0], self._prev_sampled, self._load,
-          max_q=shapes.max_q, ep=self._ep, greedy=greedy, **self._heads)
-    self._prev_sampled = sampled
-    for sch, rank_scheduled in zip(self.schedulers, per_rank):
-      sch.on_dispatch(rank_scheduled)
-    self._overlapped += bool(self._in_flight)
-    self._in_flight.append((per_rank, sampled))
-    self._num_steps += 1
-    self._num_step_tokens += sum(n for _, n in batches)
-
-  # ------------------------------------------------------------ speculative
-
-  def _step_speculative(self) -> list[tuple[int, list[int], bool]]:
-    """One speculative step (`engine/speculative.py`). With async scheduling
-    a decode-only batch is pipelined: the next step is dispatched before the
-    one in flight is read, its positions left to the device
-    (`Scheduler.continue_speculative`); anything else (admissions, prefill
-    chunks, preemption) reads the step in flight first and schedules as usual."""
-    sch = self.scheduler
-    K = self.spec_draft_tokens(sch)
-    scheduled = None
-    if self._in_flight and self.config.async_scheduling and self._in_flight[-1][2] == K:
-      scheduled = sch.continue_speculative(self._in_flight[-1][0], K)
-    events = []
-    if scheduled is None:
-      events += self._read_speculative(keep=0)
-      sch.spec_k = K
-      scheduled = sch.schedule()
-      live = {r.id for r in sch.running}
-      for rid in [rid for rid in self._slot_of if rid not in live]:  # finished or preempted
-        self._free_slots.append(self._slot_of.pop(rid))
-      for s in scheduled:
-        if s.request.id not in self._slot_of:
-          self._slot_of[s.request.id] = self._free_slots.pop()
-    if scheduled:
-      self._dispatch_speculative(scheduled, K)
-    keep = 1 if scheduled and self.config.async_scheduling else 0
-    return events + self._read_speculative(keep)
-
-  def _dispatch_speculative(self, scheduled, K: int) -> None:
-    shapes = self.step_shapes([scheduled], self._chunk + K)
-    batch, n_tokens = self._spec_batch(scheduled, shapes)
-    greedy = all(s.request.sampling.temperature == 0 for s in scheduled)
-    self._programs.add((shapes, K, greedy))
-    emitted, self.pool, self._spec_state, self._load = speculative.spec_step(
-        self.cfg, self._step_params, self.pool, batch.pack(), self._spec_state, self._load,
-        max_q=shapes.max_q, K=K, ep=self._ep, greedy=greedy, **self._heads)
-    self.scheduler.on_dispatch(scheduled)
-    self._overlapped += bool(self._in_flight)
-    self._in_flight.append((scheduled, emitted, K))
-    self._num_steps += 1
-    self._num_step_tokens += n_tokens
-
-  def _read_speculative(self, keep: int) -> list[tuple[int, list[int], bool]]:
-    """Reads the speculative steps in flight, oldest first, leaving `keep`."""
-    events = []
-    while len(self._in_flight) > keep:
-      scheduled, emitted, K = self._in_flight.popleft()
-      emitted = np.asarray(emitted)  # the one device-to-host read
-      out, n_emit, n_verified = emitted[:, :K + 1], emitted[:, K + 1], emitted[:, K + 2]
-      for s, n, d in zip(scheduled, n_emit, n_verified):
-        self._num_step_tokens -= s.num_draft - int(d)  # drafts cut on device at max_len
-        if s.samples and s.num_draft and not s.request.finished:
-          self._drafted[:d] += 1
-          self._accepted[:int(n) - 1] += 1
-          self._verifies += 1
-          self._verify_tokens += int(n)
-      events += self.scheduler.apply_speculative(scheduled, out, n_emit, K)
-    return events
-
-  def _spec_batch(self, scheduled, shapes):
-    ps = self.config.page_size
-    tokens, draft_j, positions, token_seq, chunk_next = [], [], [], [], []
-    for i, s in enumerate(scheduled):
-      req = s.request
-      known = req.tokens
-      n_known = s.num_tokens - s.num_draft
-      if s.from_state:  # the last token and the positions come from the device
-        tokens += [0] * s.num_tokens
-      else:
-        tokens += known[s.start:s.start + n_known] + [0] * s.num_draft
-      draft_j += [-1] * n_known + list(range(s.num_draft))
-      positions += range(s.start, s.start + s.num_tokens)
-      token_seq += [i] * s.num_tokens
-      end = s.start + s.num_tokens
-      chunk_next.append(0 if s.samples else known[end])
-    reqs = [s.request for s in scheduled]
-    T, B, n = shapes.tokens, shapes.seqs, len(tokens)
-    pad = steps.pad
-    cu, table, last = steps.ragged_layout(shapes, [s.num_tokens for s in scheduled],
-                                          [r.pages for r in reqs])
-    samp = self._sampling_of(reqs)
-    batch = speculative.SpecBatch(
-        tokens=pad(tokens, T, np.int32), draft_j=pad(draft_j, T, np.int32, -1),
-        positions=pad(positions, T, np.int32), token_seq=pad(token_seq, T, np.int32),
-        valid=pad(np.ones(n, bool), T, bool), cu_q_lens=cu,
-        kv_lens=pad([s.start + s.num_tokens for s in scheduled], B, np.int32),
-        page_table=table, logits_idx=last,
-        slot=pad([self._slot_of[r.id] for r in reqs], B, np.int32),
-        num_draft=pad([s.num_draft for s in scheduled], B, np.int32),
-        samples=pad([s.samples for s in scheduled], B, bool),
-        from_state=pad([s.from_state for s in scheduled], B, bool),
-        chunk_next=pad(chunk_next, B, np.int32),
-        capacity=pad([len(r.pages) * ps for r in reqs], B, np.int32),
-        max_len=pad([min(len(r.prompt) + r.sampling.max_tokens, self.max_model_len)
-                     for r in reqs], B, np.int32),
-        prompt_len=pad([len(r.prompt) for r in reqs], B, np.int32),
-        temperature=pad(samp["temperature"], B, np.float32),
-        top_k=pad(samp["top_k"], B, np.int32), top_p=pad(samp["top_p"], B, np.float32, 1.0),
-        seeds=pad(samp["seeds"], B, np.uint32))
-    return batch, n
+    return self._runner.step(self)
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -444,21 +267,16 @@ class Engine(EngineCore):
     expert-parallel ranks (`eplb.plan_placement`), applies it to the params
     (outputs unchanged) and restarts the recording. Returns the per-rank
     imbalance of the recorded load before and after."""
-    load = self.expert_load()
-    if not load.any():
-      raise ValueError("rebalance: no routed tokens recorded yet; serve some requests first")
-    n = self._ep.size if self._ep is not None else 1
-    placements = eplb.plan_placement(load, n, num_redundant)
-    before = eplb.imbalance(load, self._placements, num_ranks=n)
-    after = eplb.imbalance(load, placements)
-    params = eplb.apply_placement(self.cfg, eplb.remove_placement(self.params), placements)
+    reshard = None
     if self.mesh is not None:
-      params = sharding.shard_params(self.cfg, params, self.mesh, self.layout)
+      reshard = lambda p: sharding.shard_params(self.cfg, p, self.mesh, self.layout)
+    params, self._placements, report = eplb.rebalance(
+        self.cfg, self.params, self.expert_load(), self._placements,
+        num_ranks=self._ep.size if self._ep is not None else 1, num_redundant=num_redundant,
+        reshard=reshard)
     self._set_params(params)
-    self._placements = placements
     self._load = self._zero_load()
-    return dict(imbalance_before=before, imbalance_after=after, num_ranks=n,
-                num_redundant=num_redundant)
+    return report
 
   def stats(self) -> dict:
     """Engine-wide counters: steps, tokens_per_step, compiles (distinct step
@@ -468,11 +286,11 @@ class Engine(EngineCore):
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
     spec_acceptance_per_position and spec_drafted_per_position."""
-    allocs, reqs = self.allocators, self._requests.values()
+    allocs, reqs, counts = self.allocators, self._requests.values(), self._runner.counts
     return dict(
-        steps=self._num_steps,
-        tokens_per_step=self._num_step_tokens / max(self._num_steps, 1),
-        compiles=len(self._programs),
+        steps=counts.steps,
+        tokens_per_step=counts.tokens / max(counts.steps, 1),
+        compiles=len(counts.programs),
         kv_pages_total=sum(a.usable_pages for a in allocs),
         kv_pages_used=sum(a.num_used() for a in allocs),
         kv_pages_cached=sum(a.num_cached() for a in allocs),
@@ -482,19 +300,6 @@ class Engine(EngineCore):
         cached_prompt_tokens=sum(r.cached_prompt_tokens for r in reqs),
         running=sum(len(s.running) for s in self.schedulers),
         waiting=sum(len(s.waiting) for s in self.schedulers),
-        overlapped_steps=self._overlapped, dp_ranks=self.num_ranks,
+        overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
-        **self._spec_stats())
-
-  def _spec_stats(self) -> dict:
-    if self._spec is None:
-      return {}
-    with np.errstate(invalid="ignore", divide="ignore"):
-      per_pos = np.where(self._drafted > 0, self._accepted / np.maximum(self._drafted, 1), np.nan)
-    return dict(
-        spec_num_draft_tokens=self._spec.num_draft_tokens,
-        spec_verify_steps=self._verifies,  # sequence-steps that verified drafts
-        spec_mean_accepted_length=(self._verify_tokens / self._verifies if self._verifies
-                                   else float("nan")),
-        spec_acceptance_per_position=[float(a) for a in per_pos],
-        spec_drafted_per_position=[int(d) for d in self._drafted])
+        **self._runner.stats())

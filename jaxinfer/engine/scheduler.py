@@ -121,9 +121,6 @@ class Scheduler:
     self.waiting: collections.deque[Request] = collections.deque()
     self.running: list[Request] = []
     self.num_preemptions = 0
-    # Speculative decoding (engine-set per step): drafts a decode verifies,
-    # and the positions the MTP chain writes past the chunk.
-    self.spec_k = 0
 
   # ------------------------------------------------------------ scheduling
 
@@ -159,27 +156,30 @@ class Scheduler:
     return req.pending > 0 and (len(req.output) + req.pending >= req.sampling.max_tokens
                                 or req.total_len >= self.max_model_len)
 
-  def _chunk(self, req: Request, budget: int) -> tuple[int, bool, int]:
+  def _chunk(self, req: Request, budget: int, spec_k: int) -> tuple[int, bool, int]:
     """-> (tokens, samples, drafts verified). A speculative decode is the
     last token plus up to spec_k drafts, never past max_tokens or the context."""
     n = min(req.total_len - req.num_computed, budget, self.chunk)
     samples = req.num_computed + n == req.total_len
     d = 0
-    if samples and n == 1 and self.spec_k and req.num_drafts:
-      d = min(req.num_drafts, self.spec_k, budget - 1,
+    if samples and n == 1 and spec_k and req.num_drafts:
+      d = min(req.num_drafts, spec_k, budget - 1,
               req.sampling.max_tokens - len(req.output) - req.pending - 1,
               self.max_model_len - req.total_len - 1)
       d = max(d, 0)
     return n + d, samples, d
 
-  def _pages_for(self, req: Request, n: int, samples: bool) -> int:
+  def _pages_for(self, req: Request, n: int, samples: bool, spec_k: int) -> int:
     """Pages to add for a chunk of n tokens; a sampling chunk under
     speculation also covers the spec_k - 1 positions the draft chain writes."""
-    if samples and self.spec_k > 1:
-      n = min(n + self.spec_k - 1, self.max_model_len - req.num_computed)
+    if samples and spec_k > 1:
+      n = min(n + spec_k - 1, self.max_model_len - req.num_computed)
     return self._pages_needed(req, n)
 
-  def schedule(self) -> list[Scheduled]:
+  def schedule(self, spec_k: int = 0) -> list[Scheduled]:
+    """This step's chunks. spec_k: the draft budget K of a speculative step
+    (0: plain): a decode then verifies up to K drafts, and a sampling chunk's
+    pages also cover the K - 1 positions the MTP chain drafts past it."""
     budget, out = self.budget, []
     preempted = False
     i = 0
@@ -188,8 +188,8 @@ class Scheduler:
       if self._will_finish(req):
         i += 1
         continue
-      n, samples, d = self._chunk(req, budget)
-      need = self._pages_for(req, n, samples)
+      n, samples, d = self._chunk(req, budget, spec_k)
+      need = self._pages_for(req, n, samples, spec_k)
       while need > self.alloc.num_available() and req in self.running:
         self._preempt(self.running[-1])
         preempted = True
@@ -210,8 +210,8 @@ class Scheduler:
         max_pages = (len(tokens) - 1) // self.alloc.page_size
         req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages)
         req.num_computed = len(req.pages) * self.alloc.page_size
-      n, samples, d = self._chunk(req, budget)
-      need = self._pages_for(req, n, samples)
+      n, samples, d = self._chunk(req, budget, spec_k)
+      need = self._pages_for(req, n, samples, spec_k)
       if need > self.alloc.num_available():
         self.alloc.release(req.pages)  # give the matched prefix back; retry next step
         req.pages, req.page_hashes, req.num_computed = [], [], 0
@@ -244,7 +244,7 @@ class Scheduler:
         or any(id(r) not in sampled or r.num_computed + 2 * K > self.max_model_len
                for r in reqs)):
       return None
-    need = [max(0, self._pages_for(r, K + 1, True)) for r in reqs]
+    need = [max(0, self._pages_for(r, K + 1, True, K)) for r in reqs]
     if sum(need) > self.alloc.num_available():
       return None
     for r, n in zip(reqs, need):

@@ -155,13 +155,50 @@ def _draw(keys, probs):
   return jax.vmap(lambda k, p: jax.random.categorical(k, jnp.log(p)))(keys, probs).astype(jnp.int32)
 
 
+def _prefix_len(ok):
+  """ok [B, K] bool -> [B]: how many leading entries are True (the accepted drafts)."""
+  return jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+
+
 def _accept_greedy(logits, drafts, num_draft):
-  B, K1, _ = logits.shape
+  """Greedy: accept the longest prefix of drafts equal to the target's argmax.
+  The first mismatch (or the bonus position K + 1) emits the argmax there."""
+  K1 = logits.shape[1]
   target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, K + 1]
-  ok = (drafts == target[:, :-1]) & (jnp.arange(K1 - 1) < num_draft[:, None])
-  n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
+  n_acc = _prefix_len((drafts == target[:, :-1]) & (jnp.arange(K1 - 1) < num_draft[:, None]))
   # Accepted drafts equal the target there, so the target row is the output.
   return target, n_acc
+
+
+def _accept_sampled(p, logits, drafts, q, num_draft, temperature, k_u):
+  """Draft d_j ~ q is kept with probability min(1, p(d_j) / q(d_j)): u q < p
+  for u ~ U[0, 1). Greedy rows of a mixed batch keep the argmax rule.
+  p [B, K + 1, V], q [B, K, V] -> accepted drafts [B] (the prefix before the
+  first rejection)."""
+  K = drafts.shape[1]
+  p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], -1)[..., 0]  # [B, K]
+  q_d = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
+  u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(k_u)
+  ok_sampled = u * q_d < p_d  # u < p / q without dividing by zero
+  ok_greedy = drafts == jnp.argmax(logits[:, :K], -1)
+  ok = jnp.where((temperature > 0)[:, None], ok_sampled, ok_greedy)
+  return _prefix_len(ok & (jnp.arange(K) < num_draft[:, None]))
+
+
+def _correction(p, q, n_acc, num_draft):
+  """The distribution of the token after the accepted drafts. On a rejection
+  at j: norm(max(0, p_j - q_j)), which makes the emitted token p-distributed
+  (P(x) = q(x) min(1, p/q) + (1 - sum min(p, q)) norm(max(0, p - q))(x) = p(x)).
+  All K accepted: the bonus token from p at K + 1. [B, V], unnormalised."""
+  p_last = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
+  if not q.shape[1]:
+    return p_last
+  q_last = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), n_acc[:, None, None],
+                               axis=1)[:, 0]
+  residual = jnp.maximum(p_last - q_last, 0.0)
+  # p == q exactly leaves nothing to resample from: then any draw from p is right.
+  residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_last)
+  return jnp.where((n_acc < num_draft)[:, None], residual, p_last)
 
 
 def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy=False):
@@ -178,59 +215,33 @@ def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy
   p = p.reshape(B, K1, V)
   split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
   k_u, k_final = split[:, 0], split[:, 1]
-  j = jnp.arange(K)
-  if K:
-    p_d = jnp.take_along_axis(p[:, :K], drafts[..., None], -1)[..., 0]  # [B, K]
-    q_d = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
-    u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(k_u)
-    ok_sampled = u * q_d < p_d  # u < p / q without dividing by zero
-    ok_greedy = drafts == jnp.argmax(logits[:, :K], -1)
-    ok = jnp.where((temperature > 0)[:, None], ok_sampled, ok_greedy) & (j < num_draft[:, None])
-    n_acc = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1)
-  else:
-    n_acc = jnp.zeros((B,), jnp.int32)
-  p_last = jnp.take_along_axis(p, n_acc[:, None, None], axis=1)[:, 0]  # [B, V]
-  if K:
-    q_last = jnp.take_along_axis(jnp.pad(q, ((0, 0), (0, 1), (0, 0))), n_acc[:, None, None],
-                                 axis=1)[:, 0]
-    rejected = n_acc < num_draft
-    residual = jnp.maximum(p_last - q_last, 0.0)
-    # p == q exactly leaves nothing to resample from: then any draw from p is right.
-    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p_last)
-    p_last = jnp.where(rejected[:, None], residual, p_last)
+  n_acc = (_accept_sampled(p, logits, drafts, q, num_draft, temperature, k_u) if K
+           else jnp.zeros((B,), jnp.int32))
+  p_last = _correction(p, q, n_acc, num_draft)
   last = jnp.where(temperature > 0, _draw(k_final, p_last), jnp.argmax(p_last, -1))
-  tokens = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1) if K else \
-      jnp.zeros((B, 1), jnp.int32)
+  tokens = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
   tokens = jnp.where(jnp.arange(K1) == n_acc[:, None], last[:, None].astype(jnp.int32), tokens)
   return tokens, n_acc
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh",
-                                              "head_axis"),
-                   donate_argnames=("pool", "state", "load"))
-def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
-              ep=None, greedy: bool = False, mesh=None, head_axis=None):
-  """-> (emitted [B, K + 3] int32, new pool, new state, new load): row b emitted
-  emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
-  not sample), after verifying emitted[b, K + 2] drafts (fewer than the
-  batch's num_draft where a pipelined block reached max_len). packed:
-  `SpecBatch.pack()`.
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """The step's rows once pipelined blocks are resolved against the state."""
+  tokens: jax.Array  # [T]
+  positions: jax.Array  # [T]
+  ctx: PagedContext
+  num_draft: jax.Array  # [B]: drafts verified (cut at max_len for pipelined blocks)
+  base: jax.Array  # [B]: each block's first verified row
 
-  pool: the target's stacked caches per segment plus the MTP entry last.
-  load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
-  greedy (static): every request in the batch has temperature 0 (argmax
-  everywhere; the draft distributions are not kept).
-  mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
-  """
-  batch = SpecBatch.unpack(packed)
+
+def _resolve_rows(batch: SpecBatch, state, max_q, mesh, head_axis) -> _Rows:
+  """Pipelining: a `from_state` decode block takes its last token and its
+  positions from the draft state (the host dispatched it before reading the
+  step in flight), and its drafts are cut where the request would pass
+  max_len. Draft rows read their tokens from the state too."""
   T = batch.tokens.shape[0]
-  B = batch.kv_lens.shape[0]
-  S = state["drafts"].shape[0]
-  r = jnp.arange(T)
   b = batch.token_seq
-  j_row = r - batch.cu_q_lens[b]  # row index within its sequence's block
-  # Pipelined decode blocks: the last token and the positions come from the
-  # state; drafts are cut where the request would pass max_len.
+  j_row = jnp.arange(T) - batch.cu_q_lens[b]  # row index within its sequence's block
   pos0 = state["pos"][batch.slot]
   num_draft = jnp.where(batch.from_state,
                         jnp.clip(jnp.minimum(batch.num_draft, batch.max_len - pos0 - 2), 0),
@@ -249,42 +260,59 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   ctx = PagedContext(positions=positions, token_seq=b, valid=valid, cu_q_lens=batch.cu_q_lens,
                      kv_lens=kv_lens, page_table=batch.page_table, max_q=max_q, mesh=mesh,
                      head_axis=head_axis)
-  main_pool, mtp_pool = pool[:-1], pool[-1]
-  x, main_pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, main_pool, ep,
-                                           None if load is None else "logical")
-  load = load if load is None else load + counts
-  x = x[0]  # [T, D]
+  base = jnp.clip(batch.logits_idx - batch.num_draft, 0, T - 1)
+  return _Rows(tokens, positions, ctx, num_draft, base)
 
-  # Verify: the K + 1 rows ending at each sequence's last row.
-  base = jnp.clip(batch.logits_idx - batch.num_draft, 0, T - 1)  # each block's first row
-  rows = jnp.clip(base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
-  logits = head(cfg, params, x[rows])  # [B, K + 1, V]
+
+def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy: bool):
+  """Target logits at each block's K + 1 rows (the last known token and its
+  drafts: one forward, the kernels' Q > 1 path), then `accept`.
+  -> (tokens [B, K + 1], accepted [B], draft keys [B] or None)."""
+  T = x.shape[0]
+  idx = jnp.clip(rows.base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
+  logits = head(cfg, params, x[idx])  # [B, K + 1, V]
   drafts_in = state["drafts"][batch.slot, :K]
   if greedy:
     q_in = k_acc = k_draft = None
   else:
-    # The index of the request's first token emitted this step.
-    keys = request_keys(batch.seeds, positions[base] + 1 - batch.prompt_len)
+    # Keyed by the index of the request's first token emitted this step.
+    keys = request_keys(batch.seeds, rows.positions[rows.base] + 1 - batch.prompt_len)
     split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
     k_acc, k_draft = split[:, 0], split[:, 1]
     q_in = state["q"][batch.slot, :K]
-  out, n_acc = accept(logits, drafts_in, q_in, num_draft, batch.temperature, batch.top_k,
+  out, n_acc = accept(logits, drafts_in, q_in, rows.num_draft, batch.temperature, batch.top_k,
                       batch.top_p, k_acc, greedy)
+  return out, n_acc, k_draft
 
-  # MTP module 1 over every row: input (h_i, t_{i+1}).
-  jr = r - base[b]
-  in_window = batch.samples[b] & (jr >= 0) & (jr <= num_draft[b])
-  nxt = tokens[jnp.minimum(r + 1, T - 1)]
+
+def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep):
+  """MTP module 1 over every row of the step, input (h_i, t_{i + 1}): the
+  next token is the next row's, the step's output inside a verified window,
+  or `chunk_next` after a prefill chunk that does not sample. Its K/V up to
+  the accepted frontier stays in step with the target's. -> (h [T, D], pool)."""
+  T, K = x.shape[0], out.shape[1] - 1
+  r = jnp.arange(T)
+  b = batch.token_seq
+  jr = r - rows.base[b]
+  in_window = batch.samples[b] & (jr >= 0) & (jr <= rows.num_draft[b])
+  nxt = rows.tokens[jnp.minimum(r + 1, T - 1)]
   nxt = jnp.where(in_window, out[b, jnp.clip(jr, 0, K)], nxt)
   nxt = jnp.where((r == batch.logits_idx[b]) & ~batch.samples[b], batch.chunk_next[b], nxt)
-  cos, sin = rope_cos_sin(cfg, positions[None])
+  cos, sin = rope_cos_sin(cfg, rows.positions[None])
   h, mtp_pool = mtp.apply(cfg, params, mtp.module_for(cfg, 1), x[None], nxt[None], cos, sin,
-                          ctx, mtp_pool, ep)
+                          rows.ctx, mtp_pool, ep)
+  return h[0], mtp_pool
 
-  # Draft K tokens from the accepted frontier.
-  frontier = jnp.clip(base + n_acc, 0, T - 1)
-  h = h[0, frontier]  # [B, D]
-  pos = positions[frontier]
+
+def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, *, K, greedy, mesh,
+           head_axis):
+  """From the accepted frontier (h [B, D] at position pos [B]) the chain
+  drafts K tokens: depth k runs module min(k, M) at pos + k - 1 on the
+  previous depth's hidden and draft, writing K/V there (overwritten once
+  those positions are accepted). Greedy rows take the argmax; sampled rows
+  draw from q (the request's filters) and keep q for the next acceptance
+  test. -> (drafts: K of [B], qs: K of [B, V] or [] when greedy, pool)."""
+  B = h.shape[0]
   drafts, qs = [], []
   for k in range(1, K + 1):
     m = mtp.module_for(cfg, k)
@@ -305,19 +333,60 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
       continue
     q = _probs(draft_logits, batch.temperature, batch.top_k, batch.top_p)
     key_k = jax.vmap(lambda kk: jax.random.fold_in(kk, k))(k_draft)
-    d = jnp.where(batch.temperature > 0, _draw(key_k, q), jnp.argmax(q, -1)).astype(jnp.int32)
-    drafts.append(d)
+    drafts.append(jnp.where(batch.temperature > 0, _draw(key_k, q),
+                            jnp.argmax(q, -1)).astype(jnp.int32))
     qs.append(q)
+  return drafts, qs, mtp_pool
 
+
+def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
+  """Per sampling slot: the last emitted token (out[n_acc]: not in the KV
+  cache yet), its position pos + 1, the new drafts and their q. Rows that
+  do not sample write nothing (their index is out of range: dropped)."""
   state = dict(state)
-  write = jnp.where(batch.samples, batch.slot, S)  # out of range: dropped
+  write = jnp.where(batch.samples, batch.slot, state["drafts"].shape[0])
   last = jnp.take_along_axis(out, n_acc[:, None], 1)[:, 0]
   state["last"] = state["last"].at[write].set(last, mode="drop")
   state["pos"] = state["pos"].at[write].set(pos + 1, mode="drop")
-  if K:
+  if drafts:
+    K = len(drafts)
     state["drafts"] = state["drafts"].at[write, :K].set(jnp.stack(drafts, 1), mode="drop")
     if qs:
       state["q"] = state["q"].at[write, :K].set(jnp.stack(qs, 1), mode="drop")
+  return state
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh",
+                                              "head_axis"),
+                   donate_argnames=("pool", "state", "load"))
+def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
+              ep=None, greedy: bool = False, mesh=None, head_axis=None):
+  """-> (emitted [B, K + 3] int32, new pool, new state, new load): row b emitted
+  emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
+  not sample), after verifying emitted[b, K + 2] drafts (fewer than the
+  batch's num_draft where a pipelined block reached max_len). packed:
+  `SpecBatch.pack()`.
+
+  pool: the target's stacked caches per segment plus the MTP entry last.
+  load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
+  greedy (static): every request in the batch has temperature 0 (argmax
+  everywhere; the draft distributions are not kept).
+  mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
+  """
+  batch = SpecBatch.unpack(packed)
+  rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
+  main_pool, mtp_pool = pool[:-1], pool[-1]
+  x, main_pool, counts = trunk_with_counts(cfg, params, rows.tokens[None], rows.ctx, main_pool,
+                                           ep, None if load is None else "logical")
+  load = load if load is None else load + counts
+  x = x[0]  # [T, D]
+  out, n_acc, k_draft = _verify(cfg, params, x, rows, batch, state, K, greedy)
+  h, mtp_pool = _catch_up(cfg, params, x, rows, batch, out, mtp_pool, ep)
+  frontier = jnp.clip(rows.base + n_acc, 0, x.shape[0] - 1)  # each block's last accepted row
+  pos = rows.positions[frontier]
+  drafts, qs, mtp_pool = _draft(cfg, params, h[frontier], pos, batch, mtp_pool, ep, k_draft,
+                                K=K, greedy=greedy, mesh=mesh, head_axis=head_axis)
+  state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
-  emitted = jnp.concatenate([out, num_emitted[:, None], num_draft[:, None]], 1)
+  emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)
   return emitted, (*main_pool, mtp_pool), state, load

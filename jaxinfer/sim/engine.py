@@ -176,18 +176,16 @@ class SimEngine(EngineCore):
 
   def dispatch(self, rng) -> float | None:
     """Schedules and 'dispatches' one step -> its duration (None: nothing to do)."""
-    K = 0
-    if self._spec is not None:
-      for sch in self.schedulers:  # the K Engine._step_speculative takes for the batch
-        sch.spec_k = self.spec_draft_tokens(sch)
-      K = max(s.spec_k for s in self.schedulers)
-    per_rank = [s.schedule() for s in self.schedulers]
+    # The K the Engine's speculative runner takes for each rank's batch.
+    ks = [self.spec_draft_tokens(sch) if self._spec is not None else 0
+          for sch in self.schedulers]
+    K = max(ks)
+    per_rank = [s.schedule(k) for s, k in zip(self.schedulers, ks)]
     if not any(per_rank):
       return None
     for sch, sched in zip(self.schedulers, per_rank):
       sch.on_dispatch(sched)
-    shapes = [step_shape(sched, engine=self, spec_k=sch.spec_k)
-              for sch, sched in zip(self.schedulers, per_rank)]
+    shapes = [step_shape(sched, engine=self, spec_k=k) for k, sched in zip(ks, per_rank)]
     everyone = shapes
     if self.shadows:
       self._recent.extend(shapes)

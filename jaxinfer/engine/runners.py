@@ -1,0 +1,139 @@
+"""Step runners: each builds its step's batch from the schedulers' chunks,
+dispatches the jitted program and reads the results back, with its own
+queue of steps in flight. `Engine` holds one and calls `step(engine)`.
+
+  PlainRunner  `steps.step` / `steps.step_ranked`: one sampled token per
+               sequence whose chunk reaches its end (every DP rank steps)
+  SpecRunner   `speculative.spec_step` (in `engine/spec_runner.py`)
+
+A runner owns its host state (the queue, the device-side previous samples or
+draft state, its counters) and writes the engine's pool and expert load,
+which the device steps donate and return.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.engine import steps
+from jaxinfer.engine.scheduler import Scheduled
+
+Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
+
+
+@dataclasses.dataclass
+class StepCounts:
+  """What a runner dispatched: steps, their real (unpadded) tokens, steps
+  dispatched before the previous one was read, and the distinct programs."""
+  steps: int = 0
+  tokens: int = 0
+  overlapped: int = 0
+  programs: set = dataclasses.field(default_factory=set)
+
+  def record(self, program, num_tokens: int, overlapped: bool) -> None:
+    self.programs.add(program)
+    self.steps += 1
+    self.tokens += num_tokens
+    self.overlapped += overlapped
+
+
+def sampling_fields(reqs) -> dict:
+  """Per-request sampling fields, as the step batches take them."""
+  return dict(temperature=[r.sampling.temperature for r in reqs],
+              top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
+              seeds=[r.sampling.seed % (1 << 32) for r in reqs])
+
+
+def all_greedy(scheduled) -> bool:
+  """Every request of the chunks has temperature 0 (the step skips sampling)."""
+  return all(s.request.sampling.temperature == 0 for s in scheduled)
+
+
+def rank_batch(scheduled: list[Scheduled], shapes: steps.StepShapes):
+  """One rank's chunks -> (padded `StepBatch`, real tokens). A token sampled
+  by the step still in flight is taken on device from its row there."""
+  tokens, from_prev, positions, token_seq = [], [], [], []
+  for i, s in enumerate(scheduled):
+    req = s.request
+    known = req.tokens
+    for pos in range(s.start, s.start + s.num_tokens):
+      if pos < len(known):
+        tokens.append(known[pos])
+        from_prev.append(-1)
+      else:  # sampled by the previous step, not read back yet
+        tokens.append(0)
+        from_prev.append(req.pending_row)
+    positions += range(s.start, s.start + s.num_tokens)
+    token_seq += [i] * s.num_tokens
+  reqs = [s.request for s in scheduled]
+  return steps.pad_batch(
+      shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
+      q_lens=[s.num_tokens for s in scheduled],
+      kv_lens=[s.start + s.num_tokens for s in scheduled],
+      page_tables=[r.pages for r in reqs], **sampling_fields(reqs),
+      sample_idx=[len(r.output) + r.pending for r in reqs]), len(tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainInFlight:
+  """A dispatched plain step: each rank's chunks and the samples on device,
+  [S] ([n, S] under attention DP; row b: chunk b)."""
+  per_rank: list[list[Scheduled]]
+  sampled: jax.Array
+
+
+class PlainRunner:
+  """Plain steps on every rank together (an idle rank on an all-padding
+  batch). With async scheduling step N + 1 is dispatched before step N's
+  samples are read; the tokens it needs from step N come from the device."""
+
+  def __init__(self, eng):
+    self.counts = StepCounts()
+    self.in_flight: collections.deque[PlainInFlight] = collections.deque()
+    S = eng.config.max_num_seqs
+    self._prev_sampled = jnp.zeros((eng.num_ranks, S) if eng._dp_axes else (S,), jnp.int32)
+
+  def step(self, eng) -> Events:
+    per_rank = [s.schedule() for s in eng.schedulers]
+    scheduled = any(per_rank)
+    if scheduled:
+      self._dispatch(eng, per_rank)
+    return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
+
+  def _dispatch(self, eng, per_rank) -> None:
+    busy = [sch for sch in per_rank if sch]
+    shapes = eng.step_shapes(busy, eng._chunk)
+    batches = [rank_batch(sch, shapes) for sch in per_rank]
+    greedy = all_greedy(s for sch in busy for s in sch)
+    if eng._dp_axes:
+      sampled, eng.pool, eng._load = steps.step_ranked(
+          eng.cfg, eng._step_params, eng.pool, steps.stack_batches([b for b, _ in batches]),
+          self._prev_sampled, eng._load, max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
+          axes=eng._dp_axes, greedy=greedy)
+    else:
+      sampled, eng.pool, eng._load = steps.step(
+          eng.cfg, eng._step_params, eng.pool, batches[0][0], self._prev_sampled, eng._load,
+          max_q=shapes.max_q, ep=eng._ep, greedy=greedy, **eng._heads)
+    self._prev_sampled = sampled
+    for sch, rank_scheduled in zip(eng.schedulers, per_rank):
+      sch.on_dispatch(rank_scheduled)
+    self.counts.record((shapes, greedy), sum(n for _, n in batches), bool(self.in_flight))
+    self.in_flight.append(PlainInFlight(per_rank, sampled))
+
+  def _read(self, eng, keep: int) -> Events:
+    """Reads the steps in flight, oldest first, leaving `keep`."""
+    events = []
+    while len(self.in_flight) > keep:
+      done = self.in_flight.popleft()
+      sampled = np.asarray(done.sampled).reshape(eng.num_ranks, -1)  # the one device-to-host read
+      for sch, rank_done, rank_sampled in zip(eng.schedulers, done.per_rank, sampled):
+        events += sch.apply(rank_done, rank_sampled[:len(rank_done)])
+    return events
+
+  def stats(self) -> dict:
+    return {}
