@@ -151,7 +151,7 @@ def build(case: KernelCase, sharding=None):
     fn = functools.partial(pk.paged_attention, window=c.window, **c.blocks())
     q = S((c.B, c.Q, c.N, c.D))
     kp, vp = S((c.K, POOL_PAGES, c.ps, c.D)), S((c.K, POOL_PAGES, c.ps, c.Dv))
-    return _with_sinks(fn, sinks), (q, kp, vp, lengths, tables, sinks)
+    return _with_sinks(fn), (q, kp, vp, lengths, tables, sinks)
   if c.kernel == "mla":
     R = c.Dv
     fn = functools.partial(pk.mla_paged_attention, sm_scale=1 / math.sqrt(192), **c.blocks())
@@ -164,7 +164,7 @@ def build(case: KernelCase, sharding=None):
                            v_head_dim=c.Dv if mla else None, **c.blocks())
     kp = S((c.layers, c.K, POOL_PAGES, c.ps, c.D))
     vp = None if mla else S((c.layers, c.K, POOL_PAGES, c.ps, c.Dv))
-    return (_ragged(fn, sinks is not None),
+    return (_ragged(fn),
             (S((c.T, c.N, c.D)), kp, vp, lengths, tables, S((c.B + 1,), i32), sinks,
              S((), i32)))
   raise ValueError(f"unknown kernel {c.kernel!r}")
@@ -174,10 +174,10 @@ def _flash(q, k, v, sinks, *, window):
   return pk.flash_attention(q, k, v, causal=True, window=window, sinks=sinks)
 
 
-def _with_sinks(fn, has_sinks):
+def _with_sinks(fn):
   return lambda q, kp, vp, lengths, tables, sinks: fn(q, kp, vp, lengths, tables, sinks=sinks)
 
 
-def _ragged(fn, has_sinks):
+def _ragged(fn):
   return lambda q, kp, vp, kv_lens, tables, cu, sinks, layer: fn(
       q, kp, vp, kv_lens, tables, cu, sinks=sinks, layer=layer)
