@@ -28,7 +28,6 @@ the report says what does not fit and by how much.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 
 import jax
@@ -37,6 +36,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer import gpu_compile, kv_cache, presets, sharding
+from jaxinfer.bench import results
 from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
@@ -434,7 +434,5 @@ def run_gpu_plan(*, model: str, mesh: str, layout: str, gpu: str = "h100", hosts
                     hosts=hosts, dtype=dtype, workload=Workload(**workload))
   print(format_plan(report))
   if json_out:
-    with open(json_out, "w") as f:
-      json.dump(report, f, indent=1)
-    print(f"\nwrote {json_out}")
+    results.write_report(report, json_out)
   return report

@@ -33,7 +33,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer import gpu_compile
-from jaxinfer.bench import gpu_cases, gpu_executable, traffic
+from jaxinfer.bench import gpu_cases, gpu_executable, results, traffic
 
 L2_BYTES = {"h100": 50e6, "a100": 40e6}  # datasheet L2 sizes, for the notes only
 
@@ -206,9 +206,7 @@ def run_report(*, names: Iterable[str] | None = None, ptxas: bool = True,
                for g, t in gpu_compile.TARGETS.items()},
       cases=rows)
   if json_out:
-    path = pathlib.Path(json_out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=1) + "\n")
+    results.write_report(report, json_out)
   return report
 
 

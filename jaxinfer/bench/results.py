@@ -24,3 +24,12 @@ def write(prefix: str, rows: list[dict], plot: Callable[[list, str], None] | Non
     plot(rows, prefix + ".png")
   print(f"\nwrote {prefix}.json" + (" and .png" if plot is not None else ""))
   return out
+
+
+def write_report(report: dict, path: str) -> None:
+  """A report dict as JSON at `path` (its folder made if missing)."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(report, f, indent=1)
+    f.write("\n")
+  print(f"\nwrote {path}")

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import math
 from typing import Mapping
 
@@ -40,6 +39,7 @@ import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import presets, sharding
+from jaxinfer.bench import results
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
 from jaxinfer.models.moe_ep import ExpertParallel
@@ -443,7 +443,5 @@ def run_sharding_report(*, model: str, mesh: str, layout: str, dtype: str = "bfl
                            redundant_experts=redundant_experts)
   print(format_report(report))
   if json_out:
-    with open(json_out, "w") as f:
-      json.dump(report, f, indent=1)
-    print(f"\nwrote {json_out}")
+    results.write_report(report, json_out)
   return report
