@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 
 from absl import app, flags
-import numpy as np
 
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, training
 from jaxinfer.bench import results

@@ -46,28 +46,67 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU de
                                     "host platform device count) for --mesh on a CPU machine")
 
 
+def _model():
+  """-> (source description, cfg, params, tokenizer or None) from the flags."""
+  if not _HF_DIR.value and not _CKPT.value and _MODEL.value == "default":
+    cfg, params, tok = run.load_default_model()
+    return dict(model="default: tiny_moe trained on the Python stdlib"), cfg, params, tok
+  source = dict(hf_dir=_HF_DIR.value) if _HF_DIR.value else (
+      dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_MODEL.value))
+  return (source, *run.load_model(**source), None)
+
+
+def _prompts(cfg, tok):
+  """-> (tokenizer or None, prompts as token ids) from the flags."""
+  if _PROMPT_IDS.value:
+    return None, [[int(i) for i in _PROMPT_IDS.value]]
+  tok = tok or load_tokenizer(cfg, _HF_DIR.value)
+  texts = _PROMPT.value
+  if _PROMPTS_FILE.value:
+    with open(_PROMPTS_FILE.value) as f:
+      texts = [line.rstrip("\n") for line in f if line.strip()]
+  return tok, [tok.encode(t) for t in texts]
+
+
+def _print_outputs(res, tok) -> None:
+  for i, out in enumerate(res.outputs):
+    if tok:
+      print(f"\n--- [{i}] prompt + completion ({out.finish_reason}) ---\n"
+            f"{tok.decode(out.prompt_token_ids)}\033[1m{tok.decode(out.token_ids)}\033[0m")
+    else:
+      print(f"\n[{i}] prompt: {out.prompt_token_ids}\n[{i}] completion "
+            f"({out.finish_reason}): {out.token_ids}")
+
+
+def _print_summary(s: dict, spec) -> None:
+  rows = [
+      ("requests", f"{s['requests']}"),
+      ("generated tokens", f"{s['generated_tokens']}"),
+      ("tokens/s (after warm-up)", f"{s['tokens_per_s']:.1f}"),
+      ("TTFT p50 / p90", f"{s['ttft_p50_s'] * 1e3:.1f} / {s['ttft_p90_s'] * 1e3:.1f} ms"),
+      ("TPOT p50 / p90", f"{s['tpot_p50_s'] * 1e3:.2f} / {s['tpot_p90_s'] * 1e3:.2f} ms"),
+      ("prefix-cache hits", f"{s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens"),
+      ("steps / tokens per step", f"{s['steps']} / {s['tokens_per_step']:.1f}"),
+      ("compiled step programs", f"{s['compiles']}"),
+      ("preemptions", f"{s['preemptions']}"),
+  ]
+  if spec is not None:
+    acc = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])
+    rows += [("MTP drafts per step (K)", f"{spec.num_draft_tokens}"),
+             ("mean accepted length", f"{s['spec_mean_accepted_length']:.2f} tokens / step"),
+             ("acceptance per position", acc)]
+  else:
+    rows.append(("speculative decoding", "off"))
+  print("\n" + "\n".join(f"  {k:<26} {v}" for k, v in rows))
+
+
 def main(argv):
   del argv
   if _CPU_DEVICES.value:  # before anything initialises JAX's backends
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   mesh = sharding.make_mesh(parse_mesh(_MESH.value)) if _MESH.value else None
-  source = dict(hf_dir=_HF_DIR.value) if _HF_DIR.value else (
-      dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_MODEL.value))
-  tok = None
-  if not _HF_DIR.value and not _CKPT.value and _MODEL.value == "default":
-    source = dict(model="default: tiny_moe trained on the Python stdlib")
-    cfg, params, tok = run.load_default_model()
-  else:
-    cfg, params = run.load_model(**source)
-  if _PROMPT_IDS.value:
-    tok, prompts = None, [[int(i) for i in _PROMPT_IDS.value]]
-  else:
-    tok = tok or load_tokenizer(cfg, _HF_DIR.value)
-    texts = _PROMPT.value
-    if _PROMPTS_FILE.value:
-      with open(_PROMPTS_FILE.value) as f:
-        texts = [line.rstrip("\n") for line in f if line.strip()]
-    prompts = [tok.encode(t) for t in texts]
+  source, cfg, params, tok = _model()
+  tok, prompts = _prompts(cfg, tok)
   sampling = [SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value,
                              top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value + i)
               for i in range(len(prompts))]
@@ -91,33 +130,8 @@ def main(argv):
     print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices, "
           f"layout {_LAYOUT.value}, {res.summary['dp_ranks']} attention-DP ranks "
           f"(requests per rank {res.summary['requests_per_rank']})")
-  for i, out in enumerate(res.outputs):
-    if tok:
-      print(f"\n--- [{i}] prompt + completion ({out.finish_reason}) ---\n"
-            f"{tok.decode(out.prompt_token_ids)}\033[1m{tok.decode(out.token_ids)}\033[0m")
-    else:
-      print(f"\n[{i}] prompt: {out.prompt_token_ids}\n[{i}] completion "
-            f"({out.finish_reason}): {out.token_ids}")
-  s = res.summary
-  rows = [
-      ("requests", f"{s['requests']}"),
-      ("generated tokens", f"{s['generated_tokens']}"),
-      ("tokens/s (after warm-up)", f"{s['tokens_per_s']:.1f}"),
-      ("TTFT p50 / p90", f"{s['ttft_p50_s'] * 1e3:.1f} / {s['ttft_p90_s'] * 1e3:.1f} ms"),
-      ("TPOT p50 / p90", f"{s['tpot_p50_s'] * 1e3:.2f} / {s['tpot_p90_s'] * 1e3:.2f} ms"),
-      ("prefix-cache hits", f"{s['cached_prompt_tokens']} of {s['prompt_tokens']} prompt tokens"),
-      ("steps / tokens per step", f"{s['steps']} / {s['tokens_per_step']:.1f}"),
-      ("compiled step programs", f"{s['compiles']}"),
-      ("preemptions", f"{s['preemptions']}"),
-  ]
-  if spec is not None:
-    acc = ", ".join(f"{a:.2f}" for a in s["spec_acceptance_per_position"])
-    rows += [("MTP drafts per step (K)", f"{spec.num_draft_tokens}"),
-             ("mean accepted length", f"{s['spec_mean_accepted_length']:.2f} tokens / step"),
-             ("acceptance per position", acc)]
-  else:
-    rows.append(("speculative decoding", "off"))
-  print("\n" + "\n".join(f"  {k:<26} {v}" for k, v in rows))
+  _print_outputs(res, tok)
+  _print_summary(res.summary, spec)
 
 
 if __name__ == "__main__":

@@ -92,24 +92,18 @@ def _plot(log: dict, path: str) -> None:
   print(f"plot: {path}")
 
 
-def main(argv):
-  del argv
-  cfg = model_config()
-  train, train_files = training.load_corpus(held_out=False)
-  held, held_files = training.load_corpus(held_out=True)
-  print(f"corpus: {len(train_files)} train files ({len(train) / 1e6:.1f} MB), "
-        f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} MB)")
-  print(f"model: tiny_moe with {cfg.num_layers} layers, {models.count_params(cfg) / 1e6:.2f}M params, "
-        f"MTP modules {cfg.num_mtp_layers}, trained depths {FLAGS.mtp_depths}")
-  if FLAGS.init_from:
-    cfg, params = orbax_io.restore(FLAGS.init_from)
-    params = jax.tree.map(lambda a: a.astype(cfg.compute_dtype()), params)
-    prior = os.path.abspath(FLAGS.log)
-    log_prior = json.load(open(prior)) if os.path.exists(prior) else {}
-  else:
-    params = models.init_params(cfg, jax.random.key(FLAGS.seed))
-    log_prior = {}
-  data = training.batches(train, FLAGS.batch, FLAGS.seq_len, FLAGS.seed)
+def _start(cfg):
+  """-> (cfg, params, the prior run's log): fresh, or from --init_from."""
+  if not FLAGS.init_from:
+    return cfg, models.init_params(cfg, jax.random.key(FLAGS.seed)), {}
+  cfg, params = orbax_io.restore(FLAGS.init_from)
+  params = jax.tree.map(lambda a: a.astype(cfg.compute_dtype()), params)
+  prior = os.path.abspath(FLAGS.log)
+  return cfg, params, json.load(open(prior)) if os.path.exists(prior) else {}
+
+
+def _pretrain(cfg, params, data, log_prior):
+  """Main + MTP training for --steps. -> (params, last step, curve, minutes)."""
   curve, window, t0 = list(log_prior.get("curve", [])), [], time.perf_counter()
   step = int(log_prior.get("steps_run", 0))
   if FLAGS.steps:
@@ -129,26 +123,36 @@ def main(argv):
       if row["minutes"] > FLAGS.max_minutes:
         print(f"time budget of {FLAGS.max_minutes} min reached at step {step}")
         break
-  train_minutes = (time.perf_counter() - t0) / 60 + float(log_prior.get("train_minutes", 0))
-  distill_curve, window = [], []
-  if FLAGS.distill_steps:
-    opt = training.make_optimizer(FLAGS.distill_lr, FLAGS.distill_steps, FLAGS.distill_steps // 10,
-                                  weight_decay=0.0)
-    mtp_params = params.pop("mtp")
-    opt_state = opt.init(mtp_params)
-    t1 = time.perf_counter()
-    for d in range(1, FLAGS.distill_steps + 1):
-      mtp_params, opt_state, m = training.distill_step(cfg, opt, mtp_params, params, opt_state,
-                                                       next(data), depths=FLAGS.mtp_depths)
-      window.append(m)
-      if d % FLAGS.log_every == 0 or d == FLAGS.distill_steps:
-        row = _flush(window, distill_curve, d, t1)
-        print(f"distill {d}: " + " ".join(f"agree{k} {row[f'agree_mtp{k}']:.3f}"
-                                          for k in range(1, FLAGS.mtp_depths + 1))
-              + f" | {row['minutes']:.1f} min", flush=True)
-    params["mtp"] = mtp_params
-    train_minutes += (time.perf_counter() - t1) / 60
-  # Evaluate what ships: the weights rounded to --save_dtype, computed in float32.
+  minutes = (time.perf_counter() - t0) / 60 + float(log_prior.get("train_minutes", 0))
+  return params, step, curve, minutes
+
+
+def _distill(cfg, params, data):
+  """The MTP modules distilled on the frozen trunk for --distill_steps.
+  -> (params, curve, minutes)."""
+  curve, window = [], []
+  if not FLAGS.distill_steps:
+    return params, curve, 0.0
+  opt = training.make_optimizer(FLAGS.distill_lr, FLAGS.distill_steps, FLAGS.distill_steps // 10,
+                                weight_decay=0.0)
+  mtp_params = params.pop("mtp")
+  opt_state = opt.init(mtp_params)
+  t1 = time.perf_counter()
+  for d in range(1, FLAGS.distill_steps + 1):
+    mtp_params, opt_state, m = training.distill_step(cfg, opt, mtp_params, params, opt_state,
+                                                     next(data), depths=FLAGS.mtp_depths)
+    window.append(m)
+    if d % FLAGS.log_every == 0 or d == FLAGS.distill_steps:
+      row = _flush(window, curve, d, t1)
+      print(f"distill {d}: " + " ".join(f"agree{k} {row[f'agree_mtp{k}']:.3f}"
+                                        for k in range(1, FLAGS.mtp_depths + 1))
+            + f" | {row['minutes']:.1f} min", flush=True)
+  params["mtp"] = mtp_params
+  return params, curve, (time.perf_counter() - t1) / 60
+
+
+def _evaluate(cfg, params, held):
+  """Evaluates what ships: the weights rounded to --save_dtype, computed in float32."""
   params = jax.tree.map(lambda a: a.astype(FLAGS.save_dtype).astype(a.dtype), params)
   ev = training.evaluate(cfg, params, held, seq_len=FLAGS.seq_len, batch=FLAGS.batch,
                          depths=FLAGS.mtp_depths, max_windows=FLAGS.eval_windows)
@@ -156,6 +160,24 @@ def main(argv):
         "accuracy {acc_main:.3f}".format(**ev))
   for k in range(1, FLAGS.mtp_depths + 1):
     print(f"held-out MTP depth {k}: accuracy {ev[f'acc_mtp{k}']:.3f}, CE {ev[f'loss_mtp{k}']:.3f}")
+  return params, ev
+
+
+def main(argv):
+  del argv
+  cfg = model_config()
+  train, train_files = training.load_corpus(held_out=False)
+  held, held_files = training.load_corpus(held_out=True)
+  print(f"corpus: {len(train_files)} train files ({len(train) / 1e6:.1f} MB), "
+        f"{len(held_files)} held-out files ({len(held) / 1e6:.2f} MB)")
+  print(f"model: tiny_moe with {cfg.num_layers} layers, {models.count_params(cfg) / 1e6:.2f}M params, "
+        f"MTP modules {cfg.num_mtp_layers}, trained depths {FLAGS.mtp_depths}")
+  cfg, params, log_prior = _start(cfg)
+  data = training.batches(train, FLAGS.batch, FLAGS.seq_len, FLAGS.seed)
+  params, step, curve, train_minutes = _pretrain(cfg, params, data, log_prior)
+  params, distill_curve, distill_minutes = _distill(cfg, params, data)
+  train_minutes += distill_minutes
+  params, ev = _evaluate(cfg, params, held)
   out = os.path.abspath(FLAGS.out)
   if os.path.exists(out):
     shutil.rmtree(out)

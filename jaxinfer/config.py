@@ -208,11 +208,13 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
   return 0.1 * mscale * math.log(scale) + 1.0
 
 
-def _validate(c: ModelConfig) -> None:
-  def need(ok, msg):
-    if not ok:
-      raise ValueError(f"ModelConfig: {msg}")
+def _need(ok, msg) -> None:
+  if not ok:
+    raise ValueError(f"ModelConfig: {msg}")
 
+
+def _validate(c: ModelConfig) -> None:
+  need = _need
   for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
     need(getattr(c, name) > 0, f"{name} must be > 0, got {getattr(c, name)}")
   need(c.attention in ("gqa", "mla"), f"attention must be 'gqa' or 'mla', got {c.attention!r}")
@@ -234,23 +236,7 @@ def _validate(c: ModelConfig) -> None:
     bad = sorted(set(c.layer_types) - {"full_attention", "sliding_attention"})
     need(not bad, f"unsupported layer_types {bad}")
   if c.is_moe:
-    need(0 < c.num_experts_per_tok <= c.num_experts,
-         f"num_experts_per_tok must be in [1, {c.num_experts}], got {c.num_experts_per_tok}")
-    need(c.moe_ffn_dim > 0, f"moe_ffn_dim must be > 0, got {c.moe_ffn_dim}")
-    need(c.router in ("softmax_topk", "topk_softmax", "sigmoid_grouped"),
-         f"unknown router {c.router!r}")
-    need(c.num_experts % c.n_group == 0,
-         f"num_experts ({c.num_experts}) must be divisible by n_group ({c.n_group})")
-    need(1 <= c.topk_group <= c.n_group, f"topk_group must be in [1, n_group={c.n_group}]")
-    if c.router == "sigmoid_grouped" and c.n_group > 1:
-      need(c.num_experts // c.n_group >= 2, "group-limited routing needs >= 2 experts per group")
-      need(c.topk_group * (c.num_experts // c.n_group) >= c.num_experts_per_tok,
-           "topk_group groups hold fewer experts than num_experts_per_tok")
-    need(c.moe_impl in ("grouped", "dense"), f"moe_impl must be 'grouped' or 'dense', got {c.moe_impl!r}")
-    # Index num_layers + m is MTP module m's block (HF numbering).
-    top = c.num_layers + c.num_mtp_layers
-    bad = [i for i in c.dense_layers if not 0 <= i < top]
-    need(not bad, f"dense_layers {bad} out of range [0, {top}) (num_layers + num_mtp_layers)")
+    _validate_moe(c)
   if not c.is_moe or c.dense_layers:
     need(c.ffn_dim > 0, f"ffn_dim must be > 0 for dense MLP layers, got {c.ffn_dim}")
   need(c.activation in ("silu", "clamped_swiglu"), f"unknown activation {c.activation!r}")
@@ -269,3 +255,24 @@ def _validate(c: ModelConfig) -> None:
     if rs.kind == "llama3":
       need(rs.original_max_position_embeddings, "llama3 rope scaling needs original_max_position_embeddings")
       need(rs.high_freq_factor != rs.low_freq_factor, "llama3 rope: high_freq_factor == low_freq_factor")
+
+
+def _validate_moe(c: ModelConfig) -> None:
+  need = _need
+  need(0 < c.num_experts_per_tok <= c.num_experts,
+       f"num_experts_per_tok must be in [1, {c.num_experts}], got {c.num_experts_per_tok}")
+  need(c.moe_ffn_dim > 0, f"moe_ffn_dim must be > 0, got {c.moe_ffn_dim}")
+  need(c.router in ("softmax_topk", "topk_softmax", "sigmoid_grouped"),
+       f"unknown router {c.router!r}")
+  need(c.num_experts % c.n_group == 0,
+       f"num_experts ({c.num_experts}) must be divisible by n_group ({c.n_group})")
+  need(1 <= c.topk_group <= c.n_group, f"topk_group must be in [1, n_group={c.n_group}]")
+  if c.router == "sigmoid_grouped" and c.n_group > 1:
+    need(c.num_experts // c.n_group >= 2, "group-limited routing needs >= 2 experts per group")
+    need(c.topk_group * (c.num_experts // c.n_group) >= c.num_experts_per_tok,
+         "topk_group groups hold fewer experts than num_experts_per_tok")
+  need(c.moe_impl in ("grouped", "dense"), f"moe_impl must be 'grouped' or 'dense', got {c.moe_impl!r}")
+  # Index num_layers + m is MTP module m's block (HF numbering).
+  top = c.num_layers + c.num_mtp_layers
+  bad = [i for i in c.dense_layers if not 0 <= i < top]
+  need(not bad, f"dense_layers {bad} out of range [0, {top}) (num_layers + num_mtp_layers)")

@@ -38,6 +38,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import transformer
+from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.moe_ep import plan_from_params
 
 EXPERT_KEYS = ("w_gate", "w_up", "w_down", "b_gate", "b_up", "b_down")  # [L, E, ...]
@@ -50,7 +51,7 @@ TABLE_KEYS = ("eplb_replicas", "eplb_num_replicas")
 def _logits_and_load(cfg, params, tokens, ep, physical):
   """The model's full forward, counting routed copies per MoE layer."""
   return transformer.logits_and_counts(cfg, params, tokens, ep,
-                                       "physical" if physical else "logical")
+                                       ExpertCount.PHYSICAL if physical else ExpertCount.LOGICAL)
 
 
 def expert_load(cfg: ModelConfig, params, tokens, *, physical: bool = False) -> np.ndarray:

@@ -1,11 +1,9 @@
 """The paged KV cache: a device page pool and its host allocator.
 
-Device pool (a pytree, donated through every step): a tuple over the model's
-layer segments of stacked per-layer pools
-  GQA {k, v [L, K, num_pages, page_size, H]}  (per layer: pallas paged_attention's layout)
-  MLA {kv [L, num_pages, page_size, R + Hr]}  (the compressed latent + rope key)
-Page 0 is a reserved null page: padded page-table slots and padding tokens
-point at it, and nothing valid is ever read from it.
+Device pool: a `page_pool.PagePool` (one stacked entry per layer segment,
+plus the MTP modules' entry when the engine speculates; its `PoolLayout`
+says how the arrays are laid out), donated through every step. Page 0 is a
+reserved null page.
 
 Host `PageAllocator`: a free list, refcounts, and prefix caching: a full page
 is identified by a hash chained on its parent's hash and its tokens, so equal
@@ -26,8 +24,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.attention import cache_entry_shapes
-
-NULL_PAGE = 0
+from jaxinfer.page_pool import NULL_PAGE, PagePool, PoolLayout  # noqa: F401 (NULL_PAGE: API)
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype, mtp: bool = False) -> int:
@@ -57,47 +54,34 @@ def num_pages_for(cfg: ModelConfig, page_size: int, dtype, *, kv_cache_bytes: in
   return int(n)
 
 
+def pool_layout(cfg: ModelConfig) -> PoolLayout:
+  """The page pool's layout for this model's attention."""
+  return PoolLayout.for_attention(cfg.attention)
+
+
 def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None,
-              mtp: bool = False):
-  """The zeroed device page pool: a tuple over `cfg.segments()` of stacked
-  entries, plus (mtp) one for the MTP modules' own K/V, last."""
-  entry = cache_entry_shapes(cfg)
-
-  def shape(n, e):
-    if "kv" in entry:
-      return (n, num_pages, page_size, *e)
-    return (n, e[0], num_pages, page_size, e[1])  # [L, K, P, ps, H]
-
-  def zeros(s):
-    if sharding is None:
-      return jnp.zeros(s, dtype)
-    return jax.jit(lambda: jnp.zeros(s, dtype), out_shardings=sharding)()
-
-  counts = [n for _, _, n in cfg.segments()] + ([cfg.num_mtp_layers] if mtp else [])
-  return tuple({k: zeros(shape(n, e)) for k, e in entry.items()} for n in counts)
-
-
-def _page_axis(name: str) -> int:
-  return 1 if name == "kv" else 2  # MLA [L, P, ps, C]; GQA [L, K, P, ps, H]
+              mtp: bool = False) -> PagePool:
+  """The zeroed device page pool: one stacked entry per `cfg.segments()`,
+  plus (mtp) one for the MTP modules' own K/V, last. sharding: the
+  Sharding of every array (`sharding.kv_pool_spec`), or None."""
+  return PagePool.zeros(pool_layout(cfg), [n for _, _, n in cfg.segments()],
+                        num_pages=num_pages, page_size=page_size,
+                        entry=cache_entry_shapes(cfg), dtype=dtype, sharding=sharding,
+                        mtp_layers=cfg.num_mtp_layers if mtp else 0)
 
 
 @jax.jit
-def gather_pages(pool, pages):
-  """The pool's K/V at `pages` (global page ids [n]): the same pytree with
-  n pages. A device op ordered before any later step on the pool."""
-  return tuple({name: jnp.take(a, pages, axis=_page_axis(name)) for name, a in entry.items()}
-               for entry in pool)
+def gather_pages(pool: PagePool, pages) -> PagePool:
+  """The pool's K/V at `pages` (global page ids [n]): a pool of n pages.
+  A device op ordered before any later step on the pool."""
+  return pool.take(pages)
 
 
 @functools.partial(jax.jit, donate_argnames=("pool",))
-def scatter_pages(pool, pages, blob):
+def scatter_pages(pool: PagePool, pages, blob: PagePool) -> PagePool:
   """Writes `blob` (a `gather_pages` result of len(pages) pages, on the
   pool's devices) into the pool at `pages`. -> the new pool."""
-  def put(name, a, b):
-    index = (slice(None),) * _page_axis(name) + (pages,)
-    return a.at[index].set(b.astype(a.dtype))
-  return tuple({name: put(name, a, b[name]) for name, a in entry.items()}
-               for entry, b in zip(pool, blob))
+  return pool.put(pages, blob)
 
 
 def hash_page(parent: bytes | None, tokens) -> bytes:

@@ -31,6 +31,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import page_pool
 import pallas_kernels
 from pallas_kernels.paged_attention import gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
@@ -173,9 +174,10 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   if impl == "pallas":
     tiling = {}
     if not interpret:
-      page_size = k_pages.shape[-2]  # pools [(L,) K, P, page_size, H]
+      dims = page_pool.kernel_dims(k_pages)
+      page_size = dims["slot"]
       dv = v_head_dim if v_pages is None else v_pages.shape[-1]
-      tiling = paged_tiling(page_table.shape[0], k_pages.shape[-4], page_table.shape[1],
+      tiling = paged_tiling(page_table.shape[0], dims["kv_head"], page_table.shape[1],
                             page_size, num_q_heads=q.shape[1], max_q=max_q,
                             head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None)
       why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
@@ -199,7 +201,8 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
   # Reference path: gather each sequence's pages into a contiguous [B, S]
   # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
   B, pages = page_table.shape
-  _, K, _, page_size, _ = k_pages.shape
+  dims = page_pool.kernel_dims(k_pages)
+  K, page_size = dims["kv_head"], dims["slot"]
 
   def gather(pool):  # [L, K, P, ps, H] -> [B, pages * ps, K, H] of `layer`
     g = pool[layer, :, page_table]  # [B, pages, K, ps, H] (one gather)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import specs as specs_lib
+from jaxinfer.page_pool import PoolLayout
 
 AXES = ("data", "expert", "tensor")
 LAYOUTS = ("tp", "dp_attn_ep", "tp_attn_ep")
@@ -162,15 +163,15 @@ def head_axis(mesh: Mesh, layout: str):
 
 
 def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
-  """PartitionSpec of the engine's page pool (GQA [L, K, P, ps, H], MLA
-  [L, P, ps, C]): pages split over the attention-DP ranks under dp_attn_ep;
-  otherwise GQA KV heads split like wk/wv and MLA's latent pool replicated."""
+  """PartitionSpec of every array of the engine's page pool
+  (`page_pool.PoolLayout`): pages split over the attention-DP ranks under
+  dp_attn_ep; otherwise GQA KV heads split like wk/wv and MLA's latent pool
+  replicated."""
+  pool = PoolLayout.for_attention(cfg.attention)
   dp = dp_axes(mesh, layout)
   if dp:
-    return P(None, dp) if cfg.attention == "mla" else P(None, None, dp)
-  if cfg.attention == "mla":
-    return P()
-  return P(None, rules(layout, mesh)["kv_heads"], None, None, None)
+    return pool.spec(pages=dp)
+  return pool.spec(heads=rules(layout, mesh)["kv_heads"])
 
 
 def batch_sharding(mesh: Mesh, layout: str, ndim: int) -> NamedSharding:

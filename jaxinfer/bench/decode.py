@@ -357,6 +357,52 @@ def _row(phase, side, batch, prompt_len, new_tokens, spread, **extra) -> dict:
               new_tokens=new_tokens, **spread, **extra)
 
 
+def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, repeats,
+             seed) -> list:
+  """Ours (and HF's, when hf is not None) decode per batch, then prefill at
+  batch 1. -> [(phase, side, batch, prompt_len, new_tokens, result)]."""
+  cells = []
+
+  def cell(phase, side, b, plen, n, res):
+    cells.append((phase, side, b, plen, n, res))
+    print(f"{phase} batch {b} {side}: {res[phase]['tokens_per_s']:.1f} tok/s", flush=True)
+
+  for b in batches:
+    cell("decode", "jaxinfer", b, prompt_len, new_tokens,
+         bench_engine(cfg, params, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
+                      repeats=repeats, seed=seed))
+    if hf is not None:
+      cell("decode", "hf", b, prompt_len, new_tokens,
+           bench_hf(hf, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
+                    seed=seed))
+  cell("prefill", "jaxinfer", 1, prefill_len, 1,
+       bench_engine(cfg, params, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats,
+                    seed=seed))
+  if hf is not None:
+    cell("prefill", "hf", 1, prefill_len, 1,
+         bench_hf(hf, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats, seed=seed))
+  return cells
+
+
+def _rows(cfg, cells, gbps: float, itemsize: int) -> list[dict]:
+  """Result rows: decode against the roofline at `gbps`, ours against HF's."""
+  rows = []
+  for phase, side, b, plen, n, res in cells:
+    extra = {k: res[k] for k in _COMPILE_KEYS if k in res}
+    if phase == "decode":
+      bytes_ = decode_bytes_per_step(cfg, b, plen + n // 2, itemsize)
+      roof = b * gbps * 1e9 / bytes_["total"]
+      extra.update(bytes_per_step=bytes_, roofline_tokens_per_s=roof,
+                   fraction_of_roofline=res["decode"]["tokens_per_s"] / roof)
+    rows.append(_row(phase, side, b, plen, n, res[phase], **extra))
+  for r in rows:
+    if r["side"] == "jaxinfer":
+      peer_row = next((p for p in rows if p["side"] == "hf" and p["phase"] == r["phase"]
+                       and p["batch"] == r["batch"]), None)
+      r["ratio_vs_hf"] = peer_row and r["tokens_per_s"] / peer_row["tokens_per_s"]
+  return rows
+
+
 def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_len: int = 128,
                      prefill_len: int = 512, new_tokens: int = 64, repeats: int = 5,
                      peer: str = "hf", threads: int | None = None,
@@ -388,26 +434,8 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
       raise AssertionError(f"HF model has {meta['hf_params']} params, ours {meta['params']}")
   meta.update(machine=_machine(), command=command or " ".join(map(shlex.quote, sys.argv)))
 
-  cells = []  # (phase, side, batch, prompt_len, new_tokens, result)
-
-  def cell(phase, side, b, plen, n, res):
-    cells.append((phase, side, b, plen, n, res))
-    print(f"{phase} batch {b} {side}: {res[phase]['tokens_per_s']:.1f} tok/s", flush=True)
-
-  for b in batches:
-    cell("decode", "jaxinfer", b, prompt_len, new_tokens,
-         bench_engine(cfg, params, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                      repeats=repeats, seed=seed))
-    if hf is not None:
-      cell("decode", "hf", b, prompt_len, new_tokens,
-           bench_hf(hf, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
-                    seed=seed))
-  cell("prefill", "jaxinfer", 1, prefill_len, 1,
-       bench_engine(cfg, params, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats,
-                    seed=seed))
-  if hf is not None:
-    cell("prefill", "hf", 1, prefill_len, 1,
-         bench_hf(hf, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats, seed=seed))
+  cells = _measure(cfg, params, hf, batches=batches, prompt_len=prompt_len,
+                   prefill_len=prefill_len, new_tokens=new_tokens, repeats=repeats, seed=seed)
   del params, hf
   bw_end = _bandwidth(bandwidth_bytes, "end")
   # The roofline is a ceiling: the higher of the two measurements (a shared
@@ -415,20 +443,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
   gbps = max(bw_start["gbps"], bw_end["gbps"])
   meta["bandwidth"] = dict(gbps=gbps, start=bw_start, end=bw_end)
 
-  rows = []
-  for phase, side, b, plen, n, res in cells:
-    extra = {k: res[k] for k in _COMPILE_KEYS if k in res}
-    if phase == "decode":
-      bytes_ = decode_bytes_per_step(cfg, b, plen + n // 2, dtype.itemsize)
-      roof = b * gbps * 1e9 / bytes_["total"]
-      extra.update(bytes_per_step=bytes_, roofline_tokens_per_s=roof,
-                   fraction_of_roofline=res["decode"]["tokens_per_s"] / roof)
-    rows.append(_row(phase, side, b, plen, n, res[phase], **extra))
-  for r in rows:
-    if r["side"] == "jaxinfer":
-      peer_row = next((p for p in rows if p["side"] == "hf" and p["phase"] == r["phase"]
-                       and p["batch"] == r["batch"]), None)
-      r["ratio_vs_hf"] = peer_row and r["tokens_per_s"] / peer_row["tokens_per_s"]
+  rows = _rows(cfg, cells, gbps, dtype.itemsize)
   grew = [r for r in rows if r.get("compiles_after", 0) != r.get("compiles_warm", 0)
           or r.get("xla_compiles_timed", 0)]
   if grew:

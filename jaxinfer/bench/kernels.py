@@ -564,6 +564,36 @@ def _plot(result, path):
   return path
 
 
+def _check_args(kernels, shapes, repeats, warmup) -> list[str]:
+  kernels = list(kernels)
+  unknown = sorted(set(kernels) - set(KERNELS))
+  if unknown or not kernels:
+    raise ValueError(f"kernels must be a non-empty subset of {KERNELS}, got {kernels}")
+  if shapes not in ("default", "tiny"):
+    raise ValueError(f"shapes must be 'default' or 'tiny', got {shapes!r}")
+  if repeats < 1 or warmup < 0:
+    raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+  return kernels
+
+
+def _sweep(result: dict, env: "_Env", kernels, shapes, *, warmup, repeats, save) -> None:
+  """The roofline, then every case of every kernel into `result` (saved after each)."""
+  result["roofline"] = roof = measure_roofline(gpu=env.gpu, dtype=env.dtype, warmup=warmup,
+                                               repeats=repeats)
+  print(f"roofline: {roof['hbm_gbps']:.1f} GB/s copy, "
+        f"{roof['matmul_tflops']:.2f} TFLOP/s matmul ({env.dtype.name})", flush=True)
+  for kernel in kernels:
+    for case in _BUILDERS[kernel](env, shapes):
+      t0 = time.perf_counter()
+      entry = _run_case(case, env, roof, warmup=warmup, repeats=repeats)
+      result["results"][kernel].append(entry)
+      save()
+      o = entry["impls"]["ours"]
+      took = f"{time.perf_counter() - t0:.1f}s"
+      print(f"[{kernel}] {case.label}: " + (f"ours {o['time_s'] * 1e3:.3f} ms" if "time_s" in o
+                                          else f"ours {o['status']}") + f" ({took})", flush=True)
+
+
 def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret=None,
                      repeats=20, warmup=3, peers=True, out_dir="experiments/results"):
   """Runs the sweep, prints progress and a table, writes JSON (+ PNG) -> the result dict.
@@ -575,14 +605,7 @@ def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret
   not on GPU. The JSON is rewritten after every case, so a run cut short keeps
   what it measured. Paths land in result["json_path"] / result["plot_path"].
   """
-  kernels = list(kernels)
-  unknown = sorted(set(kernels) - set(KERNELS))
-  if unknown or not kernels:
-    raise ValueError(f"kernels must be a non-empty subset of {KERNELS}, got {kernels}")
-  if shapes not in ("default", "tiny"):
-    raise ValueError(f"shapes must be 'default' or 'tiny', got {shapes!r}")
-  if repeats < 1 or warmup < 0:
-    raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+  kernels = _check_args(kernels, shapes, repeats, warmup)
   dev = jax.devices()[0]
   gpu = dev.platform == "gpu"
   dtype = jnp.dtype(dtype or ("bfloat16" if gpu else "float32"))
@@ -610,19 +633,7 @@ def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret
       json.dump(result, f, indent=1)
 
   t_run = time.perf_counter()
-  result["roofline"] = measure_roofline(gpu=gpu, dtype=dtype, warmup=warmup, repeats=repeats)
-  print(f"roofline: {result['roofline']['hbm_gbps']:.1f} GB/s copy, "
-        f"{result['roofline']['matmul_tflops']:.2f} TFLOP/s matmul ({dtype.name})", flush=True)
-  for kernel in kernels:
-    for case in _BUILDERS[kernel](env, shapes):
-      t0 = time.perf_counter()
-      entry = _run_case(case, env, result["roofline"], warmup=warmup, repeats=repeats)
-      result["results"][kernel].append(entry)
-      save()
-      o = entry["impls"]["ours"]
-      took = f"{time.perf_counter() - t0:.1f}s"
-      print(f"[{kernel}] {case.label}: " + (f"ours {o['time_s'] * 1e3:.3f} ms" if "time_s" in o
-                                          else f"ours {o['status']}") + f" ({took})", flush=True)
+  _sweep(result, env, kernels, shapes, warmup=warmup, repeats=repeats, save=save)
   result["meta"]["wall_s"] = time.perf_counter() - t_run
   try:
     result["plot_path"] = _plot(result, base + ".png")

@@ -43,6 +43,7 @@ from jaxinfer.bench import results
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
 from jaxinfer.models.moe_ep import ExpertParallel
+from jaxinfer.page_pool import PoolLayout
 
 GROUPS = ("embed_head", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
           "norms", "mtp")
@@ -149,17 +150,19 @@ def _kv(cfg, dtype, mesh, table, kv_tokens, layout):
   """The pool as [L, K, S, H] per k/v (GQA) or [L, S, R + Hr] (MLA); the engine
   stores one pool per layer segment and splits S into pages."""
   L, S, rows, total, per_device = cfg.num_layers, kv_tokens, [], 0, 0
+  pool_layout = PoolLayout.for_attention(cfg.attention)
   pool = tuple(sharding.kv_pool_spec(cfg, mesh, layout))  # the Engine's pool sharding
-  pool = pool + (None,) * (5 - len(pool))
+  pool = dict(zip(pool_layout.axes, pool + (None,) * (len(pool_layout.axes) - len(pool))))
   dp = sharding.dp_axes(mesh, layout)
   n_dp = _size(mesh, dp) if dp else 1
   S = -(-S // n_dp) * n_dp  # each DP rank holds whole pages of its own requests
+  # The pool's pages x slots seen as S tokens: [L, (K,) P, ps, H] -> [L, (K,) S, H].
+  spec = P(*(pool[a] for a in pool_layout.axes if a != "slot"))
   for key, e in cache_entry_shapes(cfg).items():
-    if cfg.attention == "mla":  # pool [L, P, ps, C] -> tokens [L, S, C]
-      shape, axes, spec = (L, S, *e), ("layers", None, "kv_lora"), P(pool[0], pool[1], pool[3])
-    else:  # pool [L, K, P, ps, H] -> tokens [L, K, S, H]
+    if pool_layout.latent:
+      shape, axes = (L, S, *e), ("layers", None, "kv_lora")
+    else:
       shape, axes = (L, e[0], S, e[1]), ("layers", "kv_heads", None, "head_dim")
-      spec = P(pool[0], pool[1], pool[2], pool[4])
       if not dp:
         sharding.spec_for(axes, shape, table, mesh, name=f"kv_pool.{key}")  # divisibility
     shard = NamedSharding(mesh, spec).shard_shape(shape)
@@ -205,74 +208,91 @@ def _merge(*sums) -> dict:
   return out
 
 
+def _collectives_tp(cfg, mesh, table, attn, t_b, act, notes):
+  """tp: -> (dense layer, MoE layer, once-per-forward) collectives."""
+  D, k, n_batch = cfg.d_model, cfg.num_experts_per_tok, _size(mesh, table["batch"])
+  per_forward, moe = [], []
+  n_mlp, n_v = _size(mesh, table["mlp"]), _size(mesh, table["vocab"])
+  dense = attn + ([_coll("all_reduce", "dense MLP output (w_down)", table["mlp"], n_mlp,
+                         (t_b, D), act)] if n_mlp > 1 else [])
+  if cfg.is_moe:
+    moe = attn + ([_coll("all_reduce", "routed experts (w_down), per (token, expert) copy "
+                         "before the top-k combine", table["mlp"], n_mlp, (t_b * k, D), act)]
+                  if n_mlp > 1 else [])
+    if cfg.num_shared_experts and n_mlp > 1:
+      moe.append(_coll("all_reduce", "shared experts output (w_down)", table["mlp"], n_mlp,
+                       (t_b, D), act))
+    if n_batch > 1 and n_mlp > 1:
+      notes.append("tp + MoE with a data axis: the compiled grouped-expert path also "
+                   "all-gathers routing tensors over 'data' (a global argsort over the "
+                   "data-split token axis) and reduces [batch_tokens * top_k, D]; not counted.")
+  if n_v > 1:
+    per_forward.append(_coll("all_reduce", "embedding lookup (vocab-split table)",
+                             table["vocab"], n_v, (t_b, D), act))
+    notes.append(f"logits stay vocab-split ([{t_b}, {cfg.vocab_size // n_v}] per rank); a "
+                 "sampler needing whole rows adds an all-gather; not counted.")
+  return dense, moe, per_forward
+
+
+def _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act, notes):
+  """tp_attn_ep / dp_attn_ep: -> (dense layer, MoE layer, expert-parallel
+  summary, the other EP strategy) collectives."""
+  D, k, n_t = cfg.d_model, cfg.num_experts_per_tok, _size(mesh, table["q_heads"])
+  ep, alt, moe = None, None, []
+  dense = list(attn)
+  n = _size(mesh, table["expert"])
+  if cfg.is_moe and n > 1:
+    t = -(-batch_tokens // n)  # moe_ep pads tokens to a multiple of the EP size
+    cap = t * k  # dropless worst case: every copy of a rank's tokens to one destination
+    limit = ExpertParallel(mesh=None, axes=()).replicated_max_tokens
+    a2a = [_coll("all_to_all", "dispatch: token copies to the experts' ranks",
+                 table["expert"], n, (n, cap, D), act),
+           _coll("all_to_all", "dispatch metadata: local expert ids", table["expert"], n,
+                 (n, cap), jnp.int32),
+           _coll("all_to_all", "dispatch metadata: valid flags", table["expert"], n,
+                 (n, cap), jnp.bool_),
+           _coll("all_to_all", "combine: expert outputs back", table["expert"], n,
+                 (n, cap, D), act)]
+    rep = [_coll("all_gather", "tokens", table["expert"], n, (n * t, D), act),
+           _coll("all_gather", "expert ids", table["expert"], n, (n * t, k), jnp.int32),
+           _coll("all_gather", "routing weights", table["expert"], n, (n * t, k), jnp.float32),
+           _coll("all_reduce", "psum of local experts' contributions", table["expert"], n,
+                 (n * t, D), jnp.float32)]
+    strategy = "replicated" if t <= limit else "all_to_all"
+    ep = dict(axes=table["expert"], size=n, tokens_per_rank=t, buffer_rows_per_dest=cap,
+              auto_strategy=strategy, replicated_max_tokens=limit)
+    chosen, other = (rep, a2a) if strategy == "replicated" else (a2a, rep)
+    moe = attn + chosen
+    alt = dict(strategy="all_to_all" if strategy == "replicated" else "replicated",
+               moe=attn + other)
+    notes.append("EP: 'auto' picks replicated when tokens per rank <= "
+                 f"{limit} (moe_ep.ExpertParallel); both strategies are listed. Shared "
+                 "experts, dense MLPs and the router run locally (replicated weights).")
+  elif cfg.is_moe:
+    moe = list(attn)
+  if layout == "tp_attn_ep" and n_t > 1 and cfg.is_moe:
+    notes.append("tp_attn_ep: in compiled CPU programs (jax 0.10.2, tiny configs) the MoE's "
+                 "token split over 'tensor' propagates into attention and XLA all-gathers the "
+                 "attention weights over 'tensor' instead of all-reducing activations; the "
+                 "entries here are the intended TP all-reduce.")
+  return dense, moe, ep, alt
+
+
 def _collectives(cfg, mesh, layout, table, batch_tokens, dtype) -> dict:
-  act, D, k = jnp.dtype(dtype), cfg.d_model, cfg.num_experts_per_tok
-  n_batch = _size(mesh, table["batch"])
-  t_b = -(-batch_tokens // n_batch)  # tokens per batch shard
+  act, D = jnp.dtype(dtype), cfg.d_model
+  t_b = -(-batch_tokens // _size(mesh, table["batch"]))  # tokens per batch shard
   n_t = _size(mesh, table["q_heads"])
   attn = ([_coll("all_reduce", "attention output (wo), partial sums over heads",
                  table["q_heads"], n_t, (t_b, D), act)] if n_t > 1 else [])
   notes = ["ANALYTIC: derived from the layout's rules table and the model's shapes, not read "
            "from a compiled program; tokens assumed split over the layout's batch axes "
            "(sharding.batch_sharding); ceil division where tokens do not divide."]
-  per_forward, ep, moe, alt = [], None, [], None
+  per_forward, ep, alt = [], None, None  # once-per-forward, EP summary, other EP strategy
   if layout == "tp":
-    n_mlp, n_v = _size(mesh, table["mlp"]), _size(mesh, table["vocab"])
-    dense = attn + ([_coll("all_reduce", "dense MLP output (w_down)", table["mlp"], n_mlp,
-                           (t_b, D), act)] if n_mlp > 1 else [])
-    if cfg.is_moe:
-      moe = attn + ([_coll("all_reduce", "routed experts (w_down), per (token, expert) copy "
-                           "before the top-k combine", table["mlp"], n_mlp, (t_b * k, D), act)]
-                    if n_mlp > 1 else [])
-      if cfg.num_shared_experts and n_mlp > 1:
-        moe.append(_coll("all_reduce", "shared experts output (w_down)", table["mlp"], n_mlp,
-                         (t_b, D), act))
-      if n_batch > 1 and n_mlp > 1:
-        notes.append("tp + MoE with a data axis: the compiled grouped-expert path also "
-                     "all-gathers routing tensors over 'data' (a global argsort over the "
-                     "data-split token axis) and reduces [batch_tokens * top_k, D]; not counted.")
-    if n_v > 1:
-      per_forward.append(_coll("all_reduce", "embedding lookup (vocab-split table)",
-                               table["vocab"], n_v, (t_b, D), act))
-      notes.append(f"logits stay vocab-split ([{t_b}, {cfg.vocab_size // n_v}] per rank); a "
-                   "sampler needing whole rows adds an all-gather; not counted.")
+    dense, moe, per_forward = _collectives_tp(cfg, mesh, table, attn, t_b, act, notes)
   else:
-    dense = list(attn)
-    n = _size(mesh, table["expert"])
-    if cfg.is_moe and n > 1:
-      t = -(-batch_tokens // n)  # moe_ep pads tokens to a multiple of the EP size
-      cap = t * k  # dropless worst case: every copy of a rank's tokens to one destination
-      limit = ExpertParallel(mesh=None, axes=()).replicated_max_tokens
-      a2a = [_coll("all_to_all", "dispatch: token copies to the experts' ranks",
-                   table["expert"], n, (n, cap, D), act),
-             _coll("all_to_all", "dispatch metadata: local expert ids", table["expert"], n,
-                   (n, cap), jnp.int32),
-             _coll("all_to_all", "dispatch metadata: valid flags", table["expert"], n,
-                   (n, cap), jnp.bool_),
-             _coll("all_to_all", "combine: expert outputs back", table["expert"], n,
-                   (n, cap, D), act)]
-      rep = [_coll("all_gather", "tokens", table["expert"], n, (n * t, D), act),
-             _coll("all_gather", "expert ids", table["expert"], n, (n * t, k), jnp.int32),
-             _coll("all_gather", "routing weights", table["expert"], n, (n * t, k), jnp.float32),
-             _coll("all_reduce", "psum of local experts' contributions", table["expert"], n,
-                   (n * t, D), jnp.float32)]
-      strategy = "replicated" if t <= limit else "all_to_all"
-      ep = dict(axes=table["expert"], size=n, tokens_per_rank=t, buffer_rows_per_dest=cap,
-                auto_strategy=strategy, replicated_max_tokens=limit)
-      chosen, other = (rep, a2a) if strategy == "replicated" else (a2a, rep)
-      moe = attn + chosen
-      alt = dict(strategy="all_to_all" if strategy == "replicated" else "replicated",
-                 moe=attn + other)
-      notes.append("EP: 'auto' picks replicated when tokens per rank <= "
-                   f"{limit} (moe_ep.ExpertParallel); both strategies are listed. Shared "
-                   "experts, dense MLPs and the router run locally (replicated weights).")
-    elif cfg.is_moe:
-      moe = list(attn)
-    if layout == "tp_attn_ep" and n_t > 1 and cfg.is_moe:
-      notes.append("tp_attn_ep: in compiled CPU programs (jax 0.10.2, tiny configs) the MoE's "
-                   "token split over 'tensor' propagates into attention and XLA all-gathers the "
-                   "attention weights over 'tensor' instead of all-reducing activations; the "
-                   "entries here are the intended TP all-reduce.")
+    dense, moe, ep, alt = _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act,
+                                          notes)
   n_moe = sum(c for m, _, c in cfg.segments() if m)
   n_dense = cfg.num_layers - n_moe
   if cfg.num_mtp_layers:
@@ -361,30 +381,9 @@ def _axes(a) -> str:
   return "-" if a is None else "(" + ",".join(a) + ")" if isinstance(a, tuple) else a
 
 
-def format_report(r: dict) -> str:
-  """A plain-text rendering of `sharding_report`'s dict."""
-  mesh = " x ".join(f"{k}={v}" for k, v in r["mesh_axes"].items())
-  lines = [f"{r['model']}  layout={r['layout']}  mesh {mesh} ({r['num_devices']} devices)  "
-           f"dtype={r['dtype']}",
-           "rules: " + ", ".join(f"{k}={_axes(v)}" for k, v in r["rules"].items())]
-  if r["redundant_experts"]:
-    lines.append(f"routed experts placed: {r['physical_experts']} (incl. "
-                 f"{r['redundant_experts']} redundant copies, MTP included; not in the spec tree)")
-  p = r["params"]
-  lines += ["", f"{'params':<16}{'count':>16}{'total GiB':>12}{'GiB/device':>12}"]
-  for g, v in p["groups"].items():
-    if v["count"]:
-      lines.append(f"{g:<16}{v['count']:>16,}  {_gib(v['total_bytes'])}  "
-                   f"{_gib(v['per_device_bytes'])}")
-  lines.append(f"{'total':<16}{p['count']:>16,}  {_gib(p['total_bytes'])}  "
-               f"{_gib(p['per_device_bytes'])}")
-  kv = r["kv"]
-  lines += ["", f"KV pool: {kv['kv_tokens']:,} tokens x {kv['layers']} layers x "
-                f"{kv['values_per_token_per_layer']} values; spec {kv['spec']}",
-            f"  total {_gib(kv['total_bytes']).strip()} GiB, per device "
-            f"{_gib(kv['per_device_bytes']).strip()} GiB",
-            f"per device: params + KV = {_gib(r['per_device_bytes']).strip()} GiB"]
-  c = r["collectives"]
+def _format_collectives(c: dict) -> list[str]:
+  """The collectives section of `format_report`."""
+  lines = []
   lines += ["", f"collectives (ANALYTIC) for one forward of {c['batch_tokens']} tokens "
                 f"({c['tokens_per_batch_shard']} per batch shard over {_axes(c['batch_axes'])})"]
   if c["expert_parallel"]:
@@ -424,6 +423,33 @@ def format_report(r: dict) -> str:
   if alt:
     total(alt["strategy"], alt["totals_per_forward"])
   lines += [f"  note: {n}" for n in c["notes"]]
+  return lines
+
+
+def format_report(r: dict) -> str:
+  """A plain-text rendering of `sharding_report`'s dict."""
+  mesh = " x ".join(f"{k}={v}" for k, v in r["mesh_axes"].items())
+  lines = [f"{r['model']}  layout={r['layout']}  mesh {mesh} ({r['num_devices']} devices)  "
+           f"dtype={r['dtype']}",
+           "rules: " + ", ".join(f"{k}={_axes(v)}" for k, v in r["rules"].items())]
+  if r["redundant_experts"]:
+    lines.append(f"routed experts placed: {r['physical_experts']} (incl. "
+                 f"{r['redundant_experts']} redundant copies, MTP included; not in the spec tree)")
+  p = r["params"]
+  lines += ["", f"{'params':<16}{'count':>16}{'total GiB':>12}{'GiB/device':>12}"]
+  for g, v in p["groups"].items():
+    if v["count"]:
+      lines.append(f"{g:<16}{v['count']:>16,}  {_gib(v['total_bytes'])}  "
+                   f"{_gib(v['per_device_bytes'])}")
+  lines.append(f"{'total':<16}{p['count']:>16,}  {_gib(p['total_bytes'])}  "
+               f"{_gib(p['per_device_bytes'])}")
+  kv = r["kv"]
+  lines += ["", f"KV pool: {kv['kv_tokens']:,} tokens x {kv['layers']} layers x "
+                f"{kv['values_per_token_per_layer']} values; spec {kv['spec']}",
+            f"  total {_gib(kv['total_bytes']).strip()} GiB, per device "
+            f"{_gib(kv['per_device_bytes']).strip()} GiB",
+            f"per device: params + KV = {_gib(r['per_device_bytes']).strip()} GiB"]
+  lines += _format_collectives(r["collectives"])
   lines += ["", "arrays (global shape -> PartitionSpec -> per-device shard shape):"]
   for a in r["arrays"]:
     lines.append(f"  {a['name']}  {a['shape']} {tuple(a['logical_axes'])}")

@@ -128,6 +128,19 @@ def _predict(cost, ec, items, seed) -> dict:
               wall_s=s["duration_s"], output_tokens=s["output_tokens"])
 
 
+def _check_row(name, items, preds: list[dict], measured: list[dict], tolerance) -> dict:
+  """One check workload: predicted vs measured per round, medians and ratios."""
+  row = dict(workload=name, **workloads.summary(items), rounds=len(preds),
+             measured=_median(measured), predicted=_median(preds),
+             measured_per_round=measured, predicted_per_round=preds)
+  for key in ("tokens_per_s", "mean_ttft_ms"):
+    ratios = [p[key] / m[key] for p, m in zip(preds, measured)]
+    row[f"{key}_ratio"] = float(np.median(ratios))
+    row[f"{key}_ratio_per_round"] = ratios
+    row[f"{key}_within"] = bool(abs(row[f"{key}_ratio"] - 1) <= tolerance)
+  return row
+
+
 def calibrate_check(*, cfg, params, page_size: int = 16, num_pages: int = 512,
                     max_num_seqs: int = 8, max_num_batched_tokens: int = 32,
                     tolerance: float = 0.25, rounds: int = 3, seed: int = 0,
@@ -166,18 +179,9 @@ def calibrate_check(*, cfg, params, page_size: int = 16, num_pages: int = 512,
     calibrate(r + 1)
   kw = dict(max_model_len=cfg.max_position_embeddings)
   fits = [CalibratedCost.fit(cal[r] + cal[r + 1], FEATURES, **kw) for r in range(rounds)]
-  rows = []
-  for name, items in checks.items():
-    preds = [_predict(fits[r], ec, items, seed) for r in range(rounds)]
-    row = dict(workload=name, **workloads.summary(items), rounds=rounds,
-               measured=_median(measured[name]), predicted=_median(preds),
-               measured_per_round=measured[name], predicted_per_round=preds)
-    for key in ("tokens_per_s", "mean_ttft_ms"):
-      ratios = [p[key] / m[key] for p, m in zip(preds, measured[name])]
-      row[f"{key}_ratio"] = float(np.median(ratios))
-      row[f"{key}_ratio_per_round"] = ratios
-      row[f"{key}_within"] = bool(abs(row[f"{key}_ratio"] - 1) <= tolerance)
-    rows.append(row)
+  rows = [_check_row(name, items, [_predict(f, ec, items, seed) for f in fits],
+                     measured[name], tolerance)
+          for name, items in checks.items()]
   samples = [x for c in cal for x in c]
   pooled = CalibratedCost.fit(samples, FEATURES, **kw)
   steps = [dict(measured_ms=t * 1e3, predicted_ms=fits[min(i, rounds - 1)].predict(s) * 1e3,

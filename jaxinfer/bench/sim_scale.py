@@ -333,6 +333,72 @@ def weight_dtype_for(dev_name: str, weight_dtype: str) -> str:
   return "fp4" if device(dev_name).fp4_flops else "fp8"
 
 
+def _study_anchors(model, isl, acceptance, log) -> list[dict]:
+  log("\n== anchors: batch-1 decode, DeepSeek-R1 on 8 B200 (TP8, FP4) ==")
+  rows = anchors(model=model, context=isl, acceptance=acceptance)
+  for r in rows:
+    log(f"  MTP{r['mtp_k']}: model {r['tokens_per_s_user']:6.1f} tokens/s/user "
+        f"(step {r['step_ms']:.2f} ms x {r['tokens_per_step']:.2f} tokens) vs published "
+        f"{r['published']:.0f}: x{r['ratio']:.2f}; latency floor "
+        f"{r['parts_ms']['latency_floor']:.2f} ms, comm {r['parts_ms']['comm']:.2f} ms")
+  return rows
+
+
+def _study_ep(model, devices, gpus, weight_dtype, kv_dtype, context, log) -> list[dict]:
+  log(f"\n== ep: one instance, attention DP = EP = N, decode at context {context} ==")
+  rows = []
+  for dev in devices:
+    wd = weight_dtype_for(dev, weight_dtype)
+    for r in ep_table(model=model, devices=(dev,), gpus=gpus, weight_dtype=wd,
+                      kv_dtype=kv_dtype, context=context):
+      r["weight_dtype"] = wd
+      rows.append(r)
+      log(format_ep(r))
+  return rows
+
+
+def _study_pareto(*, colo_budgets, mtp_ks, disagg_splits, extra_acceptance, **kw) -> list[dict]:
+  """Co-located curves per step budget (every MTP depth at the first, none
+  and the deepest at the others), then disaggregated splits."""
+  curves = []
+  for budget in colo_budgets:
+    ks = mtp_ks if budget == colo_budgets[0] else tuple(sorted({0, max(mtp_ks, default=0)}))
+    curves.append(dict(colo_budget=budget, mtp_ks=tuple(ks), disagg_splits=()))
+  curves.append(dict(colo_budget=colo_budgets[0], mtp_ks=(), disagg_splits=disagg_splits))
+  return [r for c in curves
+          for r in pareto(**kw, **c, extra_acceptance=extra_acceptance if c is curves[0] else {})]
+
+
+def _study_routing(model, dev_name, gpus, wd, kv_dtype, seed, price, log) -> list[dict]:
+  log(f"\n== routing: multi-turn conversations over {gpus // 8} instances of 8 "
+      f"{dev_name} (TP8 attention, EP8) ==")
+  rows = routing(model=model, dev_name=dev_name, gpus=gpus, weight_dtype=wd, kv_dtype=kv_dtype,
+                 seed=seed, price=price)
+  for r in rows:
+    log(f"  {r['router']:<12s} prefix hits {100 * r['prefix_hit_rate']:5.1f}%  TTFT mean "
+        f"{r['ttft_ms']['mean']:7.0f} p99 {r['ttft_ms']['p99']:7.0f} ms  TPOT p50 "
+        f"{r['tpot_ms']['p50']:5.1f} ms  {r['tokens_per_s_per_gpu']:7.0f} tok/s/GPU  "
+        f"steps with prefill {100 * r['mixed_share']:3.0f}%  (shareable prefix "
+        f"{100 * r['shared_prefix_fraction']:.0f}% of prompt tokens)")
+  return rows
+
+
+def _study_balance(model, dev_name, wd, kv_dtype, osl, seed, price, log) -> list[dict]:
+  log(f"\n== balance: one DP8/EP8 instance of {dev_name}, all 8 ranks simulated, "
+      f"1 prompt in 8 of 8192 tokens, the rest 256 ==")
+  rows = balance(model=model, dev_name=dev_name, weight_dtype=wd, kv_dtype=kv_dtype, osl=osl,
+                 seed=seed, price=price)
+  for r in rows:
+    dec = r["decode_only_balance"]
+    dec = "-" if dec is None else f"{dec:.2f}"
+    log(f"  rank choice {r['rank_policy']:<12s} balance (mean/max rank work) "
+        f"{r['attn_dp_balance']:.2f} over all steps, {dec} over the "
+        f"{100 * r['decode_only_share']:.0f}% without prefill;  step "
+        f"{r['mean_step_ms']:5.1f} ms  TPOT p50 "
+        f"{r['tpot_ms']['p50']:5.1f} ms  {r['tokens_per_s_per_gpu']:7.0f} tok/s/GPU")
+  return rows
+
+
 def scale_study(*, model: str = "deepseek_v3", devices=("gb300", "b200", "h200", "h100"),
                 gpus=(8, 16, 32, 72, 144, 288), pareto_device: str = "gb300",
                 pareto_gpus: int = 72, isl: int = 1024, osl: int = 1024,
@@ -358,73 +424,31 @@ def scale_study(*, model: str = "deepseek_v3", devices=("gb300", "b200", "h200",
   context = isl + osl // 2
   rows, best = [], {}
   if "anchors" in experiments:
-    log("\n== anchors: batch-1 decode, DeepSeek-R1 on 8 B200 (TP8, FP4) ==")
-    for r in anchors(model=model, context=isl, acceptance=acceptance):
-      log(f"  MTP{r['mtp_k']}: model {r['tokens_per_s_user']:6.1f} tokens/s/user "
-          f"(step {r['step_ms']:.2f} ms x {r['tokens_per_step']:.2f} tokens) vs published "
-          f"{r['published']:.0f}: x{r['ratio']:.2f}; latency floor "
-          f"{r['parts_ms']['latency_floor']:.2f} ms, comm {r['parts_ms']['comm']:.2f} ms")
-      rows.append(r)
+    rows += _study_anchors(model, isl, acceptance, log)
   if "ep" in experiments:
-    log(f"\n== ep: one instance, attention DP = EP = N, decode at context {context} ==")
-    for dev in devices:
-      wd = weight_dtype_for(dev, weight_dtype)
-      for r in ep_table(model=model, devices=(dev,), gpus=gpus, weight_dtype=wd,
-                        kv_dtype=kv_dtype, context=context):
-        r["weight_dtype"] = wd
-        rows.append(r)
-        log(format_ep(r))
+    rows += _study_ep(model, devices, gpus, weight_dtype, kv_dtype, context, log)
   if "pareto" in experiments:
     wd = weight_dtype_for(pareto_device, weight_dtype)
     log(f"\n== pareto: {model} on {pareto_gpus} {pareto_device} ({wd} weights, {kv_dtype} K/V), "
         f"ISL {isl} / OSL {osl} (+-50%), closed loop, roofline slowdown {slowdown:g} ==")
-    curves = []
-    for budget in colo_budgets:
-      ks = mtp_ks if budget == colo_budgets[0] else tuple(sorted({0, max(mtp_ks, default=0)}))
-      curves.append(dict(colo_budget=budget, mtp_ks=tuple(ks), disagg_splits=()))
-    curves.append(dict(colo_budget=colo_budgets[0], mtp_ks=(), disagg_splits=disagg_splits))
-    pareto_rows = []
-    for c in curves:
-      for r in pareto(model=model, dev_name=pareto_device, gpus=pareto_gpus, isl=isl, osl=osl,
-                      weight_dtype=wd, kv_dtype=kv_dtype, concurrencies=concurrencies,
-                      mtp_ks=c["mtp_ks"], disagg_splits=c["disagg_splits"],
-                      disagg_mtp_ks=disagg_mtp_ks, acceptance=acceptance,
-                      extra_acceptance=extra_acceptance if c is curves[0] else {},
-                      colo_budget=c["colo_budget"], prefill_ep=prefill_ep,
-                      price=price_per_gpu_hour, rounds=rounds, seed=seed,
-                      slowdown=slowdown, log=log):
-        pareto_rows.append(r)
+    pareto_rows = _study_pareto(
+        model=model, dev_name=pareto_device, gpus=pareto_gpus, isl=isl, osl=osl,
+        weight_dtype=wd, kv_dtype=kv_dtype, concurrencies=concurrencies, mtp_ks=mtp_ks,
+        colo_budgets=colo_budgets, disagg_splits=disagg_splits, disagg_mtp_ks=disagg_mtp_ks,
+        acceptance=acceptance, extra_acceptance=extra_acceptance, prefill_ep=prefill_ep,
+        price=price_per_gpu_hour, rounds=rounds, seed=seed, slowdown=slowdown, log=log)
     rows += pareto_rows
     for tpot, ttft in limits:
       b = best_under(pareto_rows, tpot_ms=tpot, ttft_ms=ttft)
       best[f"tpot{tpot:g}ms_ttft{ttft:g}ms"] = cost_table(b, price=price_per_gpu_hour)
       log(format_best(b, tpot=tpot, ttft=ttft, price=price_per_gpu_hour))
+  wd = weight_dtype_for(pareto_device, weight_dtype)
   if "routing" in experiments:
-    log(f"\n== routing: multi-turn conversations over {routing_gpus // 8} instances of 8 "
-        f"{pareto_device} (TP8 attention, EP8) ==")
-    for r in routing(model=model, dev_name=pareto_device, gpus=routing_gpus,
-                     weight_dtype=weight_dtype_for(pareto_device, weight_dtype),
-                     kv_dtype=kv_dtype, seed=seed, price=price_per_gpu_hour):
-      rows.append(r)
-      log(f"  {r['router']:<12s} prefix hits {100 * r['prefix_hit_rate']:5.1f}%  TTFT mean "
-          f"{r['ttft_ms']['mean']:7.0f} p99 {r['ttft_ms']['p99']:7.0f} ms  TPOT p50 "
-          f"{r['tpot_ms']['p50']:5.1f} ms  {r['tokens_per_s_per_gpu']:7.0f} tok/s/GPU  "
-          f"steps with prefill {100 * r['mixed_share']:3.0f}%  (shareable prefix "
-          f"{100 * r['shared_prefix_fraction']:.0f}% of prompt tokens)")
+    rows += _study_routing(model, pareto_device, routing_gpus, wd, kv_dtype, seed,
+                           price_per_gpu_hour, log)
   if "balance" in experiments:
-    log(f"\n== balance: one DP8/EP8 instance of {pareto_device}, all 8 ranks simulated, "
-        f"1 prompt in 8 of 8192 tokens, the rest 256 ==")
-    for r in balance(model=model, dev_name=pareto_device,
-                     weight_dtype=weight_dtype_for(pareto_device, weight_dtype),
-                     kv_dtype=kv_dtype, osl=osl, seed=seed, price=price_per_gpu_hour):
-      rows.append(r)
-      dec = r["decode_only_balance"]
-      dec = "-" if dec is None else f"{dec:.2f}"
-      log(f"  rank choice {r['rank_policy']:<12s} balance (mean/max rank work) "
-          f"{r['attn_dp_balance']:.2f} over all steps, {dec} over the "
-          f"{100 * r['decode_only_share']:.0f}% without prefill;  step "
-          f"{r['mean_step_ms']:5.1f} ms  TPOT p50 "
-          f"{r['tpot_ms']['p50']:5.1f} ms  {r['tokens_per_s_per_gpu']:7.0f} tok/s/GPU")
+    rows += _study_balance(model, pareto_device, wd, kv_dtype, osl, seed, price_per_gpu_hour,
+                           log)
   return dict(rows=rows, best=best)
 
 

@@ -10,7 +10,6 @@ Sequences are (q, kv) pairs: q query tokens, the last of which sees kv keys
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 from pallas_kernels.flash_attention import BlockSizes

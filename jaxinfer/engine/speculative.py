@@ -49,6 +49,7 @@ from jaxinfer.engine.sampling import filter_logits, request_keys
 from jaxinfer.models import mtp
 from jaxinfer.models.context import PagedContext
 from jaxinfer.models.layers import rope_cos_sin
+from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import head, trunk_with_counts
 
 
@@ -375,9 +376,9 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   """
   batch = SpecBatch.unpack(packed)
   rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
-  main_pool, mtp_pool = pool[:-1], pool[-1]
+  main_pool, mtp_pool = pool.model, pool.mtp_entry
   x, main_pool, counts = trunk_with_counts(cfg, params, rows.tokens[None], rows.ctx, main_pool,
-                                           ep, None if load is None else "logical")
+                                           ep, None if load is None else ExpertCount.LOGICAL)
   load = load if load is None else load + counts
   x = x[0]  # [T, D]
   out, n_acc, k_draft = _verify(cfg, params, x, rows, batch, state, K, greedy)
@@ -389,4 +390,4 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
   emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)
-  return emitted, (*main_pool, mtp_pool), state, load
+  return emitted, pool.with_segments(main_pool, mtp_pool), state, load

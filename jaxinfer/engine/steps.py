@@ -23,6 +23,7 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import request_keys, sample
 from jaxinfer.models.context import PagedContext, RankedPagedContext
+from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import head, trunk_with_counts
 
 
@@ -128,8 +129,9 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q, mesh=mesh,
                      head_axis=head_axis)
-  x, pool, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool, ep,
-                                      None if load is None else "logical")
+  x, caches, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool.model, ep,
+                                      None if load is None else ExpertCount.LOGICAL)
+  pool = pool.with_segments(caches)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   sampled = _sample(logits, batch, greedy)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
@@ -152,8 +154,9 @@ def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, 
   tokens = jnp.where(batch.from_prev >= 0, prev, batch.tokens)  # [n, T]
   ctx = RankedPagedContext(batch.positions, batch.token_seq, batch.valid, batch.cu_q_lens,
                            batch.kv_lens, batch.page_table, max_q, mesh, axes)
-  x, pool, counts = trunk_with_counts(cfg, params, tokens, ctx, pool, ep,
-                                      None if load is None else "logical")  # x [n, T, D]
+  x, caches, counts = trunk_with_counts(cfg, params, tokens, ctx, pool.model, ep,
+                                      None if load is None else ExpertCount.LOGICAL)  # x [n, T, D]
+  pool = pool.with_segments(caches)
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)
   sampled = _sample(logits, batch, greedy)

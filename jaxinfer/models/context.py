@@ -34,6 +34,11 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import ops
+from jaxinfer.page_pool import PoolLayout
+
+
+def _layout(latent: bool) -> PoolLayout:
+  return PoolLayout(latent=latent)
 
 
 def _split(cache: dict, latent_dim: int | None, head_axis: int):
@@ -98,7 +103,7 @@ class ContiguousContext:
 class PagedContext:
   """A token-flattened step over the page pool (tokens as a [1, T] batch).
 
-  Pool slices: GQA {k, v [K, P, page_size, H]}; MLA {kv [P, page_size, R + Hr]}.
+  The cache is a segment's stacked pool entry (`page_pool.PoolLayout`).
   Token t belongs to sequence token_seq[t] at position positions[t]; its K/V
   go to page page_table[seq, pos // page_size], slot pos % page_size (padding
   tokens, valid[t] False, write into the reserved null page 0).
@@ -143,7 +148,7 @@ class PagedContext:
     stack, layer = cache
     heads = P(None, None, self.head_axis)  # q [1, T, N, H], out [1, T, N, Hv], GQA k/v [1, T, K, H]
     latent = kw["latent_dim"] is not None
-    pool = {n: P() if latent else P(None, self.head_axis) for n in stack}
+    pool = _layout(latent).specs(heads=self.head_axis)
     has_sinks = sinks is not None
     local_ctx = dataclasses.replace(self, mesh=None, head_axis=None)
 
@@ -162,20 +167,14 @@ class PagedContext:
     return out, (stack, layer)
 
   def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, impl, target):
-    stack, layer = cache  # GQA {k, v [L, K, P, ps, H]}; MLA {kv [L, P, ps, C]}
-    page_size = next(iter(stack.values())).shape[-2]
+    stack, layer = cache
+    layout = _layout(latent_dim is not None)
+    page_size = layout.page_size(stack)
     page = self.page_table[self.token_seq, self.positions // page_size]
     page = jnp.where(self.valid, page, 0)
     slot = jnp.where(self.valid, self.positions % page_size, 0)
-    if latent_dim is None:  # [L, K, P, ps, H] at [layer, :, page, slot] is [T, K, H]
-      stack = {n: stack[n].at[layer, :, page, slot].set(new[n][0].astype(stack[n].dtype))
-               for n in stack}
-    else:  # [L, P, ps, C] <- [T, C]
-      stack = {"kv": stack["kv"].at[layer, page, slot].set(new["kv"][0].astype(stack["kv"].dtype))}
-    if latent_dim is None:
-      k_pages, v_pages = stack["k"], stack["v"]
-    else:  # one KV head; values are the latent part of the keys, sliced after the gather
-      k_pages, v_pages = stack["kv"][:, None], None
+    stack = layout.write(stack, layer, page, slot, {n: new[n][0] for n in layout.names})
+    k_pages, v_pages = layout.kernel_pools(stack)
     out = ops.ragged_paged_attention(
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
@@ -216,8 +215,7 @@ class RankedPagedContext:
              target=None):
     stack, layer = cache
     rank = P(self.axes)
-    pool_spec = {n: (P(None, self.axes) if latent_dim is not None else P(None, None, self.axes))
-                 for n in stack}
+    pool_spec = _layout(latent_dim is not None).specs(pages=self.axes)
     has_sinks = sinks is not None
 
     def local(q, new, stack, layer, window, sinks, positions, token_seq, valid, cu, kv_lens,

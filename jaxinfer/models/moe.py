@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import glu, mlp
 from jaxinfer.models.layouts import DenseExperts, SplitExperts
-from jaxinfer.models.moe_core import expert_counts, grouped_ffn, physical_ids, route
+from jaxinfer.models.moe_core import (ExpertCount, count_kind, expert_counts, grouped_ffn,
+                                      physical_ids, route)
 from jaxinfer.models.moe_ep import ExpertParallel, moe_ep
 
 
@@ -112,11 +113,12 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | None = None, valid=None, co
 
   ep: an `moe_ep.ExpertParallel` plan when the experts are split over mesh
   axes; valid [B, T] or None: padding rows (False) are never dispatched to
-  experts (expert-parallel) and contribute nothing. count "logical" |
-  "physical": counts [E] (or [E + R] slots of EPLB-placed params) of the
-  routed copies of valid tokens, taken from this layer's own routing; None:
-  counts is None.
+  experts (expert-parallel) and contribute nothing. count (a
+  `moe_core.ExpertCount`): counts [E] (LOGICAL) or [E + R] slots of
+  EPLB-placed params (PHYSICAL) of the routed copies of valid tokens, taken
+  from this layer's own routing; None: counts is None.
   """
+  count = count_kind(count)
   if ep is not None:
     return moe_ep(cfg, p, x, ep, valid, count)
   B, T, D = x.shape
@@ -124,9 +126,9 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | None = None, valid=None, co
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   idx, weights = route(cfg, p, xt)
   weights = weights * ok[:, None]
-  counts = expert_counts(idx, ok, cfg.num_experts) if count == "logical" else None
+  counts = expert_counts(idx, ok, cfg.num_experts) if count == ExpertCount.LOGICAL else None
   idx = physical_ids(p, idx, jnp.arange(B * T))
-  if count == "physical":
+  if count == ExpertCount.PHYSICAL:
     counts = expert_counts(idx, ok, len(p["w_down"]))
   if isinstance(p, SplitExperts):
     experts = _experts_split

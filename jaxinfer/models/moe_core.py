@@ -21,6 +21,8 @@ the expert paths count slots from the weights, `p["w_gate"].shape[0]`.
 
 from __future__ import annotations
 
+import enum
+
 import jax
 import jax.numpy as jnp
 
@@ -58,6 +60,25 @@ def route(cfg: ModelConfig, p, x):
   if cfg.norm_topk_prob:
     weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
   return idx, weights * cfg.routed_scaling_factor
+
+
+class ExpertCount(enum.StrEnum):
+  """What a statistics forward counts per MoE layer (`moe.moe`'s count):
+  routed copies of valid tokens per logical expert [E], or per physical slot
+  [E + R] of EPLB-placed params."""
+  LOGICAL = "logical"
+  PHYSICAL = "physical"
+
+
+def count_kind(count) -> ExpertCount | None:
+  """None, or an `ExpertCount` (its value accepted; anything else is an error)."""
+  if count is None:
+    return None
+  try:
+    return ExpertCount(count)
+  except ValueError:
+    raise ValueError(f"count must be None or one of {[c.value for c in ExpertCount]}, "
+                     f"got {count!r}") from None
 
 
 def physical_ids(p, idx, token):

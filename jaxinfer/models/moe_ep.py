@@ -33,7 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import mlp
-from jaxinfer.models.moe_core import expert_counts, grouped_ffn, physical_ids, route
+from jaxinfer.models.moe_core import (ExpertCount, count_kind, expert_counts, grouped_ffn,
+                                      physical_ids, route)
 
 # Replicated on every rank: the logical router and the EPLB slot tables.
 _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num_replicas")
@@ -118,6 +119,7 @@ def _replicated(cfg, p, x, idx, weights, ok, axes, n, e_local):
 def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, valid=None, count=None):
   """x [B, T, D] -> ([B, T, D], counts or None) with experts split over
   ep.axes; count as in `moe.moe` (summed over the ranks' tokens)."""
+  count = count_kind(count)
   B, T, D = x.shape
   n = ep.size
   E = p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
@@ -142,13 +144,13 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, valid=None, count=None):
   def per_rank_fn(x_l, ok_l, experts_l, router_p):
     idx, weights = route(cfg, router_p, x_l)
     counts = jnp.zeros((0,), jnp.int32)
-    if count == "logical":
+    if count == ExpertCount.LOGICAL:
       counts = jax.lax.psum(expert_counts(idx, ok_l, cfg.num_experts), ep.axes)
     if "eplb_replicas" in router_p:
       # Global token index, so the replica choice matches the unsharded path.
       token = jax.lax.axis_index(ep.axes) * per_rank + jnp.arange(per_rank)
       idx = physical_ids(router_p, idx, token)
-    if count == "physical":
+    if count == ExpertCount.PHYSICAL:
       counts = jax.lax.psum(expert_counts(idx, ok_l, E), ep.axes)
     weights = weights * ok_l[:, None]
     y = body(cfg, experts_l, x_l, idx, weights, ok_l, ep.axes, n, e_local).astype(x_l.dtype)

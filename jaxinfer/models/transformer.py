@@ -27,7 +27,7 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
           count_experts=None):
   """One pre-norm transformer block; returns (x, cache slice, expert counts).
 
-  count_experts "logical" | "physical" (statistics runs, e.g. EPLB): the MoE
+  count_experts, a `moe_core.ExpertCount` (statistics runs, e.g. EPLB): the MoE
   layer's routed copies per expert (per slot of EPLB-placed params); else None.
   The MLP runs the path its params' type names (`layouts`); `cfg.moe_impl`
   becomes that type here (`moe.with_impl`).
@@ -57,7 +57,7 @@ def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
 def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None,
                       count_experts=None):
   """`trunk`, plus per-MoE-layer expert counts [Lm, E] when count_experts is
-  "logical" or "physical" (see `block`); else None."""
+  an `moe_core.ExpertCount` (see `block`); else None."""
   x = params["embed"][tokens].astype(cfg.compute_dtype())
   cos, sin = rope_cos_sin(cfg, ctx.token_positions(tokens.shape[1]))
   new_caches, counts = [], []

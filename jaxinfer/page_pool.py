@@ -1,0 +1,194 @@
+"""The page pool: the engine's device KV cache, as one type.
+
+`PagePool` holds one stacked entry per layer segment of the model
+(`ModelConfig.segments()`), plus the MTP modules' own entry last when the
+engine speculates. Its `PoolLayout` is the one place that knows how the
+arrays are laid out:
+
+  GQA  {k [L, K, P, ps, Hk], v [L, K, P, ps, Hv]}  per layer: the kernels' [K, P, ps, H]
+  MLA  {kv [L, P, ps, C]}                        C = latent R + rope Hr, one head for K and V
+
+(L layers of the segment, K KV heads, P pages, ps tokens per page.) Page 0 is
+a reserved null page: padded page-table slots and padding tokens point at
+it, and nothing valid is ever read from it.
+
+Everything that touches the pool goes through the layout: `kv_cache`
+allocates and moves pages with it, `sharding` places it, the paged KV
+contexts write and read it, and `ops` hands its per-layer views to the
+kernels (`kernel_dims` names their axes). It sits below the models so all of
+them can import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flax import struct
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+NULL_PAGE = 0
+# The kernels' per-layer pool [K, P, ps, H] (`pallas_kernels.paged_attention`).
+KERNEL_AXES = ("kv_head", "page", "slot", "dim")
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolLayout:
+  """How a segment's stacked pool arrays are laid out (static, hashable).
+
+  latent: MLA's one compressed entry `kv` [L, P, ps, C], whose first
+  `latent_dim` columns are also the values; otherwise GQA's `k` and `v`
+  [L, K, P, ps, H].
+  """
+
+  latent: bool
+
+  @classmethod
+  def for_attention(cls, attention: str) -> "PoolLayout":
+    """The layout of `ModelConfig.attention` ("gqa" | "mla")."""
+    if attention not in ("gqa", "mla"):
+      raise ValueError(f"PoolLayout: unknown attention kind {attention!r}")
+    return cls(latent=attention == "mla")
+
+  @property
+  def names(self) -> tuple[str, ...]:
+    return ("kv",) if self.latent else ("k", "v")
+
+  @property
+  def axes(self) -> tuple[str, ...]:
+    """Axis names of a stacked array (layer first)."""
+    return ("layer", "page", "slot", "dim") if self.latent else ("layer", *KERNEL_AXES)
+
+  def axis(self, name: str) -> int:
+    return self.axes.index(name)
+
+  def shape(self, layers: int, num_pages: int, page_size: int, entry: tuple) -> tuple:
+    """A stacked array's shape from the per-token entry shape ((K, H) or (C,))."""
+    if self.latent:
+      return (layers, num_pages, page_size, *entry)
+    kv_heads, dim = entry
+    return (layers, kv_heads, num_pages, page_size, dim)
+
+  def spec(self, *, pages=None, heads=None) -> P:
+    """PartitionSpec of a stacked array: pages split over `pages` (attention
+    DP ranks), KV heads over `heads` (GQA; MLA's one latent head is
+    replicated), the rest replicated."""
+    dims = {"page": pages, "kv_head": None if self.latent else heads}
+    spec = [dims.get(a) for a in self.axes]
+    while spec and spec[-1] is None:
+      spec.pop()
+    return P(*spec)
+
+  def specs(self, **axes) -> dict[str, P]:
+    """`spec` for every array of a segment's entry."""
+    return {n: self.spec(**axes) for n in self.names}
+
+  def page_size(self, stack: dict) -> int:
+    return stack[self.names[0]].shape[self.axis("slot")]
+
+  def num_pages(self, stack: dict) -> int:
+    return stack[self.names[0]].shape[self.axis("page")]
+
+  def write(self, stack: dict, layer, page, slot, new: dict) -> dict:
+    """Writes tokens' entries (new: GQA {k, v [T, K, H]}, MLA {kv [T, C]})
+    at (page[t], slot[t]) of `layer`, in place under jit."""
+    at = (layer, page, slot) if self.latent else (layer, slice(None), page, slot)
+    return {n: stack[n].at[at].set(new[n].astype(stack[n].dtype)) for n in self.names}
+
+  def kernel_pools(self, stack: dict):
+    """(k_pages, v_pages) for `ops.ragged_paged_attention` with `layer=`:
+    [L, K, P, ps, H] each; MLA: its latent pool as one KV head, and None for
+    the values (the first latent_dim columns of the keys)."""
+    if self.latent:
+      return stack["kv"][:, None], None
+    return stack["k"], stack["v"]
+
+  def take(self, stack: dict, pages) -> dict:
+    """Every layer's K/V at `pages` [n] (global ids): the entry with n pages."""
+    return {n: jnp.take(stack[n], pages, axis=self.axis("page")) for n in self.names}
+
+  def put(self, stack: dict, pages, blob: dict) -> dict:
+    """Writes a `take` result of len(pages) pages back at `pages`."""
+    index = (slice(None),) * self.axis("page")
+    return {n: stack[n].at[index + (pages,)].set(blob[n].astype(stack[n].dtype))
+            for n in self.names}
+
+
+def kernel_dims(k_pages) -> dict[str, int]:
+  """Named sizes of a kernel-layout pool ([(L,) K, P, ps, H])."""
+  return dict(zip(KERNEL_AXES, k_pages.shape[-len(KERNEL_AXES):]))
+
+
+@struct.dataclass
+class PagePool:
+  """The device page pool: one stacked entry per layer segment (`segments`),
+  the MTP modules' entry last when `mtp`. A pytree (jitted steps donate it)
+  that also reads as the tuple of its segments (`pool[i]`, `len(pool)`).
+  """
+
+  segments: tuple
+  layout: PoolLayout = struct.field(pytree_node=False)
+  mtp: bool = struct.field(pytree_node=False, default=False)
+
+  @classmethod
+  def zeros(cls, layout: PoolLayout, segment_layers, *, num_pages: int, page_size: int,
+            entry: dict, dtype, sharding=None, mtp_layers: int = 0) -> "PagePool":
+    """A zeroed pool: `segment_layers` layers per segment, plus mtp_layers
+    for the MTP entry (0: none). sharding: a Sharding for every array, or None."""
+    def zeros(shape):
+      if sharding is None:
+        return jnp.zeros(shape, dtype)
+      return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+    counts = list(segment_layers) + ([mtp_layers] if mtp_layers else [])
+    segments = tuple({n: zeros(layout.shape(layers, num_pages, page_size, entry[n]))
+                      for n in layout.names} for layers in counts)
+    return cls(segments, layout, mtp=bool(mtp_layers))
+
+  def __len__(self) -> int:
+    return len(self.segments)
+
+  def __getitem__(self, i):
+    return self.segments[i]
+
+  @property
+  def model(self) -> tuple:
+    """The model's segment entries (the MTP entry left out)."""
+    return self.segments[:-1] if self.mtp else self.segments
+
+  @property
+  def mtp_entry(self) -> dict:
+    if not self.mtp:
+      raise ValueError("PagePool: this pool holds no MTP entry")
+    return self.segments[-1]
+
+  def with_segments(self, model, mtp_entry=None) -> "PagePool":
+    """The same pool over new arrays (a step's outputs)."""
+    segments = tuple(model) + ((mtp_entry,) if self.mtp else ())
+    if self.mtp and mtp_entry is None:
+      raise ValueError("PagePool.with_segments: this pool needs its MTP entry")
+    return self.replace(segments=segments)
+
+  @property
+  def page_size(self) -> int:
+    return self.layout.page_size(self.segments[0])
+
+  @property
+  def num_pages(self) -> int:
+    return self.layout.num_pages(self.segments[0])
+
+  def take(self, pages) -> "PagePool":
+    """Every segment's K/V at `pages` (global page ids [n])."""
+    return self.replace(segments=tuple(self.layout.take(s, pages) for s in self.segments))
+
+  def put(self, pages, blob: "PagePool") -> "PagePool":
+    """Writes `blob` (a `take` result of len(pages) pages) at `pages`."""
+    if len(blob) != len(self):
+      raise ValueError(f"PagePool.put: blob has {len(blob)} segments, the pool {len(self)}")
+    return self.replace(segments=tuple(self.layout.put(s, pages, b)
+                                       for s, b in zip(self.segments, blob.segments)))
+
+  def spec(self, **axes) -> "PagePool":
+    """The pool's PartitionSpecs (a PagePool of them; `PoolLayout.spec` axes)."""
+    return self.replace(segments=tuple(self.layout.specs(**axes) for _ in self.segments))
