@@ -140,9 +140,6 @@ class Engine(EngineCore):
         raise ValueError("EngineConfig.speculative needs a model with MTP modules "
                          f"(cfg.num_mtp_layers={cfg.num_mtp_layers}, params "
                          f"{'have' if 'mtp' in params else 'lack'} 'mtp')")
-      if self.num_ranks > 1:
-        raise ValueError("EngineConfig.speculative is not supported under attention data "
-                         "parallelism (dp_attn_ep) yet; use layout 'tp' or 'tp_attn_ep'")
     num_pages = config.num_pages or self._size_pool(dtype)  # per rank
     self._init_core(config, num_ranks=self.num_ranks, num_pages=num_pages,
                     max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,

@@ -236,6 +236,13 @@ class Scheduler:
     `previous` (or did not sample there), when K changed, near the context
     limit, or when pages or the token budget run short (pipelining never
     preempts)."""
+    plan = self.plan_continue(previous, K)
+    return None if plan is None else self.continue_with(plan, K)
+
+  def plan_continue(self, previous: list[Scheduled], K: int):
+    """`continue_speculative`'s check, taking nothing: None when it is not
+    possible, else the plan for `continue_with` (attention-DP ranks check
+    all their schedulers before any takes pages)."""
     if not K or (self.waiting and len(self.running) < self.max_num_seqs):
       return None
     sampled = {id(s.request) for s in previous if s.samples}
@@ -247,9 +254,13 @@ class Scheduler:
     need = [max(0, self._pages_for(r, K + 1, True, K)) for r in reqs]
     if sum(need) > self.alloc.num_available():
       return None
-    for r, n in zip(reqs, need):
+    return list(zip(reqs, need))
+
+  def continue_with(self, plan, K: int) -> list[Scheduled]:
+    """Takes the pages of a `plan_continue` plan -> the pipelined blocks."""
+    for r, n in plan:
       r.pages += self.alloc.allocate(n) if n else []
-    return [Scheduled(r, K + 1, r.num_computed, True, K, from_state=True) for r in reqs]
+    return [Scheduled(r, K + 1, r.num_computed, True, K, from_state=True) for r, _ in plan]
 
   def on_dispatch(self, scheduled: list[Scheduled]) -> None:
     """The step holding `scheduled` was dispatched to the device."""

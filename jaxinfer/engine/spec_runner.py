@@ -1,6 +1,7 @@
 """The speculative step runner: MTP draft-and-verify steps
-(`speculative.spec_step`) on one rank, with the draft-state slot of each
-running request and the acceptance counters.
+(`speculative.spec_step`; `spec_step_ranked` under attention DP) on every
+rank, with the draft-state slot of each running request and the acceptance
+counters.
 
 With async scheduling a decode-only batch is pipelined: the next step is
 dispatched before the one in flight is read, its last tokens and positions
@@ -15,6 +16,7 @@ import collections
 import dataclasses
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxinfer.engine import speculative, steps
@@ -24,9 +26,10 @@ from jaxinfer.engine.scheduler import Scheduled
 
 @dataclasses.dataclass(frozen=True)
 class SpecInFlight:
-  """A dispatched speculative step: its chunks, emitted [B, K + 3] on device
-  (`spec_step`'s output) and its draft budget K."""
-  scheduled: list[Scheduled]
+  """A dispatched speculative step: each rank's chunks, emitted on device
+  (`spec_step`'s output, [B, K + 3]; [n, B, K + 3] under attention DP) and
+  its draft budget K."""
+  per_rank: list[list[Scheduled]]
   emitted: jax.Array
   K: int
 
@@ -119,45 +122,65 @@ def spec_batch(scheduled: list[Scheduled], shapes: steps.StepShapes, slot_of: di
 
 
 class SpecRunner:
-  """Speculative MTP steps (one rank: the Engine refuses speculation under
-  attention DP). The draft state [slots, K] lives on device between steps."""
+  """Speculative MTP steps on every rank together (an idle rank on an
+  all-padding batch). The draft state [ranks * slots, K] lives on device
+  between steps; under attention DP each rank owns its rows of it (sharded
+  like the pool's pages) and its own slot map, and the step runs whole per
+  rank (`speculative.spec_step_ranked`)."""
 
   def __init__(self, eng):
     self.config = eng.config.speculative
     self.counts = StepCounts()
     self.in_flight: collections.deque[SpecInFlight] = collections.deque()
-    K = self.config.num_draft_tokens
-    self._state = speculative.init_state(eng.cfg, eng.config.max_num_seqs, K)
-    self._slots = DraftSlots(eng.config.max_num_seqs)
+    K, S = self.config.num_draft_tokens, eng.config.max_num_seqs
+    self._state = speculative.init_state(eng.cfg, eng.num_ranks * S, K)
+    self._slots = [DraftSlots(S) for _ in range(eng.num_ranks)]
     self._acceptance = Acceptance(K)
+    self._ranked = None
+    if eng._dp_axes:
+      rows = NamedSharding(eng.mesh, P(eng._dp_axes))
+      self._state = jax.device_put(self._state, rows)
+      self._ranked = dict(mesh=eng.mesh, axes=eng._dp_axes,
+                          param_specs=param_specs(eng._step_params, eng.mesh))
 
   def step(self, eng) -> Events:
-    sch = eng.scheduler
-    K = eng.spec_draft_tokens(sch)
-    scheduled = None
+    K = min(eng.spec_draft_tokens(sch) for sch in eng.schedulers)
+    per_rank = None
     if self.in_flight and eng.config.async_scheduling and self.in_flight[-1].K == K:
-      scheduled = sch.continue_speculative(self.in_flight[-1].scheduled, K)
+      per_rank = _continue(eng.schedulers, self.in_flight[-1].per_rank, K)
     events = []
-    if scheduled is None:
+    if per_rank is None:
       events += self._read(eng, keep=0)
-      scheduled = sch.schedule(K)
-      self._slots.assign(sch.running, scheduled)
-    if scheduled:
-      self._dispatch(eng, scheduled, K)
-    keep = 1 if scheduled and eng.config.async_scheduling else 0
+      per_rank = [sch.schedule(K) for sch in eng.schedulers]
+      for slots, sch, scheduled in zip(self._slots, eng.schedulers, per_rank):
+        slots.assign(sch.running, scheduled)
+    busy = any(per_rank)
+    if busy:
+      self._dispatch(eng, per_rank, K)
+    keep = 1 if busy and eng.config.async_scheduling else 0
     return events + self._read(eng, keep)
 
-  def _dispatch(self, eng, scheduled: list[Scheduled], K: int) -> None:
-    shapes = eng.step_shapes([scheduled], eng._chunk + K)
-    batch, n_tokens = spec_batch(scheduled, shapes, self._slots.of,
-                                 page_size=eng.config.page_size, max_model_len=eng.max_model_len)
-    greedy = all_greedy(scheduled)
-    emitted, eng.pool, self._state, eng._load = speculative.spec_step(
-        eng.cfg, eng._step_params, eng.pool, batch.pack(), self._state, eng._load,
-        max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, **eng._heads)
-    eng.scheduler.on_dispatch(scheduled)
-    self.counts.record((shapes, K, greedy), n_tokens, bool(self.in_flight))
-    self.in_flight.append(SpecInFlight(scheduled, emitted, K))
+  def _dispatch(self, eng, per_rank: list[list[Scheduled]], K: int) -> None:
+    busy = [scheduled for scheduled in per_rank if scheduled]
+    shapes = eng.step_shapes(busy, eng._chunk + K)
+    built = [spec_batch(scheduled, shapes, slots.of, page_size=eng.config.page_size,
+                        max_model_len=eng.max_model_len)
+             for scheduled, slots in zip(per_rank, self._slots)]
+    greedy = all_greedy(s for scheduled in busy for s in scheduled)
+    kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy)
+    if self._ranked is not None:
+      packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
+      emitted, eng.pool, self._state, eng._load = speculative.spec_step_ranked(
+          eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, **kw,
+          **self._ranked)
+    else:
+      emitted, eng.pool, self._state, eng._load = speculative.spec_step(
+          eng.cfg, eng._step_params, eng.pool, built[0][0].pack(), self._state, eng._load,
+          **kw, **eng._heads)
+    for sch, scheduled in zip(eng.schedulers, per_rank):
+      sch.on_dispatch(scheduled)
+    self.counts.record((shapes, K, greedy), sum(n for _, n in built), bool(self.in_flight))
+    self.in_flight.append(SpecInFlight(per_rank, emitted, K))
 
   def _read(self, eng, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
@@ -165,14 +188,45 @@ class SpecRunner:
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
       K = done.K
-      emitted = np.asarray(done.emitted)  # the one device-to-host read
-      out, n_emit, n_verified = emitted[:, :K + 1], emitted[:, K + 1], emitted[:, K + 2]
-      for s, n, d in zip(done.scheduled, n_emit, n_verified):
-        self.counts.tokens -= s.num_draft - int(d)  # drafts cut on device at max_len
-        if s.samples and s.num_draft and not s.request.finished:
-          self._acceptance.record(int(d), int(n))
-      events += eng.scheduler.apply_speculative(done.scheduled, out, n_emit, K)
+      emitted = np.asarray(done.emitted).reshape(eng.num_ranks, -1, K + 3)  # the one read
+      for sch, scheduled, rank_emitted in zip(eng.schedulers, done.per_rank, emitted):
+        out, n_emit, n_verified = (rank_emitted[:, :K + 1], rank_emitted[:, K + 1],
+                                   rank_emitted[:, K + 2])
+        for s, n, d in zip(scheduled, n_emit, n_verified):
+          self.counts.tokens -= s.num_draft - int(d)  # drafts cut on device at max_len
+          if s.samples and s.num_draft and not s.request.finished:
+            self._acceptance.record(int(d), int(n))
+        events += sch.apply_speculative(scheduled, out, n_emit, K)
     return events
 
   def stats(self) -> dict:
     return self._acceptance.stats(self.config.num_draft_tokens)
+
+
+def _continue(schedulers, previous: list[list[Scheduled]], K: int):
+  """Pipelined blocks for every rank, or None (then the step in flight is
+  read first). All ranks continue or none does: each is checked before any
+  takes pages. A rank with no work stays idle."""
+  plans = []
+  for sch, prev in zip(schedulers, previous):
+    plan = sch.plan_continue(prev, K) if sch.has_work() else []
+    if plan is None:
+      return None
+    plans.append(plan)
+  if not any(plans):
+    return None
+  return [sch.continue_with(plan, K) for sch, plan in zip(schedulers, plans)]
+
+
+def param_specs(params, mesh) -> tuple:
+  """(treedef, PartitionSpec per leaf) of params placed on `mesh`: the
+  shard_map specs of the per-rank speculative step (hashable: jit-static)."""
+  leaves, treedef = jax.tree.flatten(params)
+  specs = []
+  for a in leaves:
+    sh = getattr(a, "sharding", None)
+    if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
+      raise ValueError(f"speculative step under attention DP: a parameter of shape {a.shape} "
+                       f"is not placed on the engine's mesh ({sh})")
+    specs.append(sh.spec)
+  return treedef, tuple(specs)

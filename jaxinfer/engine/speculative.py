@@ -43,6 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import filter_logits, request_keys
@@ -374,6 +375,43 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   everywhere; the draft distributions are not kept).
   mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
   """
+  return _spec_body(cfg, params, pool, packed, state, load, max_q=max_q, K=K, ep=ep,
+                    greedy=greedy, mesh=mesh, head_axis=head_axis)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh", "axes",
+                                              "param_specs"),
+                   donate_argnames=("pool", "state", "load"))
+def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int,
+                     K: int, ep, greedy: bool = False, mesh, axes, param_specs):
+  """Attention data parallelism: `spec_step` run whole on each rank of
+  `axes` in one `shard_map`, each on its own batch (packed fields [n, ...]),
+  its own slice of the pool's pages and its own rows of the draft state
+  ([n * slots, ...]). The routed experts stay expert-parallel inside it
+  (`moe_ep.InRankExpertParallel`: the ranks exchange tokens by collectives).
+  param_specs (static): (treedef, PartitionSpecs) of params, as placed.
+  -> (emitted [n, B, K + 3], new pool, new state, new load)."""
+  treedef, leaves = param_specs
+  rank = P(axes)
+  pool_specs = pool.spec(pages=axes)
+  in_rank = ep.in_rank() if ep is not None else None
+
+  def body(params, pool, packed, state, load):
+    packed = jax.tree.map(lambda a: a[0], packed)
+    emitted, pool, state, load = _spec_body(cfg, params, pool, packed, state, load, max_q=max_q,
+                                            K=K, ep=in_rank, greedy=greedy, mesh=None,
+                                            head_axis=None)
+    return emitted[None], pool, state, load
+
+  return jax.shard_map(
+      body, mesh=mesh,
+      in_specs=(jax.tree.unflatten(treedef, leaves), pool_specs, rank, rank, P()),
+      out_specs=(rank, pool_specs, rank, P()), check_vma=False,
+  )(params, pool, packed, state, load)
+
+
+def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, mesh, head_axis):
+  """`spec_step`'s program (traced inside jit, or per rank inside shard_map)."""
   batch = SpecBatch.unpack(packed)
   rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
   main_pool, mtp_pool = pool.model, pool.mtp_entry

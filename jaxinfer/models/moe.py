@@ -33,7 +33,7 @@ from jaxinfer.models.layers import glu, mlp
 from jaxinfer.models.layouts import DenseExperts, SplitExperts
 from jaxinfer.models.moe_core import (ExpertCount, count_kind, expert_counts, grouped_ffn,
                                       physical_ids, route)
-from jaxinfer.models.moe_ep import ExpertParallel, moe_ep
+from jaxinfer.models.moe_ep import ExpertParallel, InRankExpertParallel, moe_ep
 
 
 def with_impl(cfg: ModelConfig, p):
@@ -108,11 +108,11 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | None = None, valid=None, count=None):
+def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None = None, valid=None, count=None):
   """x [B, T, D] -> ([B, T, D], counts): routed experts plus shared experts.
 
   ep: an `moe_ep.ExpertParallel` plan when the experts are split over mesh
-  axes; valid [B, T] or None: padding rows (False) are never dispatched to
+  axes (or an `moe_ep.InRankExpertParallel` inside a per-rank shard_map); valid [B, T] or None: padding rows (False) are never dispatched to
   experts (expert-parallel) and contribute nothing. count (a
   `moe_core.ExpertCount`): counts [E] (LOGICAL) or [E + R] slots of
   EPLB-placed params (PHYSICAL) of the routed copies of valid tokens, taken

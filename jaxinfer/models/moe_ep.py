@@ -53,6 +53,24 @@ class ExpertParallel:
   def size(self) -> int:
     return math.prod(self.mesh.shape[a] for a in self.axes)
 
+  def in_rank(self) -> "InRankExpertParallel":
+    """The same plan for code already running per rank in `shard_map` over `axes`."""
+    return InRankExpertParallel(self.axes, self.size, self.strategy, self.replicated_max_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class InRankExpertParallel:
+  """Expert parallelism from inside a `shard_map` over `axes` (the attention
+  data-parallel speculative step runs whole per rank): the layer sees this
+  rank's tokens and its slice of the experts, and exchanges with the other
+  ranks by collectives over `axes`. Every rank must call it with the same
+  token count (the strategy and the collectives follow it)."""
+
+  axes: tuple[str, ...]
+  size: int
+  strategy: str = "auto"
+  replicated_max_tokens: int = 16
+
 
 def plan_from_params(params, strategy: str = "auto") -> ExpertParallel | None:
   """The EP plan implied by the routed experts' sharding (None if unsharded)."""
@@ -116,48 +134,66 @@ def _replicated(cfg, p, x, idx, weights, ok, axes, n, e_local):
   return jax.lax.dynamic_slice_in_dim(total, rank * t, t)
 
 
-def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, valid=None, count=None):
+def _rank_moe(cfg, experts, router_p, x, ok, *, axes, n, e_local, strategy, count, token0):
+  """One rank's routed experts inside `shard_map` over `axes`: x [t, D] its
+  tokens (ok [t]: real ones), experts its slots' weights, strategy
+  "replicated" or "all_to_all", token0 the global index of its first token
+  (the EPLB replica choice). -> (y [t, D], counts: summed over the ranks, or
+  an empty array)."""
+  t = x.shape[0]
+  idx, weights = route(cfg, router_p, x)
+  counts = jnp.zeros((0,), jnp.int32)
+  if count == ExpertCount.LOGICAL:
+    counts = jax.lax.psum(expert_counts(idx, ok, cfg.num_experts), axes)
+  if "eplb_replicas" in router_p:
+    # Global token index, so the replica choice matches the unsharded path.
+    idx = physical_ids(router_p, idx, token0 + jnp.arange(t))
+  if count == ExpertCount.PHYSICAL:
+    counts = jax.lax.psum(expert_counts(idx, ok, n * e_local), axes)
+  weights = weights * ok[:, None]
+  body = _replicated if strategy == "replicated" else _all_to_all
+  return body(cfg, experts, x, idx, weights, ok, axes, n, e_local).astype(x.dtype), counts
+
+
+def _split_params(p):
+  """-> (routed expert weights, the replicated router and EPLB tables)."""
+  experts = {k: p[k] for k in p if k not in (*_REPLICATED, "shared")}
+  return experts, {k: p[k] for k in _REPLICATED if k in p}
+
+
+def moe_ep(cfg: ModelConfig, p, x, ep, valid=None, count=None):
   """x [B, T, D] -> ([B, T, D], counts or None) with experts split over
-  ep.axes; count as in `moe.moe` (summed over the ranks' tokens)."""
+  ep.axes; count as in `moe.moe` (summed over the ranks' tokens). ep: an
+  `ExpertParallel` (called on global arrays: tokens split over the ranks
+  here) or an `InRankExpertParallel` (called inside a `shard_map` over its
+  axes: x is this rank's tokens, p its experts)."""
   count = count_kind(count)
+  if isinstance(ep, InRankExpertParallel):
+    return _moe_in_rank(cfg, p, x, ep, valid, count)
   B, T, D = x.shape
+  E = p["w_gate"].shape[0]  # physical slots (= num_experts without EPLB)
   n = ep.size
-  E = p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
   if E % n:
     raise ValueError(f"num_experts ({E}) is not divisible by the expert-parallel "
                      f"axes {ep.axes} (size {n})")
-  e_local = E // n
   xt = x.reshape(B * T, D)
   pad = -(B * T) % n
   xt = jnp.pad(xt, ((0, pad), (0, 0)))
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   ok = jnp.pad(ok, (0, pad))  # the alignment padding is not real tokens either
   per_rank = xt.shape[0] // n
+  experts, router = _split_params(p)
   strategy = ep.strategy
   if strategy == "auto":
     strategy = "replicated" if per_rank <= ep.replicated_max_tokens else "all_to_all"
-  body = _replicated if strategy == "replicated" else _all_to_all
-  expert_keys = [k for k in p if k not in (*_REPLICATED, "shared")]
-  experts = {k: p[k] for k in expert_keys}
-  router = {k: p[k] for k in _REPLICATED if k in p}
 
   def per_rank_fn(x_l, ok_l, experts_l, router_p):
-    idx, weights = route(cfg, router_p, x_l)
-    counts = jnp.zeros((0,), jnp.int32)
-    if count == ExpertCount.LOGICAL:
-      counts = jax.lax.psum(expert_counts(idx, ok_l, cfg.num_experts), ep.axes)
-    if "eplb_replicas" in router_p:
-      # Global token index, so the replica choice matches the unsharded path.
-      token = jax.lax.axis_index(ep.axes) * per_rank + jnp.arange(per_rank)
-      idx = physical_ids(router_p, idx, token)
-    if count == ExpertCount.PHYSICAL:
-      counts = jax.lax.psum(expert_counts(idx, ok_l, E), ep.axes)
-    weights = weights * ok_l[:, None]
-    y = body(cfg, experts_l, x_l, idx, weights, ok_l, ep.axes, n, e_local).astype(x_l.dtype)
-    return y, counts
+    return _rank_moe(cfg, experts_l, router_p, x_l, ok_l, axes=ep.axes, n=n, e_local=E // n,
+                     strategy=strategy, count=count,
+                     token0=jax.lax.axis_index(ep.axes) * per_rank)
 
   spec_tokens = P(ep.axes, None)
-  spec_experts = {k: P(ep.axes, *([None] * (experts[k].ndim - 1))) for k in expert_keys}
+  spec_experts = {k: P(ep.axes, *([None] * (w.ndim - 1))) for k, w in experts.items()}
   out, counts = jax.shard_map(per_rank_fn, mesh=ep.mesh,
                       in_specs=(spec_tokens, P(ep.axes), spec_experts,
                                 jax.tree.map(lambda _: P(), router)),
@@ -165,4 +201,20 @@ def moe_ep(cfg: ModelConfig, p, x, ep: ExpertParallel, valid=None, count=None):
   out = out[:B * T]
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], x.reshape(B * T, D))
+  return out.reshape(B, T, D), (counts if count else None)
+
+
+def _moe_in_rank(cfg, p, x, ep: "InRankExpertParallel", valid, count):
+  B, T, D = x.shape
+  xt = x.reshape(B * T, D)
+  ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
+  experts, router = _split_params(p)
+  strategy = ep.strategy
+  if strategy == "auto":
+    strategy = "replicated" if B * T <= ep.replicated_max_tokens else "all_to_all"
+  out, counts = _rank_moe(cfg, experts, router, xt, ok, axes=ep.axes, n=ep.size,
+                          e_local=p["w_gate"].shape[0], strategy=strategy, count=count,
+                          token0=jax.lax.axis_index(ep.axes) * B * T)
+  if cfg.num_shared_experts:
+    out = out + mlp(cfg, p["shared"], xt)
   return out.reshape(B, T, D), (counts if count else None)
