@@ -82,3 +82,36 @@ def test_speculative_on_mesh_equals_single_device(model, refs, layout, axes, K):
   if layout == "dp_attn_ep":
     assert engine.num_ranks == 8 and sorted(stats["requests_per_rank"])[-3:] == [1, 1, 1]
   assert stats["kv_pages_used"] == 0
+
+
+def test_disaggregated_prefill_to_speculating_dp_decode(model, refs):
+  # Prefill tensor-parallel on devices 0-3, decode attention-DP + EP on 4-7,
+  # both speculating: the MTP modules' K/V travels in the pages and the
+  # prefill's drafts with them, so the decode side verifies drafts from its
+  # first step, exactly as one engine does.
+  from jaxinfer.serving.cluster import Cluster
+  from jaxinfer.serving.disagg import DisaggConfig
+  from jaxinfer.serving.worker import Worker
+  cfg, params, prompts = model
+  plain, _ = refs
+  K = 2
+  one = Engine(cfg, params, _spec(K))
+  sampling = [SamplingParams(max_tokens=n) for n in MAX_TOKENS]
+  ref = one.generate(prompts, sampling)
+  assert [o.token_ids for o in ref] == plain
+  devices = jax.devices()
+  prefill = Worker(cfg, params, _spec(K), role="prefill", devices=devices[:4],
+                   mesh_axes={"tensor": 4}, layout="tp", name="prefill")
+  decode = Worker(cfg, params, _spec(K), role="decode", devices=devices[4:8],
+                  mesh_axes={"data": 2, "expert": 2}, layout="dp_attn_ep", name="decode")
+  cluster = Cluster([prefill, decode], disagg=DisaggConfig(mode="always"))
+  outs = cluster.generate(prompts, sampling)
+  assert [o.token_ids for o in outs] == plain
+  assert all(o.prefill_worker == 0 and o.worker == 1 for o in outs)
+  got, want = decode.engine.stats(), one.stats()
+  for key in ("spec_drafted_per_position", "spec_acceptance_per_position", "spec_verify_steps"):
+    assert got[key] == want[key], key
+  for w in cluster.workers:
+    for a in w.engine.allocators:
+      a.check_consistency()
+      assert a.num_used() == 0

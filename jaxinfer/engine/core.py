@@ -189,6 +189,16 @@ class EngineCore:
     pages, req.pages = req.pages, []
     return req.rank, pages
 
+  def take_drafts(self, request_id: int):
+    """A finished held request's MTP drafts (its draft-state row, device
+    arrays) for the decode side, or None (no speculation here). The first
+    decode step then verifies them, as it would on one engine."""
+    req = self._requests.get(request_id)
+    if req is None or not req.hold_pages:
+      raise ValueError(f"take_drafts: request {request_id} was not submitted with hold_pages")
+    drafts, req.drafts = req.drafts, None
+    return drafts
+
   def release_pages(self, rank: int, pages) -> None:
     self.allocators[rank].release(pages)
 
@@ -202,10 +212,13 @@ class EngineCore:
 
   def submit_prefilled(self, prompt: Sequence[int], first_token: int,
                        sampling: SamplingParams | None, rank: int, pages: list[int], *,
-                       arrival_s: float | None = None, first_token_s: float | None = None) -> int:
+                       arrival_s: float | None = None, first_token_s: float | None = None,
+                       drafts=None) -> int:
     """Queues a request whose prompt K/V is already in `pages` (reserved on
     `rank`, then written) and whose first token was sampled elsewhere; it
-    decodes from there. The pages become the request's."""
+    decodes from there. The pages become the request's. drafts: the prefill
+    side's `take_drafts`, placed here (speculation: the first step verifies
+    them); ignored without speculation."""
     tokens, sampling = self._validate(prompt, sampling)
     if not 0 <= int(first_token) < self.vocab_size:
       raise ValueError(f"submit_prefilled: first_token {first_token} is out of the vocabulary "
@@ -221,5 +234,7 @@ class EngineCore:
                             num_computed=len(tokens), output=[int(first_token)], admitted=True,
                             arrival_s=now if arrival_s is None else arrival_s,
                             first_token_s=now if first_token_s is None else first_token_s)
+    if drafts is not None and self._spec is not None:
+      req.drafts, req.num_drafts = drafts, int(drafts["drafts"].shape[0])
     self.schedulers[rank].add(req)
     return req.id

@@ -77,6 +77,10 @@ class Request:
   num_drafts: int = 0  # speculative: MTP drafts waiting in the device draft state
   spec_ahead: int = 0  # speculative: tokens of pipelined (from_state) blocks not yet read
   hold_pages: bool = False  # on finishing (not aborting), keep the pages for the caller
+  # Speculative hand-over (disaggregated serving): the request's draft-state
+  # row (device arrays) taken when a held request finishes on the prefill
+  # side, or arrived with it on the decode side until written into a slot.
+  drafts: object = None
 
   @property
   def tokens(self) -> list[int]:

@@ -154,11 +154,21 @@ class SpecRunner:
       per_rank = [sch.schedule(K) for sch in eng.schedulers]
       for slots, sch, scheduled in zip(self._slots, eng.schedulers, per_rank):
         slots.assign(sch.running, scheduled)
+      self._place_arrived_drafts(per_rank, eng.config.max_num_seqs)
     busy = any(per_rank)
     if busy:
       self._dispatch(eng, per_rank, K)
     keep = 1 if busy and eng.config.async_scheduling else 0
     return events + self._read(eng, keep)
+
+  def _place_arrived_drafts(self, per_rank, slots_per_rank: int) -> None:
+    """Writes the drafts that came with hand-over requests into their new slots."""
+    for rank, (slots, scheduled) in enumerate(zip(self._slots, per_rank)):
+      for s in scheduled:
+        if s.request.drafts is not None:
+          row = rank * slots_per_rank + slots.of[s.request.id]
+          self._state = speculative.put_drafts(self._state, row, s.request.drafts)
+          s.request.drafts = None
 
   def _dispatch(self, eng, per_rank: list[list[Scheduled]], K: int) -> None:
     busy = [scheduled for scheduled in per_rank if scheduled]
@@ -197,7 +207,17 @@ class SpecRunner:
           if s.samples and s.num_draft and not s.request.finished:
             self._acceptance.record(int(d), int(n))
         events += sch.apply_speculative(scheduled, out, n_emit, K)
+        self._keep_handover_drafts(eng, scheduled)
     return events
+
+  def _keep_handover_drafts(self, eng, scheduled: list[Scheduled]) -> None:
+    """Held requests that finished (a disaggregated prefill): snapshot their
+    draft-state row now, before the slot can go to another request."""
+    for s in scheduled:
+      req = s.request
+      if req.hold_pages and req.finish_reason not in (None, "abort") and req.num_drafts:
+        row = req.rank * eng.config.max_num_seqs + self._slots[req.rank].of[req.id]
+        req.drafts = speculative.take_drafts(self._state, row, req.num_drafts)
 
   def stats(self) -> dict:
     return self._acceptance.stats(self.config.num_draft_tokens)

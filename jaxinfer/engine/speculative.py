@@ -145,6 +145,25 @@ def init_state(cfg: ModelConfig, slots: int, max_draft: int) -> dict:
               last=jnp.zeros((slots,), jnp.int32), pos=jnp.zeros((slots,), jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnums=(2,))
+def take_drafts(state, row, num: int) -> dict:
+  """Row `row`'s first `num` drafts with their q, its last token and
+  position: what a hand-over carries to another engine (`put_drafts`)."""
+  return dict(drafts=state["drafts"][row, :num], q=state["q"][row, :num],
+              last=state["last"][row], pos=state["pos"][row])
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def put_drafts(state, row, drafts: dict) -> dict:
+  """Writes `take_drafts` output (from any engine, up to this state's K
+  drafts) into row `row`."""
+  k = min(state["drafts"].shape[1], drafts["drafts"].shape[0])
+  return dict(drafts=state["drafts"].at[row, :k].set(drafts["drafts"][:k]),
+              q=state["q"].at[row, :k].set(drafts["q"][:k]),
+              last=state["last"].at[row].set(drafts["last"]),
+              pos=state["pos"].at[row].set(drafts["pos"]))
+
+
 def _probs(logits, temperature, top_k, top_p):
   """[B, V] -> the sampling distribution (one-hot argmax for greedy rows)."""
   greedy = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)

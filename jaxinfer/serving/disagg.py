@@ -78,19 +78,24 @@ class Transfer:
   pages: list[int]
   blob: object  # K/V placed (or being placed) on the decode engine's devices
   deadline: float
+  drafts: object = None  # the MTP drafts (`Engine.take_drafts`), placed like the K/V
   stalled: bool = False  # fault injection: never lands
 
   @classmethod
   def start(cls, prefill: Engine, prefill_rank: int, prefill_pages, decode: Engine,
-            rank: int, pages: list[int], *, now: float, timeout_s: float) -> "Transfer":
+            rank: int, pages: list[int], *, now: float, timeout_s: float,
+            drafts=None) -> "Transfer":
     """Reads the prompt's pages on the prefill side and starts the copy onto
     the decode side (both asynchronous); the prefill pages can be released
-    right after."""
+    right after. drafts: the prefill's MTP drafts for the request (its MTP
+    modules' K/V travels in the pages), copied along."""
     blob = prefill.read_pages(prefill_rank, prefill_pages[:len(pages)])
-    return cls(decode, rank, pages, decode.place_pages(blob), now + timeout_s)
+    placed = None if drafts is None else decode.place_pages(drafts)
+    return cls(decode, rank, pages, decode.place_pages(blob), now + timeout_s, placed)
 
   def ready(self) -> bool:
-    return not self.stalled and all(a.is_ready() for a in jax.tree.leaves(self.blob))
+    return not self.stalled and all(a.is_ready()
+                                    for a in jax.tree.leaves((self.blob, self.drafts)))
 
   def land(self) -> None:
     """Writes the K/V into the reservation (the engine's next step follows it)."""

@@ -11,8 +11,9 @@ below (`Engine`'s, `engine.core.EngineCore`'s plus the K/V page moves).
 
   engine.max_model_len, check_request(prompt, sampling), submit(tokens,
   sampling, hold_pages=), output(rid), abort(rid), reserve_pages(n),
-  take_pages(rid), release_pages(rank, pages), submit_prefilled(...),
-  read_pages(rank, pages), place_pages(blob), write_pages(rank, pages, blob)
+  take_pages(rid), take_drafts(rid), release_pages(rank, pages),
+  submit_prefilled(...), read_pages(rank, pages), place_pages(blob),
+  write_pages(rank, pages, blob)
 
 The owner steps the workers and hands each step's engine events to
 `advance`; it calls `poll_transfers` whenever transfers may have landed.
@@ -233,12 +234,14 @@ class Flow:
     the reservation (or ends the request) -> whether it ended."""
     engine = self.workers[i].engine
     rank, pages = engine.take_pages(req.rid)
+    drafts = engine.take_drafts(req.rid)
     done = (reason in ("stop", "abort") or req.remaining <= 0
             or len(req.prompt) + len(req.tokens) >= engine.max_model_len)
     if not done:
       w, d_rank, d_pages = req.reservation
       req.transfer = Transfer.start(engine, rank, pages, self.workers[w].engine, d_rank, d_pages,
-                                    now=self.clock(), timeout_s=self.disagg.transfer_timeout_s)
+                                    now=self.clock(), timeout_s=self.disagg.transfer_timeout_s,
+                                    drafts=drafts)
       req.transfer.stalled = self._stall > 0
       self._stall -= self._stall > 0
       req.reservation = None  # the transfer owns it now
@@ -258,7 +261,7 @@ class Flow:
         t.land()
         req.rid = t.decode.submit_prefilled(req.prompt, req.tokens[0], req.sampling, t.rank,
                                             t.pages, arrival_s=req.arrival_s,
-                                            first_token_s=req.first_token_s)
+                                            first_token_s=req.first_token_s, drafts=t.drafts)
         req.transfer, req.state = None, "decode"
         self._by_engine[(req.worker, req.rid)] = req.cid
       elif now >= t.deadline:
