@@ -40,5 +40,8 @@ def get_config() -> config_dict.ConfigDict:
   c.max_num_seqs = 8
   c.max_num_batched_tokens = 64
   c.speculative = 0  # MTP draft tokens
+  c.mesh = ""  # "": one device; e.g. "data=2,expert=4" shards the engine over all devices
+  c.layout = "dp_attn_ep"  # with mesh
+  c.cpu_devices = 0  # simulated CPU devices for mesh (0: the machine's)
   c.lock()
   return c

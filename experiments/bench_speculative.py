@@ -4,6 +4,9 @@ from acceptance and measured step costs, and the measured speedup.
 
   python experiments/bench_speculative.py                    # K = 0..3 at batch 1, 4, 16
   python experiments/bench_speculative.py --batches=1 --max_tokens=64 --repeats=1
+  python experiments/bench_speculative.py --cpu_devices=8 --mesh=data=2,expert=4 \
+      --layout=dp_attn_ep --out=experiments/results/bench_speculative_dp8
+      # attention data parallel + expert parallel on 8 simulated CPU devices
 
 Prompts come from held-out stdlib files (`training.held_out_prompts`), which
 the model never saw in training. Each (batch, K) cell runs warm (its programs
@@ -18,9 +21,11 @@ from __future__ import annotations
 import os
 
 from absl import app, flags
+import jax
 
-from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, training
+from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding, training
 from jaxinfer.bench import results
+from jaxinfer.bench.sharding_report import parse_mesh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batches", ["1", "4", "16"], "concurrent requests")
@@ -29,11 +34,15 @@ flags.DEFINE_integer("max_tokens", 128, "tokens generated per request")
 flags.DEFINE_integer("prompt_bytes", 96, "bytes of each held-out file used as a prompt")
 flags.DEFINE_integer("num_prompts", 16, "held-out prompts per cell, run `batch` at a time")
 flags.DEFINE_integer("repeats", 2, "timed runs per cell (best kept)")
+flags.DEFINE_string("mesh", None, "run sharded on a mesh of all devices, e.g. data=2,expert=4")
+flags.DEFINE_enum("layout", "dp_attn_ep", list(sharding.LAYOUTS), "sharding layout (with --mesh)")
+flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices for --mesh")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "bench_speculative"),
                     "output prefix (.json, .png)")
 
 
-def cell(cfg, params, prompts, batch: int, K: int, max_tokens: int, repeats: int) -> dict:
+def cell(cfg, params, prompts, batch: int, K: int, max_tokens: int, repeats: int,
+         mesh=None, layout=None) -> dict:
   spec = MTPConfig(num_draft_tokens=K, batch_schedule=()) if K else None
   ec = EngineConfig(page_size=16, max_num_seqs=batch, max_num_batched_tokens=256,
                     speculative=spec, enable_prefix_caching=False)
@@ -41,7 +50,7 @@ def cell(cfg, params, prompts, batch: int, K: int, max_tokens: int, repeats: int
   best = None
   for r in range(repeats):
     res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling, engine_config=ec,
-                         warmup=(r == 0), progress=False)
+                         warmup=(r == 0), progress=False, mesh=mesh, layout=layout)
     if best is None or res.summary["wall_s"] < best.summary["wall_s"]:
       best = res
   s = best.summary
@@ -80,6 +89,10 @@ def _plot(rows, path):
 
 def main(argv):
   del argv
+  if FLAGS.cpu_devices:  # before anything initialises JAX's backends
+    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
+  mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
+  layout = FLAGS.layout if mesh is not None else None
   cfg, params, _ = run.load_default_model()
   batches = [int(b) for b in FLAGS.batches]
   ks = sorted(int(k) for k in FLAGS.draft_tokens)
@@ -91,7 +104,7 @@ def main(argv):
   for b in batches:
     base = None
     for K in ks:
-      r = cell(cfg, params, prompts, b, K, FLAGS.max_tokens, FLAGS.repeats)
+      r = cell(cfg, params, prompts, b, K, FLAGS.max_tokens, FLAGS.repeats, mesh, layout)
       if K == 0:
         base = r
       r["exact_vs_plain"] = r["outputs"] == base["outputs"]
@@ -111,6 +124,7 @@ def main(argv):
     del r["outputs"]
   results.write(FLAGS.out, rows, _plot, max_tokens=FLAGS.max_tokens,
                 prompt_bytes=FLAGS.prompt_bytes, repeats=FLAGS.repeats,
+                mesh=dict(mesh.shape) if mesh is not None else None, layout=layout,
                 model="default (tiny_moe trained, experiments/train_tiny.py)")
   print("\n| batch | K | tokens/s | TPOT p50 ms | accepted length | acceptance per position | "
         "speedup measured | predicted | measured/predicted |")

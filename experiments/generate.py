@@ -7,7 +7,8 @@
   python experiments/generate.py --hf_dir=path/to/hf --prompt="Hello"   # needs tokenizer.json
   python experiments/generate.py --hf_dir=path/to/hf --prompt_ids=1,2,3
   python experiments/generate.py --cpu_devices=8 --mesh=data=2,expert=4 --layout=dp_attn_ep
-      # sharded over 8 simulated CPU devices (attention data parallel + expert parallel)
+      # sharded over 8 simulated CPU devices (attention data parallel + expert
+      # parallel), with MTP speculation per attention-DP rank
 """
 
 
@@ -112,11 +113,7 @@ def main(argv):
               for i in range(len(prompts))]
   spec = None
   if _DRAFT.value and cfg.num_mtp_layers and "mtp" in params:
-    if mesh is not None and sharding.dp_axes(mesh, _LAYOUT.value):
-      print("note: MTP speculation is not supported under attention data parallelism "
-            f"({_LAYOUT.value}); decoding plainly")
-    else:
-      spec = MTPConfig(num_draft_tokens=_DRAFT.value)
+    spec = MTPConfig(num_draft_tokens=_DRAFT.value)
   engine_config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
                                max_num_seqs=_MAX_SEQS.value,
                                max_num_batched_tokens=_TOKEN_BUDGET.value, speculative=spec)

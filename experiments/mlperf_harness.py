@@ -27,10 +27,12 @@ import os
 import shutil
 
 from absl import app, flags
+import jax
 from ml_collections import config_flags
 
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, training
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, sharding, training
 from jaxinfer.bench import flag_config, results
+from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.serving import mlperf
 
 # (TTFT ms, TPOT ms) 99th-percentile limits: Server, Interactive.
@@ -65,6 +67,10 @@ flags.DEFINE_integer("search_min_duration_ms", 20_000, "search: min_duration of 
 flags.DEFINE_integer("max_num_seqs", 8, "engine: sequences per step")
 flags.DEFINE_integer("max_num_batched_tokens", 64, "engine: token budget per step")
 flags.DEFINE_integer("speculative", 0, "MTP draft tokens (0: plain decoding)")
+flags.DEFINE_string("mesh", "", "engine: shard it on a mesh of all devices, e.g. data=2,expert=4 "
+                    "('': one device)")
+flags.DEFINE_enum("layout", "dp_attn_ep", list(sharding.LAYOUTS), "engine: layout (with --mesh)")
+flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices for --mesh")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "mlperf"),
                     "output directory (LoadGen logs per run, results.json)")
 
@@ -93,10 +99,12 @@ def _engine(cfg, params):
   spec = MTPConfig(num_draft_tokens=FLAGS.speculative) if FLAGS.speculative else None
   # Fixed step shapes: the warm-up compiles every program a run needs, so no
   # LoadGen query waits on a compile.
+  mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
   return Engine(cfg, params, EngineConfig(page_size=16, max_num_seqs=FLAGS.max_num_seqs,
                                           max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                                           kv_cache_bytes=256 << 20, speculative=spec,
-                                          fixed_step_shapes=True))
+                                          fixed_step_shapes=True),
+                mesh=mesh, layout=FLAGS.layout if mesh is not None else None)
 
 
 def _limits(scenario):
@@ -192,6 +200,8 @@ def search(cfg, params, prompts):
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, FLAGS, __file__)
+  if FLAGS.cpu_devices:  # before anything initialises JAX's backends
+    jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   cfg, params, tokenizer = run.load_default_model()
   prompts = _dataset(tokenizer)
   rows, found = [], None
@@ -208,7 +218,9 @@ def main(argv):
   name = "search" if FLAGS.search else f"scenarios_{FLAGS.mode}"
   results.write(os.path.join(FLAGS.out, name), rows, None, search=found, limits=FLAGS.limits,
                 latency_scale=FLAGS.latency_scale, max_tokens=FLAGS.max_tokens,
-                num_samples=len(prompts), model="default (tiny_moe trained)")
+                num_samples=len(prompts), model="default (tiny_moe trained)",
+                mesh=FLAGS.mesh or None, layout=FLAGS.layout if FLAGS.mesh else None,
+                speculative=FLAGS.speculative)
 
 
 if __name__ == "__main__":

@@ -64,6 +64,7 @@ def _cases():
 
 def test_every_config_file_is_checked():
   assert set(CONFIGS) >= {"mlperf_default_model.py", "mlperf_deepseek_r1.py",
+                          "mlperf_deepseek_r1_dp_ep.py",
                           "mlperf_llama3_1_405b.py", "mlperf_gpt_oss.py",
                           "serving_topologies.py", "bench_decode.py"}
 
@@ -92,7 +93,7 @@ def test_default_configs_equal_the_flag_defaults():
 
 def test_mlperf_configs_set_the_same_fields():
   keys = [set(_load(n).keys()) for n in CONFIGS if n.startswith("mlperf_")]
-  assert len(keys) == 4 and all(k == keys[0] for k in keys)
+  assert len(keys) == 5 and all(k == keys[0] for k in keys)
 
 
 def test_overrides_and_precedence():

@@ -5,6 +5,7 @@ run (experiments/mlperf_harness.py). Generation with the default model is
 tests/test_default_model.py."""
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def test_generate_sharded_on_simulated_devices():
               "--layout=dp_attn_ep", "--max_tokens=8", "--num_pages=32", "--max_num_seqs=4"])
   assert out.returncode == 0, out.stderr[-3000:]
   assert "over 8 cpu devices, layout dp_attn_ep, 8 attention-DP ranks" in out.stdout, out.stdout
-  for needle in ("prompt + completion", "TTFT", "tokens/s"):
+  for needle in ("prompt + completion", "TTFT", "tokens/s", "MTP drafts per step (K)"):
     assert needle in out.stdout, (needle, out.stdout[-2000:])
 
 
@@ -59,3 +60,15 @@ def test_mlperf_harness_short_run(tmp_path):
   assert "first tokens match True" in out.stdout, out.stdout[-2000:]
   assert (tmp_path / "scenarios_performance.json").exists()
   assert (tmp_path / "Server_performance" / "mlperf_log_summary.txt").exists()
+
+
+@_needs("mlperf_loadgen")
+def test_mlperf_harness_deepseek_r1_dp_ep_mtp(tmp_path):
+  # The R1-style config: attention DP + wide EP on 8 simulated devices, MTP K = 3.
+  out = _run(["experiments/mlperf_harness.py", "--config=configs/mlperf_deepseek_r1_dp_ep.py",
+              "--scenarios=Offline", "--num_samples=8", "--max_tokens=8",
+              "--min_duration_ms=500", "--min_query_count=8", f"--out={tmp_path}"])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "first tokens match True" in out.stdout, out.stdout[-2000:]
+  rows = json.loads((tmp_path / "scenarios_performance.json").read_text())
+  assert rows["mesh"] == "data=2,expert=4" and rows["speculative"] == 3
