@@ -56,7 +56,7 @@ def test_logits_equal_single_device(models_and_refs, name, layout):
     assert _rel(models.logits(cfg, sharded, tokens), ref) < 1e-5, axes
 
 
-@pytest.mark.parametrize("strategy", ["all_to_all", "replicated"])
+@pytest.mark.parametrize("strategy", ["all_to_all", "replicated", "ragged"])
 def test_both_ep_strategies_match(models_and_refs, strategy, monkeypatch):
   cfg, params, tokens, ref = models_and_refs["mla_moe64"]
   mesh = sharding.make_mesh({"data": 2, "expert": 4})
@@ -67,17 +67,18 @@ def test_both_ep_strategies_match(models_and_refs, strategy, monkeypatch):
   assert _rel(out, ref) < 1e-5
 
 
-def test_all_to_all_drops_no_token_when_all_route_to_one_expert(models_and_refs):
+@pytest.mark.parametrize("strategy", ["all_to_all", "ragged"])
+def test_all_to_all_drops_no_token_when_all_route_to_one_expert(models_and_refs, strategy):
   cfg, params, tokens, _ = models_and_refs["mla_moe16"]
   # A huge selection bias on expert 5: every token sends a copy to rank 2
-  # (the worst case the dropless buffers are sized for).
+  # (capacity: the most rounds; ragged: the fullest receive buffer).
   seg = params["layers"][1]
   biased = dict(params, layers=(params["layers"][0], dict(seg, mlp=dict(
       seg["mlp"], score_bias=seg["mlp"]["score_bias"].at[:, 5].set(100.0)))))
   ref = models.logits(dataclasses.replace(cfg, moe_impl="dense"), biased, tokens)
   mesh = sharding.make_mesh({"expert": 8})
   sharded = sharding.shard_params(cfg, biased, mesh, "dp_attn_ep")
-  plan = dataclasses.replace(moe_ep.plan_from_params(sharded), strategy="all_to_all")
+  plan = dataclasses.replace(moe_ep.plan_from_params(sharded), strategy=strategy)
   assert _rel(models.transformer._logits(cfg, sharded, tokens, plan), ref) < 1e-5
 
 
@@ -159,7 +160,7 @@ def test_attention_dp_idle_ranks_step_without_hanging(models_and_refs):
   assert out.token_ids == ref.token_ids and eng.stats()["steps"] == 5
 
 
-@pytest.mark.parametrize("strategy", ["all_to_all", "replicated"])
+@pytest.mark.parametrize("strategy", ["all_to_all", "replicated", "ragged"])
 def test_padded_rows_are_never_dispatched(models_and_refs, strategy):
   import jax.numpy as jnp
   cfg, params, _, _ = models_and_refs["mla_moe16"]

@@ -73,8 +73,11 @@ def test_deepseek_v3_on_288_devices_from_shapes():
   assert kv["per_device_bytes"] == kv["total_bytes"] // 288
   ep = r["collectives"]["expert_parallel"]
   assert ep["size"] == 288 and ep["tokens_per_rank"] == 1 and ep["auto_strategy"] == "replicated"
-  a2a = r["collectives"]["moe_alternative"]["moe"][0]  # dispatch [n, t * k, D]
-  assert a2a["buffer_bytes"] == 288 * 1 * 8 * 7168 * 2
+  # Dispatch [n, C, D] per round, C = ceil(1.25 t k / n) = 1 row per destination
+  # (it was t k = 8 rows, sized for every copy going to one rank).
+  a2a = r["collectives"]["moe_alternative"]["moe"][0]
+  assert ep["buffer_rows_per_dest"] == 1
+  assert a2a["buffer_bytes"] == 288 * 1 * 7168 * 2
   assert "GiB/device" in format_report(r)
   # 256 experts without replicas on 256 devices: exactly total / 256.
   r256 = sharding_report(model="deepseek_v3", mesh_axes={"data": 8, "expert": 32},

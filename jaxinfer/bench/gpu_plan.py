@@ -10,10 +10,10 @@ target set to "gpu" (Pallas kernels through Triton):
 
   decode      `steps.step`: `batch` sequences, one token each, `context` tokens
   mixed       `steps.step`: one prefill chunk of `prefill_tokens` + decodes
-  speculative `speculative.spec_step` (MTP models, not under dp_attn_ep): each
-              sequence verifies `num_draft_tokens` drafts
+  speculative `speculative.spec_step` (MTP models; `spec_step_ranked` per rank
+              under dp_attn_ep): each sequence verifies `num_draft_tokens` drafts
   dp_attn_ep  `steps.step_ranked` (attention DP in `shard_map`, experts split
-              over every mesh axis, all-to-all dispatch): `batch` per rank
+              over every mesh axis, ragged all-to-all dispatch): `batch` per rank
 
 Nothing is allocated. Per device and program: params and KV bytes (exact,
 from the shard shapes), `memory_analysis()` (arguments, temporaries, peak)
@@ -299,7 +299,8 @@ def collectives(hlo: str) -> dict:
   """Collective ops in compiled HLO text, by kind (async starts or sync ops)."""
   count = lambda op: sum(1 for line in hlo.splitlines()
                          if f" {op}(" in line or f" {op}-start(" in line)
-  return {op.replace("-", "_"): count(op) for op in ("all-to-all", "all-gather", "all-reduce")}
+  return {op.replace("-", "_"): count(op)
+          for op in ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")}
 
 
 def compile_program(lowered, hbm_bytes: float) -> dict:
@@ -312,6 +313,23 @@ def compile_program(lowered, hbm_bytes: float) -> dict:
   return dict(memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               kernel_all_gathers=kernel_gathers(hlo), collectives=collectives(hlo))
+
+
+def lower_spec_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
+  """`speculative.spec_step_ranked` (MTP under attention DP): every rank
+  verifies `seqs`, its batch and draft-state rows split over the DP axes."""
+  axes = sharding.dp_axes(mesh, layout)
+  n = math.prod(mesh.shape[a] for a in axes)
+  K = w.num_draft_tokens
+  packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
+  split = NamedSharding(mesh, P(axes))
+  ranked = tuple(np.stack([a] * n) for a in packed)
+  state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
+  lowered = speculative.spec_step_ranked.lower(
+      cfg, params, pool, gpu_compile.abstract(ranked, split), gpu_compile.abstract(state, split),
+      _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
+      mesh=mesh, axes=axes, param_specs=speculative.param_specs(params, mesh))
+  return lowered, shapes
 
 
 def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, list]:
@@ -333,8 +351,9 @@ def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, l
   if K and not cfg.num_mtp_layers:
     notes.append("speculative: skipped, the model has no MTP modules")
   elif K and dp:
-    notes.append("speculative: skipped, the Engine does not run MTP under attention DP "
-                 "(dp_attn_ep) yet")
+    spec = [(K + 1, w.context)] * w.batch
+    out.append((f"dp_attn_ep speculative K={K}", spec, n, K,
+                lambda p, pools: lower_spec_ranked(cfg, p, pools[1], mesh, layout, spec, w)))
   elif K:
     spec = [(K + 1, w.context)] * w.batch
     out.append((f"speculative K={K}", spec, 1, K,

@@ -243,8 +243,11 @@ def _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act, notes):
   n = _size(mesh, table["expert"])
   if cfg.is_moe and n > 1:
     t = -(-batch_tokens // n)  # moe_ep pads tokens to a multiple of the EP size
-    cap = t * k  # dropless worst case: every copy of a rank's tokens to one destination
-    limit = ExpertParallel(mesh=None, axes=()).replicated_max_tokens
+    plan = ExpertParallel(mesh=None, axes=())
+    # Rows per destination per round (`ep_dispatch.capacity_all_to_all`): one
+    # round when routing is within the capacity factor of even.
+    cap = max(1, math.ceil(t * k * plan.capacity_factor / n))
+    limit = plan.replicated_max_tokens
     a2a = [_coll("all_to_all", "dispatch: token copies to the experts' ranks",
                  table["expert"], n, (n, cap, D), act),
            _coll("all_to_all", "dispatch metadata: local expert ids", table["expert"], n,
@@ -257,7 +260,7 @@ def _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act, notes):
            _coll("all_gather", "expert ids", table["expert"], n, (n * t, k), jnp.int32),
            _coll("all_gather", "routing weights", table["expert"], n, (n * t, k), jnp.float32),
            _coll("all_reduce", "psum of local experts' contributions", table["expert"], n,
-                 (n * t, D), jnp.float32)]
+                 (n * t, D), act)]  # combined in the activations' dtype
     strategy = "replicated" if t <= limit else "all_to_all"
     ep = dict(axes=table["expert"], size=n, tokens_per_rank=t, buffer_rows_per_dest=cap,
               auto_strategy=strategy, replicated_max_tokens=limit)
@@ -266,8 +269,11 @@ def _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act, notes):
     alt = dict(strategy="all_to_all" if strategy == "replicated" else "replicated",
                moe=attn + other)
     notes.append("EP: 'auto' picks replicated when tokens per rank <= "
-                 f"{limit} (moe_ep.ExpertParallel); both strategies are listed. Shared "
-                 "experts, dense MLPs and the router run locally (replicated weights).")
+                 f"{limit} (moe_ep.ExpertParallel); both strategies are listed. all_to_all "
+                 f"is the CPU capacity exchange, per round ({cap} rows per destination, "
+                 f"capacity factor {plan.capacity_factor}; more rounds when one destination "
+                 "gets more); a GPU target sends the routed rows only (ragged_all_to_all). "
+                 "Shared experts, dense MLPs and the router run locally (replicated weights).")
   elif cfg.is_moe:
     moe = list(attn)
   if layout == "tp_attn_ep" and n_t > 1 and cfg.is_moe:

@@ -141,7 +141,7 @@ class SpecRunner:
       rows = NamedSharding(eng.mesh, P(eng._dp_axes))
       self._state = jax.device_put(self._state, rows)
       self._ranked = dict(mesh=eng.mesh, axes=eng._dp_axes,
-                          param_specs=param_specs(eng._step_params, eng.mesh))
+                          param_specs=speculative.param_specs(eng._step_params, eng.mesh))
 
   def step(self, eng) -> Events:
     K = min(eng.spec_draft_tokens(sch) for sch in eng.schedulers)
@@ -236,17 +236,3 @@ def _continue(schedulers, previous: list[list[Scheduled]], K: int):
   if not any(plans):
     return None
   return [sch.continue_with(plan, K) for sch, plan in zip(schedulers, plans)]
-
-
-def param_specs(params, mesh) -> tuple:
-  """(treedef, PartitionSpec per leaf) of params placed on `mesh`: the
-  shard_map specs of the per-rank speculative step (hashable: jit-static)."""
-  leaves, treedef = jax.tree.flatten(params)
-  specs = []
-  for a in leaves:
-    sh = getattr(a, "sharding", None)
-    if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
-      raise ValueError(f"speculative step under attention DP: a parameter of shape {a.shape} "
-                       f"is not placed on the engine's mesh ({sh})")
-    specs.append(sh.spec)
-  return treedef, tuple(specs)

@@ -43,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import filter_logits, request_keys
@@ -396,6 +396,20 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   """
   return _spec_body(cfg, params, pool, packed, state, load, max_q=max_q, K=K, ep=ep,
                     greedy=greedy, mesh=mesh, head_axis=head_axis)
+
+
+def param_specs(params, mesh) -> tuple:
+  """(treedef, PartitionSpec per leaf) of params placed on `mesh`: the
+  shard_map specs of the per-rank speculative step (hashable: jit-static)."""
+  leaves, treedef = jax.tree.flatten(params)
+  specs = []
+  for a in leaves:
+    sh = getattr(a, "sharding", None)
+    if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
+      raise ValueError(f"speculative step under attention DP: a parameter of shape {a.shape} "
+                       f"is not placed on the engine's mesh ({sh})")
+    specs.append(sh.spec)
+  return treedef, tuple(specs)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh", "axes",

@@ -1,20 +1,17 @@
 """Wide expert parallelism: routed experts split over mesh axes, in `shard_map`.
 
 With n ranks on the expert axes, rank r holds experts [r E/n, (r + 1) E/n)
-and 1/n of the tokens. Two strategies, chosen per call by token count:
-
-  all_to_all  (prefill, large batches) each rank routes its tokens, packs
-              every (token, expert) copy into a per-destination send buffer
-              sized for the worst case (all t*k copies to one rank: dropless),
-              exchanges with `all_to_all`, runs its local experts as one
-              grouped matmul (`ragged_dot`; buffer padding falls outside every
-              group and computes to zero), and sends the results back.
-  replicated  (small decode batches) tokens are all-gathered, each rank adds
-              the contributions of its local experts, and a `psum` combines.
-
-`jax.lax.ragged_all_to_all` would send only the filled part of each buffer;
-XLA:CPU does not implement it, so the fixed-size form is used everywhere.
+and 1/n of the tokens. Each rank routes its tokens, exchanges the (token,
+expert) copies with the ranks holding their experts, runs its local experts
+as one grouped matmul and gets the results back. The exchange is chosen per
+call by token count and kernel target (`ep_dispatch`): `replicated` for few
+tokens, else `ragged` (`lax.ragged_all_to_all`, exactly the routed rows) on
+a GPU target and `all_to_all` with capacity-bounded rounds on CPU.
 Shared experts run locally on each rank's tokens.
+
+`ExpertParallel` runs it from global arrays (its own `shard_map`);
+`InRankExpertParallel` from code already running per rank (the attention
+data-parallel speculative step).
 
 With an EPLB placement (`jaxinfer/eplb.py`) E counts physical slots (read from
 `w_gate`), the rank holds slots [r E/n, (r + 1) E/n), and each rank maps its
@@ -31,10 +28,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig
+from jaxinfer.models import ep_dispatch
 from jaxinfer.models.layers import mlp
-from jaxinfer.models.moe_core import (ExpertCount, count_kind, expert_counts, grouped_ffn,
-                                      physical_ids, route)
+from jaxinfer.models.moe_core import ExpertCount, count_kind, expert_counts, physical_ids, route
 
 # Replicated on every rank: the logical router and the EPLB slot tables.
 _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num_replicas")
@@ -42,12 +40,24 @@ _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num
 
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
-  """Static plan: the mesh, the axes experts are split over, the strategy."""
+  """Static plan: the mesh, the axes experts are split over, the exchange
+  (`ep_dispatch.STRATEGIES`; "auto": replicated up to replicated_max_tokens
+  tokens per rank, then ragged on a GPU target, capacity all_to_all
+  elsewhere), its capacity factor and dispatch dtype."""
 
   mesh: Mesh
   axes: tuple[str, ...]
-  strategy: str = "auto"  # "auto" | "all_to_all" | "replicated"
+  strategy: str = "auto"
   replicated_max_tokens: int = 16  # auto: tokens per rank at or below this replicate
+  capacity_factor: float = 1.25  # all_to_all: rows per destination, over the even share
+  dispatch_dtype: str | None = None  # None: the activations' dtype
+
+  def __post_init__(self):
+    if self.strategy not in ep_dispatch.STRATEGIES:
+      raise ValueError(f"ExpertParallel: strategy must be one of {ep_dispatch.STRATEGIES}, "
+                       f"got {self.strategy!r}")
+    if not self.capacity_factor > 0:
+      raise ValueError(f"ExpertParallel: capacity_factor must be > 0, got {self.capacity_factor}")
 
   @property
   def size(self) -> int:
@@ -55,7 +65,8 @@ class ExpertParallel:
 
   def in_rank(self) -> "InRankExpertParallel":
     """The same plan for code already running per rank in `shard_map` over `axes`."""
-    return InRankExpertParallel(self.axes, self.size, self.strategy, self.replicated_max_tokens)
+    return InRankExpertParallel(self.axes, self.size, self.strategy, self.replicated_max_tokens,
+                                self.capacity_factor, self.dispatch_dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +81,18 @@ class InRankExpertParallel:
   size: int
   strategy: str = "auto"
   replicated_max_tokens: int = 16
+  capacity_factor: float = 1.25
+  dispatch_dtype: str | None = None
+
+
+def _exchange(ep, tokens_per_rank: int, target: str) -> dict:
+  """The plan's exchange for this many tokens per rank: strategy and options."""
+  strategy = ep.strategy
+  if strategy == "auto":
+    strategy = ("replicated" if tokens_per_rank <= ep.replicated_max_tokens
+                else "ragged" if target == "gpu" else "all_to_all")
+  return dict(strategy=strategy, capacity_factor=ep.capacity_factor,
+              dispatch_dtype=ep.dispatch_dtype)
 
 
 def plan_from_params(params, strategy: str = "auto") -> ExpertParallel | None:
@@ -86,58 +109,11 @@ def plan_from_params(params, strategy: str = "auto") -> ExpertParallel | None:
   return None
 
 
-def _apply_sorted(cfg, p, rows, expert, valid, e_local):
-  """Runs rows [R, D] through local expert `expert` [R] (invalid rows -> 0)."""
-  key = jnp.where(valid, expert, e_local)  # invalid rows sort last, outside every group
-  order = jnp.argsort(key, stable=True)
-  sizes = jnp.bincount(key, length=e_local + 1)[:e_local].astype(jnp.int32)
-  y = grouped_ffn(cfg, p, rows[order], jnp.minimum(key[order], e_local - 1), sizes)
-  return jnp.zeros_like(y).at[order].set(y)
-
-
-def _all_to_all(cfg, p, x, idx, weights, ok, axes, n, e_local):
-  t, k = idx.shape
-  cap = t * k  # worst case: every copy goes to one rank
-  flat = idx.reshape(-1)
-  dest = flat // e_local
-  copy_ok = ok[jnp.arange(cap) // k]  # padding rows send nothing
-  onehot = jax.nn.one_hot(dest, n, dtype=jnp.int32) * copy_ok[:, None]  # [t*k, n]
-  slot = jnp.sum((jnp.cumsum(onehot, axis=0) - 1) * onehot, axis=1)  # position at its dest
-  slot = jnp.where(copy_ok, slot, cap)  # out of bounds: dropped by the scatters
-  send = jnp.zeros((n, cap, x.shape[-1]), x.dtype).at[dest, slot].set(
-      x[jnp.arange(cap) // k], mode="drop")
-  send_e = jnp.zeros((n, cap), jnp.int32).at[dest, slot].set(flat % e_local, mode="drop")
-  send_ok = jnp.zeros((n, cap), bool).at[dest, slot].set(True, mode="drop")
-  a2a = lambda a: jax.lax.all_to_all(a, axes, 0, 0, tiled=True)
-  recv, recv_e, recv_ok = a2a(send), a2a(send_e), a2a(send_ok)
-  y = _apply_sorted(cfg, p, recv.reshape(n * cap, -1), recv_e.reshape(-1),
-                    recv_ok.reshape(-1), e_local)
-  back = a2a(y.reshape(n, cap, -1))
-  y_copies = back[dest, jnp.minimum(slot, cap - 1)] * copy_ok[:, None]
-  y_copies = y_copies.reshape(t, k, -1)
-  return jnp.einsum("TKD,TK->TD", y_copies.astype(jnp.float32), weights)
-
-
-def _replicated(cfg, p, x, idx, weights, ok, axes, n, e_local):
-  rank = jax.lax.axis_index(axes)
-  x_all = jax.lax.all_gather(x, axes, tiled=True)  # [n t, D]
-  idx_all = jax.lax.all_gather(idx, axes, tiled=True)
-  w_all = jax.lax.all_gather(weights, axes, tiled=True)
-  ok_all = jax.lax.all_gather(ok, axes, tiled=True)
-  T, k = idx_all.shape
-  flat = idx_all.reshape(-1)
-  mine = (flat // e_local == rank) & ok_all[jnp.arange(T * k) // k]
-  y = _apply_sorted(cfg, p, x_all[jnp.arange(T * k) // k], flat % e_local, mine, e_local)
-  part = jnp.einsum("TKD,TK->TD", y.reshape(T, k, -1).astype(jnp.float32), w_all)
-  total = jax.lax.psum(part, axes)
-  t = x.shape[0]
-  return jax.lax.dynamic_slice_in_dim(total, rank * t, t)
-
-
-def _rank_moe(cfg, experts, router_p, x, ok, *, axes, n, e_local, strategy, count, token0):
+def _rank_moe(cfg, experts, router_p, x, ok, *, axes, n, e_local, strategy, count, token0,
+              capacity_factor=1.25, dispatch_dtype=None):
   """One rank's routed experts inside `shard_map` over `axes`: x [t, D] its
   tokens (ok [t]: real ones), experts its slots' weights, strategy
-  "replicated" or "all_to_all", token0 the global index of its first token
+  "replicated", "all_to_all" or "ragged" (`ep_dispatch`), token0 the global index of its first token
   (the EPLB replica choice). -> (y [t, D], counts: summed over the ranks, or
   an empty array)."""
   t = x.shape[0]
@@ -151,8 +127,18 @@ def _rank_moe(cfg, experts, router_p, x, ok, *, axes, n, e_local, strategy, coun
   if count == ExpertCount.PHYSICAL:
     counts = jax.lax.psum(expert_counts(idx, ok, n * e_local), axes)
   weights = weights * ok[:, None]
-  body = _replicated if strategy == "replicated" else _all_to_all
-  return body(cfg, experts, x, idx, weights, ok, axes, n, e_local).astype(x.dtype), counts
+  if strategy == "replicated":
+    y = ep_dispatch.replicated(cfg, experts, x, idx, weights, ok, axes, n, e_local,
+                               dispatch_dtype=dispatch_dtype)
+  elif strategy == "ragged":
+    y = ep_dispatch.ragged_all_to_all(cfg, experts, x, idx, weights, ok, axes, n, e_local,
+                                      dispatch_dtype=dispatch_dtype,
+                                      emulate=ops.resolve_target(cfg.kernel_target) != "gpu")
+  else:
+    y = ep_dispatch.capacity_all_to_all(cfg, experts, x, idx, weights, ok, axes, n, e_local,
+                                        capacity_factor=capacity_factor,
+                                        dispatch_dtype=dispatch_dtype)
+  return y.astype(x.dtype), counts
 
 
 def _split_params(p):
@@ -183,13 +169,11 @@ def moe_ep(cfg: ModelConfig, p, x, ep, valid=None, count=None):
   ok = jnp.pad(ok, (0, pad))  # the alignment padding is not real tokens either
   per_rank = xt.shape[0] // n
   experts, router = _split_params(p)
-  strategy = ep.strategy
-  if strategy == "auto":
-    strategy = "replicated" if per_rank <= ep.replicated_max_tokens else "all_to_all"
+  exchange = _exchange(ep, per_rank, ops.resolve_target(cfg.kernel_target))
 
   def per_rank_fn(x_l, ok_l, experts_l, router_p):
     return _rank_moe(cfg, experts_l, router_p, x_l, ok_l, axes=ep.axes, n=n, e_local=E // n,
-                     strategy=strategy, count=count,
+                     count=count, **exchange,
                      token0=jax.lax.axis_index(ep.axes) * per_rank)
 
   spec_tokens = P(ep.axes, None)
@@ -209,11 +193,9 @@ def _moe_in_rank(cfg, p, x, ep: "InRankExpertParallel", valid, count):
   xt = x.reshape(B * T, D)
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   experts, router = _split_params(p)
-  strategy = ep.strategy
-  if strategy == "auto":
-    strategy = "replicated" if B * T <= ep.replicated_max_tokens else "all_to_all"
+  exchange = _exchange(ep, B * T, ops.resolve_target(cfg.kernel_target))
   out, counts = _rank_moe(cfg, experts, router, xt, ok, axes=ep.axes, n=ep.size,
-                          e_local=p["w_gate"].shape[0], strategy=strategy, count=count,
+                          e_local=p["w_gate"].shape[0], count=count, **exchange,
                           token0=jax.lax.axis_index(ep.axes) * B * T)
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], xt)
