@@ -284,3 +284,37 @@ def test_unrolled_step_layout_matches_scanned(name):
   assert outs[0] == outs[1]
   if cfg.is_moe:
     np.testing.assert_array_equal(loads[0], loads[1])
+
+
+def _dp_core(policy, ranks=4, budget=128):
+  """An engine core (host only) with `ranks` attention-DP schedulers."""
+  from jaxinfer.engine.core import EngineCore
+  core = EngineCore()
+  core._init_core(EngineConfig(page_size=16, num_pages=64, max_num_seqs=4,
+                               max_num_batched_tokens=budget, dp_balance=policy,
+                               dp_min_step_tokens=16),
+                  num_ranks=ranks, num_pages=64, max_model_len=1024, vocab_size=256, eos_ids=())
+  return core
+
+
+@pytest.mark.parametrize("policy", ["split", "none"])
+def test_dp_balance_splits_a_lone_prefill(policy):
+  core = _dp_core(policy)
+  long_id = core.submit(list(range(1, 201)))  # 200 tokens on one rank
+  for _ in range(3):  # short prompts on the three others (least-loaded ranks)
+    core.submit([5, 6, 7])
+  assert sorted(r.rank for r in core._requests.values()) == [0, 1, 2, 3]
+  per_rank = core.schedule_ranks([0] * 4)
+  long_rank = core._requests[long_id].rank
+  chunk = sum(s.num_tokens for s in per_rank[long_rank])
+  others = max(sum(s.num_tokens for s in sch) for r, sch in enumerate(per_rank) if r != long_rank)
+  assert others == 3
+  # split: the step budget follows what most ranks run (at least 16); none: 128.
+  assert chunk == (16 if policy == "split" else 128)
+  # Every rank prefilling: nothing is capped.
+  busy = _dp_core(policy)
+  for _ in range(4):
+    busy.submit(list(range(1, 201)))
+  assert all(sum(s.num_tokens for s in sch) == 128 for sch in busy.schedule_ranks([0] * 4))
+  with pytest.raises(ValueError, match="dp_balance must be one of"):
+    EngineConfig(dp_balance="even")

@@ -157,6 +157,24 @@ class EngineCore:
 
   # ------------------------------------------------------------ step shapes
 
+  def schedule_ranks(self, ks) -> list:
+    """Every rank's chunks for the next step (ks: each rank's draft budget K).
+    Under attention DP with `EngineConfig.dp_balance="split"` the ranks share
+    one token budget: the upper median of what they want (`Scheduler.demand`),
+    at least their largest decode demand and dp_min_step_tokens. So a lone
+    prefill is split into chunks the size of the others' steps, and steps
+    where most ranks prefill keep the full budget."""
+    return [s.schedule(k, b) for s, k, b in zip(self.schedulers, ks, self._rank_budgets(ks))]
+
+  def _rank_budgets(self, ks) -> list:
+    c = self.config
+    if self.num_ranks == 1 or c.dp_balance == "none" or c.fixed_step_shapes:
+      return [None] * self.num_ranks
+    demands = [s.demand(k) for s, k in zip(self.schedulers, ks)]
+    wants = sorted(d + p for d, p in demands)
+    target = max(wants[len(wants) // 2], max(d for d, _ in demands), c.dp_min_step_tokens)
+    return [steps.bucket(target, c.max_num_batched_tokens)] * self.num_ranks
+
   def spec_draft_tokens(self, sch: Scheduler) -> int:
     """The MTP drafts K of a rank's next speculative step (by its batch)."""
     return self._spec.draft_tokens_for(

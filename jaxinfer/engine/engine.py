@@ -34,6 +34,7 @@ from jaxinfer.models.moe_ep import plan_from_params
 
 
 _UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
+DP_BALANCE = ("split", "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -82,6 +83,15 @@ class EngineConfig:
   # faster compile. Keeps a second copy of the layer weights while the
   # caller holds the stacked ones.
   unroll_layers: bool | None = None
+  # Attention DP: every rank's step is as long as the longest (the ranks pad
+  # to the same token count), so one rank's prefill chunk stalls the others.
+  # "split": when most ranks have little to run, the step's token budget
+  # shrinks to what they need (at least dp_min_step_tokens), splitting the
+  # lone prefill into smaller chunks while the others keep decoding; when
+  # most ranks prefill, nothing is capped. "none": each rank fills its own
+  # max_num_batched_tokens. See experiments/dp_balance.py.
+  dp_balance: str = "split"
+  dp_min_step_tokens: int = 32
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -94,6 +104,12 @@ class EngineConfig:
     if self.speculative is not None and not isinstance(self.speculative, speculative.MTPConfig):
       raise TypeError(f"EngineConfig: speculative must be an MTPConfig or None, "
                       f"got {type(self.speculative).__name__}")
+    if self.dp_balance not in DP_BALANCE:
+      raise ValueError(f"EngineConfig: dp_balance must be one of {DP_BALANCE}, "
+                       f"got {self.dp_balance!r}")
+    if self.dp_min_step_tokens < 1:
+      raise ValueError(f"EngineConfig: dp_min_step_tokens must be >= 1, "
+                       f"got {self.dp_min_step_tokens}")
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ValueError(f"EngineConfig: kv_cache_memory_fraction must be in (0, 1], "
                        f"got {self.kv_cache_memory_fraction}")

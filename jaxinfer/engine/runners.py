@@ -99,7 +99,7 @@ class PlainRunner:
     self._prev_sampled = jnp.zeros((eng.num_ranks, S) if eng._dp_axes else (S,), jnp.int32)
 
   def step(self, eng) -> Events:
-    per_rank = [s.schedule() for s in eng.schedulers]
+    per_rank = eng.schedule_ranks([0] * eng.num_ranks)
     scheduled = any(per_rank)
     if scheduled:
       self._dispatch(eng, per_rank)

@@ -141,6 +141,23 @@ class Scheduler:
   def has_work(self) -> bool:
     return bool(self.waiting or self.running)
 
+  def demand(self, spec_k: int = 0) -> tuple[int, int]:
+    """What the next `schedule(spec_k)` would like to run, in tokens, without
+    taking anything: (decode rows of running requests whose prompt is
+    computed, prefill tokens: chunks of the rest and of the waiting queue),
+    each capped by the token budget. Attention DP balances steps by it."""
+    decode = prefill = 0
+    for req in self.running:
+      todo = req.total_len - req.num_computed
+      if todo <= 1 and not self._will_finish(req):
+        decode += 1 + min(spec_k, req.num_drafts)
+      elif todo > 1:
+        prefill += min(todo, self.chunk)
+    free = self.max_num_seqs - len(self.running)
+    for req in list(self.waiting)[:max(free, 0)]:
+      prefill += min(req.total_len - req.num_computed, self.chunk)
+    return min(decode, self.budget), min(prefill, self.budget)
+
   def _pages_needed(self, req: Request, n: int) -> int:
     ps = self.alloc.page_size
     return -(-(req.num_computed + n) // ps) - len(req.pages)
@@ -180,11 +197,13 @@ class Scheduler:
       n = min(n + spec_k - 1, self.max_model_len - req.num_computed)
     return self._pages_needed(req, n)
 
-  def schedule(self, spec_k: int = 0) -> list[Scheduled]:
+  def schedule(self, spec_k: int = 0, budget: int | None = None) -> list[Scheduled]:
     """This step's chunks. spec_k: the draft budget K of a speculative step
     (0: plain): a decode then verifies up to K drafts, and a sampling chunk's
-    pages also cover the K - 1 positions the MTP chain drafts past it."""
-    budget, out = self.budget, []
+    pages also cover the K - 1 positions the MTP chain drafts past it.
+    budget: this step's token budget (None: max_num_batched_tokens; an
+    attention-DP step may set a smaller one)."""
+    budget, out = min(self.budget, budget or self.budget), []
     preempted = False
     i = 0
     while i < len(self.running) and budget > 0:

@@ -151,7 +151,7 @@ class SpecRunner:
     events = []
     if per_rank is None:
       events += self._read(eng, keep=0)
-      per_rank = [sch.schedule(K) for sch in eng.schedulers]
+      per_rank = eng.schedule_ranks([K] * eng.num_ranks)
       for slots, sch, scheduled in zip(self._slots, eng.schedulers, per_rank):
         slots.assign(sch.running, scheduled)
       self._place_arrived_drafts(per_rank, eng.config.max_num_seqs)

@@ -180,7 +180,7 @@ class SimEngine(EngineCore):
     ks = [self.spec_draft_tokens(sch) if self._spec is not None else 0
           for sch in self.schedulers]
     K = max(ks)
-    per_rank = [s.schedule(k) for s, k in zip(self.schedulers, ks)]
+    per_rank = self.schedule_ranks(ks)
     if not any(per_rank):
       return None
     for sch, sched in zip(self.schedulers, per_rank):
