@@ -21,7 +21,8 @@ reads; `models.param_specs` does not describe them; `sharding.shard_params` (and
 `Engine(mesh=...)`) splits their slot dim like the logical expert dim, and
 `shard_placed_params` splits it over chosen mesh axes. `Engine` records the
 routing load while serving and `Engine.rebalance` applies a placement. The config is unchanged:
-the model reads the slot count from the weights. MTP blocks are not placed.
+the model reads the slot count from the weights. The MTP modules' MoE block is
+placed with the trunk when the load has its rows (an engine that speculates).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import transformer
+from jaxinfer.models import mtp as mtp_lib, transformer
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -201,8 +202,38 @@ def imbalance(load, placement: Placement | Sequence[Placement] | None = None,
 
 # ---------------------------------------------------------------- applying
 
+def _blocks(params) -> list:
+  """(key, stacked mlp params) of every block group: each trunk segment
+  ("layers", i), then the MTP modules' block ("mtp",) when present."""
+  out = [(("layers", i), seg["mlp"]) for i, seg in enumerate(params["layers"])]
+  if "mtp" in params:
+    out.append((("mtp",), params["mtp"]["block"]["mlp"]))
+  return out
+
+
+def _with_mlp(params, key, mlp_p):
+  """params with the block group `key`'s mlp replaced."""
+  if key[0] == "mtp":
+    block = dict(params["mtp"]["block"], mlp=mlp_p)
+    return dict(params, mtp=dict(params["mtp"], block=block))
+  layers = list(params["layers"])
+  layers[key[1]] = dict(layers[key[1]], mlp=mlp_p)
+  return dict(params, layers=tuple(layers))
+
+
+def _moe_blocks(cfg: ModelConfig, params, with_mtp: bool) -> list:
+  """(key, mlp, layers) of the MoE block groups, in EPLB row order: the
+  trunk's MoE segments, then (with_mtp) the MTP modules' MoE block."""
+  groups = {key: mlp_p for key, mlp_p in _blocks(params)}
+  out = [(("layers", i), groups[("layers", i)], n)
+         for i, (is_moe, _, n) in enumerate(cfg.segments()) if is_moe]
+  if with_mtp and ("mtp",) in groups and mtp_lib.is_moe(cfg):
+    out.append((("mtp",), groups[("mtp",)], cfg.num_mtp_layers))
+  return out
+
+
 def _is_placed(params) -> bool:
-  return any("eplb_replicas" in seg["mlp"] for seg in params["layers"])
+  return any("eplb_replicas" in mlp_p for _, mlp_p in _blocks(params))
 
 
 def apply_placement(cfg: ModelConfig, params, placements):
@@ -210,14 +241,22 @@ def apply_placement(cfg: ModelConfig, params, placements):
   order (w[phys_to_logical], E -> E + R) plus the slot tables.
 
   placements: one Placement for every MoE layer, or one per MoE layer in
-  order (`plan_placement` of an [Lm, E] load). cfg is unchanged.
+  order (`plan_placement` of an [Lm, E] load), optionally followed by one
+  per MTP module (an engine's load with speculation is [Lm + M, E]): the
+  MTP modules' MoE block is placed too; without them it stays logical.
+  cfg is unchanged.
   """
   if not cfg.is_moe:
     raise ValueError(f"apply_placement: cfg has no MoE layers (num_experts={cfg.num_experts})")
   if _is_placed(params):
     raise ValueError("apply_placement: params already carry a placement; apply to logical params")
-  moe_layers = sum(count for is_moe, _, count in cfg.segments() if is_moe)
-  placements = _as_list(placements, moe_layers, "placements")
+  trunk = sum(n for _, _, n in _moe_blocks(cfg, params, with_mtp=False))
+  everything = sum(n for _, _, n in _moe_blocks(cfg, params, with_mtp=True))
+  if isinstance(placements, Placement):
+    placements = [placements] * trunk
+  placements = list(placements)
+  with_mtp = len(placements) == everything > trunk
+  placements = _as_list(placements, everything if with_mtp else trunk, "placements")
   for pl in placements:
     if len(pl.num_replicas) != cfg.num_experts:
       raise ValueError(f"placements: a placement is for {len(pl.num_replicas)} experts, "
@@ -226,38 +265,41 @@ def apply_placement(cfg: ModelConfig, params, placements):
       raise ValueError("placements: every MoE layer needs the same slot count, got "
                        f"{sorted({p.num_slots for p in placements})}")
   max_r = max(pl.replicas.shape[1] for pl in placements)
-  layers, done = [], 0
-  for seg, (is_moe, _, count) in zip(params["layers"], cfg.segments()):
-    if not is_moe:
-      layers.append(seg)
-      continue
-    mine = placements[done:done + count]
+  done = 0
+  for key, mlp_p, count in _moe_blocks(cfg, params, with_mtp):
+    params = _with_mlp(params, key, _place(mlp_p, placements[done:done + count], max_r))
     done += count
-    p2l = jnp.asarray(np.stack([pl.phys_to_logical for pl in mine]))  # [L, S]
-    # Pad each layer's table to the segment's max_r with its first replica.
-    reps = np.stack([np.concatenate([pl.replicas, np.repeat(pl.replicas[:, :1],
-                                     max_r - pl.replicas.shape[1], 1)], 1) for pl in mine])
-    mlp_p = dict(seg["mlp"])
-    for k in EXPERT_KEYS:
-      if k in mlp_p:
-        mlp_p[k] = mlp_p[k][jnp.arange(count)[:, None], p2l]  # [L, E, ...] -> [L, S, ...]
-    mlp_p["eplb_replicas"] = jnp.asarray(reps, jnp.int32)
-    mlp_p["eplb_num_replicas"] = jnp.asarray(np.stack([pl.num_replicas for pl in mine]), jnp.int32)
-    layers.append(dict(seg, mlp=mlp_p))
-  return dict(params, layers=tuple(layers))
+  return params
+
+
+def _place(mlp_p, mine: list, max_r: int) -> dict:
+  """One stacked block group's experts [L, E, ...] -> slots [L, S, ...] + tables."""
+  count = len(mine)
+  p2l = jnp.asarray(np.stack([pl.phys_to_logical for pl in mine]))  # [L, S]
+  # Pad each layer's table to the max_r of all layers with its first replica.
+  reps = np.stack([np.concatenate([pl.replicas, np.repeat(pl.replicas[:, :1],
+                                   max_r - pl.replicas.shape[1], 1)], 1) for pl in mine])
+  mlp_p = dict(mlp_p)
+  for k in EXPERT_KEYS:
+    if k in mlp_p:
+      mlp_p[k] = mlp_p[k][jnp.arange(count)[:, None], p2l]  # [L, E, ...] -> [L, S, ...]
+  mlp_p["eplb_replicas"] = jnp.asarray(reps, jnp.int32)
+  mlp_p["eplb_num_replicas"] = jnp.asarray(np.stack([pl.num_replicas for pl in mine]), jnp.int32)
+  return mlp_p
 
 
 def placements_of(params, num_ranks: int) -> tuple[Placement, ...] | None:
-  """The per-MoE-layer Placements stored in placed params (None if logical)."""
+  """The per-MoE-layer Placements stored in placed params (None if logical):
+  the trunk's, then the MTP modules' when placed."""
   if not _is_placed(params):
     return None
   out = []
-  for seg in params["layers"]:
-    if "eplb_replicas" not in seg["mlp"]:
+  for _, mlp_p in _blocks(params):
+    if "eplb_replicas" not in mlp_p:
       continue
-    reps = np.asarray(seg["mlp"]["eplb_replicas"])
-    nums = np.asarray(seg["mlp"]["eplb_num_replicas"])
-    slots = seg["mlp"]["w_gate"].shape[1]
+    reps = np.asarray(mlp_p["eplb_replicas"])
+    nums = np.asarray(mlp_p["eplb_num_replicas"])
+    slots = mlp_p["w_gate"].shape[1]
     for rep, num in zip(reps, nums):
       p2l = np.zeros(slots, np.int32)
       for e, (r, k) in enumerate(zip(rep, num)):
@@ -269,18 +311,15 @@ def placements_of(params, num_ranks: int) -> tuple[Placement, ...] | None:
 def remove_placement(params):
   """Placed params -> logical params (each expert from its first slot, the
   slot tables dropped); logical params are returned unchanged."""
-  layers = []
-  for seg in params["layers"]:
-    mlp_p = seg["mlp"]
+  for key, mlp_p in _blocks(params):
     if "eplb_replicas" not in mlp_p:
-      layers.append(seg)
       continue
     first = mlp_p["eplb_replicas"][:, :, 0]  # [L, E]
     L = first.shape[0]
-    mlp_p = {k: (v[jnp.arange(L)[:, None], first] if k in EXPERT_KEYS else v)
-             for k, v in mlp_p.items() if k not in TABLE_KEYS}
-    layers.append(dict(seg, mlp=mlp_p))
-  return dict(params, layers=tuple(layers))
+    params = _with_mlp(params, key, {
+        k: (v[jnp.arange(L)[:, None], first] if k in EXPERT_KEYS else v)
+        for k, v in mlp_p.items() if k not in TABLE_KEYS})
+  return params
 
 
 def rebalance(cfg: ModelConfig, params, load, placements, *, num_ranks: int,
@@ -316,19 +355,17 @@ def shard_placed_params(params, mesh: Mesh, axes):
   n = math.prod(mesh.shape[a] for a in axes)
   axis = axes[0] if len(axes) == 1 else axes
   replicated = NamedSharding(mesh, P())
-  layers = []
-  for seg in params["layers"]:
-    shard = jax.tree.map(lambda _: replicated, seg)
-    if "router" in seg["mlp"]:
-      for k in EXPERT_KEYS:
-        if k in seg["mlp"]:
-          w = seg["mlp"][k]
-          if w.shape[1] % n:
-            raise ValueError(f"{k}: {w.shape[1]} slots are not divisible by axes {axes} "
-                             f"(size {n})")
-          shard["mlp"][k] = NamedSharding(mesh, P(None, axis, *([None] * (w.ndim - 2))))
-    layers.append(shard)
-  shardings = dict(jax.tree.map(lambda _: replicated, {k: v for k, v in params.items()
-                                                        if k != "layers"}),
-                   layers=tuple(layers))
+  shardings = jax.tree.map(lambda _: replicated, params)
+  for key, mlp_p in _blocks(params):
+    if "router" not in mlp_p:
+      continue
+    mlp_s = dict(jax.tree.map(lambda _: replicated, mlp_p))
+    for k in EXPERT_KEYS:
+      if k in mlp_p:
+        w = mlp_p[k]
+        if w.shape[1] % n:
+          raise ValueError(f"{k}: {w.shape[1]} slots are not divisible by axes {axes} "
+                           f"(size {n})")
+        mlp_s[k] = NamedSharding(mesh, P(None, axis, *([None] * (w.ndim - 2))))
+    shardings = _with_mlp(shardings, key, mlp_s)
   return jax.device_put(params, shardings)

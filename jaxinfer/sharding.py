@@ -114,28 +114,36 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp", rules
   """Places params into the layout's shardings.
 
   EPLB-placed params (`eplb.apply_placement`: expert weights [L, E + R, ...]
-  plus slot tables) are accepted: the slot dim is split like the logical
-  expert dim, the tables are replicated.
+  plus slot tables, in trunk segments and the MTP block) are accepted: the
+  slot dim is split like the logical expert dim, the tables are replicated.
   """
   table = rules_table or rules(layout, mesh)
   shardings = param_shardings(cfg, mesh, layout, table)
-  if any("eplb_replicas" in seg["mlp"] for seg in params["layers"]):
-    specs = specs_lib.param_specs(cfg)
-    layers = []
-    for seg_i, (seg, seg_shard) in enumerate(zip(params["layers"], shardings["layers"])):
-      mlp_p = seg["mlp"]
-      if "eplb_replicas" in mlp_p:
-        mlp_s = dict(seg_shard["mlp"])
-        for k, w in mlp_p.items():
-          if k in ("eplb_replicas", "eplb_num_replicas"):
-            mlp_s[k] = NamedSharding(mesh, P())
-          elif k in mlp_s and k != "shared":
-            spec = specs["layers"][seg_i]["mlp"][k]
-            mlp_s[k] = NamedSharding(mesh, spec_for(spec.logical_axes, w.shape, table, mesh,
-                                                    name=f"layers[{seg_i}].mlp.{k} (placed)"))
-        seg_shard = dict(seg_shard, mlp=mlp_s)
-      layers.append(seg_shard)
-    shardings = dict(shardings, layers=tuple(layers))
+  specs = specs_lib.param_specs(cfg)
+
+  def placed(mlp_p, mlp_s, mlp_spec, name):
+    """A placed block group's shardings: slots split like experts, tables replicated."""
+    if "eplb_replicas" not in mlp_p:
+      return mlp_s
+    mlp_s = dict(mlp_s)
+    for k, w in mlp_p.items():
+      if k in ("eplb_replicas", "eplb_num_replicas"):
+        mlp_s[k] = NamedSharding(mesh, P())
+      elif k in mlp_s and k != "shared":
+        spec = mlp_spec[k]
+        mlp_s[k] = NamedSharding(mesh, spec_for(spec.logical_axes, w.shape, table, mesh,
+                                                name=f"{name}.{k} (placed)"))
+    return mlp_s
+
+  layers = tuple(dict(seg_s, mlp=placed(seg["mlp"], seg_s["mlp"], specs["layers"][i]["mlp"],
+                                        f"layers[{i}].mlp"))
+                 for i, (seg, seg_s) in enumerate(zip(params["layers"], shardings["layers"])))
+  shardings = dict(shardings, layers=layers)
+  if "mtp" in params:
+    block_s = shardings["mtp"]["block"]
+    mlp_s = placed(params["mtp"]["block"]["mlp"], block_s["mlp"],
+                   specs["mtp"]["block"]["mlp"], "mtp.block.mlp")
+    shardings["mtp"] = dict(shardings["mtp"], block=dict(block_s, mlp=mlp_s))
   return jax.device_put(params, shardings)
 
 

@@ -238,3 +238,29 @@ def test_engine_rebalance_keeps_outputs_and_evens_ranks(setup):
   with pytest.raises(ValueError, match="no routed tokens"):
     other.rebalance()
   assert [o.token_ids for o in other.generate(prompts, SamplingParams(max_tokens=6))] == first
+
+
+def test_engine_rebalance_places_the_mtp_experts_too(setup):
+  # A speculating engine records the MTP module's routing as the last load
+  # row, and rebalance places its MoE block with the trunk's.
+  from jaxinfer.engine import Engine, MTPConfig, SamplingParams
+  params, tokens, _ = setup
+  assert CFG.num_mtp_layers == 1
+  skewed = _bias_experts(params, [0, 1, 9], 0.3)
+  config = dataclasses.replace(_engine_cfg(), speculative=MTPConfig(num_draft_tokens=2))
+  mesh = sharding.make_mesh({"expert": 8})
+  prompts = [list(t) for t in tokens]
+  engine = Engine(CFG, skewed, config, mesh=mesh, layout="dp_attn_ep")
+  first = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6))]
+  load = engine.expert_load()
+  assert load.shape == (4, 16) and load[3].sum() > 0  # 3 trunk MoE layers, then the MTP block
+  report = engine.rebalance(num_redundant=8)
+  assert report["imbalance_after"] < report["imbalance_before"]
+  mtp_mlp = engine.params["mtp"]["block"]["mlp"]
+  assert mtp_mlp["w_gate"].shape[1] == 24 and "eplb_replicas" in mtp_mlp
+  assert len(eplb.placements_of(engine.params, 8)) == 4
+  again = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=6))]
+  assert again == first
+  logical = eplb.remove_placement(engine.params)
+  np.testing.assert_array_equal(np.asarray(logical["mtp"]["block"]["mlp"]["w_up"]),
+                                np.asarray(skewed["mtp"]["block"]["mlp"]["w_up"]))

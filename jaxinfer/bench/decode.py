@@ -151,7 +151,7 @@ _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 @contextlib.contextmanager
-def _count_xla_compiles():
+def count_xla_compiles():
   """Counts XLA backend compiles inside the block (-> a one-element list)."""
   count = [0]
 
@@ -201,7 +201,7 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
 
   once()
   warm = engine.stats()["compiles"]
-  with _count_xla_compiles() as xla_compiles:
+  with count_xla_compiles() as xla_compiles:
     runs = [once() for _ in range(repeats)]
   return dict(prefill=_spread([p for p, _ in runs]),
               decode=_spread([d for _, d in runs]) if new_tokens > 1 else None,

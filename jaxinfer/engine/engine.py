@@ -29,7 +29,7 @@ from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # no
 from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
-from jaxinfer.models import transformer
+from jaxinfer.models import mtp, transformer
 from jaxinfer.models.moe_ep import plan_from_params
 
 
@@ -179,7 +179,10 @@ class Engine(EngineCore):
                          if self._unroll else params)
 
   def _zero_load(self):
+    # The trunk's MoE layers, then the MTP modules' when they run (speculation).
     moe_layers = sum(n for is_moe, _, n in self.cfg.segments() if is_moe)
+    if self._spec is not None and mtp.is_moe(self.cfg):
+      moe_layers += self.cfg.num_mtp_layers
     load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32)
     if self.mesh is not None:
       load = jax.device_put(load, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
@@ -268,8 +271,9 @@ class Engine(EngineCore):
 
   def expert_load(self) -> np.ndarray:
     """Routed (token, expert) copies per logical expert in each MoE layer,
-    int [Lm, E], over the steps served since the start or the last
-    `rebalance` (padding rows excluded)."""
+    int [Lm, E] (with speculation [Lm + M, E]: the MTP modules' MoE blocks
+    last), over the steps served since the start or the last `rebalance`
+    (padding rows excluded)."""
     if self._load is None:
       raise ValueError("expert_load: nothing recorded (the model has no MoE layers, or "
                        "EngineConfig(record_expert_load=False))")

@@ -140,8 +140,8 @@ class SpecRunner:
     if eng._dp_axes:
       rows = NamedSharding(eng.mesh, P(eng._dp_axes))
       self._state = jax.device_put(self._state, rows)
-      self._ranked = dict(mesh=eng.mesh, axes=eng._dp_axes,
-                          param_specs=speculative.param_specs(eng._step_params, eng.mesh))
+      self._ranked = dict(mesh=eng.mesh, axes=eng._dp_axes)
+    self._specs_of = (None, None)  # (params object, its shard_map specs)
 
   def step(self, eng) -> Events:
     K = min(eng.spec_draft_tokens(sch) for sch in eng.schedulers)
@@ -180,9 +180,12 @@ class SpecRunner:
     kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy)
     if self._ranked is not None:
       packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
+      if self._specs_of[0] is not eng._step_params:  # new params (EPLB rebalance)
+        self._specs_of = (eng._step_params,
+                          speculative.param_specs(eng._step_params, eng.mesh))
       emitted, eng.pool, self._state, eng._load = speculative.spec_step_ranked(
           eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, **kw,
-          **self._ranked)
+          param_specs=self._specs_of[1], **self._ranked)
     else:
       emitted, eng.pool, self._state, eng._load = speculative.spec_step(
           eng.cfg, eng._step_params, eng.pool, built[0][0].pack(), self._state, eng._load,

@@ -306,11 +306,21 @@ def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy
   return out, n_acc, k_draft
 
 
-def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep):
+def _add_mtp_load(cfg, mtp_load, load, m: int, counts):
+  """Adds module m's routed copies to its EPLB row (after the trunk's)."""
+  if mtp_load is None or counts is None:
+    return load
+  return load.at[load.shape[0] - cfg.num_mtp_layers + m].add(counts)
+
+
+def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep, mtp_load,
+              load):
   """MTP module 1 over every row of the step, input (h_i, t_{i + 1}): the
   next token is the next row's, the step's output inside a verified window,
   or `chunk_next` after a prefill chunk that does not sample. Its K/V up to
-  the accepted frontier stays in step with the target's. -> (h [T, D], pool)."""
+  the accepted frontier stays in step with the target's. mtp_load: the load
+  when it has rows for the MTP modules (their routing is counted), else
+  None. -> (h [T, D], pool, load)."""
   T, K = x.shape[0], out.shape[1] - 1
   r = jnp.arange(T)
   b = batch.token_seq
@@ -320,19 +330,22 @@ def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep):
   nxt = jnp.where(in_window, out[b, jnp.clip(jr, 0, K)], nxt)
   nxt = jnp.where((r == batch.logits_idx[b]) & ~batch.samples[b], batch.chunk_next[b], nxt)
   cos, sin = rope_cos_sin(cfg, rows.positions[None])
-  h, mtp_pool = mtp.apply(cfg, params, mtp.module_for(cfg, 1), x[None], nxt[None], cos, sin,
-                          rows.ctx, mtp_pool, ep)
-  return h[0], mtp_pool
+  m = mtp.module_for(cfg, 1)
+  h, mtp_pool, counts = mtp.apply_with_counts(
+      cfg, params, m, x[None], nxt[None], cos, sin, rows.ctx, mtp_pool, ep,
+      None if mtp_load is None else ExpertCount.LOGICAL)
+  return h[0], mtp_pool, _add_mtp_load(cfg, mtp_load, load, m, counts)
 
 
-def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, *, K, greedy, mesh,
-           head_axis):
+def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_load, load, *, K,
+           greedy, mesh, head_axis):
   """From the accepted frontier (h [B, D] at position pos [B]) the chain
   drafts K tokens: depth k runs module min(k, M) at pos + k - 1 on the
   previous depth's hidden and draft, writing K/V there (overwritten once
   those positions are accepted). Greedy rows take the argmax; sampled rows
   draw from q (the request's filters) and keep q for the next acceptance
-  test. -> (drafts: K of [B], qs: K of [B, V] or [] when greedy, pool)."""
+  test. mtp_load as in `_catch_up`. -> (drafts: K of [B], qs: K of [B, V] or []
+  when greedy, pool, load)."""
   B = h.shape[0]
   drafts, qs = [], []
   for k in range(1, K + 1):
@@ -345,8 +358,10 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, *, K, g
                            kv_lens=jnp.where(ok, pos_k + 1, 0), page_table=batch.page_table,
                            max_q=1, mesh=mesh, head_axis=head_axis)
       cos_k, sin_k = rope_cos_sin(cfg, pos_k[None])
-      h, mtp_pool = mtp.apply(cfg, params, m, h[None], drafts[-1][None], cos_k, sin_k, ctx_k,
-                              mtp_pool, ep)
+      h, mtp_pool, counts = mtp.apply_with_counts(
+          cfg, params, m, h[None], drafts[-1][None], cos_k, sin_k, ctx_k, mtp_pool, ep,
+          None if mtp_load is None else ExpertCount.LOGICAL)
+      load = _add_mtp_load(cfg, mtp_load, load, m, counts)
       h = h[0]
     draft_logits = mtp.logits(cfg, params, m, h)
     if greedy:
@@ -357,7 +372,7 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, *, K, g
     drafts.append(jnp.where(batch.temperature > 0, _draw(key_k, q),
                             jnp.argmax(q, -1)).astype(jnp.int32))
     qs.append(q)
-  return drafts, qs, mtp_pool
+  return drafts, qs, mtp_pool, load
 
 
 def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
@@ -450,14 +465,18 @@ def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, 
   main_pool, mtp_pool = pool.model, pool.mtp_entry
   x, main_pool, counts = trunk_with_counts(cfg, params, rows.tokens[None], rows.ctx, main_pool,
                                            ep, None if load is None else ExpertCount.LOGICAL)
-  load = load if load is None else load + counts
+  # load: the trunk's MoE layers' rows, then (EPLB over the MTP experts) one per module.
+  mtp_load = load is not None and load.shape[0] > counts.shape[0]
+  load = load if load is None else load.at[:counts.shape[0]].add(counts)
   x = x[0]  # [T, D]
   out, n_acc, k_draft = _verify(cfg, params, x, rows, batch, state, K, greedy)
-  h, mtp_pool = _catch_up(cfg, params, x, rows, batch, out, mtp_pool, ep)
+  h, mtp_pool, load = _catch_up(cfg, params, x, rows, batch, out, mtp_pool, ep,
+                                load if mtp_load else None, load)
   frontier = jnp.clip(rows.base + n_acc, 0, x.shape[0] - 1)  # each block's last accepted row
   pos = rows.positions[frontier]
-  drafts, qs, mtp_pool = _draft(cfg, params, h[frontier], pos, batch, mtp_pool, ep, k_draft,
-                                K=K, greedy=greedy, mesh=mesh, head_axis=head_axis)
+  drafts, qs, mtp_pool, load = _draft(cfg, params, h[frontier], pos, batch, mtp_pool, ep,
+                                      k_draft, load if mtp_load else None, load, K=K,
+                                      greedy=greedy, mesh=mesh, head_axis=head_axis)
   state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
   emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)

@@ -98,7 +98,8 @@ def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_
 
 
 def _add_load(load, counts):
-  return load if load is None else load + counts
+  """Adds the trunk's counts [Lm, E] to its rows of load (MTP rows follow)."""
+  return load if load is None else load.at[:counts.shape[0]].add(counts)
 
 
 def _sample(logits, batch, greedy):

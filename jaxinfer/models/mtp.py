@@ -52,14 +52,23 @@ def apply(cfg: ModelConfig, params, m: int, h, next_tokens, cos, sin, ctx, cache
   """Module m: h [B, T, D] (previous depth), next_tokens [B, T] int ->
   (hidden h^k [B, T, D] before the module's norm, cache). cache: the MTP
   pool slice stack (indexed at [m]) or None."""
+  x, cache, _ = apply_with_counts(cfg, params, m, h, next_tokens, cos, sin, ctx, cache, ep)
+  return x, cache
+
+
+def apply_with_counts(cfg: ModelConfig, params, m: int, h, next_tokens, cos, sin, ctx,
+                      cache=None, ep=None, count_experts=None):
+  """`apply`, plus the MoE block's routed copies per expert [E] when
+  count_experts is a `moe_core.ExpertCount` (EPLB over the MTP experts);
+  else None. -> (hidden, cache, counts)."""
   p = _module(params, m)
   dtype = cfg.compute_dtype()
   e = rms_norm(params["embed"][next_tokens].astype(dtype), p["enorm"], cfg.norm_eps)
   x = jnp.concatenate([e, rms_norm(h.astype(dtype), p["hnorm"], cfg.norm_eps)], axis=-1)
   x = jnp.einsum("BTC,CD->BTD", x, p["eh_proj"])
-  x, cache, _ = block(cfg, is_moe(cfg), p["block"], x, cos, sin, ctx, 0,
-                      None if cache is None else (cache, m), ep)
-  return x, None if cache is None else cache[0]
+  x, cache, counts = block(cfg, is_moe(cfg), p["block"], x, cos, sin, ctx, 0,
+                           None if cache is None else (cache, m), ep, count_experts)
+  return x, None if cache is None else cache[0], counts
 
 
 def logits(cfg: ModelConfig, params, m: int, x):
