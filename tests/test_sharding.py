@@ -185,3 +185,20 @@ def test_padded_rows_are_never_dispatched(models_and_refs, strategy):
   _, ref = moe_lib.moe(cfg, p_host, x, None, valid=valid, count="logical")
   assert int(counts.sum()) == int(valid.sum()) * cfg.num_experts_per_tok
   np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref))
+
+
+def test_attention_dp_split_balance_keeps_tokens(models_and_refs):
+  # dp_balance="split": the lone long prompt prefills in steps the size of the
+  # other ranks' (16 tokens, not 64); the tokens do not change.
+  cfg, params, _, _ = models_and_refs["mla_moe16"]
+  rng = np.random.default_rng(4)
+  prompts = [rng.integers(0, cfg.vocab_size, 120).tolist()] + [
+      rng.integers(0, cfg.vocab_size, 4).tolist() for _ in range(3)]
+  base = EngineConfig(page_size=8, num_pages=40, max_num_batched_tokens=64)
+  split = dataclasses.replace(base, dp_balance="split", dp_min_step_tokens=16)
+  eng = Engine(cfg, params, split, mesh=sharding.make_mesh({"data": 2, "expert": 4}),
+               layout="dp_attn_ep")
+  outs = eng.generate(prompts, SamplingParams(max_tokens=4))
+  ref = Engine(cfg, params, base).generate(prompts, SamplingParams(max_tokens=4))
+  assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+  assert eng.stats()["steps"] >= 120 // 16 + 3  # chunks of at most 16, then decodes
