@@ -259,3 +259,21 @@ def test_unsimulated_ranks_make_every_rank_wait_for_prefill_somewhere():
   assert share[32] > 2 * share[1] and step[32] > step[1], (share, step)
   with pytest.raises(ValueError, match="instance_ranks"):
     WorkerSpec(cost=cost, ranks=4, instance_ranks=2)
+
+
+def test_simulator_runs_the_engines_dp_balance_policy():
+  # The simulated instance schedules with the engine's own per-step DP
+  # budgets: "split" cuts the lone long prompt's chunks to the other ranks'
+  # step, so mixed steps are better balanced across the ranks than "none".
+  cost = CalibratedCost(features=("const", "kv_read_tokens"), coef=(1e-3, 1e-5),
+                        max_model_len=4096)
+  items = [workloads.Item(0.01 * i, tuple(range(1, 1 + (600 if i % 8 == 0 else 8))), 20)
+           for i in range(32)]
+  balance = {}
+  for policy in ("none", "split"):
+    config = dataclasses.replace(CONFIG, num_pages=512, max_num_batched_tokens=256,
+                                 dp_balance=policy, dp_min_step_tokens=16)
+    res = Simulator([WorkerSpec(cost=cost, config=config, ranks=4)], seed=0).run(items)
+    assert all(r.finish_s is not None for r in res.requests)
+    balance[policy] = res.summary(window=None)["why"]["mixed"]["kinds"]["mixed"]["attn_dp_balance"]
+  assert balance["split"] > balance["none"], balance

@@ -47,9 +47,11 @@ from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE, WorkerSpec, check_acceptan
 from jaxinfer.sim.simulator import Simulator
 
 PAGE = 64  # FlashMLA's page size
-# TensorRT-LLM's balanced attention DP: average / max tokens per rank 0.88
-# (serving_facts.md); charged to the ranks an instance does not simulate.
-BALANCED_ATTN = 1 / 0.88
+# TensorRT-LLM's balanced attention DP reports average / max tokens per rank
+# 0.88 (serving_facts.md). The `ep` study no longer charges that constant: it
+# charges the imbalance of the engine's own scheduling, simulated on all 8
+# ranks of an instance (`balance`, `simulated_attn_imbalance`).
+TRTLLM_ATTN_BALANCE = 0.88
 # Published anchor: DeepSeek-R1 on 8 B200, TP8, FP4 weights, batch 1
 # (TensorRT-LLM blog): 111 tokens/s/user, 253 with 3 MTP drafts.
 ANCHOR = dict(device="b200", tp=8, weight_dtype="fp4", no_mtp=111.0, mtp3=253.0)
@@ -79,14 +81,17 @@ def anchors(*, model: str, context: int, acceptance) -> list[dict]:
 
 
 def ep_table(*, model: str, devices, gpus, weight_dtype: str, kv_dtype: str, context: int,
-             batches=(32, 128)) -> list[dict]:
+             attn_imbalance: float, batches=(32, 128)) -> list[dict]:
+  """Decode at `context` on one instance of n GPUs (attention DP = EP = n),
+  one rank simulated; attn_imbalance (max / mean rank work, from
+  `simulated_attn_imbalance`) charged to the others."""
   cfg = presets.get(model)
   rows = []
   for dev in devices:
     for n in gpus:
       cost = RooflineCost(cfg=cfg, device=device(dev), par=Parallelism(dp=n, ep=n),
                           weight_dtype=weight_dtype, kv_dtype=kv_dtype,
-                          attn_imbalance=BALANCED_ATTN)
+                          attn_imbalance=attn_imbalance)
       row = dict(experiment="ep", device=dev, gpus=n, ep=n,
                  weights_gb_per_gpu=cost.weight_bytes_per_gpu() / 1e9,
                  network_all_to_all=n > cost.device.nvlink_domain)
@@ -271,20 +276,32 @@ def balance(*, model, dev_name, weight_dtype, kv_dtype, osl, seed, price,
                           int(rng.integers(osl // 2, 3 * osl // 2 + 1)))
            for _ in range(int(2.5 * total))]
   rows = []
-  for policy in ("tokens", "round_robin"):
+  for policy, dp_balance in (("tokens", "none"), ("tokens", "split"), ("round_robin", "none")):
     config = EngineConfig(page_size=PAGE, max_num_seqs=concurrency_per_rank * 2,
-                          max_num_batched_tokens=2048)
+                          max_num_batched_tokens=2048, dp_balance=dp_balance)
     spec = WorkerSpec(cost=cost, config=config, ranks=8, rank_policy=policy)
     s = Simulator([spec], seed=seed).run(items, concurrency=total).summary(
         price_per_gpu_hour=price)
     w = s["why"]["mixed"]
-    rows.append(dict(experiment="balance", rank_policy=policy, device=dev_name, gpus=8,
+    rows.append(dict(experiment="balance", rank_policy=policy, dp_balance=dp_balance,
+                     device=dev_name, gpus=8,
                      attn_dp_balance=w["attn_dp_balance"], mean_step_ms=w["mean_step_ms"],
                      decode_only_balance=w["kinds"].get("decode", {}).get("attn_dp_balance"),
                      decode_only_share=w["kinds"].get("decode", {}).get("share", 0.0),
                      tokens_per_s_per_gpu=s["tokens_per_s_per_gpu"], tpot_ms=s["tpot_ms"],
                      ttft_ms=s["ttft_ms"]))
   return rows
+
+
+def simulated_attn_imbalance(balance_rows: list[dict]) -> float:
+  """max / mean rank work of decode steps under the engine's default
+  scheduling (token-balanced rank choice, `EngineConfig().dp_balance`), from
+  `balance`'s all-ranks simulation."""
+  default = EngineConfig().dp_balance
+  row = next(r for r in balance_rows
+             if r["rank_policy"] == "tokens" and r["dp_balance"] == default)
+  b = row["decode_only_balance"] or row["attn_dp_balance"]
+  return 1.0 / b
 
 
 def format_point(r: dict) -> str:
@@ -344,14 +361,17 @@ def _study_anchors(model, isl, acceptance, log) -> list[dict]:
   return rows
 
 
-def _study_ep(model, devices, gpus, weight_dtype, kv_dtype, context, log) -> list[dict]:
-  log(f"\n== ep: one instance, attention DP = EP = N, decode at context {context} ==")
+def _study_ep(model, devices, gpus, weight_dtype, kv_dtype, context, attn_imbalance,
+              log) -> list[dict]:
+  log(f"\n== ep: one instance, attention DP = EP = N, decode at context {context}; the "
+      f"unsimulated ranks charged max/mean attention work {attn_imbalance:.3f} (simulated "
+      f"scheduling; TensorRT-LLM reports {1 / TRTLLM_ATTN_BALANCE:.3f}) ==")
   rows = []
   for dev in devices:
     wd = weight_dtype_for(dev, weight_dtype)
     for r in ep_table(model=model, devices=(dev,), gpus=gpus, weight_dtype=wd,
-                      kv_dtype=kv_dtype, context=context):
-      r["weight_dtype"] = wd
+                      kv_dtype=kv_dtype, context=context, attn_imbalance=attn_imbalance):
+      r["weight_dtype"], r["attn_imbalance"] = wd, attn_imbalance
       rows.append(r)
       log(format_ep(r))
   return rows
@@ -391,7 +411,8 @@ def _study_balance(model, dev_name, wd, kv_dtype, osl, seed, price, log) -> list
   for r in rows:
     dec = r["decode_only_balance"]
     dec = "-" if dec is None else f"{dec:.2f}"
-    log(f"  rank choice {r['rank_policy']:<12s} balance (mean/max rank work) "
+    log(f"  rank choice {r['rank_policy']:<12s} dp_balance {r['dp_balance']:<5s} balance "
+        f"(mean/max rank work) "
         f"{r['attn_dp_balance']:.2f} over all steps, {dec} over the "
         f"{100 * r['decode_only_share']:.0f}% without prefill;  step "
         f"{r['mean_step_ms']:5.1f} ms  TPOT p50 "
@@ -425,8 +446,14 @@ def scale_study(*, model: str = "deepseek_v3", devices=("gb300", "b200", "h200",
   rows, best = [], {}
   if "anchors" in experiments:
     rows += _study_anchors(model, isl, acceptance, log)
+  wd = weight_dtype_for(pareto_device, weight_dtype)
+  balance_rows = []
+  if "balance" in experiments or "ep" in experiments:
+    balance_rows = _study_balance(model, pareto_device, wd, kv_dtype, osl, seed,
+                                  price_per_gpu_hour, log)
   if "ep" in experiments:
-    rows += _study_ep(model, devices, gpus, weight_dtype, kv_dtype, context, log)
+    rows += _study_ep(model, devices, gpus, weight_dtype, kv_dtype, context,
+                      simulated_attn_imbalance(balance_rows), log)
   if "pareto" in experiments:
     wd = weight_dtype_for(pareto_device, weight_dtype)
     log(f"\n== pareto: {model} on {pareto_gpus} {pareto_device} ({wd} weights, {kv_dtype} K/V), "
@@ -442,13 +469,11 @@ def scale_study(*, model: str = "deepseek_v3", devices=("gb300", "b200", "h200",
       b = best_under(pareto_rows, tpot_ms=tpot, ttft_ms=ttft)
       best[f"tpot{tpot:g}ms_ttft{ttft:g}ms"] = cost_table(b, price=price_per_gpu_hour)
       log(format_best(b, tpot=tpot, ttft=ttft, price=price_per_gpu_hour))
-  wd = weight_dtype_for(pareto_device, weight_dtype)
   if "routing" in experiments:
     rows += _study_routing(model, pareto_device, routing_gpus, wd, kv_dtype, seed,
                            price_per_gpu_hour, log)
   if "balance" in experiments:
-    rows += _study_balance(model, pareto_device, wd, kv_dtype, osl, seed, price_per_gpu_hour,
-                           log)
+    rows += balance_rows
   return dict(rows=rows, best=best)
 
 
