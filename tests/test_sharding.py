@@ -202,3 +202,16 @@ def test_attention_dp_split_balance_keeps_tokens(models_and_refs):
   ref = Engine(cfg, params, base).generate(prompts, SamplingParams(max_tokens=4))
   assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
   assert eng.stats()["steps"] >= 120 // 16 + 3  # chunks of at most 16, then decodes
+
+
+@pytest.mark.parametrize("dispatch_dtype", ["bfloat16", "float8_e4m3fn"])
+def test_ep_dispatch_in_a_narrower_dtype(models_and_refs, dispatch_dtype):
+  # float32 activations sent as bf16 (or fp8) rows: close to the float32 result,
+  # not equal to it (the rows really were narrowed on the way).
+  cfg, params, tokens, ref = models_and_refs["mla_moe64"]
+  mesh = sharding.make_mesh({"data": 2, "expert": 4})
+  sharded = sharding.shard_params(cfg, params, mesh, "dp_attn_ep")
+  plan = dataclasses.replace(moe_ep.plan_from_params(sharded), strategy="all_to_all",
+                             dispatch_dtype=dispatch_dtype)
+  err = _rel(models.transformer._logits(cfg, sharded, tokens, plan), ref)
+  assert 1e-6 < err < (1e-2 if dispatch_dtype == "bfloat16" else 1e-1), err
