@@ -268,11 +268,12 @@ def _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act, notes):
     moe = attn + chosen
     alt = dict(strategy="all_to_all" if strategy == "replicated" else "replicated",
                moe=attn + other)
-    notes.append("EP: 'auto' picks replicated when tokens per rank <= "
+    notes.append("EP: on CPU 'auto' picks replicated when tokens per rank <= "
                  f"{limit} (moe_ep.ExpertParallel); both strategies are listed. all_to_all "
                  f"is the CPU capacity exchange, per round ({cap} rows per destination, "
                  f"capacity factor {plan.capacity_factor}; more rounds when one destination "
-                 "gets more); a GPU target sends the routed rows only (ragged_all_to_all). "
+                 "gets more). A GPU target always sends the routed rows only "
+                 "(ragged_all_to_all, not listed: its sizes are run-time values). "
                  "Shared experts, dense MLPs and the router run locally (replicated weights).")
   elif cfg.is_moe:
     moe = list(attn)

@@ -4,9 +4,9 @@ With n ranks on the expert axes, rank r holds experts [r E/n, (r + 1) E/n)
 and 1/n of the tokens. Each rank routes its tokens, exchanges the (token,
 expert) copies with the ranks holding their experts, runs its local experts
 as one grouped matmul and gets the results back. The exchange is chosen per
-call by token count and kernel target (`ep_dispatch`): `replicated` for few
-tokens, else `ragged` (`lax.ragged_all_to_all`, exactly the routed rows) on
-a GPU target and `all_to_all` with capacity-bounded rounds on CPU.
+call by kernel target and token count (`ep_dispatch`): on a GPU target
+`ragged` (`lax.ragged_all_to_all`, exactly the routed rows); on CPU
+`replicated` for few tokens, else `all_to_all` with capacity-bounded rounds.
 Shared experts run locally on each rank's tokens.
 
 `ExpertParallel` runs it from global arrays (its own `shard_map`);
@@ -41,9 +41,10 @@ _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num
 @dataclasses.dataclass(frozen=True)
 class ExpertParallel:
   """Static plan: the mesh, the axes experts are split over, the exchange
-  (`ep_dispatch.STRATEGIES`; "auto": replicated up to replicated_max_tokens
-  tokens per rank, then ragged on a GPU target, capacity all_to_all
-  elsewhere), its capacity factor and dispatch dtype."""
+  (`ep_dispatch.STRATEGIES`; "auto": ragged on a GPU target, whatever the
+  batch, so only routed rows cross the wire; elsewhere replicated up to
+  replicated_max_tokens tokens per rank, then capacity all_to_all), its
+  capacity factor and dispatch dtype."""
 
   mesh: Mesh
   axes: tuple[str, ...]
@@ -88,9 +89,10 @@ class InRankExpertParallel:
 def _exchange(ep, tokens_per_rank: int, target: str) -> dict:
   """The plan's exchange for this many tokens per rank: strategy and options."""
   strategy = ep.strategy
-  if strategy == "auto":
-    strategy = ("replicated" if tokens_per_rank <= ep.replicated_max_tokens
-                else "ragged" if target == "gpu" else "all_to_all")
+  if strategy == "auto" and target == "gpu":
+    strategy = "ragged"
+  elif strategy == "auto":
+    strategy = "replicated" if tokens_per_rank <= ep.replicated_max_tokens else "all_to_all"
   return dict(strategy=strategy, capacity_factor=ep.capacity_factor,
               dispatch_dtype=ep.dispatch_dtype)
 
