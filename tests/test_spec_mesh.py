@@ -65,8 +65,12 @@ def _spec(K):
     ("dp_attn_ep", {"data": 2, "expert": 4}, 2),
     ("dp_attn_ep", {"data": 2, "expert": 4}, 3),
     ("dp_attn_ep", {"data": 4, "expert": 2}, 3),
+    ("tp", {"data": 2, "tensor": 4}, 1),
+    ("tp", {"data": 2, "tensor": 4}, 2),
     ("tp", {"data": 2, "tensor": 4}, 3),
+    ("tp_attn_ep", {"tensor": 2, "expert": 4}, 1),
     ("tp_attn_ep", {"tensor": 2, "expert": 4}, 2),
+    ("tp_attn_ep", {"tensor": 2, "expert": 4}, 3),
 ])
 def test_speculative_on_mesh_equals_single_device(model, refs, layout, axes, K):
   cfg, params, prompts = model
