@@ -31,36 +31,37 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer import gpu_compile, sharding
+from jaxinfer.bench import gpu_plan
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe as moe_lib, specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
 
 _BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "f8e4m3fn": 1, "u8": 1}
 _SHAPE = re.compile(r"\b(f32|bf16|f16|s32|u32|pred|f8e4m3fn|u8)\[([\d,]*)\]")
+_HLO_DTYPE = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def _nbytes(dtype: str, dims: str) -> int:
   return _BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
 
 
-def collective_bytes(hlo: str) -> dict:
-  """Per collective kind in compiled HLO: the bytes of its results
-  (all-to-all, all-gather, all-reduce: what each rank sends or receives),
-  and for ragged all-to-alls the send operands (first operand) instead."""
+def collective_bytes(hlo: str, dtype: str | None = None) -> dict:
+  """Per collective kind in compiled HLO (`gpu_plan.collective_ops`): the
+  bytes of its results (all-to-all, all-gather, all-reduce: what each rank
+  sends or receives), and for ragged all-to-alls the send operands (first
+  operand) instead. A ragged all-to-all moves only its send_sizes rows (known
+  at run time); the send operand is the buffer they are taken from. dtype
+  (an HLO name, e.g. "bf16"): count only arrays of that type (the
+  activations, leaving out int32 ids and bool flags)."""
   out = {"all_to_all": 0, "ragged_all_to_all_send": 0, "all_gather": 0, "all_reduce": 0}
-  # A ragged all-to-all moves only its send_sizes rows (known at run time);
-  # the send operand is the buffer they are taken from.
-  for line in hlo.splitlines():
-    m = re.search(r"= (.*?) (ragged-all-to-all|all-to-all|all-gather|all-reduce)(?:-start)?\(",
-                  line)
-    if not m:
-      continue
-    kind, result = m.group(2), m.group(1)
+  for kind, result in gpu_plan.collective_ops(hlo):
     if kind == "ragged-all-to-all":  # async start: ((operand, output, offsets...), output)
-      out["ragged_all_to_all_send"] += _nbytes(*_SHAPE.search(result).groups())
+      shapes = _SHAPE.findall(result)[:1]
+      key = "ragged_all_to_all_send"
     else:
-      out[kind.replace("-", "_")] += sum(_nbytes(d, s) for d, s in _SHAPE.findall(
-          _outputs(result)))
+      shapes = _SHAPE.findall(_outputs(result))
+      key = kind.replace("-", "_")
+    out[key] += sum(_nbytes(d, dims) for d, dims in shapes if dtype in (None, d))
   return out
 
 
@@ -109,6 +110,7 @@ def report(cfg: ModelConfig, mesh, tokens_per_rank=(1, 2, 4, 8, 16, 32, 64), *,
   n = math.prod(mesh.shape.values())
   row_bytes = cfg.d_model * jnp.dtype(cfg.compute_dtype()).itemsize
   k = cfg.num_experts_per_tok
+  act = _HLO_DTYPE[jnp.dtype(cfg.compute_dtype()).name]
   rows = []
   for t in tokens_per_rank:
     routed = 2 * t * k * row_bytes  # there and back
@@ -117,22 +119,13 @@ def report(cfg: ModelConfig, mesh, tokens_per_rank=(1, 2, 4, 8, 16, 32, 64), *,
     if target == "gpu":
       exchanges["ragged"] = ("ragged", 1.25)
     for name, (strategy, factor) in exchanges.items():
-      c = collective_bytes(compile_layer(cfg, mesh, t, strategy=strategy,
-                                         capacity_factor=factor, target=target))
-      # Activation rows only: the int32 expert ids and valid flags are metadata.
+      hlo = compile_layer(cfg, mesh, t, strategy=strategy, capacity_factor=factor, target=target)
+      c = collective_bytes(hlo)
       if name == "ragged":  # send_sizes = each destination's routed copies: exactly routed
         row[name] = dict(bytes=routed, ratio=1.0, send_buffer_bytes=c["ragged_all_to_all_send"],
                          collectives=c)
         continue
-      moved = _activation_a2a_bytes(c, t, k, n, factor)
+      moved = collective_bytes(hlo, dtype=act)["all_to_all"]  # activation rows only
       row[name] = dict(bytes=moved, ratio=moved / routed, collectives=c)
     rows.append(row)
   return rows
-
-
-def _activation_a2a_bytes(c: dict, t: int, k: int, n: int, factor: float) -> int:
-  """The activation part of the all-to-all bytes: total minus the [n, C]
-  int32 ids and bool flags that ride along (dispatch and combine carry
-  D-wide rows; C from the capacity rule)."""
-  C = max(1, math.ceil(t * k * factor / n))
-  return c["all_to_all"] - n * C * (4 + 1)

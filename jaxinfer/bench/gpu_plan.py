@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -295,12 +296,26 @@ def kernel_gathers(hlo: str) -> int:
              if "all-gather-start(" in line and "pallas_call" in line)
 
 
+_COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")
+_COLLECTIVE_LINE = re.compile(r"= (.*?) (ragged-all-to-all|all-to-all|all-gather|all-reduce)"
+                              r"(?:-start)?\(")
+
+
+def collective_ops(hlo: str):
+  """(kind, result type text) of every collective op in compiled HLO text
+  (async starts or sync ops; the matching -done lines are not counted)."""
+  for line in hlo.splitlines():
+    m = _COLLECTIVE_LINE.search(line)
+    if m:
+      yield m.group(2), m.group(1)
+
+
 def collectives(hlo: str) -> dict:
   """Collective ops in compiled HLO text, by kind (async starts or sync ops)."""
-  count = lambda op: sum(1 for line in hlo.splitlines()
-                         if f" {op}(" in line or f" {op}-start(" in line)
-  return {op.replace("-", "_"): count(op)
-          for op in ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")}
+  counts = {op.replace("-", "_"): 0 for op in _COLLECTIVES}
+  for kind, _ in collective_ops(hlo):
+    counts[kind.replace("-", "_")] += 1
+  return counts
 
 
 def compile_program(lowered, hbm_bytes: float) -> dict:

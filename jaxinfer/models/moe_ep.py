@@ -66,27 +66,22 @@ class ExpertParallel:
 
   def in_rank(self) -> "InRankExpertParallel":
     """The same plan for code already running per rank in `shard_map` over `axes`."""
-    return InRankExpertParallel(self.axes, self.size, self.strategy, self.replicated_max_tokens,
-                                self.capacity_factor, self.dispatch_dtype)
+    return InRankExpertParallel(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class InRankExpertParallel:
-  """Expert parallelism from inside a `shard_map` over `axes` (the attention
-  data-parallel speculative step runs whole per rank): the layer sees this
-  rank's tokens and its slice of the experts, and exchanges with the other
-  ranks by collectives over `axes`. Every rank must call it with the same
-  token count (the strategy and the collectives follow it)."""
+  """Expert parallelism from inside a `shard_map` over `plan.axes` (the
+  attention data-parallel speculative step runs whole per rank): the layer
+  sees this rank's tokens and its slice of the experts, and exchanges with
+  the other ranks by collectives over the axes, as `plan` says. Every rank
+  must call it with the same token count (the strategy and the collectives
+  follow it)."""
 
-  axes: tuple[str, ...]
-  size: int
-  strategy: str = "auto"
-  replicated_max_tokens: int = 16
-  capacity_factor: float = 1.25
-  dispatch_dtype: str | None = None
+  plan: ExpertParallel
 
 
-def _exchange(ep, tokens_per_rank: int, target: str) -> dict:
+def _exchange(ep: ExpertParallel, tokens_per_rank: int, target: str) -> dict:
   """The plan's exchange for this many tokens per rank: strategy and options."""
   strategy = ep.strategy
   if strategy == "auto" and target == "gpu":
@@ -195,10 +190,11 @@ def _moe_in_rank(cfg, p, x, ep: "InRankExpertParallel", valid, count):
   xt = x.reshape(B * T, D)
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   experts, router = _split_params(p)
-  exchange = _exchange(ep, B * T, ops.resolve_target(cfg.kernel_target))
-  out, counts = _rank_moe(cfg, experts, router, xt, ok, axes=ep.axes, n=ep.size,
+  plan = ep.plan
+  exchange = _exchange(plan, B * T, ops.resolve_target(cfg.kernel_target))
+  out, counts = _rank_moe(cfg, experts, router, xt, ok, axes=plan.axes, n=plan.size,
                           e_local=p["w_gate"].shape[0], count=count, **exchange,
-                          token0=jax.lax.axis_index(ep.axes) * B * T)
+                          token0=jax.lax.axis_index(plan.axes) * B * T)
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], xt)
   return out.reshape(B, T, D), (counts if count else None)
