@@ -48,6 +48,50 @@ class RopeScaling:
   truncate: bool = True
 
 
+# Weight groups a quantized checkpoint may hold quantized: "<group>.<leaf>"
+# with group attn | mlp (dense MLP) | shared (shared experts) | experts
+# (routed) | mtp (the MTP input projection).
+QUANT_TARGETS = (
+    "attn.wq", "attn.wk", "attn.wv", "attn.wo", "attn.wq_a", "attn.wq_b", "attn.wkv_a",
+    "attn.wkv_b", "mlp.w_gate", "mlp.w_up", "mlp.w_down", "shared.w_gate", "shared.w_up",
+    "shared.w_down", "experts.w_gate", "experts.w_up", "experts.w_down", "mtp.eh_proj")
+QUANT_LAYOUTS = ("deepseek_fp8", "fbgemm_fp8", "modelopt", "compressed_tensors", "mxfp4", "jaxinfer")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+  """Weight-only quantization of a model's projections (`models.quant`).
+
+  method: fp8 | int8 | int4 | mxfp4 | nvfp4; block: the scale block over a
+  weight's [Out, In] (0: the whole dimension); targets: the `QUANT_TARGETS`
+  held quantized (embeddings, lm_head, routers and norms never are);
+  layout: the checkpoint's tensor naming (`checkpoint.hf_quant`), "jaxinfer"
+  for weights quantized on load; kv_cache: the KV cache scheme the
+  checkpoint was calibrated for ("fp8" or None), informational.
+  """
+
+  method: str
+  block: tuple[int, int] = (0, 0)
+  targets: tuple[str, ...] = QUANT_TARGETS
+  layout: str = "jaxinfer"
+  kv_cache: str | None = None
+
+  def __post_init__(self):
+    methods = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
+    if self.method not in methods:
+      raise ValueError(f"QuantConfig: method must be one of {methods}, got {self.method!r}")
+    if len(self.block) != 2 or any(int(b) < 0 for b in self.block):
+      raise ValueError(f"QuantConfig: block must be two sizes >= 0 (0: whole dim), got {self.block}")
+    bad = sorted(set(self.targets) - set(QUANT_TARGETS))
+    if bad:
+      raise ValueError(f"QuantConfig: unknown targets {bad}; allowed {QUANT_TARGETS}")
+    if self.layout not in QUANT_LAYOUTS:
+      raise ValueError(f"QuantConfig: layout must be one of {QUANT_LAYOUTS}, got {self.layout!r}")
+
+  def quantizes(self, target: str) -> bool:
+    return target in self.targets
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Shape and behaviour of a decoder-only transformer.
@@ -124,6 +168,8 @@ class ModelConfig:
   # them in interpret mode, None follows the process's default backend.
   kernel_target: str | None = None
   eos_token_ids: tuple[int, ...] = ()
+  # Weight-only quantization (None: every weight in `dtype`).
+  quant: QuantConfig | None = None
 
   def __post_init__(self):
     _validate(self)
@@ -194,6 +240,8 @@ class ModelConfig:
     kw = model_config_fields(hf)
     if "rope_scaling" in kw:
       kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
+    if "quant" in kw:
+      kw["quant"] = QuantConfig(**kw["quant"])
     return cls(**kw)
 
 
@@ -240,6 +288,8 @@ def _validate(c: ModelConfig) -> None:
   if not c.is_moe or c.dense_layers:
     need(c.ffn_dim > 0, f"ffn_dim must be > 0 for dense MLP layers, got {c.ffn_dim}")
   need(c.activation in ("silu", "clamped_swiglu"), f"unknown activation {c.activation!r}")
+  need(c.quant is None or isinstance(c.quant, QuantConfig),
+       f"quant must be a QuantConfig or None, got {type(c.quant).__name__}")
   need(c.num_mtp_layers >= 0, f"num_mtp_layers must be >= 0, got {c.num_mtp_layers}")
   need(c.attention_impl in (None, "xla", "pallas"),
        f"attention_impl must be None, 'xla' or 'pallas', got {c.attention_impl!r}")

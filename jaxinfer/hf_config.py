@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxinfer.hf_quant_config import quant_fields
+
 SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
 
 # Keys that carry no inference semantics (PretrainedConfig bookkeeping,
@@ -101,6 +103,8 @@ def model_config_fields(hf: dict) -> dict[str, Any]:
   build = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
            "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}[model_type]
   build(r, kw)
+  if r.get("quantization_config") is not None:
+    kw["quant"] = quant_fields(r.hf)
   leftover = r.leftover()
   if leftover:
     raise ValueError(
@@ -191,10 +195,6 @@ def _gpt_oss(r: _Reader, kw: dict) -> None:
       swiglu_alpha=float(r.get("swiglu_alpha", 1.702)),
   )
   r.get("initial_context_length")  # informational (== rope original_max_position_embeddings)
-  if "quantization_config" in r.hf:
-    raise ValueError(
-        "config.json: quantization_config (MXFP4 experts) is not supported; "
-        "dequantize the checkpoint to bfloat16 first")
 
 
 def _rope(r: _Reader) -> dict:

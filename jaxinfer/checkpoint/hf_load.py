@@ -18,14 +18,19 @@ from contextlib import ExitStack
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxinfer.checkpoint import hf_names
-from jaxinfer.config import ModelConfig
+from jaxinfer.checkpoint import hf_names, hf_quant
+from jaxinfer.config import ModelConfig, QuantConfig
+from jaxinfer.models import quant as quant_lib
+from jaxinfer.models.quant import QuantizedWeight
 from jaxinfer.models.specs import is_spec, param_specs
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_NP_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": ml_dtypes.bfloat16,
+              "F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8, "I8": np.int8}
 # Non-parameter buffers some checkpoints carry.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -69,6 +74,7 @@ class _Reader:
     self.index = _index(path)
     self.stack = stack
     self.handles: dict[str, object] = {}
+    self.headers: dict[str, tuple[dict, int]] = {}
     self.used: set[str] = set()
 
   def has(self, name: str) -> bool:
@@ -88,7 +94,8 @@ class _Reader:
     dtype, got = sl.get_dtype(), tuple(sl.get_shape())
     if dtype not in _FLOAT_DTYPES:
       raise CheckpointError(f"tensor {name!r} has dtype {dtype}; expected a float dtype "
-                            f"{_FLOAT_DTYPES} (quantized checkpoints are not supported)")
+                            f"{_FLOAT_DTYPES} (a quantized tensor that config.json's "
+                            "quantization_config does not cover)")
     if got != tuple(shape):
       raise CheckpointError(f"tensor {name!r} has shape {list(got)}, expected {list(shape)}")
     try:
@@ -97,6 +104,38 @@ class _Reader:
       raise CheckpointError(f"tensor {name!r} in {os.path.basename(fn)}: {e}") from None
     self.used.add(name)
     return arr
+
+  def header(self, fn: str) -> tuple[dict, int]:
+    """A safetensors file's header and the offset of its data."""
+    if fn not in self.headers:
+      with open(fn, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        try:
+          self.headers[fn] = (json.loads(f.read(n)), 8 + n)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+          raise CheckpointError(f"cannot read {os.path.basename(fn)}: bad header ({e})") from None
+    return self.headers[fn]
+
+  def read_raw(self, name: str, shapes, dtypes, what: str) -> np.ndarray:
+    """A tensor of any storage dtype (fp8, uint8 included), memory-mapped."""
+    fn = self.index.get(name)
+    if fn is None:
+      raise CheckpointError(f"missing tensor {name!r} ({what})")
+    meta, start = self.header(fn)
+    info = meta.get(name) or {}
+    dtype, shape = info.get("dtype"), tuple(info.get("shape", ()))
+    if dtype not in dtypes:
+      raise CheckpointError(f"tensor {name!r} ({what}) has dtype {dtype}; expected {list(dtypes)}")
+    if shape not in [tuple(s) for s in shapes]:
+      raise CheckpointError(f"tensor {name!r} ({what}) has shape {list(shape)}, expected "
+                            + " or ".join(str(list(s)) for s in shapes))
+    lo, hi = info["data_offsets"]
+    np_dtype = np.dtype(_NP_DTYPES[dtype])
+    if hi - lo != int(np.prod(shape)) * np_dtype.itemsize or start + hi > os.path.getsize(fn):
+      raise CheckpointError(f"tensor {name!r} in {os.path.basename(fn)}: data is truncated")
+    self.used.add(name)
+    raw = np.memmap(fn, np.uint8, "r", offset=start + lo, shape=(hi - lo,))
+    return np.array(raw.view(np_dtype).reshape(shape))
 
   def build(self, src: hf_names.Source) -> np.ndarray:
     arrays = [self.read(n, s) for n, s in zip(src.names, src.shapes)]
@@ -107,43 +146,122 @@ def _path_key(kp) -> tuple:
   return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)
 
 
-def _load_tree(specs, sources_for, reader: _Reader, shardings, dtype):
+def _is_leaf(x) -> bool:
+  return is_spec(x) or isinstance(x, QuantizedWeight)
+
+
+def _quantized_parts(spec: QuantizedWeight, src, reader: _Reader, q: QuantConfig, stacked: bool):
+  """One layer's (values, scale, scale2): read as stored, or quantized from
+  the float weight on the host when the checkpoint is float (`quantize=`)."""
+  if q.layout == "jaxinfer":
+    lead = len(spec.values.shape) - 2 - int(stacked)
+    w = quant_lib.quantize(reader.build(src), spec.method, spec.block, len(spec.in_shape), lead)
+    return w.values, w.scale, w.scale2
+  if src.ref is None:
+    raise CheckpointError(f"{src.names[0]}: no quantized layout known for this tensor")
+  parts = hf_quant.read_quantized(reader.read_raw, src.ref, q)
+  reader.used.update(n for n in hf_quant.extra_names(q, src.ref) if reader.has(n))
+  return parts
+
+
+def _quantized_leaf(spec: QuantizedWeight, srcs, reader: _Reader, q: QuantConfig):
+  """Host arrays of a quantized leaf, filled layer by layer."""
+  host = jax.tree.map(lambda s: np.empty(s.shape, s.dtype), spec, is_leaf=is_spec)
+  stacked = isinstance(srcs, list)
+  for j, src in enumerate(srcs if stacked else [srcs]):
+    parts = _quantized_parts(spec, src, reader, q, stacked)
+    for field, part in zip(("values", "scale", "scale2"), parts):
+      dst = getattr(host, field)
+      if dst is None:
+        continue
+      want = dst.shape[1:] if stacked else dst.shape
+      if tuple(part.shape) != want:
+        raise CheckpointError(f"{src.names[0]}: quantized {field} has shape {list(part.shape)}, "
+                              f"expected {list(want)}")
+      dst[j if stacked else ...] = part
+  return host
+
+
+def _place(host, sharding):
+  return jax.device_put(host, sharding) if sharding is not None else jax.tree.map(jnp.asarray, host)
+
+
+def _load_tree(specs, sources_for, reader: _Reader, shardings, dtype, q: QuantConfig | None):
   """Fills every spec leaf from sources_for(leaf path) -> Source or [Source per layer]."""
-  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)
+  flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_leaf)
   leaves = []
   for i, (kp, spec) in enumerate(flat):
     srcs = sources_for(_path_key(kp))
+    sharding = shardings[i] if isinstance(shardings, list) else shardings
+    if isinstance(spec, QuantizedWeight):
+      leaves.append(_place(_quantized_leaf(spec, srcs, reader, q), sharding))
+      continue
     host = np.empty(spec.shape, dtype)
     if isinstance(srcs, list):  # stacked: one source per layer
       for j, src in enumerate(srcs):
         host[j] = reader.build(src)
     else:
       host[...] = reader.build(srcs)
-    sharding = shardings[i] if isinstance(shardings, list) else shardings
-    leaves.append(jax.device_put(host, sharding) if sharding is not None else jnp.asarray(host))
+    leaves.append(_place(host, sharding))
     del host
   return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
-def load_hf(path: str, dtype=None, *, shardings=None):
+_QUANTIZE_BLOCKS = {"fp8": (1, 0), "int8": (1, 0), "int4": (1, 32), "mxfp4": (1, 32),
+                    "nvfp4": (1, 16)}
+
+
+def _read_config(path: str) -> dict:
+  """config.json, with a ModelOpt `hf_quant_config.json` folded into its
+  quantization_config."""
+  cfg_file = os.path.join(path, "config.json")
+  if not os.path.exists(cfg_file):
+    raise FileNotFoundError(f"load_hf: {path} has no config.json")
+  files = [cfg_file] + [f for f in [os.path.join(path, "hf_quant_config.json")] if os.path.exists(f)]
+  loaded = []
+  for fn in files:
+    try:
+      with open(fn) as f:
+        loaded.append(json.load(f))
+    except json.JSONDecodeError as e:
+      raise CheckpointError(f"{fn}: invalid JSON ({e})") from None
+  hf = loaded[0]
+  if len(loaded) > 1 and "quantization_config" not in hf:
+    hf = dict(hf, quantization_config=dict(loaded[1], quant_method="modelopt"))
+  return hf
+
+
+def _quantize_config(cfg: ModelConfig, quantize, block) -> ModelConfig:
+  if quantize is None:
+    return cfg
+  if quantize not in _QUANTIZE_BLOCKS:
+    raise ValueError(f"load_hf: quantize must be one of {sorted(_QUANTIZE_BLOCKS)} or None, "
+                     f"got {quantize!r}")
+  if cfg.quant is not None:
+    raise ValueError(f"load_hf: quantize={quantize!r}, but the checkpoint is already quantized "
+                     f"({cfg.quant.method}, layout {cfg.quant.layout})")
+  block = tuple(block) if block is not None else _QUANTIZE_BLOCKS[quantize]
+  return dataclasses.replace(cfg, quant=QuantConfig(method=quantize, block=block))
+
+
+def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = None,
+            quantize_block: tuple[int, int] | None = None):
   """Loads an HF checkpoint directory (config.json + *.safetensors).
 
   dtype: param dtype (default: float32 on CPU, bfloat16 on GPU/TPU).
   shardings: a Sharding for every leaf, or a tree of them matching the params.
+  Quantized checkpoints (`quantization_config`: DeepSeek block FP8, fbgemm
+  FP8, GPT-OSS MXFP4, ModelOpt NVFP4 / FP8, compressed-tensors FP8 / NVFP4)
+  load kept quantized (`models.quant.QuantizedWeight` leaves; cfg.quant).
+  quantize: "fp8" | "int8" | "int4" (or "mxfp4" / "nvfp4") quantizes a float
+  checkpoint's projections on load, weight-only, per output channel (int4:
+  groups of 32 inputs) unless quantize_block = (rows, cols) says otherwise.
   Returns (cfg, params). DeepSeek MTP layers (`model.layers.{num_layers}.*`)
   load into params["mtp"] when present; when absent, cfg.num_mtp_layers = 0.
   """
   if not os.path.isdir(path):
     raise FileNotFoundError(f"load_hf: {path} is not a directory")
-  cfg_file = os.path.join(path, "config.json")
-  if not os.path.exists(cfg_file):
-    raise FileNotFoundError(f"load_hf: {path} has no config.json")
-  try:
-    with open(cfg_file) as f:
-      hf_cfg = json.load(f)
-  except json.JSONDecodeError as e:
-    raise CheckpointError(f"{cfg_file}: invalid JSON ({e})") from None
-  cfg = ModelConfig.from_hf(hf_cfg)
+  cfg = _quantize_config(ModelConfig.from_hf(_read_config(path)), quantize, quantize_block)
   dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
   cfg = dataclasses.replace(cfg, dtype=dtype.name)
 
@@ -170,8 +288,8 @@ def load_hf(path: str, dtype=None, *, shardings=None):
 
     flat_shardings = shardings
     if shardings is not None and not isinstance(shardings, jax.sharding.Sharding):
-      flat_shardings = jax.tree.leaves(shardings)
-    params = _load_tree(specs, sources_for, reader, flat_shardings, dtype)
+      flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+    params = _load_tree(specs, sources_for, reader, flat_shardings, dtype, cfg.quant)
     unexpected = sorted(n for n in reader.index if n not in reader.used
                         and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:

@@ -26,26 +26,43 @@ from jaxinfer.config import ModelConfig
 
 
 @dataclasses.dataclass(frozen=True)
+class WeightRef:
+  """Where a projection leaf lives as an [out, in] matrix, for checkpoints
+  that store it quantized (`hf_quant`): the HF weight tensors (one per expert
+  when `stacked`), each [*lead, out, in]; `rows` of out the leaf takes (a
+  fused gate/up)."""
+  names: tuple[str, ...]
+  out: int  # rows of each tensor
+  d_in: int
+  lead: tuple[int, ...] = ()  # dims inside each tensor before [out, in]
+  rows: slice | None = None
+  stacked: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class Source:
   names: tuple[str, ...]
   shapes: tuple[tuple[int, ...], ...]
   convert: Callable[..., np.ndarray]  # HF arrays (in `names` order) -> our leaf
+  ref: WeightRef | None = None  # projections: the matrix a quantized checkpoint holds
 
 
-def _one(name, shape, fn=lambda w: w):
-  return Source((name,), (tuple(shape),), fn)
+def _one(name, shape, fn=lambda w: w, ref=None):
+  return Source((name,), (tuple(shape),), fn, ref)
 
 
 def _linear(name, d_in, out_shape):
   """HF linear [prod(out_shape), d_in] -> ours [d_in, *out_shape]."""
   n_out = int(np.prod(out_shape))
-  return _one(name, (n_out, d_in), lambda w: w.T.reshape(d_in, *out_shape))
+  return _one(name, (n_out, d_in), lambda w: w.T.reshape(d_in, *out_shape),
+              WeightRef((name,), n_out, d_in))
 
 
 def _linear_out(name, in_shape, d_out):
   """HF linear [d_out, prod(in_shape)] -> ours [*in_shape, d_out]."""
   n_in = int(np.prod(in_shape))
-  return _one(name, (d_out, n_in), lambda w: w.T.reshape(*in_shape, d_out))
+  return _one(name, (d_out, n_in), lambda w: w.T.reshape(*in_shape, d_out),
+              WeightRef((name,), d_out, n_in))
 
 
 def _attn_sources(cfg: ModelConfig, a: str) -> dict:
@@ -92,7 +109,8 @@ def _dense_sources(m: str, D: int, F: int, names=("gate_proj", "up_proj", "down_
 
 def _stack_experts(name_fmt: str, E: int, shape, fn) -> Source:
   names = tuple(name_fmt.format(e=e) for e in range(E))
-  return Source(names, (tuple(shape),) * E, lambda *ws: np.stack([fn(w) for w in ws]))
+  return Source(names, (tuple(shape),) * E, lambda *ws: np.stack([fn(w) for w in ws]),
+                WeightRef(names, shape[0], shape[1], stacked=True))
 
 
 def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> dict:
@@ -109,18 +127,24 @@ def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> d
     s[("score_bias",)] = _one(f"{router}.e_score_correction_bias", (E,))
   x = f"{m}.experts"
   if cfg.model_type == "gpt_oss":
-    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 0::2])
-    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 1::2])
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D))
+    # Quantized (MXFP4) the same tensors are [E, out, in]: gate/up interleave rows.
+    gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
+    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 0::2],
+                          gu(slice(0, None, 2)))
+    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 1::2],
+                        gu(slice(1, None, 2)))
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D), ref=WeightRef((f"{x}.down_proj",), D, F, (E,)))
     s[("b_gate",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 0::2])
     s[("b_up",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 1::2])
     s[("b_down",)] = _one(f"{x}.down_proj_bias", (E, D))
   elif has(f"{x}.gate_up_proj"):
+    gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
     s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
-                          lambda w: rearrange(w[:, :F], "E F D -> E D F"))
+                          lambda w: rearrange(w[:, :F], "E F D -> E D F"), gu(slice(0, F)))
     s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
-                        lambda w: rearrange(w[:, F:], "E F D -> E D F"))
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: rearrange(w, "E D F -> E F D"))
+                        lambda w: rearrange(w[:, F:], "E F D -> E D F"), gu(slice(F, 2 * F)))
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: rearrange(w, "E D F -> E F D"),
+                          WeightRef((f"{x}.down_proj",), D, F, (E,)))
   else:
     g, u, d = expert_names
     s[("w_gate",)] = _stack_experts(x + ".{e}." + g + ".weight", E, (F, D), lambda w: w.T)

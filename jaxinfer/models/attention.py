@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm
 from jaxinfer.models.layouts import AbsorbedMLA
+from jaxinfer.models.quant import QuantizedWeight, dense
 
 
 def out_proj(out, wo):
@@ -47,7 +48,7 @@ def absorbed_weights(cfg: ModelConfig, p):
   if isinstance(p, AbsorbedMLA):
     return p.w_uk, p.w_uv
   Hn = cfg.qk_nope_head_dim
-  wkv_b = p["wkv_b"]  # [R, N, Hn + Hv]
+  wkv_b = dense(p["wkv_b"], cfg.compute_dtype())  # [R, N, Hn + Hv]
   return (rearrange(wkv_b[..., :Hn], "R N Hn -> N Hn R"),
           rearrange(wkv_b[..., Hn:], "R N Hv -> N R Hv"))
 
@@ -59,7 +60,7 @@ def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False):
   """One layer's attention weights as the engine's step reads them: MLA's
   as an `AbsorbedMLA` (up-projections pre-transposed); with
   transpose_projections, the projections as `layers.PackedLinear`."""
-  if cfg.attention == "mla":
+  if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
   if transpose_projections:

@@ -12,6 +12,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig, RopeScaling, yarn_get_mscale
 from jaxinfer.models.layouts import FusedMLP
+from jaxinfer.models.quant import QuantizedWeight, matmul_weight
 
 
 def rms_norm(x, weight, eps):
@@ -37,7 +38,10 @@ class PackedLinear:
 
 
 def pack_linear(w, in_dims: int = 1) -> PackedLinear:
-  """[*In, *Out] (In the first in_dims dims) -> `PackedLinear`."""
+  """[*In, *Out] (In the first in_dims dims) -> `PackedLinear`; a
+  `QuantizedWeight` is already [Out, In] and stays as it is."""
+  if isinstance(w, QuantizedWeight):
+    return w
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")
   wt = jnp.transpose(w.reshape(math.prod(w.shape[:in_dims]), -1))
@@ -46,7 +50,10 @@ def pack_linear(w, in_dims: int = 1) -> PackedLinear:
 
 def linear(x, w, in_dims: int = 1, preferred_element_type=None):
   """x [..., *In] times w [*In, *Out] (or its `PackedLinear`) -> [..., *Out],
-  contracting the last in_dims dims of x."""
+  contracting the last in_dims dims of x. A `QuantizedWeight` is
+  dequantized here, inside the step, to x's dtype."""
+  if isinstance(w, QuantizedWeight):
+    w = PackedLinear(matmul_weight(w, x.dtype), w.out_shape)
   if isinstance(w, PackedLinear):
     xi = x.reshape(*x.shape[:x.ndim - in_dims], -1)
     y = jnp.einsum("...I,OI->...O", xi, w.wt, preferred_element_type=preferred_element_type)

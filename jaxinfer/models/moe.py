@@ -34,6 +34,7 @@ from jaxinfer.models.layouts import DenseExperts, SplitExperts
 from jaxinfer.models.moe_core import (ExpertCount, count_kind, expert_counts, grouped_ffn,
                                       physical_ids, route)
 from jaxinfer.models.moe_ep import ExpertParallel, InRankExpertParallel, moe_ep
+from jaxinfer.models.quant import dense
 
 
 def with_impl(cfg: ModelConfig, p):
@@ -47,11 +48,11 @@ def with_impl(cfg: ModelConfig, p):
 def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
   T, E = x.shape[0], p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
   combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(weights)
-  gate = jnp.einsum("TD,EDF->TEF", x, p["w_gate"])
-  up = jnp.einsum("TD,EDF->TEF", x, p["w_up"])
+  gate = jnp.einsum("TD,EDF->TEF", x, dense(p["w_gate"], x.dtype))
+  up = jnp.einsum("TD,EDF->TEF", x, dense(p["w_up"], x.dtype))
   if cfg.expert_bias:
     gate, up = gate + p["b_gate"], up + p["b_up"]
-  y = jnp.einsum("TEF,EFD->TED", glu(cfg, gate, up), p["w_down"])
+  y = jnp.einsum("TEF,EFD->TED", glu(cfg, gate, up), dense(p["w_down"], x.dtype))
   if cfg.expert_bias:
     y = y + p["b_down"]
   return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine)

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import glu
+from jaxinfer.models.quant import dense
 
 
 def route(cfg: ModelConfig, p, x):
@@ -97,11 +98,11 @@ def physical_ids(p, idx, token):
 def grouped_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):
   """Expert FFN on rows grouped by expert: xs [R, D] sorted by expert_ids [R],
   sizes [E] rows per expert (rows past sum(sizes) compute to zero)."""
-  gate = jax.lax.ragged_dot(xs, p["w_gate"], sizes)
-  up = jax.lax.ragged_dot(xs, p["w_up"], sizes)
+  gate = jax.lax.ragged_dot(xs, dense(p["w_gate"], xs.dtype), sizes)
+  up = jax.lax.ragged_dot(xs, dense(p["w_up"], xs.dtype), sizes)
   if cfg.expert_bias:
     gate, up = gate + p["b_gate"][expert_ids], up + p["b_up"][expert_ids]
-  ys = jax.lax.ragged_dot(glu(cfg, gate, up), p["w_down"], sizes)
+  ys = jax.lax.ragged_dot(glu(cfg, gate, up), dense(p["w_down"], xs.dtype), sizes)
   if cfg.expert_bias:
     ys = ys + p["b_down"][expert_ids]
   return ys

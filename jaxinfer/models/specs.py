@@ -28,7 +28,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, QuantConfig
+from jaxinfer.models import quant as quant_lib
+from jaxinfer.models.quant import QuantizedWeight
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,13 +112,51 @@ def _moe_specs(cfg: ModelConfig, P: Callable) -> dict:
   return p
 
 
+def quantized_spec(spec: ParamSpec, q: QuantConfig, in_dims: int = 1, lead: int = 0):
+  """A float weight's spec [*lead, *In, *Out] -> a `QuantizedWeight` of specs:
+  values [*lead, Out, In] in the storage dtype, scales over its blocks (a
+  scale dim is split like its weight dim unless one block spans it)."""
+  shape, axes = spec.shape, spec.logical_axes
+  in_shape, out_shape = shape[lead:lead + in_dims], shape[lead + in_dims:]
+  out, d_in = math.prod(out_shape), math.prod(in_shape)
+  block = quant_lib.FIXED_BLOCKS.get(q.method, tuple(q.block))
+  bo, bi = quant_lib.block_sizes(block, out, d_in)
+  o_ax, i_ax, lead_ax = axes[lead + in_dims], axes[lead], tuple(axes[:lead])
+  values = ParamSpec((*shape[:lead], out, quant_lib.stored_in(q.method, d_in)),
+                     jnp.dtype(quant_lib.VALUE_DTYPES[q.method]), (*lead_ax, o_ax, i_ax), "zeros")
+  scale = ParamSpec((*shape[:lead], *quant_lib.scale_shape(block, out, d_in)),
+                    jnp.dtype(quant_lib.SCALE_DTYPES[q.method]),
+                    (*lead_ax, o_ax if bo < out else None, i_ax if bi < d_in else None), "ones")
+  scale2 = (ParamSpec(tuple(shape[:lead]), jnp.dtype(jnp.float32), lead_ax, "ones")
+            if q.method == "nvfp4" else None)
+  return QuantizedWeight(values=values, scale=scale, scale2=scale2, method=q.method, block=block,
+                         in_shape=tuple(in_shape), out_shape=tuple(out_shape))
+
+
+def _quantize_block(q: QuantConfig | None, tree: dict, is_moe: bool) -> dict:
+  """Replaces the block's targeted projections by quantized specs."""
+  if q is None:
+    return tree
+  attn = {k: quantized_spec(v, q, 2 if k == "wo" else 1) if q.quantizes(f"attn.{k}") else v
+          for k, v in tree["attn"].items()}
+  mlp = dict(tree["mlp"])
+  group = "experts" if is_moe else "mlp"
+  for k in ("w_gate", "w_up", "w_down"):
+    if q.quantizes(f"{group}.{k}"):
+      mlp[k] = quantized_spec(mlp[k], q, lead=1 if is_moe else 0)
+    if "shared" in mlp and q.quantizes(f"shared.{k}"):
+      mlp["shared"] = {**mlp["shared"], k: quantized_spec(mlp["shared"][k], q)}
+  return {**tree, "attn": attn, "mlp": mlp}
+
+
 def block_specs(cfg: ModelConfig, is_moe: bool, dtype) -> dict:
   """Specs of one transformer block (unstacked)."""
   P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
   D = cfg.d_model
-  return dict(attn_norm=P((D,), ("embed",), "ones"), mlp_norm=P((D,), ("embed",), "ones"),
+  tree = dict(attn_norm=P((D,), ("embed",), "ones"), mlp_norm=P((D,), ("embed",), "ones"),
               attn=_attn_specs(cfg, P),
               mlp=_moe_specs(cfg, P) if is_moe else _dense_mlp_specs(D, cfg.ffn_dim, P))
+  return _quantize_block(cfg.quant, tree, is_moe)
 
 
 def param_specs(cfg: ModelConfig, dtype=None) -> dict:
@@ -131,8 +171,11 @@ def param_specs(cfg: ModelConfig, dtype=None) -> dict:
   if cfg.num_mtp_layers:
     # DeepSeek-V3 MTP: the block after the last main layer is MoE.
     is_moe = cfg.is_moe and cfg.num_layers not in cfg.dense_layers
+    eh_proj = P((2 * D, D), (None, "embed"))
+    if cfg.quant is not None and cfg.quant.quantizes("mtp.eh_proj"):
+      eh_proj = quantized_spec(eh_proj, cfg.quant)
     mtp = dict(enorm=P((D,), ("embed",), "ones"), hnorm=P((D,), ("embed",), "ones"),
-               eh_proj=P((2 * D, D), (None, "embed")), norm=P((D,), ("embed",), "ones"),
+               eh_proj=eh_proj, norm=P((D,), ("embed",), "ones"),
                block=block_specs(cfg, is_moe, dtype))
     tree["mtp"] = _stack(mtp, cfg.num_mtp_layers)
   return tree
@@ -145,8 +188,8 @@ def abstract_params(cfg: ModelConfig, dtype=None):
 
 
 def count_params(cfg: ModelConfig) -> int:
-  """Number of parameters, computed from shapes alone."""
-  leaves = jax.tree.leaves(abstract_params(cfg, jnp.float32))
+  """Number of parameters (weights counted unquantized), from shapes alone."""
+  leaves = jax.tree.leaves(abstract_params(dataclasses.replace(cfg, quant=None), jnp.float32))
   return sum(int(x.size) for x in leaves)
 
 
@@ -168,8 +211,28 @@ def _init_leaf(spec: ParamSpec, key):
   return (std * jax.random.normal(key, spec.shape, jnp.float32)).astype(spec.dtype)
 
 
+def quantize_params(cfg: ModelConfig, params):
+  """Float params (as `init_params` of cfg without `quant` makes them) ->
+  cfg.quant's targets quantized (`models.quant.quantize`, on the host)."""
+  specs = param_specs(cfg)
+  is_q = lambda x: isinstance(x, QuantizedWeight)
+
+  def one(spec, w):
+    if not is_q(spec):
+      return w
+    lead = len(spec.values.shape) - 2
+    q = quant_lib.quantize(jax.device_get(w), spec.method, spec.block, len(spec.in_shape), lead)
+    return jax.tree.map(jnp.asarray, q)
+
+  return jax.tree.map(one, specs, params, is_leaf=lambda x: is_spec(x) or is_q(x))
+
+
 def init_params(cfg: ModelConfig, key, dtype=None):
-  """Random params from the spec tree (normal / ones / zeros per spec)."""
+  """Random params from the spec tree (normal / ones / zeros per spec); with
+  cfg.quant, drawn in float and quantized (`quantize_params`)."""
+  if cfg.quant is not None:
+    float_params = init_params(dataclasses.replace(cfg, quant=None), key, dtype)
+    return quantize_params(cfg, float_params)
   specs = param_specs(cfg, dtype)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))
