@@ -33,6 +33,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import ep_dispatch
 from jaxinfer.models.layers import mlp
 from jaxinfer.models.moe_core import ExpertCount, count_kind, expert_counts, physical_ids, route
+from jaxinfer.models.quant import QuantizedWeight
 
 # Replicated on every rank: the logical router and the EPLB slot tables.
 _REPLICATED = ("router", "router_bias", "score_bias", "eplb_replicas", "eplb_num_replicas")
@@ -96,6 +97,7 @@ def plan_from_params(params, strategy: str = "auto") -> ExpertParallel | None:
   """The EP plan implied by the routed experts' sharding (None if unsharded)."""
   for seg in params.get("layers", ()):
     w = seg["mlp"].get("w_gate") if "router" in seg["mlp"] else None
+    w = w.values if isinstance(w, QuantizedWeight) else w
     sharding = getattr(w, "sharding", None)
     if isinstance(sharding, NamedSharding):
       axis = sharding.spec[1] if len(sharding.spec) > 1 else None
