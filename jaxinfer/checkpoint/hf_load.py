@@ -23,6 +23,7 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 
 from jaxinfer.checkpoint import hf_names, hf_quant
+from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models.quant import QuantizedWeight
@@ -33,10 +34,6 @@ _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": m
               "F8_E4M3": ml_dtypes.float8_e4m3fn, "U8": np.uint8, "I8": np.int8}
 # Non-parameter buffers some checkpoints carry.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-class CheckpointError(ValueError):
-  """A checkpoint that does not match its config or cannot be read."""
 
 
 def _index(path: str) -> dict[str, str]:

@@ -22,12 +22,11 @@ from typing import Callable
 
 import numpy as np
 
+from jaxinfer.checkpoint.errors import CheckpointError as QuantError
 from jaxinfer.config import QuantConfig
 from jaxinfer.models import quant as quant_lib
 
 
-class QuantError(ValueError):
-  """A quantized tensor that is missing, mis-shaped, of the wrong dtype or corrupt."""
 
 
 def tensor_names(q: QuantConfig, weight: str) -> dict:

@@ -81,13 +81,13 @@ def _weights(cfg: ModelConfig, targets, has) -> dict[str, hf_names.WeightRef]:
   for is_moe, first, n in cfg.segments():
     for i in range(first, first + n):
       for key, src in hf_names.block_sources(cfg, f"model.layers.{i}", is_moe, has).items():
-        if src.ref is not None and _target(key, is_moe) in targets:
+        if src.ref is not None and _target(key, is_moe) in targets and has(src.ref.names[0]):
           out.update({name: src.ref for name in src.ref.names})
   for d in range(cfg.num_mtp_layers):
     for key, src in hf_names.mtp_sources(cfg, d, has)[0].items():
       is_moe = cfg.layer_is_moe(cfg.num_layers + d)
       t = _target(key[1:], is_moe) if key[0] == "block" else _target(key, is_moe)
-      if src.ref is not None and t in targets:
+      if src.ref is not None and t in targets and has(src.ref.names[0]):
         out.update({name: src.ref for name in src.ref.names})
   return out
 
