@@ -1,0 +1,34 @@
+"""Weight-only quantization error on the bundled default model
+(`jaxinfer/bench/quant_error.py`): logits error and argmax agreement against
+float32 for fp8, int8, int4, MXFP4 and NVFP4. Writes <out>.json.
+
+  python experiments/quant_error.py
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags
+
+from jaxinfer.bench import quant_error, results
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("methods", list(quant_error.METHODS), "weight formats to measure")
+flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "quant_error"),
+                    "output prefix (.json)")
+
+
+def main(argv):
+  del argv
+  rows = quant_error.report(tuple(FLAGS.methods))
+  print("| method | block | logits rel. error | argmax agreement | bytes vs float32 |")
+  print("|---|---|---|---|---|")
+  for r in rows:
+    print(f"| {r['method']} | {r['block']} | {r['logits_rel_err']:.4f} | "
+          f"{r['argmax_agreement']:.3f} | {r['bytes_ratio']:.3f} |")
+  results.write(FLAGS.out, rows)
+
+
+if __name__ == "__main__":
+  app.run(main)
