@@ -43,6 +43,7 @@ _THREADS = flags.DEFINE_integer("threads", None, "torch threads (default: os.cpu
 _BANDWIDTH_BYTES = flags.DEFINE_integer("bandwidth_bytes", 1 << 30,
                                         "array size of the bandwidth measurement")
 _SEED = flags.DEFINE_integer("seed", 0, "weights and prompts")
+_QUANT = flags.DEFINE_list("quant", [], "weight-only methods also run (int8, fp8, int4, ...)")
 _OUT = flags.DEFINE_string("out", None, "output prefix (.json, .png); default "
                            "experiments/results/bench_decode_<model>")
 
@@ -56,7 +57,7 @@ def main(argv):
                    prompt_len=_PROMPT_LEN.value, prefill_len=_PREFILL_LEN.value,
                    new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value, peer=_PEER.value,
                    threads=_THREADS.value, bandwidth_bytes=_BANDWIDTH_BYTES.value,
-                   seed=_SEED.value, out=out)
+                   seed=_SEED.value, quant=tuple(_QUANT.value), out=out)
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def test_script_end_to_end(tmp_path):
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as users run
   cmd = [sys.executable, str(ROOT / "experiments" / "bench_decode.py"), "--model=tiny_dense",
          "--batches=1,2", "--new_tokens=4", "--repeats=1", "--prefill_len=32", "--prompt_len=16",
-         f"--bandwidth_bytes={1 << 24}", f"--out={out}"]
+         f"--bandwidth_bytes={1 << 24}", "--quant=int8", f"--out={out}"]
   proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, proc.stderr[-3000:]
   res = json.loads((tmp_path / "bd.json").read_text())
@@ -115,8 +115,8 @@ def test_script_end_to_end(tmp_path):
   assert bw["gbps"] == max(bw["start"]["gbps"], bw["end"]["gbps"]) > 0
   assert "bench_decode.py" in res["command"]
   got = {(r["phase"], r["side"], r["batch"]) for r in res["rows"]}
-  want = {("decode", s, b) for s in sides for b in (1, 2)} | {("prefill", s, 1) for s in sides}
-  assert got == want
+  want = {("decode", s, b) for s in sides + ["jaxinfer int8"] for b in (1, 2)}
+  assert got == want | {("prefill", s, 1) for s in sides}
   for r in res["rows"]:
     assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
     if r["side"] == "jaxinfer":
@@ -125,6 +125,11 @@ def test_script_end_to_end(tmp_path):
       assert (r["ratio_vs_hf"] is not None) == HAVE_HF
     if r["phase"] == "decode":
       assert r["roofline_tokens_per_s"] > 0 and r["fraction_of_roofline"] > 0
+    if r["side"] == "jaxinfer int8":  # its roofline reads 1-byte weights
+      base = next(b for b in res["rows"] if b["side"] == "jaxinfer" and b["phase"] == "decode"
+                  and b["batch"] == r["batch"])
+      assert r["bytes_per_step"]["weights"] < 0.3 * base["bytes_per_step"]["weights"]
+      assert r["ratio_vs_float"] == pytest.approx(r["tokens_per_s"] / base["tokens_per_s"])
   if HAVE_HF:
     assert res["hf_params"] == res["params"]
   assert "| decode | jaxinfer | 1 | 16 |" in proc.stdout

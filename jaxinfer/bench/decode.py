@@ -41,7 +41,7 @@ import numpy as np
 from jaxinfer import hf_config as hf_config_lib
 from jaxinfer import models, presets
 from jaxinfer.bench import results
-from jaxinfer.config import ModelConfig
+from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.models.attention import cache_entry_shapes
 from jaxinfer.models.specs import is_spec
@@ -126,7 +126,9 @@ def decode_bytes_per_step(cfg: ModelConfig, batch: int, context_len: int,
     top = path[0].key
     if top in ("embed", "mtp"):
       continue
-    n = math.prod(spec.shape) * wb
+    # A quantized weight's values and scales are read at their storage size.
+    quantized = any(isinstance(k, jax.tree_util.GetAttrKey) for k in path)
+    n = math.prod(spec.shape) * (jnp.dtype(spec.dtype).itemsize if quantized else wb)
     if "expert" in spec.logical_axes:
       out["experts"] += n / spec.shape[spec.logical_axes.index("expert")] * touched
     else:
@@ -298,14 +300,15 @@ def _machine() -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-  lines = ["| phase | side | batch | prompt | tokens/s median (min-max) | ours/HF | "
-           "roofline tok/s | fraction of roofline |", "|---|---|---|---|---|---|---|---|"]
+  lines = ["| phase | side | batch | prompt | tokens/s median (min-max) | ours/HF (quantized: "
+           "/float) | roofline tok/s | fraction of roofline |", "|---|---|---|---|---|---|---|---|"]
   fmt = lambda x, f: "-" if x is None else format(x, f)
   for r in rows:
     lines.append(
         f"| {r['phase']} | {r['side']} | {r['batch']} | {r['prompt_len']} | "
         f"{r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}-{r['tokens_per_s_max']:.1f}) | "
-        f"{fmt(r.get('ratio_vs_hf'), '.2f')} | {fmt(r.get('roofline_tokens_per_s'), '.1f')} | "
+        f"{fmt(r.get('ratio_vs_hf', r.get('ratio_vs_float')), '.2f')} | "
+        f"{fmt(r.get('roofline_tokens_per_s'), '.1f')} | "
         f"{fmt(r.get('fraction_of_roofline'), '.2f')} |")
   return "\n".join(lines)
 
@@ -319,7 +322,8 @@ def _plot(rows: list[dict], path: str) -> None:
     return
   dec = [r for r in rows if r["phase"] == "decode"]
   fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for side, style in (("jaxinfer", "o-"), ("hf", "s-")):
+  sides = ["jaxinfer", "hf"] + sorted({r["side"] for r in dec} - {"jaxinfer", "hf"})
+  for side, style in zip(sides, ("o-", "s-", "^-", "v-", "d-", "p-")):
     sel = sorted((r for r in dec if r["side"] == side), key=lambda r: r["batch"])
     if not sel:
       continue
@@ -328,8 +332,8 @@ def _plot(rows: list[dict], path: str) -> None:
                      yerr=[[r["tokens_per_s"] - r["tokens_per_s_min"] for r in sel],
                            [r["tokens_per_s_max"] - r["tokens_per_s"] for r in sel]])
     axes[1].plot(b, [r["fraction_of_roofline"] for r in sel], style, label=side)
-  roof = sorted({(r["batch"], r["roofline_tokens_per_s"]) for r in dec})
-  axes[0].plot([b for b, _ in roof], [t for _, t in roof], "kx--", label="memory roofline")
+  roof = sorted({(r["batch"], r["roofline_tokens_per_s"]) for r in dec if r["side"] == "jaxinfer"})
+  axes[0].plot([b for b, _ in roof], [t for _, t in roof], "kx--", label="memory roofline (float)")
   axes[0].set(xscale="log", yscale="log", xlabel="batch", ylabel="decode tokens / s",
               title="decode throughput")
   axes[1].set(xscale="log", xlabel="batch", ylabel="fraction of the roofline",
@@ -357,20 +361,34 @@ def _row(phase, side, batch, prompt_len, new_tokens, spread, **extra) -> dict:
               new_tokens=new_tokens, **spread, **extra)
 
 
-def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, repeats,
-             seed) -> list:
-  """Ours (and HF's, when hf is not None) decode per batch, then prefill at
-  batch 1. -> [(phase, side, batch, prompt_len, new_tokens, result)]."""
-  cells = []
+def quantized(cfg: ModelConfig, params, method: str):
+  """cfg and params with every projection weight-only quantized (`models.quant`),
+  per output channel (int4: groups of 32 inputs)."""
+  block = {"int4": (1, 32), "mxfp4": (1, 32), "nvfp4": (1, 16)}.get(method, (1, 0))
+  qcfg = dataclasses.replace(cfg, quant=QuantConfig(method=method, block=block))
+  return qcfg, models.specs.quantize_params(qcfg, params)
 
-  def cell(phase, side, b, plen, n, res):
-    cells.append((phase, side, b, plen, n, res))
+
+def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, repeats,
+             seed, quant=()) -> list:
+  """Ours (and HF's, when hf is not None; ours with weights quantized by each
+  `quant` method) decode per batch, then prefill at batch 1.
+  -> [(phase, side, batch, prompt_len, new_tokens, result, cfg)]."""
+  cells = []
+  qmodels = {m: quantized(cfg, params, m) for m in quant}
+
+  def cell(phase, side, b, plen, n, res, c=cfg):
+    cells.append((phase, side, b, plen, n, res, c))
     print(f"{phase} batch {b} {side}: {res[phase]['tokens_per_s']:.1f} tok/s", flush=True)
 
   for b in batches:
     cell("decode", "jaxinfer", b, prompt_len, new_tokens,
          bench_engine(cfg, params, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
                       repeats=repeats, seed=seed))
+    for m, (qcfg, qparams) in qmodels.items():
+      cell("decode", f"jaxinfer {m}", b, prompt_len, new_tokens,
+           bench_engine(qcfg, qparams, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
+                        repeats=repeats, seed=seed), qcfg)
     if hf is not None:
       cell("decode", "hf", b, prompt_len, new_tokens,
            bench_hf(hf, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
@@ -387,10 +405,10 @@ def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, r
 def _rows(cfg, cells, gbps: float, itemsize: int) -> list[dict]:
   """Result rows: decode against the roofline at `gbps`, ours against HF's."""
   rows = []
-  for phase, side, b, plen, n, res in cells:
+  for phase, side, b, plen, n, res, c in cells:
     extra = {k: res[k] for k in _COMPILE_KEYS if k in res}
     if phase == "decode":
-      bytes_ = decode_bytes_per_step(cfg, b, plen + n // 2, itemsize)
+      bytes_ = decode_bytes_per_step(c, b, plen + n // 2, itemsize)
       roof = b * gbps * 1e9 / bytes_["total"]
       extra.update(bytes_per_step=bytes_, roofline_tokens_per_s=roof,
                    fraction_of_roofline=res["decode"]["tokens_per_s"] / roof)
@@ -400,18 +418,23 @@ def _rows(cfg, cells, gbps: float, itemsize: int) -> list[dict]:
       peer_row = next((p for p in rows if p["side"] == "hf" and p["phase"] == r["phase"]
                        and p["batch"] == r["batch"]), None)
       r["ratio_vs_hf"] = peer_row and r["tokens_per_s"] / peer_row["tokens_per_s"]
+    elif r["side"].startswith("jaxinfer "):  # quantized weights: against our float run
+      base = next(p for p in rows if p["side"] == "jaxinfer" and p["phase"] == r["phase"]
+                  and p["batch"] == r["batch"])
+      r["ratio_vs_float"] = r["tokens_per_s"] / base["tokens_per_s"]
   return rows
 
 
 def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_len: int = 128,
                      prefill_len: int = 512, new_tokens: int = 64, repeats: int = 5,
                      peer: str = "hf", threads: int | None = None,
-                     bandwidth_bytes: int = 1 << 30, seed: int = 0,
+                     bandwidth_bytes: int = 1 << 30, seed: int = 0, quant=(),
                      out: str | None = None, command: str | None = None) -> dict:
   """Bandwidth, then per batch ours and HF's decode, then prefill at
   `prefill_len` (batch 1), then bandwidth again (the roofline takes the
   higher); prints a table and writes out.json / out.png.
-  -> the written JSON object. peer: "hf" or "none"."""
+  -> the written JSON object. peer: "hf" or "none"; quant: weight-only
+  methods ("int8", "fp8", ...) whose decode runs beside ours in float."""
   if peer not in ("hf", "none"):
     raise ValueError(f"peer must be 'hf' or 'none', got {peer!r}")
   if new_tokens < 2 or repeats < 1 or min(batches) < 1:
@@ -425,6 +448,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
   meta = dict(model=model, params=models.count_params(cfg), dtype=dtype.name,
               batches=list(batches), prompt_len=prompt_len, prefill_len=prefill_len,
               new_tokens=new_tokens, repeats=repeats, peer=peer, torch_threads=threads,
+              quant=list(quant),
               seed=seed, conventions=CONVENTIONS)
   hf = None
   if peer == "hf":
@@ -435,7 +459,8 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
   meta.update(machine=_machine(), command=command or " ".join(map(shlex.quote, sys.argv)))
 
   cells = _measure(cfg, params, hf, batches=batches, prompt_len=prompt_len,
-                   prefill_len=prefill_len, new_tokens=new_tokens, repeats=repeats, seed=seed)
+                   prefill_len=prefill_len, new_tokens=new_tokens, repeats=repeats, seed=seed,
+                   quant=tuple(quant))
   del params, hf
   bw_end = _bandwidth(bandwidth_bytes, "end")
   # The roofline is a ceiling: the higher of the two measurements (a shared

@@ -21,6 +21,7 @@ from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import fuse_gate_up, linear, mlp, pack_linear, rms_norm, rope_cos_sin
 from jaxinfer.models.layouts import FusedMLP, SplitExperts
 from jaxinfer.models.moe_ep import plan_from_params
+from jaxinfer.models.quant import QuantizedWeight
 
 
 def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep=None,
@@ -119,6 +120,8 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
     return pack_linear(w) if transpose_projections else w
 
   def fused(p):
+    if any(isinstance(p[k], QuantizedWeight) for k in _EXPERT_KEYS):
+      return p  # quantized weights stay as loaded: each matmul dequantizes its own
     return FusedMLP(w_gate_up=pack(fuse_gate_up(p["w_gate"], p["w_up"])), w_down=pack(p["w_down"]))
 
   def layer_layout(layer, is_moe):
@@ -129,7 +132,7 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
     else:
       if cfg.num_shared_experts:
         mlp = {**mlp, "shared": fused(mlp["shared"])}
-      if split_experts:
+      if split_experts and not isinstance(mlp["w_down"], QuantizedWeight):
         rest = {k: v for k, v in mlp.items() if k not in _EXPERT_KEYS}
         E = mlp["w_down"].shape[0]
         mlp = SplitExperts(w_down=tuple(mlp["w_down"][e] for e in range(E)),
