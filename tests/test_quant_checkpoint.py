@@ -195,3 +195,14 @@ def test_corrupt_mxfp4_scale_and_bad_configs(tmp_path):
     checkpoint.load_hf(str(qdir), quantize="int8")
   with pytest.raises(ValueError, match="quantize must be one of"):
     checkpoint.load_hf(str(HF / "llama"), quantize="fp6")
+
+
+def test_orbax_round_trip_keeps_weights_quantized(tmp_path):
+  cfg, params = checkpoint.load_hf(str(FIXTURES / "hf_quant" / "deepseek_v3_fp8"), dtype=jnp.float32)
+  checkpoint.save(str(tmp_path / "ck"), cfg, params)
+  cfg2, params2 = checkpoint.restore(str(tmp_path / "ck"))
+  assert cfg2 == cfg and cfg2.quant.layout == "deepseek_fp8"
+  assert params2["layers"][1]["mlp"]["w_gate"].values.dtype == jnp.float8_e4m3fn
+  assert quant.nbytes(params2) == quant.nbytes(params)
+  tokens = np.load(FIXTURES / "hf_quant" / "deepseek_v3_fp8" / "tokens.npy")
+  np.testing.assert_array_equal(models.logits(cfg2, params2, tokens), models.logits(cfg, params, tokens))

@@ -1,6 +1,7 @@
 """Checkpoints: HF safetensors import and orbax save/restore.
 
-  load_hf(path, dtype=None, *, shardings=None) -> (cfg, params)
+  load_hf(path, dtype=None, *, shardings=None, quantize=None) -> (cfg, params)
+  (quantized checkpoints load kept quantized: `models.quant`, `hf_quant`)
   save(path, cfg, params); restore(path, *, shardings=None, dtype=None) -> (cfg, params)
 """
 

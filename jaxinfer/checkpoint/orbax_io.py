@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig, QuantConfig, RopeScaling
 from jaxinfer.models.specs import abstract_params
 
 
@@ -34,6 +34,9 @@ def config_from_dict(d: dict) -> ModelConfig:
     raise ValueError(f"checkpoint config.json: unknown ModelConfig fields {unknown}")
   if d.get("rope_scaling") is not None:
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
+  if d.get("quant") is not None:
+    q = dict(d["quant"])
+    d["quant"] = QuantConfig(**dict(q, block=tuple(q["block"]), targets=tuple(q["targets"])))
   for name in ("layer_types", "dense_layers", "eos_token_ids"):
     if name in d:
       d[name] = tuple(d[name])
