@@ -28,6 +28,8 @@ _REDUNDANT_EXPERTS = flags.DEFINE_integer(
     "redundant_experts", 0, "extra routed-expert copies per MoE block (DeepSeek EPLB style; "
     "the spec tree has none), e.g. 32 for 256 experts on 288 ranks")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "write the report as JSON here")
+_QUANT = flags.DEFINE_string("quant", None, "weight format: fp8, nvfp4, mxfp4, int8, int4 "
+                             "(jaxinfer.presets.QUANT); default: unquantized in --dtype")
 
 
 def main(argv):
@@ -35,7 +37,8 @@ def main(argv):
   run_sharding_report(model=_MODEL.value, mesh=_MESH.value, layout=_LAYOUT.value,
                       dtype=_DTYPE.value, kv_tokens=_KV_TOKENS.value,
                       batch_tokens=_BATCH_TOKENS.value,
-                      redundant_experts=_REDUNDANT_EXPERTS.value, json_out=_JSON_OUT.value)
+                      redundant_experts=_REDUNDANT_EXPERTS.value, quant=_QUANT.value,
+                      json_out=_JSON_OUT.value)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ModelConfig, QuantConfig, RopeScaling
 
 _PRESETS: dict[str, Callable[[], ModelConfig]] = {}
 
@@ -34,6 +34,26 @@ def get(name: str, **overrides) -> ModelConfig:
     raise ValueError(f"unknown preset {name!r}; available: {', '.join(names())}")
   cfg = _PRESETS[name]()
   return dataclasses.replace(cfg, **overrides) if overrides else cfg
+
+
+# The published checkpoints' weight formats, for sizing a preset as shipped
+# (`quant(...)`): DeepSeek-V3/R1 block FP8, NVIDIA's NVFP4 exports, GPT-OSS's
+# MXFP4 experts; int8 / int4 as quantized on load.
+_EXPERTS = ("experts.w_gate", "experts.w_up", "experts.w_down")
+QUANT = {"fp8": QuantConfig(method="fp8", block=(128, 128)),
+         "nvfp4": QuantConfig(method="nvfp4", block=(1, 16)),
+         "mxfp4": QuantConfig(method="mxfp4", block=(1, 32), targets=_EXPERTS),
+         "int8": QuantConfig(method="int8", block=(1, 0)),
+         "int4": QuantConfig(method="int4", block=(1, 32))}
+
+
+def quant(name: str | None) -> QuantConfig | None:
+  """A weight format by name (`QUANT`), or None for unquantized weights."""
+  if name is None or name == "none":
+    return None
+  if name not in QUANT:
+    raise ValueError(f"unknown weight format {name!r}; available: none, {', '.join(QUANT)}")
+  return QUANT[name]
 
 
 # ----------------------------------------------------------------- Llama 3

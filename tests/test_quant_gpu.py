@@ -54,3 +54,16 @@ def test_deepseek_v3_fit_uses_quantized_sizes(quant, devices, fits):
   mesh = gpu_compile.mesh({"data": devices // 8, "expert": 8})
   pb = gpu_plan.param_bytes(cfg, gpu_plan.abstract_params(cfg, mesh, "dp_attn_ep"))
   assert gpu_plan.fit_verdict(pb["all"], 0, 80e9)["fits"] == fits
+
+
+@pytest.mark.parametrize("quant", [QuantConfig(method="fp8", block=(128, 128)),
+                                   QuantConfig(method="nvfp4"), QuantConfig(method="mxfp4", targets=EXPERTS)])
+def test_simulator_weight_bytes_are_the_spec_trees(quant):
+  """The cluster simulator's weights per GPU equal the compiled plan's param
+  bytes (quantized values, scales and the bf16 rest) within 1%."""
+  from jaxinfer.sim.cost import Parallelism, RooflineCost, device
+  cfg = dataclasses.replace(presets.get("deepseek_v3"), quant=quant)
+  sim = RooflineCost(cfg=cfg, device=device("h100"), par=Parallelism(dp=8, ep=8), weight_dtype="bf16")
+  g = gpu_plan.gpu_config(cfg, "bfloat16")
+  pb = gpu_plan.param_bytes(g, gpu_plan.abstract_params(g, gpu_compile.mesh({"expert": 8}), "dp_attn_ep"))
+  assert sim.weight_bytes_per_gpu() == pytest.approx(pb["all"], rel=0.01)

@@ -139,3 +139,19 @@ def test_experiment_script(tmp_path):
   assert "GiB/device" in proc.stdout and "ANALYTIC" in proc.stdout
   data = json.loads(out.read_text())
   assert data["num_devices"] == 288 and data["collectives"]["analytic"] is True
+
+
+def test_quantized_weights_use_their_real_sizes():
+  """DeepSeek-V3 as shipped (block FP8) on 8 GPUs: about half the bf16 bytes,
+  and over an H100's 80 GB where NVFP4 fits."""
+  from jaxinfer.bench import sharding_report as sr
+  bf16 = sr.sharding_report(model="deepseek_v3", mesh_axes={"expert": 8}, layout="dp_attn_ep")
+  fp8 = sr.sharding_report(model="deepseek_v3", mesh_axes={"expert": 8}, layout="dp_attn_ep",
+                           quant="fp8")
+  nvfp4 = sr.sharding_report(model="deepseek_v3", mesh_axes={"expert": 8}, layout="dp_attn_ep",
+                             quant="nvfp4")
+  per_dev = lambda r: r["params"]["per_device_bytes"]
+  assert 0.5 < per_dev(fp8) / per_dev(bf16) < 0.52  # embeddings, norms, routers stay bf16
+  assert per_dev(fp8) > 80e9 > per_dev(nvfp4)
+  assert fp8["quant"] == "fp8" and "weights=fp8" in sr.format_report(fp8)
+  assert fp8["arrays"][-2]["name"].endswith(".values")  # the expert w_gate, stored quantized

@@ -113,8 +113,8 @@ def _param_walk(cfg, dtype, mesh, table, redundant_experts):
   rows = {}
   flat, _ = jax.tree_util.tree_flatten_with_path(specs_lib.param_specs(cfg, dtype),
                                                  is_leaf=specs_lib.is_spec)
-  for kp, s in flat:
-    keys = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)
+  for kp, s in flat:  # a quantized weight's keys end in its field (values, scale)
+    keys = tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", None))) for k in kp)
     name = jax.tree_util.keystr(kp)
     shape = s.shape
     if "expert" in s.logical_axes:  # routed experts as placed: logical + redundant copies
@@ -138,6 +138,7 @@ def _param_walk(cfg, dtype, mesh, table, redundant_experts):
   mlp_seg = seg_is_moe.index(True) if True in seg_is_moe else 0
   picks = [("embed",), ("layers", 0, "attn", "wq"), ("layers", 0, "attn", "wq_b"),
            ("layers", mlp_seg, "mlp", "w_gate")]
+  picks = [k if k in rows else (*k, "values") for k in picks]
   return groups, [rows[k] for k in picks if k in rows]
 
 
@@ -342,11 +343,12 @@ def _visualize(row, mesh_axes) -> str | None:
 
 def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: str,
                     dtype: str = "bfloat16", kv_tokens: int = 0, batch_tokens: int = 256,
-                    redundant_experts: int = 0) -> dict:
+                    redundant_experts: int = 0, quant: str | None = None) -> dict:
   """Params and KV bytes per device, analytic collectives per layer, and
   representative array shardings of preset `model` on a mesh of `mesh_axes`
-  under `layout`; from shapes alone (see the module docstring)."""
-  cfg = presets.get(model)
+  under `layout`; from shapes alone (see the module docstring). quant: the
+  weights' format (`presets.QUANT`: "fp8", "nvfp4", ...; None: `dtype`)."""
+  cfg = presets.get(model, quant=presets.quant(quant))
   mesh_axes = dict(mesh_axes)
   mesh = abstract_mesh(mesh_axes)
   table = sharding.rules(layout, mesh)
@@ -368,7 +370,7 @@ def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: str,
                 per_device_bytes=sum(g["per_device_bytes"] for g in groups.values()),
                 groups=groups)
   return dict(model=model, layout=layout, mesh_axes=mesh_axes, num_devices=mesh.size,
-              dtype=dtype.name, rules=table, redundant_experts=redundant_experts,
+              dtype=dtype.name, quant=quant, rules=table, redundant_experts=redundant_experts,
               physical_experts=cfg.num_experts + redundant_experts if cfg.is_moe else 0,
               params=params, kv=kv,
               per_device_bytes=params["per_device_bytes"] + kv["per_device_bytes"],
@@ -437,7 +439,7 @@ def format_report(r: dict) -> str:
   """A plain-text rendering of `sharding_report`'s dict."""
   mesh = " x ".join(f"{k}={v}" for k, v in r["mesh_axes"].items())
   lines = [f"{r['model']}  layout={r['layout']}  mesh {mesh} ({r['num_devices']} devices)  "
-           f"dtype={r['dtype']}",
+           f"dtype={r['dtype']}" + (f"  weights={r['quant']}" if r.get('quant') else ""),
            "rules: " + ", ".join(f"{k}={_axes(v)}" for k, v in r["rules"].items())]
   if r["redundant_experts"]:
     lines.append(f"routed experts placed: {r['physical_experts']} (incl. "
@@ -468,12 +470,12 @@ def format_report(r: dict) -> str:
 
 def run_sharding_report(*, model: str, mesh: str, layout: str, dtype: str = "bfloat16",
                         kv_tokens: int = 0, batch_tokens: int = 256, redundant_experts: int = 0,
-                        json_out: str | None = None) -> dict:
+                        quant: str | None = None, json_out: str | None = None) -> dict:
   """`sharding_report` for a 'data=8,expert=36' mesh string; prints the table and
   writes the dict as JSON to `json_out` when given."""
   report = sharding_report(model=model, mesh_axes=parse_mesh(mesh), layout=layout, dtype=dtype,
                            kv_tokens=kv_tokens, batch_tokens=batch_tokens,
-                           redundant_experts=redundant_experts)
+                           redundant_experts=redundant_experts, quant=quant)
   print(format_report(report))
   if json_out:
     results.write_report(report, json_out)

@@ -86,6 +86,15 @@ def scale_shape(block, out: int, d_in: int) -> tuple[int, int]:
   return -(-out // bo), -(-d_in // bi)
 
 
+def bytes_per_weight(method: str, block=(0, 0)) -> float:
+  """Bytes one weight takes, its share of the block scales included (a whole-
+  dimension block counts as free: one scale per row or tensor)."""
+  block = FIXED_BLOCKS.get(method, block)
+  per_block = block[0] * block[1]
+  scale = np.dtype(SCALE_DTYPES[method]).itemsize / per_block if per_block else 0.0
+  return (0.5 if method in PACKED else 1.0) + scale
+
+
 def stored_in(method: str, d_in: int) -> int:
   """The values' last dim: packed formats hold two codes per byte."""
   return d_in // 2 if method in PACKED else d_in

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models import quant as quant_lib
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
 
@@ -211,8 +212,9 @@ def param_counts(cfg: ModelConfig) -> _Counts:
   seg_moe = [moe for moe, _, _ in cfg.segments()]
   totals = dict(attn=0, dense_mlp=0, shared=0, expert=0, embed=0, head=0, mtp_dense=0,
                 mtp_expert=0)
-  flat, _ = jax.tree_util.tree_flatten_with_path(specs_lib.param_specs(cfg),
-                                                 is_leaf=specs_lib.is_spec)
+  # Logical weights: a quantized config counts its projections unquantized.
+  flat, _ = jax.tree_util.tree_flatten_with_path(
+      specs_lib.param_specs(dataclasses.replace(cfg, quant=None)), is_leaf=specs_lib.is_spec)
   for kp, s in flat:
     keys = [getattr(k, "key", getattr(k, "idx", None)) for k in kp]
     n = math.prod(s.shape)
@@ -316,6 +318,18 @@ class RooflineCost:
   def _wb(self) -> float:
     return WEIGHT_BYTES[self.weight_dtype]
 
+  def _bytes(self, group: str) -> float:
+    """Bytes per weight of a group (attn, dense_mlp, shared, expert, head):
+    `weight_dtype`'s, or with cfg.quant the real quantized size of the
+    projections it covers (`quant.bytes_per_weight`) and bf16 for the rest."""
+    q = self.cfg.quant
+    if q is None:
+      return self._wb
+    prefix = {"attn": "attn.", "dense_mlp": "mlp.", "shared": "shared.", "expert": "experts."}
+    if group in prefix and any(t.startswith(prefix[group]) for t in q.targets):
+      return quant_lib.bytes_per_weight(q.method, q.block)
+    return WEIGHT_BYTES["bf16"]
+
   @property
   def _flops(self) -> float:
     d = self.device
@@ -343,12 +357,14 @@ class RooflineCost:
 
   def weight_bytes_per_gpu(self) -> float:
     c, tp = self._c, self.par.tp
-    dense = (c.attn * self.cfg.num_layers + c.dense_mlp * c.dense_layers
-             + c.shared * c.moe_layers + c.head * (1 if self.cfg.tie_embeddings else 2)
-             + c.mtp_dense * self.cfg.num_mtp_layers) / tp
+    b = self._bytes
+    dense = (c.attn * self.cfg.num_layers * b("attn") + c.dense_mlp * c.dense_layers * b("dense_mlp")
+             + c.shared * c.moe_layers * b("shared")
+             + c.head * (1 if self.cfg.tie_embeddings else 2) * b("head")
+             + c.mtp_dense * self.cfg.num_mtp_layers * b("shared")) / tp
     experts = self.experts_per_gpu() * (c.expert * c.moe_layers
-                                        + c.mtp_expert * self.cfg.num_mtp_layers)
-    return (dense + experts) * self._wb
+                                        + c.mtp_expert * self.cfg.num_mtp_layers) * b("expert")
+    return dense + experts
 
   def kv_pages(self, page_size: int) -> int:
     """Pages of `page_size` tokens one rank's HBM holds after the weights."""
@@ -418,6 +434,8 @@ class RooflineCost:
     kv_tok = self.kv_bytes_per_token(layers=1) * self.attn_kv_factor  # bytes the kernel reads
     nonexp = c.attn + (c.dense_mlp if kind == "dense" else c.mtp_dense if kind == "mtp"
                        else c.shared)
+    mlp_group = "dense_mlp" if kind == "dense" else "shared"
+    nonexp_bytes = c.attn * self._bytes("attn") + (nonexp - c.attn) * self._bytes(mlp_group)
     worst_attn = worst_dense = 0.0
     for i, (s, r) in enumerate(zip(shapes, rows)):
       if not draft:
@@ -427,7 +445,7 @@ class RooflineCost:
       else:  # one query per sequence over its context
         attn = max(s.kv_read_tokens * kv_tok / bw,
                    s.kv_read_tokens * self._attn_flops_per_pair(True) / tp / Fa)
-      dense = max(nonexp * self._wb / tp / bw, 2 * r * nonexp / tp / F)
+      dense = max(nonexp_bytes / tp / bw, 2 * r * nonexp / tp / F)
       if rank_work is not None:
         rank_work[i] += (attn + dense) * times
       if attn + dense > worst_attn + worst_dense:
@@ -443,7 +461,7 @@ class RooflineCost:
       # over the group, an ep-th of them here (redundant slots add no reads).
       touched = E / self.par.ep * (1 - (1 - k / E) ** group)
       size = c.mtp_expert if kind == "mtp" else c.expert
-      experts = max(touched * size * self._wb / bw,
+      experts = max(touched * size * self._bytes("expert") / bw,
                     2 * per_gpu * k * size * (1 + self.moe_imbalance) / F)
       comm += self._a2a_s(max(rows) / tp)
     comm += self._allreduce_s(max(rows))
@@ -460,7 +478,7 @@ class RooflineCost:
 
   def _head(self, rows: float) -> float:
     c, tp = self._c, self.par.tp
-    return self.slowdown * max(c.head * self._wb / tp / self._bw,
+    return self.slowdown * max(c.head * self._bytes("head") / tp / self._bw,
                                2 * rows * c.head / tp / self._flops)
 
   def step_time(self, shapes: Sequence[StepShape]) -> StepCost:
