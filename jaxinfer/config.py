@@ -66,8 +66,9 @@ class QuantConfig:
   weight's [Out, In] (0: the whole dimension); targets: the `QUANT_TARGETS`
   held quantized (embeddings, lm_head, routers and norms never are);
   layout: the checkpoint's tensor naming (`checkpoint.hf_quant`), "jaxinfer"
-  for weights quantized on load; kv_cache: the KV cache scheme the
-  checkpoint was calibrated for ("fp8" or None), informational.
+  for weights quantized on load; kv_cache: "fp8" when the checkpoint
+  carries per-layer KV cache scales (GQA `k_scale` / `v_scale`, loaded into
+  each attention param dict for the Engine's quantized cache), else None.
   """
 
   method: str

@@ -206,3 +206,15 @@ def test_orbax_round_trip_keeps_weights_quantized(tmp_path):
   assert quant.nbytes(params2) == quant.nbytes(params)
   tokens = np.load(FIXTURES / "hf_quant" / "deepseek_v3_fp8" / "tokens.npy")
   np.testing.assert_array_equal(models.logits(cfg2, params2, tokens), models.logits(cfg, params, tokens))
+
+
+@pytest.mark.parametrize("fmt", ["modelopt_fp8", "ct_fp8_channel"])
+def test_kv_cache_scales_load_per_layer(tmp_path, fmt):
+  export_quantized(str(HF / "llama"), str(tmp_path / "q"), fmt, kv_scales=True)
+  cfg, params = checkpoint.load_hf(str(tmp_path / "q"), dtype=jnp.float32)
+  assert cfg.quant.kv_cache == "fp8"
+  attn = params["layers"][0]["attn"]
+  np.testing.assert_allclose(attn["k_scale"], [0.01, 0.02])  # [L]: layer i holds 0.01 (i + 1)
+  np.testing.assert_allclose(attn["v_scale"], [0.02, 0.04])
+  tokens = np.load(HF / "llama" / "tokens.npy")
+  assert np.isfinite(np.asarray(models.logits(cfg, params, tokens))).all()

@@ -97,6 +97,13 @@ def _attn_sources(cfg: ModelConfig, a: str) -> dict:
     s[("k_norm",)] = _one(f"{a}.k_norm.weight", (H,))
   if cfg.attention_sinks:
     s[("sinks",)] = _one(f"{a}.sinks", (N,))
+  if cfg.quant is not None and cfg.quant.kv_cache:  # per-layer KV cache scales
+    if cfg.quant.layout == "modelopt":  # scalars on the k / v projections
+      s[("k_scale",)] = _one(f"{a}.k_proj.k_scale", ())
+      s[("v_scale",)] = _one(f"{a}.v_proj.v_scale", ())
+    else:  # compressed-tensors: [1] on the attention module
+      s[("k_scale",)] = _one(f"{a}.k_scale", (1,), lambda x: x.reshape(()))
+      s[("v_scale",)] = _one(f"{a}.v_scale", (1,), lambda x: x.reshape(()))
   return s
 
 

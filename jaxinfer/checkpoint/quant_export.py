@@ -48,7 +48,7 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
   """Writes a safetensors file of numpy arrays of any `_ST_DTYPES` dtype."""
   header, offset, blobs = {}, 0, []
   for name in sorted(tensors):
-    a = np.ascontiguousarray(tensors[name])
+    a = np.asarray(tensors[name])  # (ascontiguousarray would make a scalar 1-d)
     data = a.tobytes()
     header[name] = dict(dtype=_ST_DTYPES[a.dtype], shape=list(a.shape),
                         data_offsets=[offset, offset + len(data)])
@@ -137,7 +137,8 @@ def _config_entry(fmt: str, q: QuantConfig, exclude: list[str]) -> tuple[dict, d
     return dict(quant_method="mxfp4", modules_to_not_convert=exclude), None
   if fmt.startswith("modelopt"):
     algo = "NVFP4" if q.method == "nvfp4" else "FP8"
-    quant = dict(quant_algo=algo, kv_cache_quant_algo=None, exclude_modules=exclude,
+    quant = dict(quant_algo=algo, kv_cache_quant_algo="FP8" if q.kv_cache else None,
+                 exclude_modules=exclude,
                  **({"group_size": 16} if algo == "NVFP4" else {}))
     return None, dict(producer=dict(name="modelopt"), quantization=quant)
   weights = dict(num_bits=8, type="float", symmetric=True, dynamic=False,
@@ -145,17 +146,33 @@ def _config_entry(fmt: str, q: QuantConfig, exclude: list[str]) -> tuple[dict, d
   if q.method == "nvfp4":
     weights = dict(num_bits=4, type="float", symmetric=True, dynamic=False,
                    strategy="tensor_group", group_size=16)
+  kv = dict(num_bits=8, type="float", strategy="tensor", dynamic=False, symmetric=True)
   return dict(quant_method="compressed-tensors", quantization_status="compressed",
+              kv_cache_scheme=kv if q.kv_cache else None,
               format="nvfp4-pack-quantized" if q.method == "nvfp4" else "float-quantized",
               config_groups=dict(group_0=dict(targets=["Linear"], weights=weights,
                                               input_activations=None)),
               ignore=exclude), None
 
 
-def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, targets=None) -> QuantConfig:
+def _kv_scales(cfg: ModelConfig, q: QuantConfig) -> dict[str, np.ndarray]:
+  """Per-layer KV cache scales (layer i: k 0.01 (i + 1), v 0.02 (i + 1))."""
+  out = {}
+  for i in range(cfg.num_layers):
+    a = f"model.layers.{i}.self_attn"
+    for kv, v in (("k", 0.01 * (i + 1)), ("v", 0.02 * (i + 1))):
+      name = f"{a}.{kv}_proj.{kv}_scale" if q.layout == "modelopt" else f"{a}.{kv}_scale"
+      out[name] = np.full(() if q.layout == "modelopt" else (1,), v, np.float32)
+  return out
+
+
+def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, targets=None,
+                     kv_scales: bool = False) -> QuantConfig:
   """Writes src_dir's float checkpoint (one safetensors file) quantized in
   `fmt` to out_dir; returns the QuantConfig it encodes. targets default to
-  every projection (MXFP4: the routed experts, as GPT-OSS ships)."""
+  every projection (MXFP4: the routed experts, as GPT-OSS ships); kv_scales
+  (ModelOpt and compressed-tensors, GQA models) adds per-layer FP8 KV cache
+  scales and declares them in the config."""
   if fmt not in FORMATS:
     raise ValueError(f"export_quantized: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
   method, layout, default_block = FORMATS[fmt]
@@ -165,7 +182,10 @@ def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, target
   if targets is None:
     targets = ("experts.w_gate", "experts.w_up", "experts.w_down") if method == "mxfp4" else QUANT_TARGETS
   q = QuantConfig(method=method, block=tuple(block or default_block), targets=tuple(targets),
-                  layout=layout)
+                  layout=layout, kv_cache="fp8" if kv_scales else None)
+  if kv_scales and (layout not in ("modelopt", "compressed_tensors") or cfg.attention != "gqa"):
+    raise ValueError("export_quantized: kv_scales needs a ModelOpt or compressed-tensors format "
+                     "and a GQA model")
   with safe_open(os.path.join(src_dir, "model.safetensors"), "numpy") as f:
     tensors = {k: f.get_tensor(k) for k in f.keys()}
   refs = _weights(cfg, q.targets, tensors.__contains__)
@@ -177,6 +197,8 @@ def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, target
     if cfg.model_type == "gpt_oss" and refs[name].lead:  # fused experts stored [E, in, out]
       w = np.swapaxes(w, -1, -2)
     out.update(_quantized_tensors(q, name, w.astype(np.float32)))
+  if kv_scales:
+    out.update(_kv_scales(cfg, q))
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(out, os.path.join(out_dir, "model.safetensors"))
   qc, modelopt = _config_entry(fmt, q, _exclude(q.targets, cfg.model_type))
