@@ -62,6 +62,15 @@ def resolve(implementation: str | None, target: str | None = None) -> tuple[str,
   return impl, target != "gpu"
 
 
+def quantized_matmul(x, codes, scale, *, block, target: str | None = None):
+  """x [M, K] @ W^T with W [N, K] = codes (float8_e4m3fn / int8) * scale over
+  `block` blocks, on the Pallas kernel that dequantizes tile by tile
+  (`pallas_kernels.quantized_matmul`): compiled for a GPU target, interpreted
+  otherwise. -> [M, N] in x's dtype. (`layers.linear` picks it.)"""
+  _, interpret = resolve("pallas", target)
+  return pallas_kernels.quantized_matmul(x, codes, scale, block=block, interpret=interpret)
+
+
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
                  num_q_heads: int | None = None, max_q: int = 1, head_dim: int = 128,
                  value_dim: int | None = None, values_from_keys: bool = False) -> dict:

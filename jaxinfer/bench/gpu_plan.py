@@ -41,6 +41,7 @@ from jaxinfer.bench import results
 from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
+from jaxinfer.models import quant
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.sim.cost import param_counts
@@ -84,9 +85,12 @@ def gpu_config(cfg: ModelConfig, dtype: str) -> ModelConfig:
 
 
 def abstract_params(cfg: ModelConfig, mesh, layout: str):
-  """The spec tree as ShapeDtypeStructs in the layout's shardings (no allocation)."""
-  return gpu_compile.abstract(specs_lib.abstract_params(cfg),
-                              sharding.param_shardings(cfg, mesh, layout))
+  """The spec tree as ShapeDtypeStructs in the layout's shardings (no
+  allocation); quantized projections marked for the kernel where the Engine
+  marks them (one device, or per rank under attention DP)."""
+  params = gpu_compile.abstract(specs_lib.abstract_params(cfg),
+                                sharding.param_shardings(cfg, mesh, layout))
+  return quant.with_kernel(params) if mesh.size == 1 or layout == "dp_attn_ep" else params
 
 
 def abstract_pool(cfg: ModelConfig, mesh, layout: str, pages_per_rank: int, page_size: int,
@@ -327,6 +331,7 @@ def compile_program(lowered, hbm_bytes: float) -> dict:
   hlo = compiled.as_text()
   return dict(memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
+              quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
               kernel_all_gathers=kernel_gathers(hlo), collectives=collectives(hlo))
 
 

@@ -29,7 +29,7 @@ from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # no
 from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
-from jaxinfer.models import mtp, transformer
+from jaxinfer.models import mtp, quant, transformer
 from jaxinfer.models.moe_ep import plan_from_params
 
 
@@ -178,9 +178,13 @@ class Engine(EngineCore):
     self.params, self._ep = params, plan_from_params(params)
     # Unsharded, the projections are stored transposed (`layers.PackedLinear`:
     # measured 1.1-1.45x faster at 1-32 rows on the 2-core dev machine).
-    self._step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None,
-                                                 transpose_projections=self.mesh is None)
-                         if self._unroll else params)
+    step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None,
+                                           transpose_projections=self.mesh is None)
+                   if self._unroll else params)
+    # Quantized projections a step holds whole (one device, or per rank under
+    # attention DP) go to the per-tile dequantizing kernel on a GPU target.
+    local = self.mesh is None or self.layout == "dp_attn_ep"
+    self._step_params = quant.with_kernel(step_params) if local else step_params
 
   def _zero_load(self):
     # The trunk's MoE layers, then the MTP modules' when they run (speculation).

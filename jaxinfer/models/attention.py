@@ -17,16 +17,17 @@ from jaxinfer.models.layouts import AbsorbedMLA
 from jaxinfer.models.quant import QuantizedWeight, dense
 
 
-def out_proj(out, wo):
+def out_proj(out, wo, target=None):
   """[B, T, N, H] x [N, H, D] (or its `PackedLinear`) -> [B, T, D] as one
   [B, T, N*H] x [N*H, D] matmul, so the weight is read in its stored layout
   (the einsum made XLA:CPU transpose wo into a copy every step)."""
-  return linear(out, wo, in_dims=2).astype(out.dtype)
+  return linear(out, wo, in_dims=2, target=target).astype(out.dtype)
 
 
 def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """Grouped-query attention with optional biases, q/k norm and sinks."""
-  q, k, v = linear(x, p["wq"]), linear(x, p["wk"]), linear(x, p["wv"])
+  t = cfg.kernel_target
+  q, k, v = linear(x, p["wq"], target=t), linear(x, p["wk"], target=t), linear(x, p["wv"], target=t)
   if cfg.qkv_bias:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
@@ -35,7 +36,7 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, sinks=p.get("sinks"),
                           scale=cfg.softmax_scale(), impl=cfg.attention_impl,
                           target=cfg.kernel_target)
-  out = out_proj(out, p["wo"])
+  out = out_proj(out, p["wo"], cfg.kernel_target)
   if cfg.o_bias:
     out = out + p["bo"]
   return out, cache
@@ -79,13 +80,13 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """
   R, Hn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
   if cfg.q_lora_rank:
-    q = linear(x, p["wq_a"])
-    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"])
+    q = linear(x, p["wq_a"], target=cfg.kernel_target)
+    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"], target=cfg.kernel_target)
   else:
-    q = linear(x, p["wq"])
+    q = linear(x, p["wq"], target=cfg.kernel_target)
   q_nope, q_rope = q[..., :Hn], q[..., Hn:]
   q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-  kv = linear(x, p["wkv_a"])  # [B, T, R + Hr]
+  kv = linear(x, p["wkv_a"], target=cfg.kernel_target)  # [B, T, R + Hr]
   c = rms_norm(kv[..., :R], p["kv_norm"], cfg.norm_eps)
   k_rope = apply_rope(kv[:, :, None, R:], cos, sin, cfg.rope_interleave)[:, :, 0]
   w_uk, w_uv = absorbed_weights(cfg, p)  # [N, Hn, R], [N, R, Hv]
@@ -106,7 +107,7 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
                                 impl=cfg.attention_impl, target=cfg.kernel_target)
     out = jnp.einsum("BTNR,NRH->BTNH", out_lat, w_uv)
-  return out_proj(out, p["wo"]), cache
+  return out_proj(out, p["wo"], cfg.kernel_target), cache
 
 
 def attention(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):

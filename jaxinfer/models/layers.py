@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig, RopeScaling, yarn_get_mscale
+from jaxinfer.models import quant
 from jaxinfer.models.layouts import FusedMLP
 from jaxinfer.models.quant import QuantizedWeight, matmul_weight
 
@@ -48,10 +50,18 @@ def pack_linear(w, in_dims: int = 1) -> PackedLinear:
   return PackedLinear(wt, tuple(w.shape[in_dims:]))
 
 
-def linear(x, w, in_dims: int = 1, preferred_element_type=None):
+def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | None = None):
   """x [..., *In] times w [*In, *Out] (or its `PackedLinear`) -> [..., *Out],
   contracting the last in_dims dims of x. A `QuantizedWeight` is
-  dequantized here, inside the step, to x's dtype."""
+  dequantized inside the step: per tile by the Pallas kernel for a GPU
+  target when the weight is marked for it (`quant.kernel_ready`), else
+  whole (one layer's matrix) to x's dtype."""
+  if isinstance(w, QuantizedWeight) and quant.kernel_ready(w) \
+      and ops.resolve(None, target)[0] == "pallas":
+    x2 = x.reshape(-1, w.dims[1])
+    y = ops.quantized_matmul(x2, w.values, w.scale, block=w.block, target=target)
+    y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
+    return y if preferred_element_type is None else y.astype(preferred_element_type)
   if isinstance(w, QuantizedWeight):
     w = PackedLinear(matmul_weight(w, x.dtype), w.out_shape)
   if isinstance(w, PackedLinear):
@@ -159,5 +169,6 @@ def mlp(cfg: ModelConfig, p, x):
   if isinstance(p, FusedMLP):
     gate, up = jnp.split(linear(x, p.w_gate_up), 2, axis=-1)
   else:
-    gate, up = linear(x, p["w_gate"]), linear(x, p["w_up"])
-  return linear(glu(cfg, gate, up), p["w_down"])
+    t = cfg.kernel_target
+    gate, up = linear(x, p["w_gate"], target=t), linear(x, p["w_up"], target=t)
+  return linear(glu(cfg, gate, up), p["w_down"], target=cfg.kernel_target)

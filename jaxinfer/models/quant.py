@@ -56,6 +56,10 @@ class QuantizedWeight:
   block: tuple[int, int] = struct.field(pytree_node=False, default=(0, 0))
   in_shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
   out_shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
+  # The program holds this weight whole (one device, or a per-rank shard_map):
+  # `linear` may then multiply it with the Pallas kernel on a GPU target
+  # (`with_kernel`); a GSPMD-sharded weight would be gathered around the call.
+  kernel: bool = struct.field(pytree_node=False, default=False)
 
   @property
   def lead(self) -> tuple[int, ...]:
@@ -140,6 +144,20 @@ def dense(w, dtype=None) -> jax.Array:
   lead = w.lead
   m = jnp.swapaxes(m, -1, -2)  # [*lead, In, Out]
   return m.reshape(*lead, *w.in_shape, *w.out_shape)
+
+
+def kernel_ready(w: QuantizedWeight) -> bool:
+  """Whether `linear` can hand w to the quantized matmul kernel: 1-byte
+  codes, one matrix (no lead dims), scale blocks of 16+ inputs."""
+  bi = block_sizes(w.block, *w.dims)[1]
+  return (w.kernel and w.method in ("fp8", "int8") and not w.lead
+          and (bi >= w.dims[1] or bi % 16 == 0))
+
+
+def with_kernel(tree, on: bool = True):
+  """Every `QuantizedWeight` in tree marked (or unmarked) for the kernel."""
+  return jax.tree.map(lambda w: w.replace(kernel=on) if isinstance(w, QuantizedWeight) else w,
+                      tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
 def dense_tree(tree, dtype):
