@@ -71,6 +71,16 @@ def quantized_matmul(x, codes, scale, *, block, target: str | None = None):
   return pallas_kernels.quantized_matmul(x, codes, scale, block=block, interpret=interpret)
 
 
+def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block, target: str | None = None):
+  """`jax.lax.ragged_dot` of xs [R, K] (sorted by expert, group_sizes [E]) with
+  the experts' W_e [N, K] = codes[e] * scale[e], on the Pallas kernel that
+  dequantizes tile by tile (compiled for a GPU target, interpreted otherwise).
+  -> [R, N]. (`moe_core.grouped_ffn` picks it.)"""
+  _, interpret = resolve("pallas", target)
+  return pallas_kernels.quantized_grouped_matmul(xs, codes, scale, group_sizes, block=block,
+                                                 interpret=interpret)
+
+
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
                  num_q_heads: int | None = None, max_q: int = 1, head_dim: int = 128,
                  value_dim: int | None = None, values_from_keys: bool = False) -> dict:

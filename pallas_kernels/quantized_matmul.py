@@ -141,3 +141,103 @@ def quantized_matmul_reference(x, codes, scale, *, block=(0, 0)):
   w = codes.astype(jnp.float32) * s
   y = jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST)
   return y.astype(x.dtype)
+
+
+# ------------------------------------------------------------ grouped (MoE experts)
+
+def _grouped_kernel(item_ref, x_ref, q_ref, s_ref, o_ref, *, block_k, block_n):
+  # item_ref [2]                    (expert, rows) of this work item
+  # x_ref    [block_m, K_pad]       the item's rows (zero past `rows`)
+  # q_ref    [E, N_pad, K_pad]      every expert's codes (the item's expert is read)
+  # s_ref    [E, K_pad / block_k, N_pad]  float32 scale per key tile and output row
+  # o_ref    [block_m, block_n]
+  e, rows = item_ref[0], item_ref[1]
+  ns = pl.ds(pl.program_id(1) * block_n, block_n)
+
+  def body(kb, acc):
+    ks = pl.ds(kb * block_k, block_k)
+    x = x_ref[:, ks]
+    q = q_ref[e, ns, ks].astype(x.dtype)
+    part = lax.dot_general(x, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return acc + part * s_ref[e, pl.ds(kb, 1), ns]
+
+  # Empty items read nothing (a dynamic trip count; bounds of one integer type for Triton).
+  num_kb = jnp.where(rows > 0, jnp.int32(q_ref.shape[2] // block_k), jnp.int32(0))
+  acc = lax.fori_loop(jnp.int32(0), num_kb, body, jnp.zeros(o_ref.shape, jnp.float32))
+  o_ref[...] = acc.astype(o_ref.dtype)
+
+
+def _work_items(group_sizes, R: int, bm: int):
+  """Rows grouped by expert -> work items of <= bm rows of one expert.
+  -> (items [W, 2] (expert, rows), src [W * bm] row of xs per padded row
+  (R: none), pos [R] padded row of each row of xs)."""
+  E = group_sizes.shape[0]
+  W = pl.cdiv(R, bm) + E  # each group adds at most one partial tile
+  sizes = group_sizes.astype(jnp.int32)
+  offsets = jnp.cumsum(sizes) - sizes
+  tiles = (sizes + bm - 1) // bm
+  first = jnp.cumsum(tiles) - tiles  # first item of each expert
+  w = jnp.arange(W, dtype=jnp.int32)
+  e = jnp.clip(jnp.searchsorted(first + tiles, w, side="right"), 0, E - 1).astype(jnp.int32)
+  local = (w - first[e]) * bm
+  rows = jnp.where(w < first[e] + tiles[e], jnp.clip(sizes[e] - local, 0, bm), 0)
+  i = jnp.arange(bm, dtype=jnp.int32)
+  src = jnp.where(i[None, :] < rows[:, None], offsets[e][:, None] + local[:, None] + i[None, :], R)
+  r = jnp.arange(R, dtype=jnp.int32)
+  re = jnp.clip(jnp.searchsorted(offsets + sizes, r, side="right"), 0, E - 1)
+  rl = r - offsets[re]
+  pos = jnp.where(r < jnp.sum(sizes), (first[re] + rl // bm) * bm + rl % bm, W * bm)
+  return jnp.stack([e, rows], axis=1), src.reshape(-1), pos
+
+
+def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block=(0, 0),
+                             blocks: BlockSizes = BlockSizes(), interpret: bool = False):
+  """The MoE experts' grouped form (`jax.lax.ragged_dot` semantics): xs [R, K]
+  sorted by expert, group_sizes [E] rows per expert; row r of expert e gets
+  xs[r] @ W_e^T, W_e [N, K] = codes[e] * scale[e] over `block` blocks; rows
+  past sum(group_sizes) are 0. -> [R, N] in xs's dtype. Each work item (<=
+  block_m rows of one expert) reads its expert's codes tile by tile."""
+  if codes.ndim != 3 or scale.ndim != 3 or group_sizes.shape != (codes.shape[0],):
+    raise ValueError(f"quantized_grouped_matmul: codes [E, N, K], scale [E, ., .], group_sizes "
+                     f"[E]; got {codes.shape}, {scale.shape}, {group_sizes.shape}")
+  M, K, N, bo, bi = _check(xs, codes[0], scale[0], block)
+  return _quantized_grouped_matmul(xs, codes, scale, group_sizes, bo=bo, bi=bi,
+                                   blocks=blocks.fit(M, bi, K), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("bo", "bi", "blocks", "interpret"))
+def _quantized_grouped_matmul(xs, codes, scale, group_sizes, *, bo, bi, blocks, interpret):
+  (R, K), (E, N, _) = xs.shape, codes.shape
+  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
+  N_pad, K_pad = pl.cdiv(N, bn) * bn, pl.cdiv(K, bk) * bk
+  items, src, pos = _work_items(group_sizes, R, bm)
+  W = items.shape[0]
+  x = jnp.pad(xs, ((0, 1), (0, K_pad - K)))[src]  # [W * bm, K_pad], zero rows past each item
+  codes = jnp.pad(codes, ((0, 0), (0, N_pad - N), (0, K_pad - K)))
+  s_t = jax.vmap(lambda s: tile_scales(s, bo, bi, N_pad, K_pad, bk))(scale)
+  out = pl.pallas_call(
+      functools.partial(_grouped_kernel, block_k=bk, block_n=bn),
+      grid=(W, N_pad // bn),
+      in_specs=[pl.BlockSpec((None, 2), lambda w, j: (w, 0)),
+                pl.BlockSpec((bm, K_pad), lambda w, j: (w, 0)),
+                pl.BlockSpec((E, N_pad, K_pad), lambda w, j: (0, 0, 0)),
+                pl.BlockSpec((E, K_pad // bk, N_pad), lambda w, j: (0, 0, 0))],
+      out_specs=pl.BlockSpec((bm, bn), lambda w, j: (w, j)),
+      out_shape=jax.ShapeDtypeStruct((W * bm, N_pad), xs.dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
+      interpret=interpret,
+      name="quantized_grouped_matmul",
+  )(items, x, codes, s_t)
+  out = jnp.pad(out, ((0, 1), (0, 0)))  # row W * bm: zeros for rows past the groups
+  return out[pos, :N]
+
+
+def quantized_grouped_matmul_reference(xs, codes, scale, group_sizes, *, block=(0, 0)):
+  """Dequantize every expert in float32, then `jax.lax.ragged_dot`."""
+  E, N, K = codes.shape
+  bo, bi = block[0] or N, block[1] or K
+  s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), bo, axis=1)[:, :N], bi, axis=2)[:, :, :K]
+  w = jnp.swapaxes(codes.astype(jnp.float32) * s, 1, 2)  # [E, K, N]
+  y = lax.ragged_dot(xs.astype(jnp.float32), w, group_sizes.astype(jnp.int32),
+                     precision=lax.Precision.HIGHEST)
+  return y.astype(xs.dtype)

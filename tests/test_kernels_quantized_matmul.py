@@ -100,3 +100,41 @@ def test_kernel_compiles_for_h100_at_serving_shapes(M, N, K, block, dtype):
   mem = gpu_compile.MemoryReport.of(compiled)
   # Scratch is the padded activations and the per-tile scales: never a float copy of W.
   assert mem.temp_bytes < 0.05 * N * K * 2, mem.temp_bytes
+
+
+@pytest.mark.parametrize("R,sizes,block,method", [
+    (10, [3, 0, 5, 1], (16, 16), "fp8"),   # an empty expert, rows past the groups
+    (40, [17, 0, 20], (1, 0), "int8"),      # groups over one row tile
+    (7, [0, 0], (0, 0), "fp8")])            # nothing routed: all zeros
+def test_grouped_kernel_matches_ragged_dot_reference(R, sizes, block, method):
+  from pallas_kernels.quantized_matmul import (quantized_grouped_matmul,
+                                               quantized_grouped_matmul_reference)
+  rng = np.random.default_rng(R)
+  E, N, K = len(sizes), 48, 64
+  codes, scale, _ = quant.quantize_matrix(rng.normal(0, .05, (E, N, K)).astype(np.float32), method,
+                                          block)
+  x = jnp.asarray(rng.normal(size=(R, K)).astype(np.float32))
+  gs = jnp.asarray(sizes, jnp.int32)
+  args = (x, jnp.asarray(codes), jnp.asarray(scale), gs)
+  got = quantized_grouped_matmul(*args, block=block, interpret=True)
+  want = quantized_grouped_matmul_reference(*args, block=block)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(float(jnp.abs(want).max()), 1))
+  assert not np.any(np.asarray(got)[sum(sizes):])
+
+
+@pytest.mark.parametrize("R,E,N,K", [(64, 32, 2048, 7168), (512, 32, 7168, 2048)])
+def test_grouped_kernel_compiles_for_h100_at_deepseek_expert_shapes(R, E, N, K):
+  """One rank's 32 DeepSeek-V3 experts (gate / down projections), 128-blocks."""
+  import functools
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  from jaxinfer import gpu_compile
+  from pallas_kernels.quantized_matmul import quantized_grouped_matmul
+  sh = NamedSharding(gpu_compile.mesh({"data": 1}), P())
+  S = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=sh)
+  args = (S((R, K), jnp.bfloat16), S((E, N, K), jnp.float8_e4m3fn),
+          S((E, N // 128, K // 128), jnp.float32), S((E,), jnp.int32))
+  compiled = jax.jit(functools.partial(quantized_grouped_matmul, block=(128, 128))).lower(
+      *args).compile()
+  assert "__gpu$xla.gpu.triton" in compiled.as_text()
+  mem = gpu_compile.MemoryReport.of(compiled)
+  assert mem.temp_bytes < 0.1 * E * N * K * 2, mem.temp_bytes  # never a bf16 copy of the experts

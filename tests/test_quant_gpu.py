@@ -34,6 +34,7 @@ def test_quantized_steps_compile_for_one_h100():
       # fp8 projections go through the per-tile dequantizing kernel; NVFP4 experts
       # (packed 4-bit, grouped) are dequantized by XLA.
       assert p["quantized_matmul_kernel"] == (quant.method == "fp8"), p["name"]
+      assert p["quantized_grouped_kernel"] == (quant.method == "fp8"), p["name"]
       # Dequantization happens where a layer reads its weights: the step's scratch
       # grows by far less than a bf16 copy of the params.
       extra = p["memory"]["temp_bytes"] - ref["memory"]["temp_bytes"]
@@ -45,7 +46,8 @@ def test_quantized_dp_attn_ep_step_compiles_for_eight_h100s():
   assert r["fit"]["fits"]
   for p in r["programs"]:
     assert p["triton_kernels"] and p["collectives"]["ragged_all_to_all"] > 0, p["name"]
-    assert p["quantized_matmul_kernel"], p["name"]  # per rank: the weights are local
+    # Per rank the weights are local: projections and experts go through the kernels.
+    assert p["quantized_matmul_kernel"] and p["quantized_grouped_kernel"], p["name"]
 
 
 def test_tensor_parallel_quantized_weights_stay_on_xla():

@@ -332,6 +332,7 @@ def compile_program(lowered, hbm_bytes: float) -> dict:
   return dict(memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
+              quantized_grouped_kernel="jit(_quantized_grouped_matmul)" in hlo,
               kernel_all_gathers=kernel_gathers(hlo), collectives=collectives(hlo))
 
 

@@ -56,8 +56,7 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
   dequantized inside the step: per tile by the Pallas kernel for a GPU
   target when the weight is marked for it (`quant.kernel_ready`), else
   whole (one layer's matrix) to x's dtype."""
-  if isinstance(w, QuantizedWeight) and quant.kernel_ready(w) \
-      and ops.resolve(None, target)[0] == "pallas":
+  if quant.kernel_ready(w) and ops.resolve(None, target)[0] == "pallas":
     x2 = x.reshape(-1, w.dims[1])
     y = ops.quantized_matmul(x2, w.values, w.scale, block=w.block, target=target)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)

@@ -26,8 +26,10 @@ import enum
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import glu
+from jaxinfer.models import quant
 from jaxinfer.models.quant import dense
 
 
@@ -95,14 +97,24 @@ def physical_ids(p, idx, token):
   return p["eplb_replicas"][idx, r]
 
 
+def _grouped_matmul(cfg: ModelConfig, xs, w, sizes):
+  """xs [R, In] sorted by expert times each expert's w [E, In, Out]: the
+  quantized grouped kernel for weights marked for it on a GPU target (tile by
+  tile), else `ragged_dot` (a quantized w dequantized whole first)."""
+  if quant.kernel_ready(w, grouped=True) and ops.resolve(None, cfg.kernel_target)[0] == "pallas":
+    return ops.quantized_grouped_matmul(xs, w.values, w.scale, sizes, block=w.block,
+                                        target=cfg.kernel_target)
+  return jax.lax.ragged_dot(xs, dense(w, xs.dtype), sizes)
+
+
 def grouped_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):
   """Expert FFN on rows grouped by expert: xs [R, D] sorted by expert_ids [R],
   sizes [E] rows per expert (rows past sum(sizes) compute to zero)."""
-  gate = jax.lax.ragged_dot(xs, dense(p["w_gate"], xs.dtype), sizes)
-  up = jax.lax.ragged_dot(xs, dense(p["w_up"], xs.dtype), sizes)
+  gate = _grouped_matmul(cfg, xs, p["w_gate"], sizes)
+  up = _grouped_matmul(cfg, xs, p["w_up"], sizes)
   if cfg.expert_bias:
     gate, up = gate + p["b_gate"][expert_ids], up + p["b_up"][expert_ids]
-  ys = jax.lax.ragged_dot(glu(cfg, gate, up), dense(p["w_down"], xs.dtype), sizes)
+  ys = _grouped_matmul(cfg, glu(cfg, gate, up), p["w_down"], sizes)
   if cfg.expert_bias:
     ys = ys + p["b_down"][expert_ids]
   return ys

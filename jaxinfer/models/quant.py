@@ -146,11 +146,14 @@ def dense(w, dtype=None) -> jax.Array:
   return m.reshape(*lead, *w.in_shape, *w.out_shape)
 
 
-def kernel_ready(w: QuantizedWeight) -> bool:
-  """Whether `linear` can hand w to the quantized matmul kernel: 1-byte
-  codes, one matrix (no lead dims), scale blocks of 16+ inputs."""
+def kernel_ready(w, grouped: bool = False) -> bool:
+  """Whether w goes to the quantized matmul kernels (`linear`: one matrix;
+  grouped: the experts' stack [E, Out, In]): marked, 1-byte codes, scale
+  blocks of 16+ inputs."""
+  if not isinstance(w, QuantizedWeight):
+    return False
   bi = block_sizes(w.block, *w.dims)[1]
-  return (w.kernel and w.method in ("fp8", "int8") and not w.lead
+  return (w.kernel and w.method in ("fp8", "int8") and len(w.lead) == int(grouped)
           and (bi >= w.dims[1] or bi % 16 == 0))
 
 
