@@ -186,7 +186,8 @@ def test_sharded_engine_with_fp8_kv_equals_single_device(axes, layout):
   prompts = _prompts(cfg, [4, 19, 9, 27])
   _, single = _generate(cfg, params, prompts, kv_cache_dtype="fp8")
   eng, out = _generate(cfg, params, prompts, kv_cache_dtype="fp8",
-                       mesh=sharding.make_mesh(axes), layout=layout)
+                       mesh=sharding.make_mesh(axes, jax.devices()[:np.prod(list(axes.values()))]),
+                       layout=layout)
   assert out == single
   scale = eng.pool[1]["kv_scale"]
   assert scale.sharding.is_fully_replicated
