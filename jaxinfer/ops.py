@@ -64,17 +64,20 @@ def resolve(implementation: str | None, target: str | None = None) -> tuple[str,
 
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
                  num_q_heads: int | None = None, max_q: int = 1, head_dim: int = 128,
-                 value_dim: int | None = None, values_from_keys: bool = False) -> dict:
+                 value_dim: int | None = None, values_from_keys: bool = False,
+                 quantized_kv: bool = False) -> dict:
   """GPU tiling of the paged kernel from static shapes (the kernel's keyword
   arguments): `pallas_kernels.paged_attention.gpu_blocks`, i.e. ~64 keys
   per loop step, split-K (up to 8) when sequences x KV heads x row blocks
   give fewer than ~2 programs per H100 SM and the split partials stay under
-  5% of the KV bytes, 8 warps for MLA-wide values."""
+  5% of the KV bytes, 8 warps for MLA-wide values; quantized_kv (1-byte
+  pages): the KV bytes at 1 a value, and one pipeline stage for MLA-wide
+  values (shared memory)."""
   b = gpu_blocks(num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                  num_q_heads=num_q_heads or num_kv_heads, max_q=max_q,
                  pages_per_seq=pages_per_seq, page_size=page_size, head_dim=head_dim,
                  value_dim=value_dim or head_dim, values_from_keys=values_from_keys,
-                 sms=_SM_PROGRAMS)
+                 sms=_SM_PROGRAMS, quantized_kv=quantized_kv)
   return dataclasses.asdict(b)
 
 
@@ -183,7 +186,8 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
       dv = v_head_dim if v_pages is None else v_pages.shape[-1]
       tiling = paged_tiling(page_table.shape[0], dims["kv_head"], page_table.shape[1],
                             page_size, num_q_heads=q.shape[1], max_q=max_q,
-                            head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None)
+                            head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None,
+                            quantized_kv=k_scale is not None)
       why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
       if why and implementation is None:
         impl = "xla"

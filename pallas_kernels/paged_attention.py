@@ -7,7 +7,8 @@ Layout (shared with the engine's page pool and jax's Pallas GPU op):
   k_pages      [K, P, page_size, D]
   v_pages      [K, P, page_size, Dv]       (None: values = k[..., :Dv], MLA's latent)
   k_scale      None, or a float32 scalar: quantized pages (fp8 e4m3 / int8) read
-  v_scale      as pages * scale (`dequantize`), per tile inside the kernel
+  v_scale      as pages * scale (`dequantize`): per tile inside the kernel, each
+               tile cast to q's dtype and its scale folded into the f32 products
   lengths      [B] int32, KV tokens of each sequence including its Q new ones
   page_indices [B, pages_per_seq] int32    (unused slots may point at any page, e.g. 0)
 
@@ -98,7 +99,8 @@ def pow2_parts(n: int) -> tuple[tuple[int, int], ...]:
 
 def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int,
                pages_per_seq: int, page_size: int, head_dim: int, value_dim: int,
-               values_from_keys: bool = False, sms: int = 132) -> PagedBlocks:
+               values_from_keys: bool = False, sms: int = 132,
+               quantized_kv: bool = False) -> PagedBlocks:
   """GPU tiling from static shapes.
 
   - pages_per_compute_block: ~64 keys per loop step.
@@ -108,6 +110,10 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
     heads x row blocks fall short, but never so many that the f32 partials
     (rows x (Dv + 2) x 4 bytes, written and read, per split) exceed 5% of
     the KV bytes the programs read, nor more splits than page blocks.
+  - num_stages 1 for quantized (1-byte) pages with MLA-wide values: the
+    pipelined fp8 buffers plus the tile cast to bf16 for the dot requested
+    241664 bytes of shared memory at 2 stages for DeepSeek-V3's [64, 576]
+    tiles (H100: 232448 available); 1 stage fits.
   """
   ppcb = max(1, 64 // page_size)
   _, rows, _ = item_sizes(num_kv_heads, num_q_heads, max_q, num_seqs * max_q, num_seqs,
@@ -116,14 +122,17 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
   row_blocks = rows // block_r
   programs = num_seqs * num_kv_heads * row_blocks
   splits = max(1, 2 * sms // programs)
-  kv_bytes = pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim)) * 2
+  itemsize = 1 if quantized_kv else 2
+  kv_bytes = (pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim))
+              * itemsize)
   partial_bytes = rows * (value_dim + 2) * 4 * 2
   splits = min(splits, 8, max(1, int(0.05 * kv_bytes * row_blocks / partial_bytes)),
                pl.cdiv(pages_per_seq, ppcb))
   # 8 warps keep a [64, 512] or [128, 128] f32 accumulator at <= 128 registers a thread.
   wide = value_dim >= 256 or block_r * value_dim > 64 * 128
   return PagedBlocks(pages_per_compute_block=ppcb, num_splits=max(1, splits),
-                     num_warps=8 if wide else 4)
+                     num_warps=8 if wide else 4,
+                     num_stages=1 if quantized_kv and value_dim >= 256 else 2)
 
 
 def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
@@ -172,10 +181,15 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
   exact = lax.Precision.HIGHEST if dtype == jnp.float32 else None
   dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32, precision=exact)
   qs = [q_ref[:, pl.ds(a, n)] for a, n in k_parts]
-  k_scale, v_scale = (kvs_ref[0], kvs_ref[1]) if quantized else (None, None)
+  # Quantized pages: each tile is cast to q's dtype (exact: e4m3 and int8
+  # values are bf16 values) and the scales fold into the f32 products,
+  # q.(k s_k) = (q.k) s_k and p.(v s_v) = (p.v) s_v, so no f32 tile is
+  # materialised (an f32 [64, 576] MLA tile overflows H100 shared memory).
+  k_scale, v_scale = (kvs_ref[0], kvs_ref[1]) if quantized else (1.0, 1.0)
+  qk_scale = scale * k_scale
 
-  def load(ref, pages, a, n, s):  # one tile [block_k, n], dequantized in q's dtype
-    return dequantize(ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n), s, dtype)
+  def load(ref, pages, a, n):  # one tile [block_k, n] in q's dtype
+    return ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n).astype(dtype)
 
   first_page = split * pages_per_split
   end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_end, page_size))
@@ -190,8 +204,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
     accs, m, l = carry
     local = start_page + blk * ppcb
     pages = table_ref[pl.ds(local, ppcb)]  # [ppcb]
-    ks = [load(k_ref, pages, a, n, k_scale) for a, n in k_parts]
-    s = sum(dot(q, k, (((1,), (1,)), ((), ()))) for q, k in zip(qs, ks)) * scale
+    ks = [load(k_ref, pages, a, n) for a, n in k_parts]
+    s = sum(dot(q, k, (((1,), (1,)), ((), ()))) for q, k in zip(qs, ks)) * qk_scale
     k_pos = local * page_size + lax.broadcasted_iota(jnp.int32, (block_r, block_k), 1)
     mask = (k_pos < jnp.minimum(kv_end, end_tok)) & (k_pos <= q_pos) & row_valid
     mask &= (window == 0) | (q_pos - k_pos < window)
@@ -202,7 +216,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
     if v_from_k:
       vs = ks[:len(v_parts)]
     else:
-      vs = [load(v_ref, pages, a, n, v_scale) for a, n in v_parts]
+      vs = [load(v_ref, pages, a, n) for a, n in v_parts]
     pv = p.astype(dtype)
     accs = tuple(corr[:, None] * acc + dot(pv, v, (((1,), (0,)), ((), ())))
                  for acc, v in zip(accs, vs))
@@ -217,10 +231,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
   if normalize:  # one split: the output itself (rows that see nothing are 0)
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     for (a, n), acc in zip(v_parts, accs):
-      o_ref[:, pl.ds(a, n)] = (acc * inv[:, None]).astype(o_ref.dtype)
+      o_ref[:, pl.ds(a, n)] = (acc * (inv * v_scale)[:, None]).astype(o_ref.dtype)
     return
   for (a, n), acc in zip(v_parts, accs):
-    o_ref[:, pl.ds(a, n)] = acc
+    o_ref[:, pl.ds(a, n)] = acc * v_scale if quantized else acc
   ml_refs[0][...] = m
   ml_refs[1][...] = l
 
