@@ -15,6 +15,8 @@ Agreement, per quantized cache against the full-precision cache's outputs:
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import inspect
 import time
 
 import numpy as np
@@ -34,8 +36,6 @@ PROMPT_MODULES = ("json.decoder", "textwrap", "string", "fractions", "shlex", "c
 def stdlib_prompts(encode, num: int = 32, length: int = 96, seed: int = 0) -> list[list[int]]:
   """num prompts of `length` characters cut at seeded offsets from the
   sources of PROMPT_MODULES (cycled), encoded with `encode`."""
-  import importlib
-  import inspect
   rng = np.random.default_rng(seed)
   out = []
   for i in range(num):
