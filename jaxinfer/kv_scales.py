@@ -15,22 +15,29 @@ cache array. The Engine takes them, in this order, from:
 2. calibration (`calibrate`), for every segment whose params lack them: one
    full cached forward (`transformer.forward`, the contiguous reference cache
    in the compute dtype) over a fixed calibration prompt, then per layer
-   scale = HEADROOM x amax(|K|) / qmax (qmax 448 for fp8, 127 for int8).
-   The MTP modules' scales come from the same prompt through `mtp.apply`.
+   int8: scale = amax(|K|) / 127; fp8: scale = 2^ceil(log2(amax / 448)), the
+   power of two at or above amax / 448. The MTP modules' scales come from the
+   same prompt through `mtp.apply`.
 
 Why amax over a prompt: the K/V a layer writes are RMS-normed projections
 (MLA's latent) or projections of RMS-normed activations, whose range is a
 property of the weights more than of the text; one short forward sees it,
 costs one compile at engine build, and needs no data set. Values beyond the
 calibrated range saturate (clip), they never overflow. fp8 keeps 3 mantissa
-bits at every magnitude down to 2^-6 x scale, so a 2x headroom against
-prompts that reach further than the calibration one costs nothing; int8's
-resolution is uniform, so its headroom is 1x. Measured on the default model
+bits at every magnitude down to 2^-6 x scale, so headroom against prompts
+that reach further than the calibration one costs it nothing, and a power of
+two gives 1-2x of it while making x / scale and q * scale exact in float: the
+kernel (scale folded into its f32 products), the XLA path and the references
+then dequantize identically, and engines calibrating under different
+shardings (a disaggregated prefill and decode pair) get bit-equal scales
+unless an amax sits on a power-of-two boundary. int8's resolution is uniform,
+so its scale is amax / 127 exactly. Measured on the default model
 (`experiments/kv_quant.py`): real stdlib text reaches up to 1.35x the amax of
 a 64-token random prompt and 1.13x that of a 256-token one (RoPE'd keys see
 more rotations), hence 256 tokens; next-token agreement with the
 full-precision cache on the full-precision outputs was 0.98-0.99 for every
-length / headroom pair tried (64, 256 x 1, 2), differences within noise.
+length / headroom pair tried (64, 256 tokens x 1, 2x amax / qmax),
+differences within noise.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from jaxinfer.models.layers import rope_cos_sin
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.page_pool import KV_CACHE_DTYPES, PoolLayout
 
-HEADROOM = {"fp8": 2.0, "int8": 1.0}
+POW2_SCALES = {"fp8": True, "int8": False}  # fp8 scales rounded up to a power of two
 CALIBRATION_TOKENS = 256  # calibration prompt length (capped at the context)
 CALIBRATION_SEED = 0
 
@@ -132,16 +139,21 @@ def calibrate(cfg: ModelConfig, params, kind: str, *, mtp_too: bool = False,
               tokens=None) -> list[dict]:
   """Scales from one forward over `tokens` [1, T] (default
   `calibration_prompt`): per segment (then the MTP modules' with mtp_too)
-  {scale name: float32 [L]} = HEADROOM[kind] x amax / qmax."""
+  {scale name: float32 [L]} = amax / qmax, for fp8 rounded up to a power of two."""
   if kind not in KV_CACHE_DTYPES:
     raise ValueError(f"calibrate: kind must be one of {tuple(KV_CACHE_DTYPES)}, got {kind!r}")
   tokens = jnp.asarray(calibration_prompt(cfg) if tokens is None else tokens, jnp.int32)
   transformer.check_tokens(cfg, tokens)
   amax = _calibration_amax(cfg, params, tokens, plan_from_params(params), mtp_too)
-  factor = HEADROOM[kind] / KV_CACHE_DTYPES[kind][1]
-  # An all-zero layer (never written by the prompt) keeps scale 1.
-  return [{n: jnp.where(a > 0, a * factor, 1.0).astype(jnp.float32) for n, a in seg.items()}
-          for seg in amax]
+  return [{n: _scale(a, kind) for n, a in seg.items()} for seg in amax]
+
+
+def _scale(amax, kind: str):
+  """amax [L] -> float32 scales [L]; an all-zero layer (never written) keeps 1."""
+  scale = amax.astype(jnp.float32) / KV_CACHE_DTYPES[kind][1]
+  if POW2_SCALES[kind]:
+    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.where(amax > 0, scale, 1.0))))
+  return jnp.where(amax > 0, scale, 1.0).astype(jnp.float32)
 
 
 def resolve(cfg: ModelConfig, params, found: list[dict], kind: str, *,

@@ -16,6 +16,9 @@ from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, kv_cache,
 from jaxinfer.bench import kv_quant
 from jaxinfer.models import transformer
 from jaxinfer.page_pool import KV_CACHE_DTYPES, quantize
+from jaxinfer.serving.cluster import Cluster
+from jaxinfer.serving.disagg import DisaggConfig
+from jaxinfer.serving.worker import Worker
 
 FP8, INT8 = jnp.float8_e4m3fn, jnp.int8
 
@@ -118,8 +121,8 @@ def test_calibrated_scales_are_per_layer_amax_over_qmax():
     for seg, got in zip(cache["layers"], scales):
       for n in ("k", "v"):
         amax = np.max(np.abs(np.asarray(seg[n])), axis=(1, 2, 3, 4))
-        np.testing.assert_allclose(got[f"{n}_scale"], kv_scales.HEADROOM[kind] * amax / top,
-                                   rtol=1e-6)
+        want = amax / top if kind == "int8" else 2.0 ** np.ceil(np.log2(amax / top))
+        np.testing.assert_allclose(got[f"{n}_scale"], want, rtol=1e-6)
   with pytest.raises(ValueError, match="kind"):
     kv_scales.calibrate(cfg, params, "fp4")
 
@@ -191,6 +194,32 @@ def test_sharded_engine_with_fp8_kv_equals_single_device(axes, layout):
   assert out == single
   scale = eng.pool[1]["kv_scale"]
   assert scale.sharding.is_fully_replicated
+
+
+def test_disaggregated_fp8_prefill_and_decode_equal_one_fp8_engine():
+  # Prefill tensor-parallel on devices 0-3, decode attention-DP on 4-7, both
+  # fp8: the stored pages move as they are, each side calibrated its own
+  # (power-of-two, so equal) scales.
+  cfg = dataclasses.replace(presets.get("tiny_moe", num_experts=8, n_group=2, topk_group=1,
+                                        num_heads=8, num_kv_heads=8, num_layers=2,
+                                        num_mtp_layers=0), dtype="float32")
+  params = models.init_params(cfg, jax.random.key(0))
+  config = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_num_batched_tokens=32,
+                        kv_cache_dtype="fp8")
+  prompts = _prompts(cfg, [3, 17, 9, 30])
+  sampling = SamplingParams(max_tokens=6)
+  ref = Engine(cfg, params, config)
+  devices = jax.devices()
+  prefill = Worker(cfg, params, config, role="prefill", devices=devices[:4],
+                   mesh_axes={"tensor": 4}, layout="tp", name="prefill")
+  decode = Worker(cfg, params, config, role="decode", devices=devices[4:8],
+                  mesh_axes={"data": 2, "expert": 2}, layout="dp_attn_ep", name="decode")
+  for w in (prefill, decode):
+    for a, b in zip(w.engine.kv_scales, ref.kv_scales):
+      np.testing.assert_array_equal(a["kv_scale"], b["kv_scale"])
+  outs = Cluster([prefill, decode], disagg=DisaggConfig(mode="always")).generate(prompts, sampling)
+  assert [o.token_ids for o in outs] == [o.token_ids for o in ref.generate(prompts, sampling)]
+  assert all(o.prefill_worker == 0 and o.worker == 1 for o in outs)
 
 
 def test_default_model_greedy_agreement_with_full_precision_kv():
