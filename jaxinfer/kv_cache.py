@@ -3,7 +3,8 @@
 Device pool: a `page_pool.PagePool` (one stacked entry per layer segment,
 plus the MTP modules' entry when the engine speculates; its `PoolLayout`
 says how the arrays are laid out), donated through every step. Page 0 is a
-reserved null page.
+reserved null page. A pool of fp8 / int8 pages (`page_pool.KV_CACHE_DTYPES`)
+also holds its per-layer scales (`kv_scales` makes them).
 
 Host `PageAllocator`: a free list, refcounts, and prefix caching: a full page
 is identified by a hash chained on its parent's hash and its tokens, so equal
@@ -28,7 +29,9 @@ from jaxinfer.page_pool import NULL_PAGE, PagePool, PoolLayout  # noqa: F401 (NU
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype, mtp: bool = False) -> int:
-  """Bytes of one page across all layers (and the MTP modules' with mtp)."""
+  """Bytes of one page across all layers (and the MTP modules' with mtp),
+  pages stored in `dtype` (fp8 / int8: 1 byte a value; the scales, a few
+  bytes a layer for the whole pool, are not paged)."""
   per_token = sum(math.prod(e) for e in cache_entry_shapes(cfg).values())
   layers = cfg.num_layers + (cfg.num_mtp_layers if mtp else 0)
   return per_token * page_size * layers * jnp.dtype(dtype).itemsize
@@ -54,20 +57,23 @@ def num_pages_for(cfg: ModelConfig, page_size: int, dtype, *, kv_cache_bytes: in
   return int(n)
 
 
-def pool_layout(cfg: ModelConfig) -> PoolLayout:
-  """The page pool's layout for this model's attention."""
-  return PoolLayout.for_attention(cfg.attention)
+def pool_layout(cfg: ModelConfig, dtype=None) -> PoolLayout:
+  """The page pool's layout for this model's attention (pages in `dtype`)."""
+  return PoolLayout.for_attention(cfg.attention, dtype)
 
 
 def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=None,
-              mtp: bool = False) -> PagePool:
+              mtp: bool = False, scales=None) -> PagePool:
   """The zeroed device page pool: one stacked entry per `cfg.segments()`,
   plus (mtp) one for the MTP modules' own K/V, last. sharding: the
-  Sharding of every array (`sharding.kv_pool_spec`), or None."""
-  return PagePool.zeros(pool_layout(cfg), [n for _, _, n in cfg.segments()],
+  Sharding of every paged array (`sharding.kv_pool_spec`), or None.
+  dtype float8_e4m3fn / int8: a quantized pool, whose per-layer scales
+  (per segment, the MTP entry last: {k_scale, v_scale} or {kv_scale} [L],
+  `kv_scales.calibrate`) are required."""
+  return PagePool.zeros(pool_layout(cfg, dtype), [n for _, _, n in cfg.segments()],
                         num_pages=num_pages, page_size=page_size,
                         entry=cache_entry_shapes(cfg), dtype=dtype, sharding=sharding,
-                        mtp_layers=cfg.num_mtp_layers if mtp else 0)
+                        mtp_layers=cfg.num_mtp_layers if mtp else 0, scales=scales)
 
 
 @jax.jit

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from jaxinfer import page_pool
 import pallas_kernels
-from pallas_kernels.paged_attention import gpu_blocks, tile_error
+from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
 IMPLEMENTATIONS = ("xla", "pallas")
@@ -83,17 +83,20 @@ def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block, target: st
 
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
                  num_q_heads: int | None = None, max_q: int = 1, head_dim: int = 128,
-                 value_dim: int | None = None, values_from_keys: bool = False) -> dict:
+                 value_dim: int | None = None, values_from_keys: bool = False,
+                 quantized_kv: bool = False) -> dict:
   """GPU tiling of the paged kernel from static shapes (the kernel's keyword
   arguments): `pallas_kernels.paged_attention.gpu_blocks`, i.e. ~64 keys
   per loop step, split-K (up to 8) when sequences x KV heads x row blocks
   give fewer than ~2 programs per H100 SM and the split partials stay under
-  5% of the KV bytes, 8 warps for MLA-wide values."""
+  5% of the KV bytes, 8 warps for MLA-wide values; quantized_kv (1-byte
+  pages): the KV bytes at 1 a value, and one pipeline stage for MLA-wide
+  values (shared memory)."""
   b = gpu_blocks(num_seqs=num_seqs, num_kv_heads=num_kv_heads,
                  num_q_heads=num_q_heads or num_kv_heads, max_q=max_q,
                  pages_per_seq=pages_per_seq, page_size=page_size, head_dim=head_dim,
                  value_dim=value_dim or head_dim, values_from_keys=values_from_keys,
-                 sms=_SM_PROGRAMS)
+                 sms=_SM_PROGRAMS, quantized_kv=quantized_kv)
   return dataclasses.asdict(b)
 
 
@@ -173,7 +176,8 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
-                           implementation: str | None = None, target: str | None = None):
+                           k_scale=None, v_scale=None, implementation: str | None = None,
+                           target: str | None = None):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
@@ -184,7 +188,10 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   latent, one pool for both). layer: pools carry a leading layer axis
   ([L, K, P, page_size, H]) and this layer's pages are read (gathered
   directly, never slicing the layer's whole pool). Rows past cu_q_lens[-1] are padding and return
-  zeros. -> [T, N, Hv].
+  zeros. -> [T, N, Hv]. k_scale / v_scale (float32 scalars, or None):
+  quantized pages (fp8 / int8, `page_pool.KV_CACHE_DTYPES`) read as
+  pages * scale: per tile in the kernel, after the gather on the XLA path
+  (MLA: k_scale, the latent's one scale).
 
   GPU target: the kernel tiled by `paged_tiling`, or (implementation None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
@@ -198,40 +205,42 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
       dv = v_head_dim if v_pages is None else v_pages.shape[-1]
       tiling = paged_tiling(page_table.shape[0], dims["kv_head"], page_table.shape[1],
                             page_size, num_q_heads=q.shape[1], max_q=max_q,
-                            head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None)
+                            head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None,
+                            quantized_kv=k_scale is not None)
       why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
       if why and implementation is None:
         impl = "xla"
   if impl == "pallas":
     return pallas_kernels.ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
-        window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, interpret=interpret,
-        **tiling)
+        window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, k_scale=k_scale,
+        v_scale=v_scale, interpret=interpret, **tiling)
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
   return _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                           window, sinks, scale, v_head_dim, layer)
+                           window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
 
 
 def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                      sinks, scale, v_head_dim, layer):
+                      sinks, scale, v_head_dim, layer, kv_scales):
   # Reference path: gather each sequence's pages into a contiguous [B, S]
   # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
   B, pages = page_table.shape
   dims = page_pool.kernel_dims(k_pages)
   K, page_size = dims["kv_head"], dims["slot"]
 
-  def gather(pool):  # [L, K, P, ps, H] -> [B, pages * ps, K, H] of `layer`
+  def gather(pool, scale):  # [L, K, P, ps, H] -> [B, pages * ps, K, H] of `layer`
     g = pool[layer, :, page_table]  # [B, pages, K, ps, H] (one gather)
-    return g.transpose(0, 1, 3, 2, 4).reshape(B, pages * page_size, K, pool.shape[-1])
+    g = g.transpose(0, 1, 3, 2, 4).reshape(B, pages * page_size, K, pool.shape[-1])
+    return g if scale is None else dequantize(g, scale, q.dtype)
 
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
-  k = gather(k_pages)
-  v = k[..., :v_head_dim] if v_pages is None else gather(v_pages)
+  k = gather(k_pages, kv_scales[0])
+  v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1])
   out = _attention_xla(q_pad, k, v, q_pos, kv_lens, window, sinks, scale)
   out = out[seq, row]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)

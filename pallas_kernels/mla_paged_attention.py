@@ -3,6 +3,8 @@
   q_latent      [B, N, R] or [B, Q, N, R]   q_nope already multiplied by W_uk
   q_rope        [B, N, Hr] or [B, Q, N, Hr]
   latent_pages  [P, page_size, R + Hr]      normed latent c, then the roped shared key
+  kv_scale      None, or the float32 scalar of quantized (fp8 / int8) latent pages:
+                one scale for the whole row, read as pages * kv_scale
   -> out_latent [B, (Q,) N, R]: softmax(q_lat.c + q_rope.k_rope) @ c; the
      up-projection W_uv stays outside the kernel.
 
@@ -37,7 +39,7 @@ def _prepare(q_latent, q_rope, latent_pages, name):
 
 def mla_paged_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
                         pages_per_compute_block=1, num_splits=1, num_warps=4, num_stages=2,
-                        interpret=False):
+                        kv_scale=None, interpret=False):
   """Absorbed MLA attention over the latent pool (shapes in the module docstring).
   sm_scale is required: MLA scales by 1/sqrt(nope + rope dims) (times YaRN's
   mscale^2), not by the latent width. The R + Hr wide rows are read as
@@ -45,22 +47,22 @@ def mla_paged_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mla_paged_attention")
   k_pages = latent_pages[None]
   validate_paged(q, k_pages, None, lengths, page_indices, window=0, sinks=None,
-                 name="mla_paged_attention")
+                 name="mla_paged_attention", k_scale=kv_scale)
   blocks = PagedBlocks(pages_per_compute_block, num_splits, num_warps, num_stages)
   blocks.validate()
   B, Q, N, D = q.shape
   check_tiles(D, R, latent_pages.shape[1], blocks, interpret, "mla_paged_attention")
   cu = jnp.arange(B + 1, dtype=jnp.int32) * Q
   out = ragged_core(q.reshape(B * Q, N, D), k_pages, None, lengths, page_indices, cu, max_q=Q,
-                    scale=sm_scale, dv=R, blocks=blocks, interpret=interpret)
+                    scale=sm_scale, dv=R, blocks=blocks, k_scale=kv_scale, interpret=interpret)
   out = out.reshape(B, Q, N, R)
   return out[:, 0] if squeeze else out
 
 
 def mla_paged_attention_reference(q_latent, q_rope, latent_pages, lengths, page_indices, *,
-                                  sm_scale):
+                                  sm_scale, kv_scale=None):
   """Pure jnp, float32: `mla_paged_attention`'s semantics through `paged_attention_reference`."""
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mla_paged_attention_reference")
   out = paged_attention_reference(q, latent_pages[None], None, lengths, page_indices,
-                                  sm_scale=sm_scale, dv=R)
+                                  sm_scale=sm_scale, dv=R, k_scale=kv_scale)
   return out[:, 0] if squeeze else out

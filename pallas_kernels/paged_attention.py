@@ -6,6 +6,9 @@ Layout (shared with the engine's page pool and jax's Pallas GPU op):
   q            [B, N, D] or [B, Q, N, D]   (Q newest tokens of each sequence)
   k_pages      [K, P, page_size, D]
   v_pages      [K, P, page_size, Dv]       (None: values = k[..., :Dv], MLA's latent)
+  k_scale      None, or a float32 scalar: quantized pages (fp8 e4m3 / int8) read
+  v_scale      as pages * scale (`dequantize`): per tile inside the kernel, each
+               tile cast to q's dtype and its scale folded into the f32 products
   lengths      [B] int32, KV tokens of each sequence including its Q new ones
   page_indices [B, pages_per_seq] int32    (unused slots may point at any page, e.g. 0)
 
@@ -51,6 +54,15 @@ MAX_ROWS = 128  # rows per program for values up to 128 wide ([128, 128] f32 acc
 MAX_ROWS_WIDE = 64  # ... and for wider values (MLA's [64, 512] f32 accumulators)
 
 
+def dequantize(pages, scale, dtype):
+  """Quantized KV (fp8 / int8, or any dtype) -> pages * scale in `dtype`,
+  the product taken in float32 (the kernel's per-tile read, the references'
+  whole-pool one). scale None: a cast."""
+  if scale is None:
+    return pages.astype(dtype)
+  return (pages.astype(jnp.float32) * scale).astype(dtype)
+
+
 def max_rows(dv: int) -> int:
   """Rows a program tiles: accumulators [rows, Dv] f32 must stay in registers."""
   return MAX_ROWS if dv <= 128 else MAX_ROWS_WIDE
@@ -87,7 +99,8 @@ def pow2_parts(n: int) -> tuple[tuple[int, int], ...]:
 
 def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int,
                pages_per_seq: int, page_size: int, head_dim: int, value_dim: int,
-               values_from_keys: bool = False, sms: int = 132) -> PagedBlocks:
+               values_from_keys: bool = False, sms: int = 132,
+               quantized_kv: bool = False) -> PagedBlocks:
   """GPU tiling from static shapes.
 
   - pages_per_compute_block: ~64 keys per loop step.
@@ -97,6 +110,10 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
     heads x row blocks fall short, but never so many that the f32 partials
     (rows x (Dv + 2) x 4 bytes, written and read, per split) exceed 5% of
     the KV bytes the programs read, nor more splits than page blocks.
+  - num_stages 1 for quantized (1-byte) pages with MLA-wide values: the
+    pipelined fp8 buffers plus the tile cast to bf16 for the dot requested
+    241664 bytes of shared memory at 2 stages for DeepSeek-V3's [64, 576]
+    tiles (H100: 232448 available); 1 stage fits.
   """
   ppcb = max(1, 64 // page_size)
   _, rows, _ = item_sizes(num_kv_heads, num_q_heads, max_q, num_seqs * max_q, num_seqs,
@@ -105,14 +122,17 @@ def gpu_blocks(*, num_seqs: int, num_kv_heads: int, num_q_heads: int, max_q: int
   row_blocks = rows // block_r
   programs = num_seqs * num_kv_heads * row_blocks
   splits = max(1, 2 * sms // programs)
-  kv_bytes = pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim)) * 2
+  itemsize = 1 if quantized_kv else 2
+  kv_bytes = (pages_per_seq * page_size * (head_dim + (0 if values_from_keys else value_dim))
+              * itemsize)
   partial_bytes = rows * (value_dim + 2) * 4 * 2
   splits = min(splits, 8, max(1, int(0.05 * kv_bytes * row_blocks / partial_bytes)),
                pl.cdiv(pages_per_seq, ppcb))
   # 8 warps keep a [64, 512] or [128, 128] f32 accumulator at <= 128 registers a thread.
   wide = value_dim >= 256 or block_r * value_dim > 64 * 128
   return PagedBlocks(pages_per_compute_block=ppcb, num_splits=max(1, splits),
-                     num_warps=8 if wide else 4)
+                     num_warps=8 if wide else 4,
+                     num_stages=1 if quantized_kv and value_dim >= 256 else 2)
 
 
 def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
@@ -131,7 +151,7 @@ def tile_error(D: int, Dv: int, page_size: int, ppcb: int) -> str | None:
 
 def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, group,
             row_blocks, block_r, pages_per_split, ppcb, k_parts, v_parts, v_from_k, normalize,
-            has_sinks):
+            has_sinks, quantized):
   # q_ref     [block_r, D]        rows r: token r // G of the item x query head r % G
   # k_ref     [L, K, P, ps, D]    the whole stacked pool, left in HBM (pointer loads)
   # v_ref     [L, K, P, ps, Dv]   (None when v_from_k: values are k's first Dv columns)
@@ -139,11 +159,14 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
   # item_ref  [4] int32           kv_end (keys visible to the item's last token),
   #                               q_pos0 (first token's position), n_tok, unused
   # glob_ref  [2] int32           layer, window (0 = none)
+  # kvs_ref   [2] f32             (quantized pages) k_scale, v_scale
   # sink_ref  [block_r] f32       (normalize with sinks) each row's head's sink logit
   # normalize (one split): o_ref [block_r, Dv] in q's dtype, the attention output;
   # else o_ref [block_r, Dv] f32, m_ref / l_ref [block_r] f32: this split's partials
-  sink_ref = refs[0] if normalize and has_sinks else None
-  o_ref, *ml_refs = refs[1:] if sink_ref is not None else refs
+  refs = list(refs)
+  kvs_ref = refs.pop(0) if quantized else None
+  sink_ref = refs.pop(0) if normalize and has_sinks else None
+  o_ref, *ml_refs = refs
   head = pl.program_id(0) // row_blocks
   row0 = (pl.program_id(0) % row_blocks) * block_r
   split = pl.program_id(2)
@@ -158,6 +181,15 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
   exact = lax.Precision.HIGHEST if dtype == jnp.float32 else None
   dot = functools.partial(lax.dot_general, preferred_element_type=jnp.float32, precision=exact)
   qs = [q_ref[:, pl.ds(a, n)] for a, n in k_parts]
+  # Quantized pages: each tile is cast to q's dtype (exact: e4m3 and int8
+  # values are bf16 values) and the scales fold into the f32 products,
+  # q.(k s_k) = (q.k) s_k and p.(v s_v) = (p.v) s_v, so no f32 tile is
+  # materialised (an f32 [64, 576] MLA tile overflows H100 shared memory).
+  k_scale, v_scale = (kvs_ref[0], kvs_ref[1]) if quantized else (1.0, 1.0)
+  qk_scale = scale * k_scale
+
+  def load(ref, pages, a, n):  # one tile [block_k, n] in q's dtype
+    return ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n).astype(dtype)
 
   first_page = split * pages_per_split
   end_page = jnp.minimum(first_page + pages_per_split, pl.cdiv(kv_end, page_size))
@@ -172,8 +204,8 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
     accs, m, l = carry
     local = start_page + blk * ppcb
     pages = table_ref[pl.ds(local, ppcb)]  # [ppcb]
-    ks = [k_ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n) for a, n in k_parts]
-    s = sum(dot(q, k, (((1,), (1,)), ((), ()))) for q, k in zip(qs, ks)) * scale
+    ks = [load(k_ref, pages, a, n) for a, n in k_parts]
+    s = sum(dot(q, k, (((1,), (1,)), ((), ()))) for q, k in zip(qs, ks)) * qk_scale
     k_pos = local * page_size + lax.broadcasted_iota(jnp.int32, (block_r, block_k), 1)
     mask = (k_pos < jnp.minimum(kv_end, end_tok)) & (k_pos <= q_pos) & row_valid
     mask &= (window == 0) | (q_pos - k_pos < window)
@@ -184,7 +216,7 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
     if v_from_k:
       vs = ks[:len(v_parts)]
     else:
-      vs = [v_ref[layer, head, pages, :, pl.ds(a, n)].reshape(block_k, n) for a, n in v_parts]
+      vs = [load(v_ref, pages, a, n) for a, n in v_parts]
     pv = p.astype(dtype)
     accs = tuple(corr[:, None] * acc + dot(pv, v, (((1,), (0,)), ((), ())))
                  for acc, v in zip(accs, vs))
@@ -199,10 +231,10 @@ def _kernel(q_ref, k_ref, v_ref, table_ref, item_ref, glob_ref, *refs, scale, gr
   if normalize:  # one split: the output itself (rows that see nothing are 0)
     inv = jnp.where(l > 0, 1.0 / jnp.where(l > 0, l, 1.0), 0.0)
     for (a, n), acc in zip(v_parts, accs):
-      o_ref[:, pl.ds(a, n)] = (acc * inv[:, None]).astype(o_ref.dtype)
+      o_ref[:, pl.ds(a, n)] = (acc * (inv * v_scale)[:, None]).astype(o_ref.dtype)
     return
   for (a, n), acc in zip(v_parts, accs):
-    o_ref[:, pl.ds(a, n)] = acc
+    o_ref[:, pl.ds(a, n)] = acc * v_scale if quantized else acc
   ml_refs[0][...] = m
   ml_refs[1][...] = l
 
@@ -248,11 +280,13 @@ def item_sizes(num_kv_heads: int, num_q_heads: int, max_q: int, num_tokens: int,
 
 def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q, scale,
                 window=0, sinks=None, dv=None, blocks: PagedBlocks = PagedBlocks(), layer=None,
-                interpret=False):
+                k_scale=None, v_scale=None, interpret=False):
   """q [T, N, D] token-flattened (module docstring) -> [T, N, Dv] (rows past
   cu_q_lens[-1] are 0). Shared by paged, MLA and ragged attention; callers
   validate inputs. layer: pools carry a leading layer axis [L, K, P, ps, D] and
-  this (possibly traced) layer is read, never sliced out of the stack."""
+  this (possibly traced) layer is read, never sliced out of the stack.
+  k_scale / v_scale (scalars, or None): quantized pages, dequantized per tile
+  (v_scale None with k_scale: the values' scale is k_scale, MLA's one latent)."""
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
@@ -291,7 +325,8 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
   kernel = functools.partial(
       _kernel, scale=scale, group=G, row_blocks=row_blocks, block_r=block_r,
       pages_per_split=pages_per_split, ppcb=ppcb, k_parts=k_parts, v_parts=v_parts,
-      v_from_k=v_from_k, normalize=normalize, has_sinks=sinks is not None)
+      v_from_k=v_from_k, normalize=normalize, has_sinks=sinks is not None,
+      quantized=k_scale is not None)
   hbm = pl.BlockSpec(memory_space=pl.ANY)
   rb = lambda i: i % row_blocks
   kvh = lambda i: i // row_blocks
@@ -304,6 +339,10 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
       pl.BlockSpec((2,), lambda i, w, s: (0,)),
   ]
   args = [qi, k_pages, v_pages, tables, item_meta.astype(jnp.int32), glob]
+  if k_scale is not None:
+    in_specs.append(pl.BlockSpec((2,), lambda i, w, s: (0,)))
+    args.append(jnp.stack([jnp.asarray(k_scale, jnp.float32),
+                           jnp.asarray(k_scale if v_scale is None else v_scale, jnp.float32)]))
   if normalize and sinks is not None:  # row r of KV head k: head k G + r % G's sink
     sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(K, G), (1, pl.cdiv(rows, G)))
     in_specs.append(pl.BlockSpec((None, block_r), lambda i, w, s: (kvh(i), rb(i))))
@@ -358,8 +397,10 @@ def _drop_arg(kernel, index, *refs):
 
 
 def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks, name,
-                   q_lens=None):
-  """Shape and dtype checks shared by the paged wrappers (ValueError/TypeError)."""
+                   q_lens=None, k_scale=None, v_scale=None):
+  """Shape and dtype checks shared by the paged wrappers (ValueError/TypeError).
+  Pages in q's dtype need no scales; quantized pages (any other dtype, e.g.
+  float8_e4m3fn or int8) need k_scale (and v_scale with v_pages), scalars."""
   def need(ok, msg, exc=ValueError):
     if not ok:
       raise exc(f"{name}: {msg}")
@@ -382,7 +423,17 @@ def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks,
   need(jnp.issubdtype(page_indices.dtype, jnp.integer),
        f"page_indices must be integer, got {page_indices.dtype}", TypeError)
   need(jnp.issubdtype(q.dtype, jnp.floating), f"q must be floating, got {q.dtype}", TypeError)
-  need(q.dtype == k_pages.dtype, f"q dtype {q.dtype} != k_pages dtype {k_pages.dtype}", TypeError)
+  if k_scale is None:
+    need(q.dtype == k_pages.dtype, f"q dtype {q.dtype} != k_pages dtype {k_pages.dtype} (pages "
+         "in another dtype are quantized: pass k_scale / v_scale)", TypeError)
+  for arg, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+    need(scale is None or jnp.shape(scale) == (), f"{arg} must be a scalar, got shape "
+         f"{jnp.shape(scale)}")
+  need(v_pages is None or (k_scale is None) == (v_scale is None),
+       "pass k_scale and v_scale together (quantized k_pages and v_pages)")
+  if v_pages is not None and k_scale is None:
+    need(v_pages.dtype == q.dtype, f"q dtype {q.dtype} != v_pages dtype {v_pages.dtype}",
+         TypeError)
   need(sinks is None or sinks.shape == (N,), f"sinks must be [N={N}], got "
        f"{None if sinks is None else sinks.shape}")
   if isinstance(window, int):
@@ -405,16 +456,17 @@ def check_tiles(D, Dv, page_size, blocks: PagedBlocks, interpret: bool, name: st
 
 def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None, window=0,
                     sinks=None, pages_per_compute_block=1, num_splits=1, num_warps=4,
-                    num_stages=2, interpret=False):
+                    num_stages=2, k_scale=None, v_scale=None, interpret=False):
   """Paged decode / verify attention (layout in the module docstring).
 
   q [B, N, D] -> [B, N, Dv]; q [B, Q, N, D] -> [B, Q, N, Dv], the Q queries
   at positions lengths - Q .. lengths - 1, causal among themselves.
+  k_scale / v_scale: quantized pages (e.g. fp8 e4m3, int8) read as pages * scale.
   """
   squeeze = q.ndim == 3
   q4 = q[:, None] if squeeze else q
   validate_paged(q4, k_pages, v_pages, lengths, page_indices, window=window, sinks=sinks,
-                 name="paged_attention")
+                 name="paged_attention", k_scale=k_scale, v_scale=v_scale)
   blocks = PagedBlocks(pages_per_compute_block, num_splits, num_warps, num_stages)
   blocks.validate()
   B, Q, N, D = q4.shape
@@ -424,14 +476,18 @@ def paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None
   cu = jnp.arange(B + 1, dtype=jnp.int32) * Q
   out = ragged_core(q4.reshape(B * Q, N, D), k_pages, v_pages, lengths, page_indices, cu,
                     max_q=Q, scale=scale, window=window, sinks=sinks, blocks=blocks,
-                    interpret=interpret)
+                    k_scale=k_scale, v_scale=v_scale, interpret=interpret)
   out = out.reshape(B, Q, N, -1)
   return out[:, 0] if squeeze else out
 
 
 def paged_attention_reference(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
-                              window=0, sinks=None, dv=None, q_lens=None):
-  """Pure jnp, float32: gather each sequence's pages, dense masked softmax."""
+                              window=0, sinks=None, dv=None, q_lens=None, k_scale=None,
+                              v_scale=None):
+  """Pure jnp, float32: dequantize the whole pool first (scales given),
+  gather each sequence's pages, dense masked softmax."""
+  k_pages = dequantize(k_pages, k_scale, jnp.float32)
+  v_pages = None if v_pages is None else dequantize(v_pages, v_scale, jnp.float32)
   squeeze = q.ndim == 3
   q4 = (q[:, None] if squeeze else q).astype(jnp.float32)
   B, Q, N, D = q4.shape

@@ -5,6 +5,8 @@
   k_pages      [K, P, page_size, D]; v_pages [K, P, page_size, Dv] or None
                (values = the first v_head_dim columns of the keys: MLA)
   kv_lens      [B] KV tokens of each sequence after this step
+  k_scale      None, or float32 scalars: quantized pages (fp8 / int8) read as
+  v_scale      pages * scale, per tile in the kernel (MLA: k_scale only)
   page_indices [B, pages_per_seq]; max_q (static) >= every sequence's query count
   -> [T, N, Dv]; rows past cu_q_lens[-1] (padding) are 0.
 
@@ -51,7 +53,7 @@ def _check(q, cu_q_lens, kv_lens, max_q):
 def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
                            sm_scale=None, window=0, sinks=None, v_head_dim=None,
                            pages_per_compute_block=1, num_splits=1, num_warps=4, num_stages=2,
-                           layer=None, interpret=False):
+                           layer=None, k_scale=None, v_scale=None, interpret=False):
   """See the module docstring. layer: pools are stacked [L, K, P, page_size, D]
   and this (possibly traced) layer is read, e.g. from inside a layer scan."""
   _check(q, cu_q_lens, kv_lens, max_q)
@@ -60,7 +62,8 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   q_shape = jax.ShapeDtypeStruct((B, max_q, *q.shape[1:]), q.dtype)  # for the checks
   validate_paged(q_shape, one_layer(k_pages), one_layer(v_pages), kv_lens, page_indices,
-                 window=window, sinks=sinks, name="ragged_paged_attention", q_lens=q_lens)
+                 window=window, sinks=sinks, name="ragged_paged_attention", q_lens=q_lens,
+                 k_scale=k_scale, v_scale=v_scale)
   blocks = PagedBlocks(pages_per_compute_block, num_splits, num_warps, num_stages)
   blocks.validate()
   D = q.shape[-1]
@@ -69,16 +72,17 @@ def ragged_paged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens
   scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
   return ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, max_q=max_q,
                      scale=scale, window=window, sinks=sinks, dv=v_head_dim, blocks=blocks,
-                     layer=layer, interpret=interpret)
+                     layer=layer, k_scale=k_scale, v_scale=v_scale, interpret=interpret)
 
 
 def ragged_paged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,
-                                     max_q, sm_scale=None, window=0, sinks=None, v_head_dim=None):
+                                     max_q, sm_scale=None, window=0, sinks=None, v_head_dim=None,
+                                     k_scale=None, v_scale=None):
   """Pure jnp, float32: `ragged_paged_attention`'s semantics through `paged_attention_reference`."""
   _check(q, cu_q_lens, kv_lens, max_q)
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   out = paged_attention_reference(q_pad, k_pages, v_pages, kv_lens, page_indices,
                                   sm_scale=sm_scale, window=window, sinks=sinks, dv=v_head_dim,
-                                  q_lens=q_lens)
+                                  q_lens=q_lens, k_scale=k_scale, v_scale=v_scale)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)

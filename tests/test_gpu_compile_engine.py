@@ -110,6 +110,46 @@ def test_mla_moe_and_speculative_steps_compile_for_one_h100():
   assert programs["speculative K=2"]["shapes"]["max_q"] == 4  # K + 1 rounded up
 
 
+@pytest.mark.parametrize("model,kind", [("tiny_dense", "fp8"), ("tiny_moe", "fp8"),
+                                        ("tiny_dense", "int8")])
+def test_quantized_kv_steps_compile_for_one_h100(model, kind):
+  # EngineConfig(kv_cache_dtype=...): the kernels read 1-byte pages (GQA k/v,
+  # MLA's latent) with per-layer scales, arguments of the step (not constants).
+  w = dataclasses.replace(SMALL, kv_cache_dtype=kind)
+  programs, report = _plan(model, {"data": 1}, "tp", workload=w)
+  _, bf16 = _plan(model, {"data": 1}, "tp", workload=dataclasses.replace(w, kv_cache_dtype=None))
+  assert set(programs) == {"decode", "mixed"}
+  for p in programs.values():
+    _check(p)
+  # Pages at half the bf16 bytes (the per-layer scales add bytes, not per page).
+  assert 0 < report["kv_bytes_per_device"] - bf16["kv_bytes_per_device"] / 2 < 1024
+  decode = gpu_plan.lower_step(
+      gpu_plan.gpu_config(presets.get(model), "bfloat16"), *_abstract(model, w),
+      [(1, w.context)] * w.batch, w)[0]
+  text = decode.as_text()
+  assert ("f8E4M3FN" if kind == "fp8" else "xi8") in text
+
+
+def test_fp8_kv_dp_attn_ep_and_speculative_steps_compile_for_eight_h100s():
+  # The ranked shard_map steps (plain and MTP) over a page-split fp8 pool,
+  # its scales replicated on every rank.
+  w = dataclasses.replace(SMALL, num_draft_tokens=2, kv_cache_dtype="fp8")
+  programs, _ = _plan("tiny_moe", {"data": 2, "expert": 4}, "dp_attn_ep", workload=w)
+  assert set(programs) == {"dp_attn_ep decode", "dp_attn_ep mixed",
+                           "dp_attn_ep speculative K=2"}
+  for p in programs.values():
+    _check(p)
+
+
+def _abstract(model, w):
+  cfg = gpu_plan.gpu_config(presets.get(model), "bfloat16")
+  mesh = gpu_compile.mesh({"data": 1})
+  params = gpu_plan.abstract_params(cfg, mesh, "tp")
+  pool = gpu_plan.abstract_pool(cfg, mesh, "tp", w.pool_pages(), w.page_size,
+                                kv_cache_dtype=w.kv_cache_dtype)
+  return params, pool, mesh, "tp"
+
+
 def test_steps_compile_for_eight_h100s():
   programs, _ = _plan("tiny_dense", {"data": 4, "tensor": 2}, "tp")
   for p in programs.values():

@@ -31,6 +31,14 @@ def _inputs(rng, *, B, Q, N, K, D, ps, P, pps, dtype, lengths=None, dv=None):
   return q, kp, vp, lengths, jnp.asarray(tables, jnp.int32)
 
 
+def _quantize(x, kind):
+  """x -> (pages in float8_e4m3fn / int8, float32 scale): amax scaling as the engine stores."""
+  top = {"fp8": 448.0, "int8": 127.0}[kind]
+  scale = jnp.max(jnp.abs(x.astype(jnp.float32))) / top
+  y = jnp.clip(x.astype(jnp.float32) / scale, -top, top)
+  return (y.astype(jnp.float8_e4m3fn) if kind == "fp8" else jnp.round(y).astype(jnp.int8)), scale
+
+
 CASES = [  # B, Q, N, K, D, ps, pps, extra
     (3, 1, 4, 4, 64, 8, 5, {}),                   # GQA 1
     (2, 1, 8, 2, 72, 16, 4, {}),                  # GQA 4, odd head dim
@@ -139,6 +147,53 @@ class TestPagedKernels:
     assert _rel(out, ref) <= 1e-5
     assert np.all(np.asarray(out[15:]) == 0)  # padding rows
 
+  @pytest.mark.parametrize("qdtype,dtype,tol", [
+      ("fp8", jnp.float32, 1e-5), ("int8", jnp.float32, 1e-5), ("fp8", jnp.bfloat16, 2e-2)])
+  @pytest.mark.parametrize("case", [1, 4, 5])
+  def test_quantized_pages_match_the_dequantizing_reference(self, case, qdtype, dtype, tol):
+    # Quantized KV (fp8 e4m3 / int8 + per-pool scalar scales), dequantized per
+    # tile in the kernel, against the reference that dequantizes the pool first.
+    B, Q, N, K, D, ps, pps, extra = CASES[case]
+    rng = np.random.default_rng(20 + case)
+    q, kp, vp, lengths, tables = _inputs(rng, B=B, Q=Q, N=N, K=K, D=D, ps=ps, P=3 * pps + 2,
+                                         pps=pps, dtype=dtype)
+    (kq, k_scale), (vq, v_scale) = _quantize(kp, qdtype), _quantize(3 * vp, qdtype)
+    extra = dict(extra)
+    sinks = jnp.asarray(rng.normal(size=N), jnp.float32) if extra.pop("sinks", False) else None
+    kw = dict(window=extra.pop("window", 0), sinks=sinks, k_scale=k_scale, v_scale=v_scale)
+    out = pk.paged_attention(q, kq, vq, lengths, tables, interpret=self.interpret, **extra, **kw)
+    ref = pk.paged_attention_reference(q.astype(jnp.float32), kq, vq, lengths, tables, **kw)
+    assert _rel(out, ref) <= tol
+    # The quantized cache stays close to the full-precision one (fp8: 3 mantissa bits).
+    full = pk.paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
+                                        3 * vp.astype(jnp.float32), lengths, tables,
+                                        window=kw["window"], sinks=sinks)
+    assert _rel(ref, full) <= 0.15
+
+  @pytest.mark.parametrize("qdtype", ["fp8", "int8"])
+  def test_quantized_latent_pages_mla_and_ragged(self, qdtype):
+    rng = np.random.default_rng(31)
+    B, Q, N, R, Hr, ps, P, pps = 3, 2, 4, 64, 16, 16, 12, 4
+    q_lat = jnp.asarray(rng.normal(size=(B, Q, N, R)), jnp.float32)
+    q_rope = jnp.asarray(rng.normal(size=(B, Q, N, Hr)), jnp.float32)
+    pages, kv_scale = _quantize(jnp.asarray(rng.normal(size=(P, ps, R + Hr)), jnp.float32),
+                                qdtype)
+    lengths = jnp.asarray([Q, 17, 64], jnp.int32)
+    tables = jnp.asarray(rng.integers(1, P, (B, pps)), jnp.int32)
+    kw = dict(sm_scale=1 / math.sqrt(48), kv_scale=kv_scale)
+    out = pk.mla_paged_attention(q_lat, q_rope, pages, lengths, tables, num_splits=2,
+                                 interpret=self.interpret, **kw)
+    ref = pk.mla_paged_attention_reference(q_lat, q_rope, pages, lengths, tables, **kw)
+    assert _rel(out, ref) <= 1e-5
+    # The ragged form over a stacked [L, 1, P, ps, C] latent pool, layer 1.
+    q = jnp.concatenate([q_lat, q_rope], -1).reshape(B * Q, N, R + Hr)
+    cu = jnp.arange(B + 1, dtype=jnp.int32) * Q
+    stacked = jnp.stack([jnp.zeros_like(pages), pages])[:, None]
+    rag = pk.ragged_paged_attention(q, stacked, None, lengths, tables, cu, max_q=Q,
+                                    sm_scale=kw["sm_scale"], v_head_dim=R, layer=1,
+                                    k_scale=kv_scale, interpret=self.interpret)
+    assert _rel(rag.reshape(B, Q, N, R), ref) <= 1e-5
+
   @pytest.mark.parametrize("kwargs,exc,match", [
       (dict(q=np.zeros((2, 1, 5, 64), np.float32)), ValueError, "multiple of KV heads"),
       (dict(lengths=np.zeros((3,), np.int32)), ValueError, "lengths must be"),
@@ -147,6 +202,9 @@ class TestPagedKernels:
       (dict(q=np.zeros((2, 1, 4, 32), np.float32)), ValueError, "head dim"),
       (dict(num_splits=0), ValueError, "num_splits"),
       (dict(window=-1), ValueError, "window"),
+      (dict(k_pages=np.zeros((2, 5, 8, 64), np.int8)), TypeError, "k_scale"),
+      (dict(k_scale=np.ones((2,), np.float32), v_scale=1.0), ValueError, "k_scale must be a scalar"),
+      (dict(k_scale=1.0), ValueError, "k_scale and v_scale together"),
   ])
   def test_paged_bad_inputs(self, kwargs, exc, match):
     args = dict(q=np.zeros((2, 1, 4, 64), np.float32), k_pages=np.zeros((2, 5, 8, 64), np.float32),

@@ -6,7 +6,9 @@ GPU, 70B and 405B tensor parallel over 8; DeepSeek-V3 MLA with all 128 heads
 per rank under attention DP, or 16 under TP 8; GPT-OSS with head dim 64,
 sinks and a 128-token window; Qwen3-MoE-235B's 64 q / 4 KV heads), page
 sizes 16 and 64, pools of 32k pages, 1..4 query tokens per sequence
-(speculative verify), and mixed prefill + decode steps of 512+ tokens.
+(speculative verify), and mixed prefill + decode steps of 512+ tokens, plus
+quantized KV pages (fp8 e4m3 / int8 with float32 scales, dequantized per tile
+in the kernel: `EngineConfig(kv_cache_dtype=...)`).
 
 `build(case, sharding)` gives the jitted function and its abstract arguments,
 so the same list drives the H100 compile gate (tests/test_gpu_compile_kernels.py)
@@ -34,7 +36,9 @@ class KernelCase:
   Q query tokens per sequence (paged/mla), T query tokens (flash: per sequence;
   ragged: the step's total), S keys per sequence (flash), N q heads, K kv heads,
   D qk head dim, Dv value head dim, ps page size, ctx tokens of context per
-  sequence (pages per sequence = ctx / ps), window, sinks."""
+  sequence (pages per sequence = ctx / ps), window, sinks. kv_dtype: the
+  pages' dtype when quantized ("float8_e4m3fn" | "int8", with scalar
+  scales); "" : the compute dtype."""
 
   name: str
   kernel: str
@@ -55,6 +59,7 @@ class KernelCase:
   layers: int = 1  # ragged: stacked pool [L, ...], layer read inside the kernel
   dtype: str = "bfloat16"
   gpus: tuple[str, ...] = ("h100",)
+  kv_dtype: str = ""
 
   @property
   def pages_per_seq(self) -> int:
@@ -67,7 +72,8 @@ class KernelCase:
     max_q = self.prefill_tokens or self.Q
     return ops.paged_tiling(self.B, self.K, self.pages_per_seq, self.ps, num_q_heads=self.N,
                             max_q=max_q, head_dim=self.D, value_dim=self.Dv,
-                            values_from_keys=self.kernel == "mla" or self.D != self.Dv)
+                            values_from_keys=self.kernel == "mla" or self.D != self.Dv,
+                            quantized_kv=bool(self.kv_dtype))
 
 
 def _c(name, kernel, model, **kw):
@@ -110,6 +116,13 @@ CASES = (
        prefill_tokens=512, layers=4, ps=64, **MLA),
     _c("qwen3moe_mixed_512p_63d", "ragged", "qwen3_moe_235b", B=64, T=575, prefill_tokens=512,
        layers=4, **QWEN3_MOE),
+    # quantized KV pages (fp8 e4m3 / int8), dequantized per tile in the kernel
+    _c("llama8b_decode_ps16_fp8kv", "paged", "llama3_1_8b", B=64, kv_dtype="float8_e4m3fn",
+       **LLAMA8),
+    _c("dsv3_mla_dp_decode_ps64_fp8kv", "mla", "deepseek_v3", B=32, N=128, ps=64,
+       kv_dtype="float8_e4m3fn", **MLA),
+    _c("llama8b_mixed_512p_63d_int8kv", "ragged", "llama3_1_8b", B=64, T=575,
+       prefill_tokens=512, layers=4, kv_dtype="int8", **LLAMA8),
     # prefill (flash)
     _c("llama8b_prefill_4k", "flash", "llama3_1_8b", B=1, T=4096, S=4096, **LLAMA8),
     _c("llama405b_tp8_prefill_2k", "flash", "llama3_1_405b", B=2, T=2048, S=2048,
@@ -147,26 +160,30 @@ def build(case: KernelCase, sharding=None):
                 sinks)
   tables = S((c.B, c.pages_per_seq), i32)
   lengths = S((c.B,), i32)
+  kv = jnp.dtype(c.kv_dtype or c.dtype)
+  scale = S((), jnp.float32) if c.kv_dtype else None  # k_scale = v_scale: one argument
   if c.kernel == "paged":
     fn = functools.partial(pk.paged_attention, window=c.window, **c.blocks())
     q = S((c.B, c.Q, c.N, c.D))
-    kp, vp = S((c.K, POOL_PAGES, c.ps, c.D)), S((c.K, POOL_PAGES, c.ps, c.Dv))
-    return _with_sinks(fn), (q, kp, vp, lengths, tables, sinks)
+    kp, vp = S((c.K, POOL_PAGES, c.ps, c.D), kv), S((c.K, POOL_PAGES, c.ps, c.Dv), kv)
+    return _with_sinks(fn), (q, kp, vp, lengths, tables, sinks, scale)
   if c.kernel == "mla":
     R = c.Dv
     fn = functools.partial(pk.mla_paged_attention, sm_scale=1 / math.sqrt(192), **c.blocks())
-    return fn, (S((c.B, c.Q, c.N, R)), S((c.B, c.Q, c.N, c.D - R)),
-                S((POOL_PAGES, c.ps, c.D)), lengths, tables)
+    return (lambda ql, qr, pages, lengths, tables, s: fn(ql, qr, pages, lengths, tables,
+                                                         kv_scale=s),
+            (S((c.B, c.Q, c.N, R)), S((c.B, c.Q, c.N, c.D - R)),
+             S((POOL_PAGES, c.ps, c.D), kv), lengths, tables, scale))
   if c.kernel == "ragged":
     mla = c.D != c.Dv
     max_q = c.prefill_tokens
     fn = functools.partial(pk.ragged_paged_attention, max_q=max_q, window=c.window,
                            v_head_dim=c.Dv if mla else None, **c.blocks())
-    kp = S((c.layers, c.K, POOL_PAGES, c.ps, c.D))
-    vp = None if mla else S((c.layers, c.K, POOL_PAGES, c.ps, c.Dv))
-    return (_ragged(fn),
+    kp = S((c.layers, c.K, POOL_PAGES, c.ps, c.D), kv)
+    vp = None if mla else S((c.layers, c.K, POOL_PAGES, c.ps, c.Dv), kv)
+    return (_ragged(fn, mla),
             (S((c.T, c.N, c.D)), kp, vp, lengths, tables, S((c.B + 1,), i32), sinks,
-             S((), i32)))
+             S((), i32), scale))
   raise ValueError(f"unknown kernel {c.kernel!r}")
 
 
@@ -175,9 +192,11 @@ def _flash(q, k, v, sinks, *, window):
 
 
 def _with_sinks(fn):
-  return lambda q, kp, vp, lengths, tables, sinks: fn(q, kp, vp, lengths, tables, sinks=sinks)
+  return lambda q, kp, vp, lengths, tables, sinks, s: fn(q, kp, vp, lengths, tables, sinks=sinks,
+                                                         k_scale=s, v_scale=s)
 
 
-def _ragged(fn):
-  return lambda q, kp, vp, kv_lens, tables, cu, sinks, layer: fn(
-      q, kp, vp, kv_lens, tables, cu, sinks=sinks, layer=layer)
+def _ragged(fn, mla):
+  return lambda q, kp, vp, kv_lens, tables, cu, sinks, layer, s: fn(
+      q, kp, vp, kv_lens, tables, cu, sinks=sinks, layer=layer, k_scale=s,
+      v_scale=None if mla else s)

@@ -44,6 +44,7 @@ from jaxinfer.engine import speculative, steps
 from jaxinfer.models import quant
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
+from jaxinfer.page_pool import KV_CACHE_DTYPES, PoolLayout
 from jaxinfer.sim.cost import param_counts
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
@@ -54,7 +55,9 @@ _GB = 1e9
 class Workload:
   """Per attention rank (the whole step outside dp_attn_ep): `batch` sequences
   of `context` tokens; the mixed step replaces one decode by a prefill chunk
-  of `prefill_tokens`; the speculative step verifies `num_draft_tokens`."""
+  of `prefill_tokens`; the speculative step verifies `num_draft_tokens`;
+  kv_cache_dtype: the Engine's (`EngineConfig.kv_cache_dtype`), the pool's
+  pages in fp8 / int8 with their per-layer scales."""
 
   batch: int = 8
   context: int = 1024
@@ -63,6 +66,7 @@ class Workload:
   kv_pages: int = 0  # pages per rank; 0: what `batch` x `context` needs (+ the null page)
   num_draft_tokens: int = 0  # 0: no speculative program
   greedy: bool = True  # every row temperature 0 (skips the sampling filters' sort)
+  kv_cache_dtype: str | None = None  # None (the compute dtype) | "fp8" | "int8"
 
   def __post_init__(self):
     for name in ("batch", "context", "prefill_tokens", "page_size"):
@@ -71,6 +75,9 @@ class Workload:
     if self.kv_pages < 0 or not 0 <= self.num_draft_tokens <= 8:
       raise ValueError(f"kv_pages must be >= 0 and num_draft_tokens in [0, 8], got "
                        f"{self.kv_pages}, {self.num_draft_tokens}")
+    if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(f"kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)} or None, got "
+                       f"{self.kv_cache_dtype!r}")
 
   def pages_per_seq(self) -> int:
     return -(-max(self.context, self.prefill_tokens) // self.page_size)
@@ -94,14 +101,22 @@ def abstract_params(cfg: ModelConfig, mesh, layout: str):
 
 
 def abstract_pool(cfg: ModelConfig, mesh, layout: str, pages_per_rank: int, page_size: int,
-                  mtp: bool = False):
+                  mtp: bool = False, kv_cache_dtype: str | None = None):
   """The Engine's page pool (`kv_cache.init_pool`, every rank's pages) as
-  ShapeDtypeStructs sharded by `sharding.kv_pool_spec`."""
+  ShapeDtypeStructs, pages sharded by `sharding.kv_pool_spec` (a quantized
+  pool's scales replicated)."""
   dp = sharding.dp_axes(mesh, layout)
   ranks = math.prod(mesh.shape[a] for a in dp) if dp else 1
+  dtype = KV_CACHE_DTYPES[kv_cache_dtype][0] if kv_cache_dtype else cfg.compute_dtype()
+  scales = None
+  if kv_cache_dtype:
+    counts = [n for _, _, n in cfg.segments()] + ([cfg.num_mtp_layers] if mtp else [])
+    names = PoolLayout.for_attention(cfg.attention, dtype).scale_names
+    scales = [{n: np.ones(c, np.float32) for n in names} for c in counts]
   pool = jax.eval_shape(lambda: kv_cache.init_pool(cfg, pages_per_rank * ranks, page_size,
-                                                   cfg.compute_dtype(), mtp=mtp))
-  return gpu_compile.abstract(pool, NamedSharding(mesh, sharding.kv_pool_spec(cfg, mesh, layout)))
+                                                   dtype, mtp=mtp, scales=scales))
+  pages = NamedSharding(mesh, sharding.kv_pool_spec(cfg, mesh, layout))
+  return gpu_compile.abstract(pool, pool.shardings(pages))
 
 
 def host_batch(seqs, page_size: int, pages: int, seq_cap: int):
@@ -395,8 +410,9 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
   pb = param_bytes(cfg, params)
   specs, notes = _programs(cfg, mesh, layout, w)
   spec = any(d for _, _, _, d, _ in specs)
-  pools = [abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size)]
-  pools.append(abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size, mtp=True)
+  kw = dict(kv_cache_dtype=w.kv_cache_dtype)
+  pools = [abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size, **kw)]
+  pools.append(abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size, mtp=True, **kw)
                if spec else None)
   kv = _shard_bytes(pools[-1] if spec else pools[0])
   fit = fit_verdict(pb["all"], kv, target.hbm_bytes)

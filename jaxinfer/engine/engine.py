@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import eplb, kv_cache, sharding
+from jaxinfer import eplb, kv_cache, kv_scales, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
@@ -31,6 +31,7 @@ from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
 from jaxinfer.models import mtp, quant, transformer
 from jaxinfer.models.moe_ep import plan_from_params
+from jaxinfer.page_pool import KV_CACHE_DTYPES
 
 
 _UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
@@ -46,7 +47,11 @@ class EngineConfig:
   device memory, host memory on CPU). Step: max_num_seqs sequences and
   max_num_batched_tokens tokens, prompts prefilled in chunks of
   prefill_chunk_size (None: the token budget). Requests: max_model_len (None:
-  the model's), enable_prefix_caching, ignore_eos. The comments on the
+  the model's), enable_prefix_caching, ignore_eos. kv_cache_dtype: None
+  (pages in the model's compute dtype), "fp8" (float8_e4m3fn) or "int8":
+  quantized pages with per-layer scales (`jaxinfer.kv_scales`: the params'
+  k_scale / v_scale (MLA kv_scale), else calibrated at build), 2x / 4x the
+  tokens of bf16 / f32 pages in the same bytes. The comments on the
   remaining fields say what they switch: async_scheduling,
   record_expert_load, fixed_step_shapes, speculative (an `MTPConfig`),
   unroll_layers, and the attention-DP step budget (dp_balance,
@@ -96,6 +101,7 @@ class EngineConfig:
   # step-shape compiles in every timed run, so "none" stays the default.
   dp_balance: str = "none"
   dp_min_step_tokens: int = 32
+  kv_cache_dtype: str | None = None  # None | "fp8" | "int8"
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -114,6 +120,9 @@ class EngineConfig:
     if self.dp_min_step_tokens < 1:
       raise ValueError(f"EngineConfig: dp_min_step_tokens must be >= 1, "
                        f"got {self.dp_min_step_tokens}")
+    if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+      raise ValueError(f"EngineConfig: kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)} "
+                       f"or None, got {self.kv_cache_dtype!r}")
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ValueError(f"EngineConfig: kv_cache_memory_fraction must be in (0, 1], "
                        f"got {self.kv_cache_memory_fraction}")
@@ -127,6 +136,13 @@ class Engine(EngineCore):
   (given together) the params and the page pool are placed on the mesh in
   that `jaxinfer.sharding` layout; under "dp_attn_ep" each attention-DP rank
   owns whole requests and its own slice of the pages.
+
+  kv_cache_dtype "fp8" / "int8": `kv_scales` (per segment {name: [L]}) are
+  the pool's scales, arrays of the pool the steps take; `kv_scales_source`
+  says where they came from ("params", "calibrated" or both). Pages handed
+  between engines (`read_pages` / `write_pages`) are stored values: both
+  engines need one kv_cache_dtype and the same scales (calibration is
+  deterministic: two engines of one model agree).
   """
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
@@ -134,6 +150,7 @@ class Engine(EngineCore):
     if (mesh is None) != (layout is None):
       raise ValueError("Engine: pass mesh and layout together (or neither)")
     self.mesh, self.layout = mesh, layout
+    params, found_scales = kv_scales.split_params(cfg, params)  # they describe the cache
     if mesh is not None:
       params = sharding.shard_params(cfg, params, mesh, layout)
     self.cfg = cfg
@@ -146,7 +163,8 @@ class Engine(EngineCore):
     self.max_model_len = min(cfg.max_position_embeddings,
                              config.max_model_len or cfg.max_position_embeddings)
     self.max_pages_per_seq = -(-self.max_model_len // config.page_size)
-    dtype = cfg.compute_dtype()
+    kind = config.kv_cache_dtype
+    self.kv_dtype = jnp.dtype(KV_CACHE_DTYPES[kind][0] if kind else cfg.compute_dtype())
     # Attention data parallelism (dp_attn_ep): each rank of the batch axes owns
     # whole requests and a slice of the page pool; otherwise one rank.
     self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
@@ -160,13 +178,11 @@ class Engine(EngineCore):
         raise ValueError("EngineConfig.speculative needs a model with MTP modules "
                          f"(cfg.num_mtp_layers={cfg.num_mtp_layers}, params "
                          f"{'have' if 'mtp' in params else 'lack'} 'mtp')")
-    num_pages = config.num_pages or self._size_pool(dtype)  # per rank
+    num_pages = config.num_pages or self._size_pool(self.kv_dtype)  # per rank
     self._init_core(config, num_ranks=self.num_ranks, num_pages=num_pages,
                     max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                     eos_ids=cfg.eos_token_ids)
-    self.pool = kv_cache.init_pool(cfg, num_pages * self.num_ranks, config.page_size, dtype,
-                                   sharding=self._pool_sharding() if mesh is not None else None,
-                                   mtp=self._spec is not None)
+    self.pool = self._init_pool(num_pages * self.num_ranks, found_scales)
     self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
     # The step runner: builds, dispatches and reads its own steps.
     self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
@@ -195,6 +211,25 @@ class Engine(EngineCore):
     if self.mesh is not None:
       load = jax.device_put(load, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
     return load
+
+  def _init_pool(self, num_pages: int, found_scales):
+    """The zeroed page pool; quantized, with the params' scales or calibrated ones."""
+    kind, mtp = self.config.kv_cache_dtype, self._spec is not None
+    scales, self.kv_scales_source = None, None
+    if kind is not None:
+      scales, self.kv_scales_source = kv_scales.resolve(self.cfg, self.params, found_scales,
+                                                        kind, mtp_too=mtp)
+    return kv_cache.init_pool(self.cfg, num_pages, self.config.page_size, self.kv_dtype,
+                              sharding=self._pool_sharding() if self.mesh is not None else None,
+                              mtp=mtp, scales=scales)
+
+  @property
+  def kv_scales(self) -> list[dict] | None:
+    """The quantized pool's scales, per segment (the MTP entry last)
+    {name: float32 [L]} as numpy; None for an unquantized pool."""
+    if not self.pool.layout.quantized:
+      return None
+    return [{n: np.asarray(a) for n, a in seg.items()} for seg in self.pool.scales]
 
   def _pool_sharding(self):
     return jax.sharding.NamedSharding(self.mesh,
@@ -326,5 +361,6 @@ class Engine(EngineCore):
         running=sum(len(s.running) for s in self.schedulers),
         waiting=sum(len(s.waiting) for s in self.schedulers),
         overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
+        kv_cache_dtype=self.kv_dtype.name,
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
         **self._runner.stats())

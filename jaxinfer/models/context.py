@@ -37,8 +37,8 @@ from jaxinfer import ops
 from jaxinfer.page_pool import PoolLayout
 
 
-def _layout(latent: bool) -> PoolLayout:
-  return PoolLayout(latent=latent)
+def _layout(latent: bool, stack: dict) -> PoolLayout:
+  return PoolLayout.of(latent, stack)
 
 
 def _split(cache: dict, latent_dim: int | None, head_axis: int):
@@ -148,7 +148,7 @@ class PagedContext:
     stack, layer = cache
     heads = P(None, None, self.head_axis)  # q [1, T, N, H], out [1, T, N, Hv], GQA k/v [1, T, K, H]
     latent = kw["latent_dim"] is not None
-    pool = _layout(latent).specs(heads=self.head_axis)
+    pool = _layout(latent, stack).specs(heads=self.head_axis)
     has_sinks = sinks is not None
     local_ctx = dataclasses.replace(self, mesh=None, head_axis=None)
 
@@ -168,17 +168,19 @@ class PagedContext:
 
   def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, impl, target):
     stack, layer = cache
-    layout = _layout(latent_dim is not None)
+    layout = _layout(latent_dim is not None, stack)
     page_size = layout.page_size(stack)
     page = self.page_table[self.token_seq, self.positions // page_size]
     page = jnp.where(self.valid, page, 0)
     slot = jnp.where(self.valid, self.positions % page_size, 0)
     stack = layout.write(stack, layer, page, slot, {n: new[n][0] for n in layout.names})
     k_pages, v_pages = layout.kernel_pools(stack)
+    k_scale, v_scale = (layout.layer_scales(stack, layer) + (None,))[:2]  # MLA: k_scale only
     out = ops.ragged_paged_attention(
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
-        v_head_dim=latent_dim, layer=layer, implementation=impl, target=target)
+        v_head_dim=latent_dim, layer=layer, k_scale=k_scale, v_scale=v_scale,
+        implementation=impl, target=target)
     return out[None], (stack, layer)
 
 
@@ -215,7 +217,7 @@ class RankedPagedContext:
              target=None):
     stack, layer = cache
     rank = P(self.axes)
-    pool_spec = _layout(latent_dim is not None).specs(pages=self.axes)
+    pool_spec = _layout(latent_dim is not None, stack).specs(pages=self.axes)
     has_sinks = sinks is not None
 
     def local(q, new, stack, layer, window, sinks, positions, token_seq, valid, cu, kv_lens,
