@@ -8,6 +8,7 @@ import os
 import shutil
 import tracemalloc
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -218,3 +219,22 @@ def test_kv_cache_scales_load_per_layer(tmp_path, fmt):
   np.testing.assert_allclose(attn["v_scale"], [0.02, 0.04])
   tokens = np.load(HF / "llama" / "tokens.npy")
   assert np.isfinite(np.asarray(models.logits(cfg, params, tokens))).all()
+
+
+def test_checkpoint_kv_scales_drive_the_engines_fp8_cache(tmp_path):
+  import jaxinfer
+  from jaxinfer import sharding
+  export_quantized(str(HF / "llama"), str(tmp_path / "q"), "modelopt_fp8", kv_scales=True)
+  cfg, params = checkpoint.load_hf(str(tmp_path / "q"), dtype=jnp.float32)
+  config = jaxinfer.EngineConfig(kv_cache_dtype="fp8", page_size=8, num_pages=32, max_num_seqs=2)
+  sampling = jaxinfer.SamplingParams(max_tokens=5, temperature=0.0)
+  prompts = [[3, 17, 5, 9], [8, 1, 2]]
+  engine = jaxinfer.Engine(cfg, params, config)
+  assert engine.kv_scales_source == "params"
+  np.testing.assert_allclose(engine.kv_scales[0]["k_scale"], [0.01, 0.02])
+  np.testing.assert_allclose(engine.kv_scales[0]["v_scale"], [0.02, 0.04])
+  single = [o.token_ids for o in engine.generate(prompts, sampling)]
+  mesh = sharding.make_mesh({"tensor": 2}, jax.devices()[:2])
+  sharded = jaxinfer.Engine(cfg, params, config, mesh=mesh, layout="tp")
+  assert sharded.kv_scales_source == "params"
+  assert [o.token_ids for o in sharded.generate(prompts, sampling)] == single

@@ -151,6 +151,8 @@ class Engine(EngineCore):
       raise ValueError("Engine: pass mesh and layout together (or neither)")
     self.mesh, self.layout = mesh, layout
     params, found_scales = kv_scales.split_params(cfg, params)  # they describe the cache
+    if cfg.quant is not None and cfg.quant.kv_cache:  # ... and so leave the spec tree too
+      cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, kv_cache=None))
     if mesh is not None:
       params = sharding.shard_params(cfg, params, mesh, layout)
     self.cfg = cfg
