@@ -168,8 +168,8 @@ def test_engine_quantized_kv_pallas_interpret_equals_xla(name, kind):
   outs = {impl: _generate(dataclasses.replace(cfg, attention_impl=impl), params, prompts,
                           kv_cache_dtype=kind)[1] for impl in ("xla", "pallas")}
   assert outs["pallas"] == outs["xla"]
-  _, full = _generate(cfg, params, prompts)
-  assert sum(a == b for o, f in zip(outs["xla"], full) for a, b in zip(o, f)) >= 0.5 * 18
+  # (Agreement with the full-precision cache is measured on the trained
+  # default model below: random weights give near-tied logits.)
 
 
 def test_speculative_with_fp8_kv_equals_plain_fp8_greedy():
