@@ -62,22 +62,27 @@ def resolve(implementation: str | None, target: str | None = None) -> tuple[str,
   return impl, target != "gpu"
 
 
-def quantized_matmul(x, codes, scale, *, block, target: str | None = None):
-  """x [M, K] @ W^T with W [N, K] = codes (float8_e4m3fn / int8) * scale over
-  `block` blocks, on the Pallas kernel that dequantizes tile by tile
+def quantized_matmul(x, codes, scale, *, block, packed=None, scale2=None,
+                     target: str | None = None):
+  """x [M, K] @ W^T with W [N, K] = codes * scale (* scale2) over `block`
+  blocks (codes float8_e4m3fn / int8, or uint8 two per byte with packed=
+  "int4" / "e2m1"), on the Pallas kernel that dequantizes tile by tile
   (`pallas_kernels.quantized_matmul`): compiled for a GPU target, interpreted
   otherwise. -> [M, N] in x's dtype. (`layers.linear` picks it.)"""
   _, interpret = resolve("pallas", target)
-  return pallas_kernels.quantized_matmul(x, codes, scale, block=block, interpret=interpret)
+  return pallas_kernels.quantized_matmul(x, codes, scale, block=block, packed=packed,
+                                         scale2=scale2, interpret=interpret)
 
 
-def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block, target: str | None = None):
+def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block, packed=None, scale2=None,
+                             target: str | None = None):
   """`jax.lax.ragged_dot` of xs [R, K] (sorted by expert, group_sizes [E]) with
-  the experts' W_e [N, K] = codes[e] * scale[e], on the Pallas kernel that
-  dequantizes tile by tile (compiled for a GPU target, interpreted otherwise).
-  -> [R, N]. (`moe_core.grouped_ffn` picks it.)"""
+  the experts' W_e [N, K] = codes[e] * scale[e] (* scale2[e]), on the Pallas
+  kernel that dequantizes tile by tile (compiled for a GPU target,
+  interpreted otherwise). -> [R, N]. (`moe_core.grouped_ffn` picks it.)"""
   _, interpret = resolve("pallas", target)
   return pallas_kernels.quantized_grouped_matmul(xs, codes, scale, group_sizes, block=block,
+                                                 packed=packed, scale2=scale2,
                                                  interpret=interpret)
 
 

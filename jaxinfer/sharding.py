@@ -170,6 +170,17 @@ def head_axis(mesh: Mesh, layout: str):
   return rules(layout, mesh)["q_heads"]
 
 
+def kernel_mesh(mesh: Mesh | None, layout: str) -> Mesh | None:
+  """The mesh the quantized weights' kernel calls split over
+  (`models.quant.with_kernel`): None where a step holds its weights whole
+  (no mesh or one device, or per rank under dp_attn_ep, whose step runs in
+  shard_map); else the mesh, and each weight runs per device as its
+  sharding splits it."""
+  if mesh is None or mesh.size == 1 or layout == "dp_attn_ep":
+    return None
+  return mesh
+
+
 def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
   """PartitionSpec of every array of the engine's page pool
   (`page_pool.PoolLayout`): pages split over the attention-DP ranks under

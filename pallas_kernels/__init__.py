@@ -6,7 +6,7 @@
                            split-K
   mla_paged_attention      DeepSeek MLA decode, absorbed form over the latent pool
   ragged_paged_attention   an engine step's mixed prefill + decode batch in one call
-  quantized_matmul         weight-only fp8 / int8 matmul, dequantized per tile (block scales)
+  quantized_matmul         weight-only fp8 / int8 / packed 4-bit matmul, dequantized per tile
   quantized_grouped_matmul the same over MoE experts (ragged_dot semantics)
 
 This package imports nothing from `jaxinfer`; `jaxinfer/ops.py` picks kernels.
@@ -20,6 +20,6 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
-from pallas_kernels.quantized_matmul import (quantized_grouped_matmul,
-                                             quantized_grouped_matmul_reference, quantized_matmul,
-                                             quantized_matmul_reference)
+from pallas_kernels.quantized_grouped_matmul import (quantized_grouped_matmul,
+                                                     quantized_grouped_matmul_reference)
+from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference

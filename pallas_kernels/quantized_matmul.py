@@ -1,19 +1,31 @@
-"""Weight-only quantized matmul: y = x @ W^T with W [N, K] held as 1-byte
-codes (float8_e4m3fn or int8) and float32 scales over (bo, bi) blocks of W,
-dequantized one [block_n, block_k] tile at a time in registers. The float W
-never exists in memory; each program reads its codes once.
+"""Weight-only quantized matmul: y = x @ W^T with W [N, K] held as codes plus
+block scales, dequantized one [block_n, block_k] tile at a time inside the
+kernel. The float W never exists in memory; each program reads its codes once.
 
-  W[n, k] = q[n, k] * scale[n // bo, k // bi]   (DeepSeek block FP8: 128 x 128;
-                                                  per channel: bo = 1, bi = K)
+  codes  float8_e4m3fn / int8 [N, K]       one code per byte
+         uint8 [N, K / 2], packed=         two codes per byte, the even element
+           "int4" (two's complement)       in the low nibble (MXFP4, NVFP4 and
+           "e2m1" (FP4: 0, .5, 1, ... 6)   int4 checkpoints alike)
+  scale  [ceil(N / bo), ceil(K / bi)]      float32 / float8_e4m3fn multipliers,
+                                           or uint8 E8M0 (2^(s - 127), MXFP4)
+  scale2 optional float32 scalar           NVFP4's per-tensor second level
 
-The scale is constant over a tile when block_k divides bi (or bi spans K), so
-a tile's product is dot(x_tile, q_tile^T) in float32 times one scale per
-output column: the kernel multiplies the [block_m, block_n] partial, not the
-weights. The wrapper lays the scales out as s_t [K / block_k, N] (row kb: the
-scale of every output row for key tile kb).
+  W[n, k] = code[n, k] * scale[n // bo, k // bi] * scale2
 
-One program per (block_m rows of x, block_n rows of W), a loop over K in
-block_k steps; float32 accumulation. Shapes: M tokens, K input dim, N output.
+A key tile inside one scale block (block_k divides bi, or bi spans K) is a
+float32 dot of the codes times one scale per output row: the [block_m,
+block_n] partial is scaled, not the weights. Scale blocks smaller than a key
+tile (MXFP4's 32 inputs, NVFP4's 16) are broadcast over their blocks and
+multiply the decoded tile before the dot. For packed codes the wrapper splits
+x into its even and odd columns, so a byte tile is two dots, x_even @ low^T +
+x_odd @ high^T, and no nibbles are interleaved in the kernel.
+
+Scales are read as stored, converted to float32 in the kernel (no per-call
+relayout). Tiles are chosen to divide N and K, so real model dims are read in
+place; only dims that are not multiples of 16 (tiny test shapes) are padded
+per call. One program per (block_m rows of x, block_n rows of W), a loop over
+K in block_k steps, float32 accumulation. Shapes: M tokens, K input dim, N
+output dim.
 """
 
 from __future__ import annotations
@@ -28,12 +40,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 CODE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
+PACKED = ("int4", "e2m1")
+SCALE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float8_e4m3fn),
+                jnp.dtype(jnp.uint8))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BlockSizes:
   """Tile sizes, powers of two >= 16 (Triton tiles; the smallest tensor-core
-  dot). block_m shrinks to the token count (decode: 16 rows)."""
+  dot). block_m shrinks to the token count (decode: 16 rows); block_n and
+  block_k shrink until they tile N, K and the scale blocks."""
   block_m: int = 64
   block_n: int = 64
   block_k: int = 128
@@ -44,200 +60,242 @@ class BlockSizes:
       if not isinstance(b, int) or isinstance(b, bool) or b < 16 or b & (b - 1):
         raise ValueError(f"{name} must be a power of two >= 16, got {b!r}")
 
-  def fit(self, M: int, bi: int, K: int) -> "BlockSizes":
-    """block_m down to the rows; block_k down until it divides the scale block."""
-    bk = self.block_k
-    while bi < K and bi % bk:
-      bk //= 2
-    if bk < 16:
-      raise ValueError(f"quantized_matmul: scale blocks of {bi} inputs cannot be tiled "
-                       "(need a multiple of 16)")
-    return BlockSizes(block_m=min(self.block_m, max(16, pl.next_power_of_2(M))),
-                      block_n=self.block_n, block_k=bk)
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+  """Everything static about one call (jit-static, hashable)."""
+  bm: int
+  bn: int
+  bk: int  # key tile in elements (packed: bk / 2 bytes)
+  bo: int  # scale block rows, resolved (N: whole)
+  bi: int  # scale block inputs, resolved (K: whole)
+  packed: str | None
+  groups: int  # scale blocks per key tile (0: the tile lies inside one)
+  scale2: bool
+
+  @property
+  def kq(self) -> int:
+    """A key tile's width in the codes' last dim."""
+    return self.bk // 2 if self.packed else self.bk
+
+  @property
+  def row_scales(self) -> bool:
+    """One scale row per output row (bo = 1) rather than one per program."""
+    return self.bo == 1
 
 
-def _check(x, codes, scale, block):
-  if x.ndim != 2 or codes.ndim != 2 or scale.ndim != 2:
-    raise ValueError(f"quantized_matmul: x [M, K], codes [N, K], scale 2-D; got {x.shape}, "
-                     f"{codes.shape}, {scale.shape}")
-  (M, K), (N, Kc) = x.shape, codes.shape
-  if K != Kc:
-    raise ValueError(f"quantized_matmul: x has K={K} inputs, codes {Kc}")
-  if codes.dtype not in CODE_DTYPES:
-    raise TypeError(f"quantized_matmul: codes must be float8_e4m3fn or int8, got {codes.dtype}")
-  bo, bi = block[0] or N, block[1] or K
-  want = (-(-N // bo), -(-K // bi))
-  if scale.shape != want:
-    raise ValueError(f"quantized_matmul: scale must be {list(want)} for blocks {block} of "
-                     f"[{N}, {K}], got {list(scale.shape)}")
-  return M, K, N, bo, bi
+def fit(blocks: BlockSizes, M: int, N: int, K: int, bo: int, bi: int, packed, scale2: bool) -> Tiling:
+  """The tiling for [M, K] x [N, K]^T with (bo, bi) scale blocks."""
+  bm = min(blocks.block_m, max(16, pl.next_power_of_2(M)))
+  bn = blocks.block_n
+  while bn > 16 and (N % bn or (1 < bo < N and bo % bn)):
+    bn //= 2
+  if 1 < bo < N and bo % bn:
+    raise ValueError(f"quantized_matmul: scale blocks of {bo} rows cannot be tiled "
+                     "(need a multiple of 16)")
+  inside = lambda b: bi >= K or bi % b == 0  # the tile lies in one scale block
+  ok = lambda b: inside(b) or (b % bi == 0 and (not packed or bi % 2 == 0))
+  sizes = [b for b in (blocks.block_k >> i for i in range(8)) if b >= (32 if packed else 16)]
+  sizes = [b for b in sizes if ok(b)]
+  if not sizes:
+    raise ValueError(f"quantized_matmul: scale blocks of {bi} inputs cannot be tiled "
+                     "(need a multiple or divisor of a 16..128 key tile)")
+  # Tiles that divide K first; 1-byte codes prefer tiles inside one scale block
+  # (a scaled partial), packed codes the widest tile (the decode dominates).
+  bk = min(sizes, key=lambda b: (K % b != 0, not packed and not inside(b), -b))
+  return Tiling(bm=bm, bn=bn, bk=bk, bo=bo, bi=bi, packed=packed,
+                groups=0 if inside(bk) else bk // bi, scale2=scale2)
 
 
-def _kernel(x_ref, q_ref, s_ref, o_ref, *, block_k):
-  # x_ref [block_m, K_pad]   activations (the program's rows)
-  # q_ref [block_n, K_pad]   codes of the program's output rows
-  # s_ref [K_pad / block_k, block_n]  float32 scale per key tile and output row
-  # o_ref [block_m, block_n]
+# ------------------------------------------------------------ tile math (in the kernel)
+
+def _decode(nib, packed: str):
+  """4-bit codes (int32 in [0, 15]) -> float32 values."""
+  if packed == "int4":
+    return ((nib ^ 8) - 8).astype(jnp.float32)
+  # e2m1: sign, 2 exponent bits, 1 mantissa bit: 0, .5 | 1, 1.5 | 2, 3 | 4, 6.
+  e, m = nib & 6, (nib & 1).astype(jnp.float32)
+  v = jnp.where(e == 0, 0.5 * m, jnp.where(e == 2, 1.0 + 0.5 * m,
+                                           jnp.where(e == 4, 2.0 + m, 4.0 + 2.0 * m)))
+  return jnp.where((nib & 8) != 0, -v, v)
+
+
+def _scale_f32(s):
+  """Stored scales -> float32 multipliers (uint8: E8M0 exponents)."""
+  if s.dtype == jnp.uint8:
+    return jnp.exp2(s.astype(jnp.float32) - 127.0)
+  return s.astype(jnp.float32)
+
+
+def _scale_cols(t: Tiling, kb):
+  """The scale columns key tile kb reads."""
+  if t.groups:
+    return pl.ds(kb * t.groups, t.groups)
+  return pl.ds(kb * t.bk // t.bi, 1)
+
+
+def _tile_product(xs, codes, s, t: Tiling):
+  """xs: (x,) or (x_even, x_odd) tiles [bm, kq]; codes [bn, kq]; s float32
+  [R, groups or 1], the tile's scales for its R (bn or 1) scale rows ->
+  float32 [bm, bn]."""
+  if t.packed:
+    b = codes.astype(jnp.int32)
+    ws = (_decode(b & 15, t.packed), _decode((b >> 4) & 15, t.packed))
+  else:
+    ws = (codes,)
+  if t.groups:  # scales vary inside the tile: scale the decoded weights
+    R, G = s.shape
+    width = t.kq // G
+    s = jnp.broadcast_to(s[:, :, None], (R, G, width)).reshape(R, G * width)
+    ws = tuple(w.astype(jnp.float32) * s for w in ws)
+  dn = (((1,), (1,)), ((), ()))
+  part = None
+  for x, w in zip(xs, ws):
+    p = lax.dot_general(x, w.astype(x.dtype), dn, preferred_element_type=jnp.float32)
+    part = p if part is None else part + p
+  return part if t.groups else part * s.reshape(1, -1)
+
+
+def _kernel(*refs, t: Tiling):
+  # x_ref(s) [bm, Kq_pad]   activations (packed: even and odd columns)
+  # q_ref    [bn, Kq_pad]   codes of the program's output rows
+  # s_ref    [R, Kg]        stored scales of those rows (R = bn, or 1 for bo > 1)
+  # s2_ref   [1]            (scale2 only) the per-tensor multiplier
+  # o_ref    [bm, bn]
+  nx = 2 if t.packed else 1
+  x_refs, q_ref, s_ref = refs[:nx], refs[nx], refs[nx + 1]
+  s2_ref, o_ref = (refs[nx + 2], refs[-1]) if t.scale2 else (None, refs[-1])
+
   def body(kb, acc):
-    ks = pl.ds(kb * block_k, block_k)
-    x = x_ref[:, ks]
-    q = q_ref[:, ks].astype(x.dtype)  # the tile's dequantization: codes -> compute dtype
-    part = lax.dot_general(x, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return acc + part * s_ref[pl.ds(kb, 1), :]
+    ks = pl.ds(kb * t.kq, t.kq)
+    s = _scale_f32(s_ref[:, _scale_cols(t, kb)])
+    return acc + _tile_product(tuple(r[:, ks] for r in x_refs), q_ref[:, ks], s, t)
 
-  acc = jnp.zeros(o_ref.shape, jnp.float32)
-  acc = lax.fori_loop(0, q_ref.shape[1] // block_k, body, acc)
+  acc = lax.fori_loop(0, q_ref.shape[1] // t.kq, body, jnp.zeros(o_ref.shape, jnp.float32))
+  if s2_ref is not None:
+    acc = acc * s2_ref[...].astype(jnp.float32)
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def tile_scales(scale, bo: int, bi: int, N_pad: int, K_pad: int, block_k: int):
-  """scale [ceil(N/bo), ceil(K/bi)] -> s_t [K_pad / block_k, N_pad]: the scale
-  of each (key tile, output row); padded rows and tiles get 0."""
-  N, K = scale.shape[0] * bo, scale.shape[1] * bi  # block-padded extents
-  rows = jnp.minimum(jnp.arange(N_pad) // bo, scale.shape[0] - 1)
-  tiles = jnp.minimum(jnp.arange(K_pad // block_k) * block_k // bi, scale.shape[1] - 1)
-  s = scale.astype(jnp.float32)[rows][:, tiles].T  # [tiles, N_pad]
-  valid = (jnp.arange(N_pad) < N)[None, :] & (jnp.arange(K_pad // block_k) * block_k < K)[:, None]
-  return jnp.where(valid, s, 0.0)
+# ------------------------------------------------------------ wrappers
+
+def _check(x, codes, scale, block, packed, scale2, name="quantized_matmul"):
+  if x.ndim != 2 or codes.ndim != 2 or scale.ndim != 2:
+    raise ValueError(f"{name}: x [M, K], codes [N, K] (packed [N, K / 2]), scale 2-D; got "
+                     f"{x.shape}, {codes.shape}, {scale.shape}")
+  (M, K), (N, Kc) = x.shape, codes.shape
+  if packed is not None:
+    if packed not in PACKED:
+      raise ValueError(f"{name}: packed must be one of {PACKED} or None, got {packed!r}")
+    if codes.dtype != jnp.uint8:
+      raise TypeError(f"{name}: packed codes must be uint8, got {codes.dtype}")
+    Kc *= 2
+  elif codes.dtype not in CODE_DTYPES:
+    raise TypeError(f"{name}: codes must be float8_e4m3fn or int8 (or packed uint8 with "
+                    f"packed=), got {codes.dtype}")
+  if K != Kc:
+    raise ValueError(f"{name}: x has K={K} inputs, codes {Kc}")
+  if scale.dtype not in SCALE_DTYPES:
+    raise TypeError(f"{name}: scale dtype must be one of {[str(d) for d in SCALE_DTYPES]}, "
+                    f"got {scale.dtype}")
+  bo, bi = min(block[0] or N, N), min(block[1] or K, K)
+  want = (-(-N // bo), -(-K // bi))
+  if scale.shape != want:
+    raise ValueError(f"{name}: scale must be {list(want)} for blocks {block} of [{N}, {K}], "
+                     f"got {list(scale.shape)}")
+  if scale2 is not None and jnp.shape(scale2) != ():
+    raise ValueError(f"{name}: scale2 must be a scalar, got shape {jnp.shape(scale2)}")
+  return M, K, N, bo, bi
 
 
-def quantized_matmul(x, codes, scale, *, block=(0, 0), blocks: BlockSizes = BlockSizes(),
-                     interpret: bool = False):
-  """x [M, K] (bf16 / f32) @ W^T, W [N, K] = codes * scale over `block` =
-  (rows, cols) blocks of W (0: the whole dimension) -> [M, N] in x's dtype.
-  codes float8_e4m3fn or int8 [N, K]; scale float32 [ceil(N/bo), ceil(K/bi)]."""
-  M, K, N, bo, bi = _check(x, codes, scale, block)
-  return _quantized_matmul(x, codes, scale, bo=bo, bi=bi, blocks=blocks.fit(M, bi, K),
-                           interpret=interpret)
+def _split_x(x, t: Tiling, K_pad: int):
+  """x [M', K] -> the kernel's activation operands, K padded to K_pad."""
+  x = jnp.pad(x, ((0, 0), (0, K_pad - x.shape[1])))
+  return (x[:, 0::2], x[:, 1::2]) if t.packed else (x,)
 
 
-@functools.partial(jax.jit, static_argnames=("bo", "bi", "blocks", "interpret"))
-def _quantized_matmul(x, codes, scale, *, bo, bi, blocks, interpret):
-  (M, K), N = x.shape, codes.shape[0]
-  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-  M_pad, N_pad, K_pad = (pl.cdiv(M, bm) * bm, pl.cdiv(N, bn) * bn, pl.cdiv(K, bk) * bk)
-  x = jnp.pad(x, ((0, M_pad - M), (0, K_pad - K)))
-  codes = jnp.pad(codes, ((0, N_pad - N), (0, K_pad - K)))
-  s_t = tile_scales(scale, bo, bi, N_pad, K_pad, bk)
+def _pad_operands(codes, scale, t: Tiling, N: int, K: int):
+  """Codes and scales padded to whole tiles: a no-op when the tiles divide N
+  and K (model dims); codes pad with 0, so padded weights are 0."""
+  N_pad, K_pad = pl.cdiv(N, t.bn) * t.bn, pl.cdiv(K, t.bk) * t.bk
+  kq_pad = K_pad // 2 if t.packed else K_pad
+  codes = jnp.pad(codes, [(0, 0)] * (codes.ndim - 2) + [(0, N_pad - codes.shape[-2]),
+                                                          (0, kq_pad - codes.shape[-1])])
+  rows = N_pad if t.row_scales else scale.shape[-2]
+  cols = max(scale.shape[-1], K_pad // t.bi) if t.groups else scale.shape[-1]
+  scale = jnp.pad(scale, [(0, 0)] * (scale.ndim - 2) + [(0, rows - scale.shape[-2]),
+                                                          (0, cols - scale.shape[-1])])
+  return codes, scale, N_pad, K_pad
+
+
+def quantized_matmul(x, codes, scale, *, block=(0, 0), packed: str | None = None, scale2=None,
+                     blocks: BlockSizes = BlockSizes(), interpret: bool = False):
+  """x [M, K] (bf16 / f32) @ W^T, W [N, K] = codes * scale (* scale2) over
+  `block` = (rows, cols) blocks of W (0: the whole dimension) -> [M, N] in
+  x's dtype. See the module docstring for codes, packed and scale formats."""
+  M, K, N, bo, bi = _check(x, codes, scale, block, packed, scale2)
+  t = fit(blocks, M, N, K, bo, bi, packed, scale2 is not None)
+  s2 = None if scale2 is None else jnp.asarray(scale2, jnp.float32).reshape(1)
+  return _quantized_matmul(x, codes, scale, s2, t=t, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("t", "interpret"))
+def _quantized_matmul(x, codes, scale, s2, *, t: Tiling, interpret):
+  M, N, K = x.shape[0], codes.shape[0], x.shape[1]
+  M_pad = pl.cdiv(M, t.bm) * t.bm
+  codes, scale, N_pad, K_pad = _pad_operands(codes, scale, t, N, K)
+  xs = _split_x(jnp.pad(x, ((0, M_pad - M), (0, 0))), t, K_pad)
+  kq_pad = codes.shape[1]
+  rows = ((t.bn, scale.shape[1]), lambda i, j: (j, 0)) if t.row_scales else (
+      (1, scale.shape[1]), lambda i, j: (j * t.bn // t.bo, 0))
+  in_specs = [pl.BlockSpec((t.bm, kq_pad), lambda i, j: (i, 0)) for _ in xs]
+  in_specs += [pl.BlockSpec((t.bn, kq_pad), lambda i, j: (j, 0)), pl.BlockSpec(*rows)]
+  args = [*xs, codes, scale]
+  if s2 is not None:
+    in_specs.append(pl.BlockSpec((1,), lambda i, j: (0,)))
+    args.append(s2)
   out = pl.pallas_call(
-      functools.partial(_kernel, block_k=bk),
-      grid=(M_pad // bm, N_pad // bn),
-      in_specs=[pl.BlockSpec((bm, K_pad), lambda i, j: (i, 0)),
-                pl.BlockSpec((bn, K_pad), lambda i, j: (j, 0)),
-                pl.BlockSpec((K_pad // bk, bn), lambda i, j: (0, j))],
-      out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+      functools.partial(_kernel, t=t),
+      grid=(M_pad // t.bm, N_pad // t.bn),
+      in_specs=in_specs,
+      out_specs=pl.BlockSpec((t.bm, t.bn), lambda i, j: (i, j)),
       out_shape=jax.ShapeDtypeStruct((M_pad, N_pad), x.dtype),
       compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
       interpret=interpret,
       name="quantized_matmul",
-  )(x, codes, s_t)
+  )(*args)
   return out[:M, :N]
 
 
-def quantized_matmul_reference(x, codes, scale, *, block=(0, 0)):
+# ------------------------------------------------------------ references
+
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_INT4 = tuple(range(8)) + tuple(range(-8, 0))
+
+
+def dequantize_reference(codes, scale, *, block=(0, 0), packed=None, scale2=None):
+  """codes, scale (one matrix, or a stack [E, ...]) -> float32 W [..., N, K],
+  by table lookup and explicit block expansion."""
+  if packed is not None:
+    table = jnp.asarray(_E2M1 if packed == "e2m1" else _INT4, jnp.float32)
+    c = codes.astype(jnp.int32)
+    w = jnp.stack([table[c & 15], table[c >> 4]], axis=-1).reshape(*codes.shape[:-1], -1)
+  else:
+    w = codes.astype(jnp.float32)
+  N, K = w.shape[-2:]
+  bo, bi = min(block[0] or N, N), min(block[1] or K, K)
+  s = jnp.exp2(scale.astype(jnp.float32) - 127.0) if scale.dtype == jnp.uint8 else scale.astype(
+      jnp.float32)
+  s = jnp.repeat(jnp.repeat(s, bo, axis=-2)[..., :N, :], bi, axis=-1)[..., :K]
+  w = w * s
+  if scale2 is not None:
+    w = w * jnp.asarray(scale2, jnp.float32)[..., None, None]
+  return w
+
+
+def quantized_matmul_reference(x, codes, scale, *, block=(0, 0), packed=None, scale2=None):
   """Dequantize W whole in float32, then x @ W^T (float32 math, x's dtype out)."""
-  M, K, N, bo, bi = _check(x, codes, scale, block)
-  s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), bo, axis=0)[:N], bi, axis=1)[:, :K]
-  w = codes.astype(jnp.float32) * s
+  _check(x, codes, scale, block, packed, scale2)
+  w = dequantize_reference(codes, scale, block=block, packed=packed, scale2=scale2)
   y = jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST)
   return y.astype(x.dtype)
-
-
-# ------------------------------------------------------------ grouped (MoE experts)
-
-def _grouped_kernel(item_ref, x_ref, q_ref, s_ref, o_ref, *, block_k, block_n):
-  # item_ref [2]                    (expert, rows) of this work item
-  # x_ref    [block_m, K_pad]       the item's rows (zero past `rows`)
-  # q_ref    [E, N_pad, K_pad]      every expert's codes (the item's expert is read)
-  # s_ref    [E, K_pad / block_k, N_pad]  float32 scale per key tile and output row
-  # o_ref    [block_m, block_n]
-  e, rows = item_ref[0], item_ref[1]
-  ns = pl.ds(pl.program_id(1) * block_n, block_n)
-
-  def body(kb, acc):
-    ks = pl.ds(kb * block_k, block_k)
-    x = x_ref[:, ks]
-    q = q_ref[e, ns, ks].astype(x.dtype)
-    part = lax.dot_general(x, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return acc + part * s_ref[e, pl.ds(kb, 1), ns]
-
-  # Empty items read nothing (a dynamic trip count; bounds of one integer type for Triton).
-  num_kb = jnp.where(rows > 0, jnp.int32(q_ref.shape[2] // block_k), jnp.int32(0))
-  acc = lax.fori_loop(jnp.int32(0), num_kb, body, jnp.zeros(o_ref.shape, jnp.float32))
-  o_ref[...] = acc.astype(o_ref.dtype)
-
-
-def _work_items(group_sizes, R: int, bm: int):
-  """Rows grouped by expert -> work items of <= bm rows of one expert.
-  -> (items [W, 2] (expert, rows), src [W * bm] row of xs per padded row
-  (R: none), pos [R] padded row of each row of xs)."""
-  E = group_sizes.shape[0]
-  W = pl.cdiv(R, bm) + E  # each group adds at most one partial tile
-  sizes = group_sizes.astype(jnp.int32)
-  offsets = jnp.cumsum(sizes) - sizes
-  tiles = (sizes + bm - 1) // bm
-  first = jnp.cumsum(tiles) - tiles  # first item of each expert
-  w = jnp.arange(W, dtype=jnp.int32)
-  e = jnp.clip(jnp.searchsorted(first + tiles, w, side="right"), 0, E - 1).astype(jnp.int32)
-  local = (w - first[e]) * bm
-  rows = jnp.where(w < first[e] + tiles[e], jnp.clip(sizes[e] - local, 0, bm), 0)
-  i = jnp.arange(bm, dtype=jnp.int32)
-  src = jnp.where(i[None, :] < rows[:, None], offsets[e][:, None] + local[:, None] + i[None, :], R)
-  r = jnp.arange(R, dtype=jnp.int32)
-  re = jnp.clip(jnp.searchsorted(offsets + sizes, r, side="right"), 0, E - 1)
-  rl = r - offsets[re]
-  pos = jnp.where(r < jnp.sum(sizes), (first[re] + rl // bm) * bm + rl % bm, W * bm)
-  return jnp.stack([e, rows], axis=1), src.reshape(-1), pos
-
-
-def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block=(0, 0),
-                             blocks: BlockSizes = BlockSizes(), interpret: bool = False):
-  """The MoE experts' grouped form (`jax.lax.ragged_dot` semantics): xs [R, K]
-  sorted by expert, group_sizes [E] rows per expert; row r of expert e gets
-  xs[r] @ W_e^T, W_e [N, K] = codes[e] * scale[e] over `block` blocks; rows
-  past sum(group_sizes) are 0. -> [R, N] in xs's dtype. Each work item (<=
-  block_m rows of one expert) reads its expert's codes tile by tile."""
-  if codes.ndim != 3 or scale.ndim != 3 or group_sizes.shape != (codes.shape[0],):
-    raise ValueError(f"quantized_grouped_matmul: codes [E, N, K], scale [E, ., .], group_sizes "
-                     f"[E]; got {codes.shape}, {scale.shape}, {group_sizes.shape}")
-  M, K, N, bo, bi = _check(xs, codes[0], scale[0], block)
-  return _quantized_grouped_matmul(xs, codes, scale, group_sizes, bo=bo, bi=bi,
-                                   blocks=blocks.fit(M, bi, K), interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("bo", "bi", "blocks", "interpret"))
-def _quantized_grouped_matmul(xs, codes, scale, group_sizes, *, bo, bi, blocks, interpret):
-  (R, K), (E, N, _) = xs.shape, codes.shape
-  bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
-  N_pad, K_pad = pl.cdiv(N, bn) * bn, pl.cdiv(K, bk) * bk
-  items, src, pos = _work_items(group_sizes, R, bm)
-  W = items.shape[0]
-  x = jnp.pad(xs, ((0, 1), (0, K_pad - K)))[src]  # [W * bm, K_pad], zero rows past each item
-  codes = jnp.pad(codes, ((0, 0), (0, N_pad - N), (0, K_pad - K)))
-  s_t = jax.vmap(lambda s: tile_scales(s, bo, bi, N_pad, K_pad, bk))(scale)
-  out = pl.pallas_call(
-      functools.partial(_grouped_kernel, block_k=bk, block_n=bn),
-      grid=(W, N_pad // bn),
-      in_specs=[pl.BlockSpec((None, 2), lambda w, j: (w, 0)),
-                pl.BlockSpec((bm, K_pad), lambda w, j: (w, 0)),
-                pl.BlockSpec((E, N_pad, K_pad), lambda w, j: (0, 0, 0)),
-                pl.BlockSpec((E, K_pad // bk, N_pad), lambda w, j: (0, 0, 0))],
-      out_specs=pl.BlockSpec((bm, bn), lambda w, j: (w, j)),
-      out_shape=jax.ShapeDtypeStruct((W * bm, N_pad), xs.dtype),
-      compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
-      interpret=interpret,
-      name="quantized_grouped_matmul",
-  )(items, x, codes, s_t)
-  out = jnp.pad(out, ((0, 1), (0, 0)))  # row W * bm: zeros for rows past the groups
-  return out[pos, :N]
-
-
-def quantized_grouped_matmul_reference(xs, codes, scale, group_sizes, *, block=(0, 0)):
-  """Dequantize every expert in float32, then `jax.lax.ragged_dot`."""
-  E, N, K = codes.shape
-  bo, bi = block[0] or N, block[1] or K
-  s = jnp.repeat(jnp.repeat(scale.astype(jnp.float32), bo, axis=1)[:, :N], bi, axis=2)[:, :, :K]
-  w = jnp.swapaxes(codes.astype(jnp.float32) * s, 1, 2)  # [E, K, N]
-  y = lax.ragged_dot(xs.astype(jnp.float32), w, group_sizes.astype(jnp.int32),
-                     precision=lax.Precision.HIGHEST)
-  return y.astype(xs.dtype)

@@ -31,10 +31,10 @@ def test_quantized_steps_compile_for_one_h100():
     assert r["params_bytes_per_device"] < 0.6 * plain["params_bytes_per_device"]
     for p, ref in zip(r["programs"], plain["programs"]):
       assert p["triton_kernels"] and p["fits"]
-      # fp8 projections go through the per-tile dequantizing kernel; NVFP4 experts
-      # (packed 4-bit, grouped) are dequantized by XLA.
+      # Projections (fp8) and experts (fp8, or NVFP4 packed 4-bit) go through
+      # the per-tile dequantizing kernels.
       assert p["quantized_matmul_kernel"] == (quant.method == "fp8"), p["name"]
-      assert p["quantized_grouped_kernel"] == (quant.method == "fp8"), p["name"]
+      assert p["quantized_grouped_kernel"], p["name"]
       # Dequantization happens where a layer reads its weights: the step's scratch
       # grows by far less than a bf16 copy of the params.
       extra = p["memory"]["temp_bytes"] - ref["memory"]["temp_bytes"]
@@ -50,12 +50,16 @@ def test_quantized_dp_attn_ep_step_compiles_for_eight_h100s():
     assert p["quantized_matmul_kernel"] and p["quantized_grouped_kernel"], p["name"]
 
 
-def test_tensor_parallel_quantized_weights_stay_on_xla():
-  # A GSPMD-sharded weight would be gathered around a kernel call: XLA dequantizes it.
-  r = _plan(QuantConfig(method="fp8", block=(1, 0)), {"tensor": 2}, "tp")
+@pytest.mark.parametrize("quant", [QuantConfig(method="fp8", block=(1, 0)),
+                                   QuantConfig(method="nvfp4")])
+def test_tensor_parallel_quantized_weights_run_the_kernels_where_they_lie(quant):
+  """Under tp the kernels run per device in shard_map on each weight's shard:
+  the steps hold both kernels, and no quantized weight (and no kernel operand)
+  is all-gathered."""
+  r = _plan(quant, {"tensor": 2}, "tp")
   for p in r["programs"]:
-    assert p["triton_kernels"] and not p["quantized_matmul_kernel"], p["name"]
-    assert p["kernel_all_gathers"] == 0
+    assert p["quantized_matmul_kernel"] and p["quantized_grouped_kernel"], p["name"]
+    assert p["kernel_all_gathers"] == 0 and p["quantized_gathers"] == 0, p["name"]
 
 
 @pytest.mark.parametrize("quant,devices,fits", [

@@ -93,11 +93,11 @@ def gpu_config(cfg: ModelConfig, dtype: str) -> ModelConfig:
 
 def abstract_params(cfg: ModelConfig, mesh, layout: str):
   """The spec tree as ShapeDtypeStructs in the layout's shardings (no
-  allocation); quantized projections marked for the kernel where the Engine
-  marks them (one device, or per rank under attention DP)."""
+  allocation); quantized weights marked for the kernels as the Engine marks
+  them."""
   params = gpu_compile.abstract(specs_lib.abstract_params(cfg),
                                 sharding.param_shardings(cfg, mesh, layout))
-  return quant.with_kernel(params) if mesh.size == 1 or layout == "dp_attn_ep" else params
+  return quant.with_kernel(params, sharding.kernel_mesh(mesh, layout))
 
 
 def abstract_pool(cfg: ModelConfig, mesh, layout: str, pages_per_rank: int, page_size: int,
@@ -329,6 +329,13 @@ def collective_ops(hlo: str):
       yield m.group(2), m.group(1)
 
 
+def quantized_gathers(hlo: str) -> int:
+  """All-gathers of 1-byte arrays (quantized weights in their storage dtype)
+  in compiled HLO text: 0 when every quantized weight is read where it lies."""
+  return sum(1 for kind, ty in collective_ops(hlo)
+             if kind == "all-gather" and re.search(r"\b(f8e4m3fn|u8|s8)\[", ty))
+
+
 def collectives(hlo: str) -> dict:
   """Collective ops in compiled HLO text, by kind (async starts or sync ops)."""
   counts = {op.replace("-", "_"): 0 for op in _COLLECTIVES}
@@ -348,7 +355,8 @@ def compile_program(lowered, hbm_bytes: float) -> dict:
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
               quantized_grouped_kernel="jit(_quantized_grouped_matmul)" in hlo,
-              kernel_all_gathers=kernel_gathers(hlo), collectives=collectives(hlo))
+              kernel_all_gathers=kernel_gathers(hlo), quantized_gathers=quantized_gathers(hlo),
+              collectives=collectives(hlo))
 
 
 def lower_spec_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):

@@ -199,10 +199,10 @@ class Engine(EngineCore):
     step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None,
                                            transpose_projections=self.mesh is None)
                    if self._unroll else params)
-    # Quantized projections a step holds whole (one device, or per rank under
-    # attention DP) go to the per-tile dequantizing kernel on a GPU target.
-    local = self.mesh is None or self.layout == "dp_attn_ep"
-    self._step_params = quant.with_kernel(step_params) if local else step_params
+    # Quantized weights go to the per-tile dequantizing kernels on a GPU target:
+    # held whole on one device or per rank under attention DP, else per device
+    # as their shardings split them.
+    self._step_params = quant.with_kernel(step_params, sharding.kernel_mesh(self.mesh, self.layout))
 
   def _zero_load(self):
     # The trunk's MoE layers, then the MTP modules' when they run (speculation).

@@ -57,8 +57,7 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
   target when the weight is marked for it (`quant.kernel_ready`), else
   whole (one layer's matrix) to x's dtype."""
   if quant.kernel_ready(w) and ops.resolve(None, target)[0] == "pallas":
-    x2 = x.reshape(-1, w.dims[1])
-    y = ops.quantized_matmul(x2, w.values, w.scale, block=w.block, target=target)
+    y = _kernel_linear(x.reshape(-1, w.dims[1]), w, target)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
   if isinstance(w, QuantizedWeight):
@@ -68,6 +67,42 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
     y = jnp.einsum("...I,OI->...O", xi, w.wt, preferred_element_type=preferred_element_type)
     return y.reshape(*y.shape[:-1], *w.out_shape)
   return jnp.tensordot(x, w, axes=in_dims, preferred_element_type=preferred_element_type)
+
+
+def _kernel_linear(x2, w: QuantizedWeight, target):
+  """x2 [M, In] @ w [Out, In] on the quantized kernel."""
+  def call(x2, values, scale, scale2):
+    return ops.quantized_matmul(x2, values, scale, block=w.block, packed=quant.PACKING.get(w.method),
+                                scale2=scale2, target=target)
+  return quantized_call(w, call, x2)
+
+
+def quantized_call(w: QuantizedWeight, fn, x, *replicated):
+  """fn(x, values, scale, scale2, *replicated) -> y [..., Out], a kernel call
+  on x [..., In] and the weight w [*lead, Out, In]: once for a weight held
+  whole, else per device in shard_map over w's split (`quant.KernelPlan`),
+  x split like w's In, and the partial products of a split In summed."""
+  plan = w.kernel
+  if plan.mesh is None:
+    return fn(x, w.values, w.scale, w.scale2, *replicated)
+  P = jax.sharding.PartitionSpec
+  lead = (None,) * len(w.lead)
+  matrix = (plan.out_axis, plan.in_axis)
+  scale = (*lead, *(a if n > 1 else None for a, n in zip(matrix, w.scale.shape[-2:])))
+  args = [x, w.values, w.scale, *replicated]
+  specs = [P(*(None,) * (x.ndim - 1), plan.in_axis), P(*lead, *matrix), P(*scale),
+           *(P() for _ in replicated)]
+  if w.scale2 is not None:
+    args.append(w.scale2)
+    specs.append(P())
+
+  def per_device(x, values, scale, *rest):
+    scale2 = rest[-1] if w.scale2 is not None else None
+    y = fn(x, values, scale, scale2, *rest[:len(replicated)])
+    return y if plan.in_axis is None else jax.lax.psum(y, plan.in_axis)
+
+  return jax.shard_map(per_device, mesh=plan.mesh, in_specs=tuple(specs),
+                       out_specs=P(*(None,) * (x.ndim - 1), plan.out_axis), check_vma=False)(*args)
 
 
 # ---------------------------------------------------------------- RoPE

@@ -28,7 +28,7 @@ import jax.numpy as jnp
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import glu
+from jaxinfer.models.layers import glu, quantized_call
 from jaxinfer.models import quant
 from jaxinfer.models.quant import dense
 
@@ -102,8 +102,11 @@ def _grouped_matmul(cfg: ModelConfig, xs, w, sizes):
   quantized grouped kernel for weights marked for it on a GPU target (tile by
   tile), else `ragged_dot` (a quantized w dequantized whole first)."""
   if quant.kernel_ready(w, grouped=True) and ops.resolve(None, cfg.kernel_target)[0] == "pallas":
-    return ops.quantized_grouped_matmul(xs, w.values, w.scale, sizes, block=w.block,
-                                        target=cfg.kernel_target)
+    def call(xs, values, scale, scale2, sizes):
+      return ops.quantized_grouped_matmul(xs, values, scale, sizes, block=w.block,
+                                          packed=quant.PACKING.get(w.method), scale2=scale2,
+                                          target=cfg.kernel_target)
+    return quantized_call(w, call, xs, sizes)
   return jax.lax.ragged_dot(xs, dense(w, xs.dtype), sizes)
 
 

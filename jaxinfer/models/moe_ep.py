@@ -30,7 +30,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import ep_dispatch
+from jaxinfer.models import ep_dispatch, quant
 from jaxinfer.models.layers import mlp
 from jaxinfer.models.moe_core import ExpertCount, count_kind, expert_counts, physical_ids, route
 from jaxinfer.models.quant import QuantizedWeight
@@ -116,6 +116,7 @@ def _rank_moe(cfg, experts, router_p, x, ok, *, axes, n, e_local, strategy, coun
   (the EPLB replica choice). -> (y [t, D], counts: summed over the ranks, or
   an empty array)."""
   t = x.shape[0]
+  experts = quant.held_whole(experts)  # per rank, the local experts are whole
   idx, weights = route(cfg, router_p, x)
   counts = jnp.zeros((0,), jnp.int32)
   if count == ExpertCount.LOGICAL:
@@ -176,7 +177,7 @@ def moe_ep(cfg: ModelConfig, p, x, ep, valid=None, count=None):
                      token0=jax.lax.axis_index(ep.axes) * per_rank)
 
   spec_tokens = P(ep.axes, None)
-  spec_experts = {k: P(ep.axes, *([None] * (w.ndim - 1))) for k, w in experts.items()}
+  spec_experts = jax.tree.map(lambda a: P(ep.axes, *([None] * (a.ndim - 1))), experts)
   out, counts = jax.shard_map(per_rank_fn, mesh=ep.mesh,
                       in_specs=(spec_tokens, P(ep.axes), spec_experts,
                                 jax.tree.map(lambda _: P(), router)),

@@ -27,6 +27,7 @@ use (`bench_decode` reports what that costs).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from flax import struct
@@ -46,6 +47,19 @@ _QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelPlan:
+  """How a step holds a weight it multiplies with the quantized kernels:
+  whole (mesh None: one device, or per rank inside a shard_map), or split
+  over `mesh` with its [Out, In] matrix's dims over `out_axis` / `in_axis`
+  (values and scales alike): `layers.linear` then runs the kernel per device
+  in shard_map (GSPMD cannot split the kernel's custom call; it would gather
+  the weight around it) and sums the partial products of an `in_axis` split."""
+  mesh: jax.sharding.Mesh | None = None
+  out_axis: str | tuple[str, ...] | None = None
+  in_axis: str | tuple[str, ...] | None = None
+
+
 @struct.dataclass
 class QuantizedWeight:
   """One quantized projection (see the module docstring for the layouts)."""
@@ -56,10 +70,9 @@ class QuantizedWeight:
   block: tuple[int, int] = struct.field(pytree_node=False, default=(0, 0))
   in_shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
   out_shape: tuple[int, ...] = struct.field(pytree_node=False, default=())
-  # The program holds this weight whole (one device, or a per-rank shard_map):
-  # `linear` may then multiply it with the Pallas kernel on a GPU target
-  # (`with_kernel`); a GSPMD-sharded weight would be gathered around the call.
-  kernel: bool = struct.field(pytree_node=False, default=False)
+  # Marked for the Pallas kernels on a GPU target (`with_kernel`): how the
+  # program holds the weight, so the call runs where the shards are.
+  kernel: "KernelPlan | None" = struct.field(pytree_node=False, default=None)
 
   @property
   def lead(self) -> tuple[int, ...]:
@@ -126,8 +139,10 @@ def _scales(w: QuantizedWeight):
     s = s * w.scale2.astype(jnp.float32)[..., None, None]
   out, d_in = w.dims
   bo, bi = block_sizes(w.block, out, d_in)
-  s = jnp.repeat(s, bo, axis=-2, total_repeat_length=s.shape[-2] * bo)[..., :out, :]
-  return jnp.repeat(s, bi, axis=-1, total_repeat_length=s.shape[-1] * bi)[..., :d_in]
+  # Block expansion by broadcast and reshape (a gather would not split like the weight).
+  *lead, no, ni = s.shape
+  s = jnp.broadcast_to(s[..., :, None, :, None], (*lead, no, bo, ni, bi))
+  return s.reshape(*lead, no * bo, ni * bi)[..., :out, :d_in]
 
 
 def matmul_weight(w: QuantizedWeight, dtype) -> jax.Array:
@@ -146,20 +161,62 @@ def dense(w, dtype=None) -> jax.Array:
   return m.reshape(*lead, *w.in_shape, *w.out_shape)
 
 
+PACKING = {"int4": "int4", "mxfp4": "e2m1", "nvfp4": "e2m1"}  # the kernels' `packed=`
+
+
+def _tileable(w: QuantizedWeight) -> bool:
+  """Whether the kernels can tile w's scale blocks (`pallas_kernels.quantized_matmul.fit`)."""
+  out, d_in = w.dims
+  bo, bi = block_sizes(w.block, out, d_in)
+  rows = bo in (1, out) or bo % 16 == 0
+  cols = bi >= d_in or bi % 16 == 0 or (128 % bi == 0 and (w.method not in PACKED or bi % 2 == 0))
+  return rows and cols
+
+
 def kernel_ready(w, grouped: bool = False) -> bool:
   """Whether w goes to the quantized matmul kernels (`linear`: one matrix;
-  grouped: the experts' stack [E, Out, In]): marked, 1-byte codes, scale
-  blocks of 16+ inputs."""
-  if not isinstance(w, QuantizedWeight):
+  grouped: the experts' stack [E, Out, In]), whole or split per its
+  `KernelPlan`."""
+  if not isinstance(w, QuantizedWeight) or w.kernel is None:
     return False
-  bi = block_sizes(w.block, *w.dims)[1]
-  return (w.kernel and w.method in ("fp8", "int8") and len(w.lead) == int(grouped)
-          and (bi >= w.dims[1] or bi % 16 == 0))
+  return len(w.lead) == int(grouped) and _tileable(w)
 
 
-def with_kernel(tree, on: bool = True):
-  """Every `QuantizedWeight` in tree marked (or unmarked) for the kernel."""
-  return jax.tree.map(lambda w: w.replace(kernel=on) if isinstance(w, QuantizedWeight) else w,
+def _plan(w: QuantizedWeight, mesh) -> KernelPlan | None:
+  """w's plan from its arrays' shardings (NamedSharding over mesh), or None
+  when its scales do not split with its values' blocks."""
+  if mesh is None:
+    return KernelPlan()
+  spec = lambda a: tuple(getattr(getattr(a, "sharding", None), "spec", ())) + (None,) * a.ndim
+  vs, ss = spec(w.values)[len(w.lead):len(w.lead) + 2], spec(w.scale)[len(w.lead):len(w.lead) + 2]
+  if any(a is not None for a in spec(w.values)[:len(w.lead)]):
+    return None  # split stacks (experts over ranks) run per rank in their own shard_map
+  out, d_in = w.dims
+  for axis, s_axis, n, b, s_n in zip(vs, ss, (out, d_in), block_sizes(w.block, out, d_in),
+                                     w.scale.shape[-2:]):
+    if axis is None:
+      if s_axis is not None:
+        return None
+      continue
+    size = math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+    whole = b >= n  # one scale over the dim: replicated, it applies to every shard
+    if not (whole and s_n == 1 and s_axis is None) and (s_axis != axis or (n // size) % b):
+      return None
+  return KernelPlan(mesh=mesh, out_axis=vs[0], in_axis=vs[1])
+
+
+def with_kernel(tree, mesh=None):
+  """Every `QuantizedWeight` in tree marked for the kernels: held whole
+  (mesh None), or split as its arrays' shardings over mesh say."""
+  return jax.tree.map(lambda w: w.replace(kernel=_plan(w, mesh)) if isinstance(w, QuantizedWeight)
+                      else w, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
+def held_whole(tree):
+  """The weights in tree that are marked for the kernels, marked as held
+  whole: for code that runs per rank inside a shard_map over their splits."""
+  return jax.tree.map(lambda w: w.replace(kernel=KernelPlan())
+                      if isinstance(w, QuantizedWeight) and w.kernel is not None else w,
                       tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
