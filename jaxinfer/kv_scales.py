@@ -10,7 +10,9 @@ cache array. The Engine takes them, in this order, from:
    scale names: GQA `k_scale` and `v_scale` (HF ModelOpt
    `self_attn.k_proj.k_scale` / `self_attn.v_proj.v_scale`, compressed-tensors
    `self_attn.k_scale`), MLA `kv_scale` (one scale for the whole cached latent
-   row [c ; k_rope]). `split_params` takes them out of the params the model
+   row [c ; k_rope]; from ModelOpt `self_attn.kv_a_proj_with_mqa.k_scale` or
+   compressed-tensors `self_attn.k_scale`, the larger of it and the matching
+   v_scale when the checkpoint has one). `split_params` takes them out of the params the model
    runs (they describe the cache, not the forward).
 2. calibration (`calibrate`), for every segment whose params lack them: one
    full cached forward (`transformer.forward`, the contiguous reference cache

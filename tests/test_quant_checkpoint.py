@@ -238,3 +238,29 @@ def test_checkpoint_kv_scales_drive_the_engines_fp8_cache(tmp_path):
   sharded = jaxinfer.Engine(cfg, params, config, mesh=mesh, layout="tp")
   assert sharded.kv_scales_source == "params"
   assert [o.token_ids for o in sharded.generate(prompts, sampling)] == single
+
+
+@pytest.mark.parametrize("fmt", ["modelopt_fp8", "ct_fp8_channel"])
+def test_mla_checkpoint_kv_scales_drive_the_latent_cache(tmp_path, monkeypatch, fmt):
+  """DeepSeek (MLA) KV scales as ModelOpt (k_scale / v_scale on
+  kv_a_proj_with_mqa) and compressed-tensors (on self_attn) write them: the
+  latent cache's one scale per layer is the larger of the two (the cached
+  row is read as both K and V); with k_scale alone, k_scale."""
+  import jaxinfer
+  from jaxinfer.checkpoint import quant_export
+  export_quantized(str(HF / "deepseek_v3"), str(tmp_path / "q"), fmt, kv_scales=True)
+  cfg, params = checkpoint.load_hf(str(tmp_path / "q"), dtype=jnp.float32)
+  config = jaxinfer.EngineConfig(kv_cache_dtype="fp8", page_size=8, num_pages=32, max_num_seqs=2)
+  engine = jaxinfer.Engine(cfg, params, config)
+  assert engine.kv_scales_source == "params"
+  got = np.concatenate([seg["kv_scale"] for seg in engine.kv_scales])
+  np.testing.assert_allclose(got, 0.02 * np.arange(1, cfg.num_layers + 1), rtol=1e-6)
+  # A checkpoint with k scales only.
+  k_only = quant_export._kv_scales
+  monkeypatch.setattr(quant_export, "_kv_scales", lambda *a: {
+      k: v for k, v in k_only(*a).items() if not k.endswith("v_scale")})
+  export_quantized(str(HF / "deepseek_v3"), str(tmp_path / "k"), fmt, kv_scales=True)
+  _, params = checkpoint.load_hf(str(tmp_path / "k"), dtype=jnp.float32)
+  got = np.concatenate([np.atleast_1d(np.asarray(layer["attn"]["kv_scale"]))
+                        for layer in params["layers"]])
+  np.testing.assert_allclose(got, 0.01 * np.arange(1, cfg.num_layers + 1), rtol=1e-6)

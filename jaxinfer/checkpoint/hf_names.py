@@ -65,7 +65,17 @@ def _linear_out(name, in_shape, d_out):
               WeightRef((name,), d_out, n_in))
 
 
-def _attn_sources(cfg: ModelConfig, a: str) -> dict:
+def _mla_kv_scale(cfg: ModelConfig, a: str, has: Callable[[str], bool]) -> Source:
+  """MLA's one latent-cache scale. ModelOpt exports put k_scale (and v_scale)
+  on kv_a_proj_with_mqa, compressed-tensors on the attention module; the
+  cached latent row is read as both K and V, so it takes the larger."""
+  base = f"{a}.kv_a_proj_with_mqa" if cfg.quant.layout == "modelopt" else a
+  shape = () if cfg.quant.layout == "modelopt" else (1,)
+  names = tuple(f"{base}.{kv}_scale" for kv in ("k", "v") if kv == "k" or has(f"{base}.{kv}_scale"))
+  return Source(names, (shape,) * len(names), lambda *s: np.max([np.reshape(x, ()) for x in s]))
+
+
+def _attn_sources(cfg: ModelConfig, a: str, has: Callable[[str], bool]) -> dict:
   D, N, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads
   if cfg.attention == "mla":
     R, Hr, Hn, Hv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
@@ -81,6 +91,8 @@ def _attn_sources(cfg: ModelConfig, a: str) -> dict:
     s[("kv_norm",)] = _one(f"{a}.kv_a_layernorm.weight", (R,))
     s[("wkv_b",)] = _linear(f"{a}.kv_b_proj.weight", R, (N, Hn + Hv))
     s[("wo",)] = _linear_out(f"{a}.o_proj.weight", (N, Hv), D)
+    if cfg.quant is not None and cfg.quant.kv_cache:
+      s[("kv_scale",)] = _mla_kv_scale(cfg, a, has)
     return s
   H = cfg.head_dim
   s = {("wq",): _linear(f"{a}.q_proj.weight", D, (N, H)),
@@ -167,7 +179,7 @@ def block_sources(cfg: ModelConfig, prefix: str, is_moe: bool, has: Callable[[st
   D = cfg.d_model
   s = {("attn_norm",): _one(f"{prefix}.input_layernorm.weight", (D,)),
        ("mlp_norm",): _one(f"{prefix}.post_attention_layernorm.weight", (D,))}
-  s.update({("attn", *k): v for k, v in _attn_sources(cfg, f"{prefix}.self_attn").items()})
+  s.update({("attn", *k): v for k, v in _attn_sources(cfg, f"{prefix}.self_attn", has).items()})
   mlp = _moe_sources(cfg, prefix, has) if is_moe else _dense_sources(f"{prefix}.mlp", D, cfg.ffn_dim)
   s.update({("mlp", *k): v for k, v in mlp.items()})
   return s

@@ -155,13 +155,20 @@ def _config_entry(fmt: str, q: QuantConfig, exclude: list[str]) -> tuple[dict, d
               ignore=exclude), None
 
 
-def _kv_scales(cfg: ModelConfig, q: QuantConfig) -> dict[str, np.ndarray]:
-  """Per-layer KV cache scales (layer i: k 0.01 (i + 1), v 0.02 (i + 1))."""
+def _kv_scales(cfg: ModelConfig, q: QuantConfig, layers) -> dict[str, np.ndarray]:
+  """Per-layer KV cache scales (layer i: k 0.01 (i + 1), v 0.02 (i + 1)),
+  named as ModelOpt (on k_proj / v_proj; MLA: both on kv_a_proj_with_mqa) or
+  compressed-tensors (on the attention module) write them."""
   out = {}
-  for i in range(cfg.num_layers):
+  for i in layers:
     a = f"model.layers.{i}.self_attn"
     for kv, v in (("k", 0.01 * (i + 1)), ("v", 0.02 * (i + 1))):
-      name = f"{a}.{kv}_proj.{kv}_scale" if q.layout == "modelopt" else f"{a}.{kv}_scale"
+      if q.layout != "modelopt":
+        name = f"{a}.{kv}_scale"
+      elif cfg.attention == "mla":
+        name = f"{a}.kv_a_proj_with_mqa.{kv}_scale"
+      else:
+        name = f"{a}.{kv}_proj.{kv}_scale"
       out[name] = np.full(() if q.layout == "modelopt" else (1,), v, np.float32)
   return out
 
@@ -171,7 +178,7 @@ def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, target
   """Writes src_dir's float checkpoint (one safetensors file) quantized in
   `fmt` to out_dir; returns the QuantConfig it encodes. targets default to
   every projection (MXFP4: the routed experts, as GPT-OSS ships); kv_scales
-  (ModelOpt and compressed-tensors, GQA models) adds per-layer FP8 KV cache
+  (ModelOpt and compressed-tensors) adds per-layer FP8 KV cache
   scales and declares them in the config."""
   if fmt not in FORMATS:
     raise ValueError(f"export_quantized: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
@@ -183,9 +190,8 @@ def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, target
     targets = ("experts.w_gate", "experts.w_up", "experts.w_down") if method == "mxfp4" else QUANT_TARGETS
   q = QuantConfig(method=method, block=tuple(block or default_block), targets=tuple(targets),
                   layout=layout, kv_cache="fp8" if kv_scales else None)
-  if kv_scales and (layout not in ("modelopt", "compressed_tensors") or cfg.attention != "gqa"):
-    raise ValueError("export_quantized: kv_scales needs a ModelOpt or compressed-tensors format "
-                     "and a GQA model")
+  if kv_scales and layout not in ("modelopt", "compressed_tensors"):
+    raise ValueError("export_quantized: kv_scales needs a ModelOpt or compressed-tensors format")
   with safe_open(os.path.join(src_dir, "model.safetensors"), "numpy") as f:
     tensors = {k: f.get_tensor(k) for k in f.keys()}
   refs = _weights(cfg, q.targets, tensors.__contains__)
@@ -198,7 +204,10 @@ def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, target
       w = np.swapaxes(w, -1, -2)
     out.update(_quantized_tensors(q, name, w.astype(np.float32)))
   if kv_scales:
-    out.update(_kv_scales(cfg, q))
+    # Every attention layer the checkpoint holds (MTP modules included).
+    layers = sorted({int(n.split(".")[2]) for n in tensors
+                     if n.startswith("model.layers.") and ".self_attn.o_proj." in n})
+    out.update(_kv_scales(cfg, q, layers))
   os.makedirs(out_dir, exist_ok=True)
   save_safetensors(out, os.path.join(out_dir, "model.safetensors"))
   qc, modelopt = _config_entry(fmt, q, _exclude(q.targets, cfg.model_type))

@@ -70,6 +70,8 @@ def _attn_specs(cfg: ModelConfig, P: Callable) -> dict:
     p.update(wkv_a=P((D, R + Hr), ("embed", "kv_lora")), kv_norm=P((R,), ("kv_lora",), "ones"),
              wkv_b=P((R, N, Hn + Hv), ("kv_lora", "q_heads", "head_dim")),
              wo=P((N, Hv, D), ("q_heads", "head_dim", "embed")))
+    if cfg.quant is not None and cfg.quant.kv_cache:  # the latent cache's scale (see below)
+      p["kv_scale"] = ParamSpec((), jnp.dtype(jnp.float32), (), "ones")
     return p
   H = cfg.head_dim
   p = dict(wq=P((D, N, H), ("embed", "q_heads", "head_dim")),
