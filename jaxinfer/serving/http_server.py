@@ -116,12 +116,13 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
     if kind == "error":
       raise payload
     events = _events(loop, request, stream, detok)
-    shape = _Shape(chat=chat, model=model_name, prompt_tokens=len(prompt), detok=detok)
+    shape = _Shape(chat=chat, model=model_name, prompt_tokens=len(prompt), detok=detok,
+                   token_ids=req.return_token_ids)
     if req.stream:
       include_usage = bool((req.stream_options or {}).get("include_usage"))
       return StreamingResponse(_sse(shape, events, include_usage), media_type="text/event-stream")
     text, finish = [], None
-    async for delta, finish in events:
+    async for delta, finish, _ in events:
       text.append(delta)
     return shape.whole("".join(text), finish)
 
@@ -145,7 +146,8 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
 
 
 async def _events(loop: EngineLoop, request, stream, detok):
-  """-> (text delta, finish reason or None) until the request ends; a
+  """-> (text delta, finish reason or None, new token ids) until the
+  request ends; a
   client that went away, or a stop string, aborts it in the engine."""
   try:
     while True:
@@ -155,15 +157,14 @@ async def _events(loop: EngineLoop, request, stream, detok):
       if kind == "done":
         if payload.finish_reason == "error":
           raise ApiError(500, f"the request failed: {payload.error}", kind="server_error")
-        yield detok.add([], final=True), payload.finish_reason
+        yield detok.add([], final=True), payload.finish_reason, []
         return
       delta = detok.add(payload)
       if detok.stopped:
         loop.abort(stream, reason="stop")
-        yield delta, "stop"
+        yield delta, "stop", payload
         return
-      if delta:
-        yield delta, None
+      yield delta, None, payload
       if await request.is_disconnected():
         return
   finally:
@@ -173,8 +174,9 @@ async def _events(loop: EngineLoop, request, stream, detok):
 class _Shape:
   """OpenAI response and chunk objects of one request."""
 
-  def __init__(self, *, chat: bool, model: str, prompt_tokens: int, detok):
+  def __init__(self, *, chat: bool, model: str, prompt_tokens: int, detok, token_ids: bool):
     self.chat, self.model, self.prompt_tokens, self.detok = chat, model, prompt_tokens, detok
+    self.token_ids = token_ids
     self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     self.created = int(time.time())
 
@@ -189,15 +191,19 @@ class _Shape:
   def whole(self, text: str, finish: str) -> dict:
     choice = ({"message": {"role": "assistant", "content": text}} if self.chat else
               {"text": text, "logprobs": None})
+    if self.token_ids:
+      choice["token_ids"] = list(self.detok.ids)
     return {**self._head("chat.completion" if self.chat else "text_completion"),
             "choices": [{"index": 0, **choice, "finish_reason": finish}], "usage": self.usage()}
 
-  def chunk(self, delta: str | None, finish: str | None, *, role: bool = False) -> dict:
+  def chunk(self, delta: str | None, finish: str | None, ids=(), *, role: bool = False) -> dict:
     if self.chat:
       d = {} if delta is None and not role else {"content": delta or ""}
       choice = {"delta": {"role": "assistant", **d} if role else d}
     else:
       choice = {"text": delta or "", "logprobs": None}
+    if self.token_ids:
+      choice["token_ids"] = list(ids)
     return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
             "choices": [{"index": 0, **choice, "finish_reason": finish}]}
 
@@ -210,10 +216,10 @@ async def _sse(shape: _Shape, events, include_usage: bool):
   if shape.chat:
     yield _data(shape.chunk("", None, role=True))
   try:
-    async for delta, finish in events:
-      if delta or finish:
+    async for delta, finish, ids in events:
+      if delta or finish or (shape.token_ids and ids):
         yield _data(shape.chunk(delta if not (shape.chat and finish and not delta) else None,
-                                finish))
+                                finish, ids))
   except ApiError as e:  # after the headers went out: an error event ends the stream
     yield _data(e.body())
   if include_usage:

@@ -54,6 +54,8 @@ class _Request(pydantic.BaseModel):
   stream: bool = False
   stream_options: dict | None = None  # {"include_usage": bool}
   user: str | None = None
+  # An extension (vLLM's): the generated token ids, per chunk when streaming.
+  return_token_ids: bool = False
 
 
 class CompletionRequest(_Request):
