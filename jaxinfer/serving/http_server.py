@@ -46,77 +46,95 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
   decode (`jaxinfer.tokenizer`). max_tokens_cap: the most tokens one request
   may ask for (None: the context). chat_template: a jinja2 source or a
   `ChatTemplate` (None: the built-in "role: content" lines)."""
-  metrics = HttpMetrics()
-  loop = EngineLoop(backend, max_queue=max_queue, on_finish=metrics.finished)
-  cap = max_tokens_cap or loop.max_model_len
-  if cap < 1:
-    raise ValueError(f"max_tokens_cap must be >= 1, got {cap}")
-  if max_body_bytes < 1:
-    raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
-  if not isinstance(chat_template, proto.ChatTemplate):
-    chat_template = proto.ChatTemplate(chat_template or proto.BUILTIN_CHAT_TEMPLATE)
+  h = _Handlers(backend, tokenizer, model_name, max_queue=max_queue,
+                max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap, api_key=api_key,
+                chat_template=chat_template)
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
-    loop.start()
+    h.loop.start()
     yield
-    loop.stop()
+    h.loop.stop()
 
   app = fastapi.FastAPI(title="jaxinfer", lifespan=lifespan)
-  app.state.engine_loop = loop
+  app.state.engine_loop = h.loop
+  app.add_exception_handler(ApiError, h.api_error)
+  app.add_api_route("/v1/completions", h.completions, methods=["POST"])
+  app.add_api_route("/v1/chat/completions", h.chat_completions, methods=["POST"])
+  app.add_api_route("/v1/models", h.models, methods=["GET"])
+  app.add_api_route("/health", h.health, methods=["GET"])
+  app.add_api_route("/metrics", h.metrics_text, methods=["GET"])
+  return app
 
-  @app.exception_handler(ApiError)
-  async def api_error(_, e: ApiError):
-    metrics.refused.labels(str(e.status)).inc()
+
+class _Handlers:
+  """The routes of one app (see `make_app`)."""
+
+  def __init__(self, backend, tokenizer, model_name, *, max_queue, max_body_bytes,
+               max_tokens_cap, api_key, chat_template):
+    self.metrics = HttpMetrics()
+    self.loop = EngineLoop(backend, max_queue=max_queue, on_finish=self.metrics.finished)
+    self.cap = max_tokens_cap or self.loop.max_model_len
+    if self.cap < 1:
+      raise ValueError(f"max_tokens_cap must be >= 1, got {self.cap}")
+    if max_body_bytes < 1:
+      raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+    if not isinstance(chat_template, proto.ChatTemplate):
+      chat_template = proto.ChatTemplate(chat_template or proto.BUILTIN_CHAT_TEMPLATE)
+    self.tokenizer, self.model_name, self.chat_template = tokenizer, model_name, chat_template
+    self.max_body_bytes, self.api_key = max_body_bytes, api_key
+
+  async def api_error(self, _, e: ApiError):
+    self.metrics.refused.labels(str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status)
 
-  async def body(request: fastapi.Request, model: type) -> proto._Request:
-    if api_key is not None:
+  async def _body(self, request: fastapi.Request, model: type) -> proto._Request:
+    if self.api_key is not None:
       got = request.headers.get("authorization", "")
-      if not secrets.compare_digest(got.encode(), f"Bearer {api_key}".encode()):
+      if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
         raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
                        code="invalid_api_key", kind="authentication_error")
-    too_big = ApiError(400, f"the request body is over max_body_bytes={max_body_bytes}",
+    too_big = ApiError(400, f"the request body is over max_body_bytes={self.max_body_bytes}",
                        code="request_too_large")
-    if int(request.headers.get("content-length") or 0) > max_body_bytes:
+    if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
       raise too_big
     data = bytearray()
     async for chunk in request.stream():
       data += chunk
-      if len(data) > max_body_bytes:
+      if len(data) > self.max_body_bytes:
         raise too_big
     req = proto.parse(model, bytes(data))
-    if req.model != model_name:
+    if req.model != self.model_name:
       raise ApiError(400, f"model: unknown model {req.model!r}; this server serves "
-                     f"{model_name!r}", param="model", code="model_not_found")
+                     f"{self.model_name!r}", param="model", code="model_not_found")
     return req
 
-  def sampling(req, prompt, default_max_tokens):
-    return proto.sampling_params(req, prompt_len=len(prompt), max_model_len=loop.max_model_len,
-                                 max_tokens_cap=cap, default_max_tokens=default_max_tokens)
+  def _sampling(self, req, prompt, default_max_tokens):
+    return proto.sampling_params(req, prompt_len=len(prompt),
+                                 max_model_len=self.loop.max_model_len, max_tokens_cap=self.cap,
+                                 default_max_tokens=default_max_tokens)
 
-  @app.post("/v1/completions")
-  async def completions(request: fastapi.Request):
-    req = await body(request, proto.CompletionRequest)
-    prompt = proto.completion_prompt(req, tokenizer)
-    return await serve(request, req, prompt, sampling(req, prompt, 16), chat=False)
+  async def completions(self, request: fastapi.Request):
+    req = await self._body(request, proto.CompletionRequest)
+    prompt = proto.completion_prompt(req, self.tokenizer)
+    return await self._serve(request, req, prompt, self._sampling(req, prompt, 16), chat=False)
 
-  @app.post("/v1/chat/completions")
-  async def chat_completions(request: fastapi.Request):
-    req = await body(request, proto.ChatRequest)
-    prompt = proto.encode(tokenizer, chat_template.render(req.messages), special=False)
+  async def chat_completions(self, request: fastapi.Request):
+    req = await self._body(request, proto.ChatRequest)
+    text = self.chat_template.render(req.messages)
+    prompt = proto.encode(self.tokenizer, text, special=False)
     if not prompt:
       raise ApiError(400, "messages: the rendered chat prompt is empty", param="messages")
-    return await serve(request, req, prompt, sampling(req, prompt, None), chat=True)
+    return await self._serve(request, req, prompt, self._sampling(req, prompt, None), chat=True)
 
-  async def serve(request, req, prompt, sp, *, chat: bool):
-    detok = proto.Detokenizer(tokenizer, proto.stop_strings(req))
-    stream = loop.submit(prompt, sp)
+  async def _serve(self, request, req, prompt, sp, *, chat: bool):
+    detok = proto.Detokenizer(self.tokenizer, proto.stop_strings(req))
+    stream = self.loop.submit(prompt, sp)
     kind, payload = await stream.get()  # "accepted", or the backend refused it
     if kind == "error":
       raise payload
-    events = _events(loop, request, stream, detok)
-    shape = _Shape(chat=chat, model=model_name, prompt_tokens=len(prompt), detok=detok,
+    events = _events(self.loop, request, stream, detok)
+    shape = _Shape(chat=chat, model=self.model_name, prompt_tokens=len(prompt), detok=detok,
                    token_ids=req.return_token_ids)
     if req.stream:
       include_usage = bool((req.stream_options or {}).get("include_usage"))
@@ -126,29 +144,24 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
       text.append(delta)
     return shape.whole("".join(text), finish)
 
-  @app.get("/v1/models")
-  async def models():
-    return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
+  async def models(self):
+    return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                         "owned_by": "jaxinfer",
-                                        "max_model_len": loop.max_model_len}]}
+                                        "max_model_len": self.loop.max_model_len}]}
 
-  @app.get("/health")
-  async def health():
-    if loop.error is not None:
-      return JSONResponse({"status": "error", "error": repr(loop.error)}, status_code=503)
+  async def health(self):
+    if self.loop.error is not None:
+      return JSONResponse({"status": "error", "error": repr(self.loop.error)}, status_code=503)
     return {"status": "ok"}
 
-  @app.get("/metrics")
-  async def prometheus():
-    return Response(metrics.render(await loop.stats()), media_type=CONTENT_TYPE)
-
-  return app
+  async def metrics_text(self):
+    return Response(self.metrics.render(await self.loop.stats()), media_type=CONTENT_TYPE)
 
 
 async def _events(loop: EngineLoop, request, stream, detok):
   """-> (text delta, finish reason or None, new token ids) until the
-  request ends; a
-  client that went away, or a stop string, aborts it in the engine."""
+  request ends; a client that went away, or a stop string, aborts it in
+  the engine."""
   try:
     while True:
       kind, payload = await stream.get()
