@@ -42,6 +42,8 @@ _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step
 _TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "engine: tokens per step")
 _KV_MB = flags.DEFINE_integer("kv_cache_mb", 256, "engine: KV cache size in MiB")
 _DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per step (0: off)")
+_FIXED_SHAPES = flags.DEFINE_bool("fixed_step_shapes", False, "engine: pad every step to the "
+                                   "budgets, so the warm-up compiles (nearly) every program")
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving")
 
 
@@ -63,10 +65,11 @@ def main(argv):
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
   engine = Engine(cfg, params, EngineConfig(max_num_seqs=_MAX_SEQS.value,
                                             max_num_batched_tokens=_TOKEN_BUDGET.value,
-                                            kv_cache_bytes=_KV_MB.value << 20, speculative=spec))
+                                            kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
+                                            fixed_step_shapes=_FIXED_SHAPES.value))
   if _WARMUP.value:
     logging.info("warming up (compiling the step programs)")
-    engine.generate([[1] * 40, [2] * 3], SamplingParams(max_tokens=8))
+    engine.generate([[1] * n for n in (8, 100, 400)], SamplingParams(max_tokens=16))
   app_ = make_app(engine, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template)

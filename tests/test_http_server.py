@@ -2,7 +2,8 @@
 `openai` client and raw httpx: greedy tokens equal `Engine.generate`,
 concurrent clients, stop strings, a disconnect aborts its request and frees
 its pages (seen on /metrics), bad requests get a 400 OpenAI error, a full
-queue a 429 at once, the API key, and a LoadGen Server run over HTTP.
+queue a 429 at once, the API key, and LoadGen Server runs over HTTP (the
+SUT in-process, and experiments/mlperf_harness.py --server_url).
 
 One server over the default model's Engine and one over a Cluster of a tiny
 random model, each uvicorn in a thread on a free port."""
@@ -10,8 +11,12 @@ random model, each uvicorn in a thread on a free port."""
 import concurrent.futures
 import dataclasses
 import json
+import os
+import pathlib
 import re
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -29,6 +34,7 @@ from jaxinfer.serving.http_server import make_app
 from jaxinfer.serving.worker import Worker
 from jaxinfer.tokenizer import ByteTokenizer
 
+ROOT = pathlib.Path(__file__).parent.parent
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class Stack:\n", "for i in range("]
 MAX_TOKENS = 12
 BODY_LIMIT = 8192
@@ -288,3 +294,18 @@ def test_loadgen_server_run_over_http(default, tmp_path):
   assert comp["completed"] >= 12 and not comp["first_token_mismatches"] and not sut.errors, comp
   assert all(tokens == refs[i] for i, tokens in sut.completed.values())
   assert summary["Scenario"] == "Server" and summary["Completed tokens per second"] > 0
+
+
+def test_mlperf_harness_over_http(default, tmp_path):
+  pytest.importorskip("mlperf_loadgen")
+  server, _, _ = default
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  out = subprocess.run(
+      [sys.executable, "experiments/mlperf_harness.py", "--scenarios=Server", "--num_samples=4",
+       "--max_tokens=4", "--min_duration_ms=1000", "--min_query_count=8", "--server_qps=4",
+       f"--server_url={server.url}", f"--out={tmp_path}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "first tokens match True" in out.stdout, out.stdout[-2000:]
+  rows = json.loads((tmp_path / "scenarios_performance.json").read_text())
+  assert rows["server_url"] == server.url and rows["rows"][0]["compliance"]["completed"] >= 8
