@@ -186,6 +186,8 @@ BAD = {
     "n": (dict(n=2), "n", None),
     "empty prompt": (dict(prompt=""), "prompt", None),
     "token id type": (dict(prompt=[1, "x"]), "prompt", None),
+    "token id out of the vocabulary": (dict(prompt=[1, 300]), "", None),  # the engine's check
+    "presence_penalty": (dict(presence_penalty=0.5), "presence_penalty", None),
     "unknown field": (dict(best_of_everything=3), "best_of_everything", None),
 }
 
@@ -257,6 +259,25 @@ def test_full_queue_gets_a_429_at_once(cluster_server):
     time.sleep(0.05)
   r = _client(cluster_server, "secret").completions.create(model="tiny", prompt="cd", max_tokens=2)
   assert r.usage.completion_tokens == 2  # the place is free again
+
+
+def test_a_failed_engine_answers_500_then_503():
+  cfg = dataclasses.replace(presets.get("tiny_dense", num_layers=1), dtype="float32")
+  engine = Engine(cfg, models.init_params(cfg, jax.random.key(0)),
+                  EngineConfig(page_size=8, num_pages=16))
+  def step():
+    raise RuntimeError("device lost")
+  engine.step = step  # the next step fails, as a device error would
+  server = _Server(make_app(engine, ByteTokenizer(), "tiny"))
+  try:
+    body = dict(model="tiny", prompt="ab", max_tokens=2)
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 503 and "device lost" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health").status_code == 503
+  finally:
+    server.close()
 
 
 def test_detokenizer_holds_back_partial_utf8_and_stop_prefixes():

@@ -4,7 +4,8 @@ queue and reads each request's tokens from its own asyncio queue.
 
   loop = EngineLoop(engine, max_queue=64); loop.start()
   stream = loop.submit(prompt_ids, sampling)       # on the event loop
-  async for kind, payload in stream: ...           # ("tokens", ids) ... ("done", result)
+  kind, payload = await stream.get()               # ("accepted", None), then ("tokens", ids)...
+                                                   # and ("done", Result) or ("error", ApiError)
   loop.abort(stream, reason="abort")               # e.g. the client went away
 
 Nothing but the loop's thread touches the backend. A request ends with

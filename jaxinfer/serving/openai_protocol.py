@@ -56,6 +56,12 @@ class _Request(pydantic.BaseModel):
   user: str | None = None
   # An extension (vLLM's): the generated token ids, per chunk when streaming.
   return_token_ids: bool = False
+  # Not implemented: accepted at their neutral values only, so clients that
+  # send the defaults work and others hear why not.
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  logprobs: bool | int | None = None
+  best_of: int | None = None
 
 
 class CompletionRequest(_Request):
@@ -111,6 +117,11 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
   context (prompt + max_tokens <= max_model_len) and the server's cap."""
   if req.n != 1:
     raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
+  for name, neutral in (("frequency_penalty", (0,)), ("presence_penalty", (0,)),
+                        ("logprobs", (None, False, 0)), ("best_of", (None, 1))):
+    if getattr(req, name) not in neutral:
+      raise ApiError(400, f"{name}: not supported by this server (only {neutral[0]!r}), got "
+                     f"{getattr(req, name)!r}", param=name)
   max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
   room = max_model_len - prompt_len
   if room < 1:
