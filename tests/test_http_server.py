@@ -276,6 +276,7 @@ def test_a_failed_engine_answers_500_then_503():
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 503 and "device lost" in r.json()["error"]["message"], r.text
     assert httpx.get(server.url + "/health").status_code == 503
+    assert "jaxinfer_requests_total" in httpx.get(server.url + "/metrics", timeout=10).text
   finally:
     server.close()
 

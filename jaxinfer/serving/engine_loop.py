@@ -137,7 +137,8 @@ class EngineLoop:
       self.error = e
       for stream in list(self._live.values()):
         self._end(stream, error=ApiError(500, f"the engine failed: {e!r}", kind="server_error"))
-      self._drain(block=False)  # answer what arrived meanwhile
+      while not self._stop.is_set():  # from now on every request gets a 503, never silence
+        self._drain(block=True)
 
   def _drain(self, block: bool) -> None:
     while True:
