@@ -7,6 +7,9 @@ a Server QPS search.
   python experiments/mlperf_harness.py --scenarios=Server --search    # highest valid Server QPS
   python experiments/mlperf_harness.py --mode=accuracy
   python experiments/mlperf_harness.py --config=configs/mlperf_gpt_oss.py --config.scenarios=Server
+  python experiments/serve.py --fixed_step_shapes --max_num_seqs=8 --max_num_batched_tokens=64 &
+  python experiments/mlperf_harness.py --scenarios=Server --server_url=http://127.0.0.1:8000
+      # over HTTP: each sample a streaming /v1/completions request (`serving.mlperf_http`)
 
 A config (`configs/mlperf_*.py`, default `configs/mlperf_default_model.py`:
 these flags' defaults) sets the flags it names; a flag given on the command
@@ -33,7 +36,7 @@ from ml_collections import config_flags
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, sharding, training
 from jaxinfer.bench import flag_config, results
 from jaxinfer.bench.sharding_report import parse_mesh
-from jaxinfer.serving import mlperf
+from jaxinfer.serving import mlperf, mlperf_http
 
 # (TTFT ms, TPOT ms) 99th-percentile limits: Server, Interactive.
 LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175), (4500, 80)),
@@ -71,6 +74,10 @@ flags.DEFINE_string("mesh", "", "engine: shard it on a mesh of all devices, e.g.
                     "('': one device)")
 flags.DEFINE_enum("layout", "dp_attn_ep", list(sharding.LAYOUTS), "engine: layout (with --mesh)")
 flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices for --mesh")
+flags.DEFINE_string("server_url", "", "drive an OpenAI-compatible server at this URL "
+                    "(experiments/serve.py) instead of an in-process engine")
+flags.DEFINE_string("server_model", "default", "with --server_url: the model id it serves")
+flags.DEFINE_integer("http_concurrency", 64, "with --server_url: requests in flight at most")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "mlperf"),
                     "output directory (LoadGen logs per run, results.json)")
 
@@ -118,11 +125,21 @@ def _ms(summary, key):
   return None if v is None else v / 1e6
 
 
-def one_run(cfg, params, prompts, scenario, qps, *, min_duration_ms, tag):
+def _sut(cfg, params, prompts, scenario):
+  first_token_events = scenario != "Offline"
+  if FLAGS.server_url:  # the server compiled its programs on its own warm-up
+    return mlperf_http.HttpSUT(FLAGS.server_url, FLAGS.server_model, prompts,
+                               max_tokens=FLAGS.max_tokens, first_token_events=first_token_events,
+                               concurrency=FLAGS.http_concurrency)
   engine = _engine(cfg, params)
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens)
   engine.generate(prompts, sampling)  # compiles the programs before timing
-  sut = mlperf.EngineSUT(engine, prompts, sampling, first_token_events=scenario != "Offline")
+  return mlperf.EngineSUT(engine, prompts, sampling, first_token_events=first_token_events)
+
+
+def one_run(cfg, params, prompts, scenario, qps, *, min_duration_ms, tag):
+  sampling = SamplingParams(max_tokens=FLAGS.max_tokens)
+  sut = _sut(cfg, params, prompts, scenario)
   ttft, tpot = _limits(scenario)
   outdir = os.path.join(FLAGS.out, tag)
   shutil.rmtree(outdir, ignore_errors=True)
@@ -220,7 +237,7 @@ def main(argv):
                 latency_scale=FLAGS.latency_scale, max_tokens=FLAGS.max_tokens,
                 num_samples=len(prompts), model="default (tiny_moe trained)",
                 mesh=FLAGS.mesh or None, layout=FLAGS.layout if FLAGS.mesh else None,
-                speculative=FLAGS.speculative)
+                speculative=FLAGS.speculative, server_url=FLAGS.server_url or None)
 
 
 if __name__ == "__main__":

@@ -40,12 +40,61 @@ def _lg():
   return mlperf_loadgen
 
 
-class EngineSUT:
+class SUTRecord:
+  """What a SUT reported to LoadGen, kept for checks after the run: the
+  issue / first-token / done times, the first token sent and the tokens
+  completed per query. `EngineSUT` and `mlperf_http.HttpSUT` share it."""
+
+  def __init__(self, prompts):
+    self.prompts = [list(p) for p in prompts]
+    self._keep: list = []  # response buffers LoadGen reads after the call returns
+    self.reported_first: dict[int, int] = {}  # query id -> first token sent
+    self.completed: dict[int, tuple[int, list[int]]] = {}  # query id -> (sample index, tokens)
+    self.times: dict[int, list[float]] = {}  # query id -> [issued, first token, done] (perf_counter)
+
+  def _respond(self, qid: int, tokens: list[int], first: bool) -> None:
+    lg = _lg()
+    arr = np.asarray(tokens[:1] if first else tokens, np.int32)
+    self._keep.append(arr)
+    resp = lg.QuerySampleResponse(qid, arr.ctypes.data, arr.nbytes, len(arr))
+    if first:
+      lg.FirstTokenComplete([resp])
+    else:
+      lg.QuerySamplesComplete([resp])
+
+  def measured(self) -> dict:
+    """The harness's own view of the run (to set beside LoadGen's summary):
+    tokens/s over first issue to last completion, TTFT and TPOT percentiles
+    in ms (TPOT = (latency - TTFT) / (tokens - 1), LoadGen's definition)."""
+    done = [(self.times[q], len(t)) for q, (_, t) in self.completed.items()]
+    if not done:
+      return {}
+    start = min(t[0] for t, _ in done)
+    end = max(t[2] for t, _ in done)
+    ttft = np.asarray([(t[1] - t[0]) * 1e3 for t, _ in done])
+    tpot = np.asarray([(t[2] - t[1]) * 1e3 / (n - 1) for t, n in done if n > 1])
+    pct = lambda a: {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} if a.size else {}
+    return dict(tokens_per_s=sum(n for _, n in done) / max(end - start, 1e-9),
+                samples_per_s=len(done) / max(end - start, 1e-9),
+                ttft_ms=dict(mean=float(ttft.mean()), **pct(ttft)),
+                tpot_ms=dict(mean=float(tpot.mean()) if tpot.size else float("nan"), **pct(tpot)))
+
+  def compliance(self) -> dict:
+    """The first token reported equals the first output token, for every
+    completed query; -> counts (mismatches listed by query id)."""
+    bad = [q for q, (_, toks) in self.completed.items()
+           if not toks or self.reported_first.get(q) != toks[0]]
+    return dict(completed=len(self.completed), first_token_mismatches=bad,
+                output_tokens=sum(len(t) for _, t in self.completed.values()))
+
+
+class EngineSUT(SUTRecord):
   """A LoadGen system under test serving `prompts` (sample index -> token ids)."""
 
   def __init__(self, engine: Engine, prompts, sampling: SamplingParams, *,
                first_token_events: bool = True):
-    self.engine, self.prompts, self.sampling = engine, [list(p) for p in prompts], sampling
+    super().__init__(prompts)
+    self.engine, self.sampling = engine, sampling
     for i, p in enumerate(self.prompts):
       try:
         engine.check_request(p, sampling)
@@ -55,10 +104,6 @@ class EngineSUT:
     self._incoming: queue.Queue = queue.Queue()
     self._live: dict[int, tuple[int, int]] = {}  # engine rid -> (query id, sample index)
     self._sent_first: set[int] = set()
-    self._keep: list = []  # response buffers LoadGen reads after the call returns
-    self.reported_first: dict[int, int] = {}  # query id -> first token sent
-    self.completed: dict[int, tuple[int, list[int]]] = {}  # query id -> (sample index, tokens)
-    self.times: dict[int, list[float]] = {}  # query id -> [issued, first token, done] (perf_counter)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-sut")
     self.error: BaseException | None = None
@@ -81,16 +126,6 @@ class EngineSUT:
     self._thread.join()
     if self.error is not None:
       raise RuntimeError("the engine thread failed") from self.error
-
-  def _respond(self, qid: int, tokens: list[int], first: bool) -> None:
-    lg = _lg()
-    arr = np.asarray(tokens[:1] if first else tokens, np.int32)
-    self._keep.append(arr)
-    resp = lg.QuerySampleResponse(qid, arr.ctypes.data, arr.nbytes, len(arr))
-    if first:
-      lg.FirstTokenComplete([resp])
-    else:
-      lg.QuerySamplesComplete([resp])
 
   def _loop(self) -> None:
     try:
@@ -117,23 +152,6 @@ class EngineSUT:
     except BaseException as e:  # noqa: BLE001 - surfaced by stop()
       self.error = e
 
-  def measured(self) -> dict:
-    """The harness's own view of the run (to set beside LoadGen's summary):
-    tokens/s over first issue to last completion, TTFT and TPOT percentiles
-    in ms (TPOT = (latency - TTFT) / (tokens - 1), LoadGen's definition)."""
-    done = [(self.times[q], len(t)) for q, (_, t) in self.completed.items()]
-    if not done:
-      return {}
-    start = min(t[0] for t, _ in done)
-    end = max(t[2] for t, _ in done)
-    ttft = np.asarray([(t[1] - t[0]) * 1e3 for t, _ in done])
-    tpot = np.asarray([(t[2] - t[1]) * 1e3 / (n - 1) for t, n in done if n > 1])
-    pct = lambda a: {f"p{q}": float(np.percentile(a, q)) for q in (50, 90, 99)} if a.size else {}
-    return dict(tokens_per_s=sum(n for _, n in done) / max(end - start, 1e-9),
-                samples_per_s=len(done) / max(end - start, 1e-9),
-                ttft_ms=dict(mean=float(ttft.mean()), **pct(ttft)),
-                tpot_ms=dict(mean=float(tpot.mean()) if tpot.size else float("nan"), **pct(tpot)))
-
   def _admit(self, wait: bool) -> None:
     """Submits the queued samples; an idle engine first waits briefly for one."""
     try:
@@ -148,16 +166,7 @@ class EngineSUT:
       except queue.Empty:
         return
 
-  def compliance(self) -> dict:
-    """The first token reported equals the first output token, for every
-    completed query; -> counts (mismatches listed by query id)."""
-    bad = [q for q, (_, toks) in self.completed.items()
-           if not toks or self.reported_first.get(q) != toks[0]]
-    return dict(completed=len(self.completed), first_token_mismatches=bad,
-                output_tokens=sum(len(t) for _, t in self.completed.values()))
-
-
-def run_loadgen(sut: EngineSUT, *, scenario: str, outdir: str, mode: str = "performance",
+def run_loadgen(sut: SUTRecord, *, scenario: str, outdir: str, mode: str = "performance",
                 target_qps: float = 1.0, ttft_ms: float | None = None,
                 tpot_ms: float | None = None, min_duration_ms: int = 10_000,
                 min_query_count: int = 1, max_query_count: int = 0,

@@ -1,0 +1,82 @@
+"""Serve a model over an OpenAI-compatible HTTP API (`jaxinfer.serving.http_server`).
+
+  python experiments/serve.py                               # the bundled default model on :8000
+  python experiments/serve.py --port=8001 --api_key=secret --max_queue=32
+  python experiments/serve.py --model_dir=path/to/hf        # tokenizer.json + chat template from it
+
+  curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+      -d '{"model": "default", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
+
+The engine compiles its step programs on a warm-up request before the
+server accepts traffic (--warmup). /metrics serves Prometheus text.
+"""
+
+from __future__ import annotations
+
+import os
+
+from absl import app, flags, logging
+import uvicorn
+
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run
+from jaxinfer.serving import openai_protocol
+from jaxinfer.serving.http_server import make_app
+from jaxinfer.tokenizer import load_tokenizer
+
+_HOST = flags.DEFINE_string("host", "127.0.0.1", "address to listen on")
+_PORT = flags.DEFINE_integer("port", 8000, "port to listen on")
+_MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF checkpoint directory (config.json, "
+                                 "*.safetensors, tokenizer.json, tokenizer_config.json); "
+                                 "default: the bundled trained tiny model (byte tokenizer)")
+_MODEL_NAME = flags.DEFINE_string("model_name", None, "the model id clients send (default: "
+                                  "'default', or the model directory's name)")
+_API_KEY = flags.DEFINE_string("api_key", os.environ.get("JAXINFER_API_KEY"),
+                               "require 'Authorization: Bearer <key>' (default: "
+                               "$JAXINFER_API_KEY; unset: no key)")
+_MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests held at once (queued or "
+                                  "generating); beyond it a request gets 429")
+_MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "largest request body")
+_MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one request may "
+                                       "ask for (default: the context)")
+_MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
+_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "engine: tokens per step")
+_KV_MB = flags.DEFINE_integer("kv_cache_mb", 256, "engine: KV cache size in MiB")
+_DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per step (0: off)")
+_FIXED_SHAPES = flags.DEFINE_bool("fixed_step_shapes", False, "engine: pad every step to the "
+                                   "budgets, so the warm-up compiles (nearly) every program")
+_WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving")
+
+
+def load(model_dir: str | None):
+  """-> (cfg, params, tokenizer, chat template, model name)."""
+  if model_dir is None:
+    cfg, params, tok = run.load_default_model()
+    template = openai_protocol.ChatTemplate(openai_protocol.BUILTIN_CHAT_TEMPLATE)
+    return cfg, params, tok, template, "default"
+  cfg, params = run.load_model(hf_dir=model_dir)
+  template = openai_protocol.ChatTemplate(*openai_protocol.load_chat_template(model_dir))
+  name = os.path.basename(os.path.normpath(model_dir))
+  return cfg, params, load_tokenizer(cfg, model_dir), template, name
+
+
+def main(argv):
+  del argv
+  cfg, params, tok, template, name = load(_MODEL_DIR.value)
+  spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
+  engine = Engine(cfg, params, EngineConfig(max_num_seqs=_MAX_SEQS.value,
+                                            max_num_batched_tokens=_TOKEN_BUDGET.value,
+                                            kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
+                                            fixed_step_shapes=_FIXED_SHAPES.value))
+  if _WARMUP.value:
+    logging.info("warming up (compiling the step programs)")
+    engine.generate([[1] * n for n in (8, 100, 400)], SamplingParams(max_tokens=16))
+  app_ = make_app(engine, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
+                  max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
+                  api_key=_API_KEY.value or None, chat_template=template)
+  print(f"serving {_MODEL_NAME.value or name!r} on http://{_HOST.value}:{_PORT.value}/v1 "
+        f"(context {engine.max_model_len} tokens)", flush=True)
+  uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning")
+
+
+if __name__ == "__main__":
+  app.run(main)

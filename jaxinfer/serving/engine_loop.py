@@ -1,0 +1,211 @@
+"""`EngineLoop`: one thread owns an `Engine` or a `Cluster` and steps it
+while it has work; asyncio code hands it requests through a thread-safe
+queue and reads each request's tokens from its own asyncio queue.
+
+  loop = EngineLoop(engine, max_queue=64); loop.start()
+  stream = loop.submit(prompt_ids, sampling)       # on the event loop
+  kind, payload = await stream.get()               # ("accepted", None), then ("tokens", ids)...
+                                                   # and ("done", Result) or ("error", ApiError)
+  loop.abort(stream, reason="abort")               # e.g. the client went away
+
+Nothing but the loop's thread touches the backend. A request ends with
+exactly one "done" (a `Result`) or "error" (an `ApiError`); `submit` refuses
+at once (429) when `max_queue` requests are already held, and so does a
+Cluster whose own queue is full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import queue
+import threading
+
+from jaxinfer.serving.flow import Flow, QueueFull
+from jaxinfer.serving.openai_protocol import ApiError
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """How a request ended, in the backend's terms."""
+  token_ids: list[int]
+  prompt_tokens: int
+  finish_reason: str  # "stop" | "length" | "abort" | "error"
+  error: str | None
+  ttft_s: float | None
+  tpot_s: float | None
+
+
+class Stream:
+  """One request's channel from the engine thread to its handler."""
+
+  def __init__(self, loop: asyncio.AbstractEventLoop):
+    self._loop, self._queue = loop, asyncio.Queue()
+    self.rid: int | None = None
+    self.first_token = False
+    self.closed = False  # "done" / "error" delivered, or aborted
+
+  def post(self, item) -> None:  # engine thread
+    try:
+      self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+    except RuntimeError:  # the event loop is closed: nobody is listening
+      pass
+
+  async def get(self):
+    return await self._queue.get()
+
+
+def _engines(backend):
+  return [w.engine for w in backend.workers if w.alive] if isinstance(backend, Flow) else [backend]
+
+
+def result_of(backend, rid: int) -> Result:
+  out = backend.output(rid)
+  m = getattr(out, "metrics", None)  # Engine: RequestOutput.metrics; Cluster: ServeOutput
+  return Result(token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
+                finish_reason=out.finish_reason, error=getattr(out, "error", None),
+                ttft_s=m.ttft_s if m is not None else out.ttft_s,
+                tpot_s=m.tpot_s if m is not None else out.tpot_s)
+
+
+class EngineLoop:
+  """See the module docstring. on_finish(result): called on the engine
+  thread when a request ends (metrics)."""
+
+  def __init__(self, backend, *, max_queue: int, on_finish=None):
+    if max_queue < 1:
+      raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    self.backend, self.max_queue, self.on_finish = backend, max_queue, on_finish
+    self.max_model_len = min(e.max_model_len for e in _engines(backend))
+    self._inbox: queue.Queue = queue.Queue()
+    self._live: dict[int, Stream] = {}  # backend rid -> stream (engine thread only)
+    self._held = 0  # requests accepted and not yet ended
+    self._lock = threading.Lock()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
+    self.error: BaseException | None = None
+
+  # ------------------------------------------------------------ event loop side
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._inbox.put(None)
+    self._thread.join()
+
+  def submit(self, prompt: list[int], sampling) -> Stream:
+    """Queues a request for the engine thread; ApiError 429 when full, 503
+    when the engine thread has failed."""
+    if self.error is not None:
+      raise ApiError(503, f"the engine failed: {self.error!r}", kind="server_error")
+    with self._lock:
+      if self._held >= self.max_queue:
+        raise ApiError(429, f"the server holds {self._held} requests (max_queue="
+                       f"{self.max_queue}); retry later", code="queue_full",
+                       kind="rate_limit_exceeded")
+      self._held += 1
+    stream = Stream(asyncio.get_running_loop())
+    self._inbox.put(("submit", stream, prompt, sampling))
+    return stream
+
+  def abort(self, stream: Stream, reason: str = "abort") -> None:
+    """Stops a request and frees its pages; reason is what metrics count."""
+    if not stream.closed:
+      self._inbox.put(("abort", stream, reason))
+
+  async def stats(self) -> dict:
+    """A snapshot of the backend's counters, taken on the engine thread."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+    def reply(snapshot):  # engine thread
+      loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(snapshot))
+    self._inbox.put(("stats", reply))
+    return await asyncio.wait_for(fut, timeout=30)
+
+  # ------------------------------------------------------------ engine thread
+
+  def _run(self) -> None:
+    try:
+      while not self._stop.is_set():
+        busy = self.backend.has_unfinished()
+        self._drain(block=not busy)
+        if self.backend.has_unfinished():
+          self._dispatch(self.backend.step())
+    except BaseException as e:  # noqa: BLE001 - every held request is told
+      self.error = e
+      for stream in list(self._live.values()):
+        self._end(stream, error=ApiError(500, f"the engine failed: {e!r}", kind="server_error"))
+      while not self._stop.is_set():  # from now on every request gets a 503, never silence
+        self._drain(block=True)
+
+  def _drain(self, block: bool) -> None:
+    while True:
+      try:
+        cmd = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+      except queue.Empty:
+        return
+      block = False
+      if cmd is not None:
+        self._command(*cmd)
+
+  def _command(self, kind, *args) -> None:
+    if kind == "submit":
+      stream, prompt, sampling = args
+      if self.error is not None:
+        return self._end(stream, error=ApiError(503, f"the engine failed: {self.error!r}",
+                                                kind="server_error"))
+      try:
+        stream.rid = self.backend.submit(prompt, sampling)
+      except QueueFull as e:
+        return self._end(stream, error=ApiError(429, str(e), code="queue_full",
+                                                kind="rate_limit_exceeded"))
+      except (ValueError, TypeError) as e:
+        return self._end(stream, error=ApiError(400, str(e)))
+      self._live[stream.rid] = stream
+      stream.post(("accepted", None))
+    elif kind == "abort":
+      stream, reason = args
+      if stream.rid in self._live and not stream.closed:
+        self.backend.abort(stream.rid)
+        self._end(stream, result=dataclasses.replace(result_of(self.backend, stream.rid),
+                                                     finish_reason=reason))
+    elif kind == "stats":
+      try:
+        args[0](self._snapshot())
+      except Exception as e:  # noqa: BLE001 - a failed engine still answers
+        args[0](dict(error=repr(e)))
+
+  def _dispatch(self, events) -> None:
+    for rid, new, finished in events:
+      stream = self._live.get(rid)
+      if stream is None:
+        continue
+      if new:
+        stream.first_token = True
+        stream.post(("tokens", [int(t) for t in new]))
+      if finished:
+        self._end(stream, result=result_of(self.backend, rid))
+
+  def _end(self, stream: Stream, *, result: Result | None = None,
+           error: ApiError | None = None) -> None:
+    stream.closed = True
+    self._live.pop(stream.rid, None)
+    with self._lock:
+      self._held -= 1
+    if result is not None and self.on_finish is not None:
+      self.on_finish(result)
+    stream.post(("done", result) if error is None else ("error", error))
+
+  def _snapshot(self) -> dict:
+    engines = [e.stats() for e in _engines(self.backend)]
+    total = lambda key: sum(s.get(key, 0) for s in engines)
+    spec = [s["spec_mean_accepted_length"] for s in engines if "spec_mean_accepted_length" in s]
+    with self._lock:
+      held = self._held
+    return dict(held=held, waiting=held - sum(s.first_token for s in self._live.values()),
+                running=total("running"), kv_pages_used=total("kv_pages_used"),
+                kv_pages_free=total("kv_pages_free"), kv_pages_total=total("kv_pages_total"),
+                kv_pages_cached=total("kv_pages_cached"),
+                spec_mean_accepted_length=sum(spec) / len(spec) if spec else None)

@@ -1,0 +1,246 @@
+"""The OpenAI wire format of `http_server`: request models, their checks,
+OpenAI-style errors, chat templates and streamed detokenization.
+
+Every bad request becomes an `ApiError` carrying its HTTP status and the
+OpenAI error body `{"error": {"message", "type", "param", "code"}}`, the
+message naming the field and what it allows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+from typing import Any, Literal
+
+import pydantic
+
+from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.tokenizer import HFTokenizer
+
+# The default model's template (byte tokenizer, no special tokens): one
+# "role: content" line per message, then the assistant's turn.
+BUILTIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+
+
+class ApiError(Exception):
+  """A request the server refuses: HTTP status + the OpenAI error body."""
+
+  def __init__(self, status: int, message: str, *, param: str | None = None,
+               code: str | None = None, kind: str = "invalid_request_error"):
+    super().__init__(message)
+    self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+  def body(self) -> dict:
+    return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                      "code": self.code}}
+
+
+class _Request(pydantic.BaseModel):
+  """Fields shared by completions and chat; unknown fields are refused."""
+
+  model_config = pydantic.ConfigDict(extra="forbid")
+
+  model: str
+  max_tokens: int | None = None
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0  # an extension (vLLM's): 0 is off
+  seed: int | None = None
+  stop: str | list[str] | None = None
+  n: int = 1
+  stream: bool = False
+  stream_options: dict | None = None  # {"include_usage": bool}
+  user: str | None = None
+  # An extension (vLLM's): the generated token ids, per chunk when streaming.
+  return_token_ids: bool = False
+  # Not implemented: accepted at their neutral values only, so clients that
+  # send the defaults work and others hear why not.
+  frequency_penalty: float = 0.0
+  presence_penalty: float = 0.0
+  logprobs: bool | int | None = None
+  best_of: int | None = None
+
+
+class CompletionRequest(_Request):
+  prompt: str | list[int] | list[str] | list[list[int]]
+  echo: bool = False
+
+
+class ChatMessage(pydantic.BaseModel):
+  role: Literal["system", "user", "assistant", "tool", "developer"]
+  content: str | list[dict[str, Any]]
+
+  def text(self) -> str:
+    if isinstance(self.content, str):
+      return self.content
+    parts = [p.get("text") for p in self.content]
+    if any(p.get("type") != "text" or not isinstance(t, str) for p, t in zip(self.content, parts)):
+      raise ApiError(400, "messages: only text content parts are supported", param="messages")
+    return "".join(parts)
+
+
+class ChatRequest(_Request):
+  messages: list[ChatMessage]
+  max_completion_tokens: int | None = None
+
+
+def parse(model: type[pydantic.BaseModel], body: bytes):
+  """Raw JSON bytes -> the request model, or ApiError 400 naming the field."""
+  try:
+    data = json.loads(body)
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+  if not isinstance(data, dict):
+    raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+  try:
+    return model.model_validate(data)
+  except pydantic.ValidationError as e:
+    err = e.errors()[0]
+    field = ".".join(str(p) for p in err["loc"]) or None
+    raise ApiError(400, f"{field}: {err['msg']} (got {err.get('input')!r:.80})",
+                   param=field) from None
+
+
+def stop_strings(req: _Request) -> list[str]:
+  stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+  if any(not s for s in stops):
+    raise ApiError(400, "stop: stop strings must be non-empty", param="stop")
+  return stops
+
+
+def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_tokens_cap: int,
+                    default_max_tokens: int | None) -> SamplingParams:
+  """The request's sampling fields -> SamplingParams; max_tokens must fit the
+  context (prompt + max_tokens <= max_model_len) and the server's cap."""
+  if req.n != 1:
+    raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
+  for name, neutral in (("frequency_penalty", (0,)), ("presence_penalty", (0,)),
+                        ("logprobs", (None, False, 0)), ("best_of", (None, 1))):
+    if getattr(req, name) not in neutral:
+      raise ApiError(400, f"{name}: not supported by this server (only {neutral[0]!r}), got "
+                     f"{getattr(req, name)!r}", param=name)
+  max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
+  room = max_model_len - prompt_len
+  if room < 1:
+    raise ApiError(400, f"the prompt has {prompt_len} tokens, the model's context is "
+                   f"{max_model_len}: no room to generate", param="prompt",
+                   code="context_length_exceeded")
+  if max_tokens is None:
+    max_tokens = min(default_max_tokens or room, room, max_tokens_cap)
+  if max_tokens > max_tokens_cap:
+    raise ApiError(400, f"max_tokens: at most {max_tokens_cap} on this server, got {max_tokens}",
+                   param="max_tokens")
+  if max_tokens > room:
+    raise ApiError(400, f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens "
+                   f"({max_tokens}) is over the model's context of {max_model_len} tokens",
+                   param="max_tokens", code="context_length_exceeded")
+  seed = req.seed if req.seed is not None else random.getrandbits(31)
+  try:
+    return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=seed)
+  except ValueError as e:
+    m = re.match(r"SamplingParams: (\w+)", str(e))
+    raise ApiError(400, str(e), param=m.group(1) if m else None) from None
+
+
+def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
+  """One prompt (a string or a list of token ids) -> token ids."""
+  p = req.prompt
+  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+    p = p[0]  # a batch of one
+  if isinstance(p, str):
+    ids = encode(tokenizer, p, special=True)
+  elif isinstance(p, list) and all(isinstance(t, int) for t in p):
+    ids = list(p)
+  else:
+    raise ApiError(400, "prompt: one prompt per request (a string or a list of token ids)",
+                   param="prompt")
+  if not ids:
+    raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+  return ids
+
+
+def encode(tokenizer, text: str, *, special: bool) -> list[int]:
+  if isinstance(tokenizer, HFTokenizer):
+    return tokenizer.encode(text, add_special_tokens=special)
+  return tokenizer.encode(text)
+
+
+def load_chat_template(model_dir: str | None) -> tuple[str, dict]:
+  """The model directory's chat template (tokenizer_config.json's
+  "chat_template", or chat_template.jinja) and its special tokens; without
+  one, the built-in template. -> (template source, {bos_token, eos_token})."""
+  config, template = {}, None
+  if model_dir:
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        config = json.load(f)
+      template = config.get("chat_template")
+      if isinstance(template, list):  # [{"name": ..., "template": ...}]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default", next(iter(named.values()), None))
+    jinja_path = os.path.join(model_dir, "chat_template.jinja")
+    if template is None and os.path.exists(jinja_path):
+      with open(jinja_path) as f:
+        template = f.read()
+  tokens = {}
+  for name in ("bos_token", "eos_token"):
+    tok = config.get(name)
+    tokens[name] = tok.get("content", "") if isinstance(tok, dict) else (tok or "")
+  return template or BUILTIN_CHAT_TEMPLATE, tokens
+
+
+class ChatTemplate:
+  """A jinja2 chat template, rendered in a sandbox as transformers does."""
+
+  def __init__(self, source: str, special_tokens: dict | None = None):
+    import jinja2.sandbox  # the `serve` extra; only chat needs it
+    def raise_exception(message):
+      raise ApiError(400, f"messages: the chat template refused them: {message}",
+                     param="messages")
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    self._template = env.from_string(source)
+    self._tokens = dict(special_tokens or {})
+
+  def render(self, messages: list[ChatMessage]) -> str:
+    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+    if not msgs:
+      raise ApiError(400, "messages: give at least one message", param="messages")
+    return self._template.render(messages=msgs, add_generation_prompt=True, **self._tokens)
+
+
+class Detokenizer:
+  """Token ids -> text deltas as they stream, cut at the first stop string.
+
+  A delta never ends inside a UTF-8 character (held back while decoding
+  ends in U+FFFD) nor in a prefix of a stop string (held back until it
+  cannot become one)."""
+
+  def __init__(self, tokenizer, stops: list[str]):
+    self.tokenizer, self.stops = tokenizer, stops
+    self.ids: list[int] = []
+    self.text, self.sent, self.stopped = "", 0, False
+
+  def add(self, new_ids, final: bool = False) -> str:
+    """Adds tokens; -> the text now safe to send (all of it when final)."""
+    self.ids += [int(t) for t in new_ids]
+    self.text = self.tokenizer.decode(self.ids)
+    for s in self.stops:
+      i = self.text.find(s)
+      if i >= 0:
+        self.text, self.stopped, final = self.text[:i], True, True
+    end = len(self.text)
+    if not final:
+      if self.text.endswith("\ufffd"):
+        end -= 1
+      hold = max((k for s in self.stops for k in range(1, len(s))
+                  if self.text[:end].endswith(s[:k])), default=0)
+      end -= hold
+    delta = self.text[self.sent:max(end, self.sent)]
+    self.sent = max(end, self.sent)
+    return delta
