@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import json
 import os
+import warnings
 from contextlib import ExitStack
 
 import jax
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxinfer.checkpoint import hf_names, hf_quant
 from jaxinfer.checkpoint.errors import CheckpointError
+from jaxinfer.checkpoint.safetensors_header import read_header
 from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models.quant import QuantizedWeight
@@ -40,10 +42,17 @@ def _index(path: str) -> dict[str, str]:
   """Tensor name -> file holding it."""
   index_file = os.path.join(path, "model.safetensors.index.json")
   if os.path.exists(index_file):
-    with open(index_file) as f:
-      weight_map = json.load(f).get("weight_map")
+    try:
+      with open(index_file) as f:
+        index = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise CheckpointError(f"{index_file}: invalid JSON ({e})") from None
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict):
       raise CheckpointError(f"{index_file}: no 'weight_map'")
+    for v in weight_map.values():  # files of this directory only (no paths elsewhere)
+      if not isinstance(v, str) or os.path.basename(v) != v or v in ("", ".", ".."):
+        raise CheckpointError(f"{index_file}: {v!r} is not a file name in {path}")
     files = {os.path.join(path, v) for v in weight_map.values()}
     for fn in sorted(files):
       if not os.path.exists(fn):
@@ -54,9 +63,19 @@ def _index(path: str) -> dict[str, str]:
     raise CheckpointError(f"{path}: no *.safetensors files")
   index = {}
   for fn in files:
-    for name in _open(fn).keys():
+    for name in read_header(fn)[0]:
       index[name] = fn
   return index
+
+
+def _check_files(index: dict[str, str]) -> None:
+  """Every file's header validated (`safetensors_header`) and every indexed
+  tensor present in its file, before any tensor is read."""
+  headers = {fn: read_header(fn)[0] for fn in sorted(set(index.values()))}
+  for name, fn in index.items():
+    if name not in headers[fn]:
+      raise CheckpointError(f"the index lists {name!r} in {os.path.basename(fn)}, which does not "
+                            "hold it")
 
 
 def _open(fn: str):
@@ -67,9 +86,10 @@ def _open(fn: str):
 
 
 class _Reader:
-  def __init__(self, path: str, stack: ExitStack):
+  def __init__(self, path: str, stack: ExitStack, nonfinite: str = "error"):
     self.index = _index(path)
-    self.stack = stack
+    _check_files(self.index)
+    self.stack, self.nonfinite = stack, nonfinite
     self.handles: dict[str, object] = {}
     self.headers: dict[str, tuple[dict, int]] = {}
     self.used: set[str] = set()
@@ -99,19 +119,27 @@ class _Reader:
       arr = handle.get_tensor(name)
     except SafetensorError as e:
       raise CheckpointError(f"tensor {name!r} in {os.path.basename(fn)}: {e}") from None
+    self.check_finite(name, arr)
     self.used.add(name)
     return arr
 
   def header(self, fn: str) -> tuple[dict, int]:
-    """A safetensors file's header and the offset of its data."""
+    """A safetensors file's header (validated) and the offset of its data."""
     if fn not in self.headers:
-      with open(fn, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        try:
-          self.headers[fn] = (json.loads(f.read(n)), 8 + n)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-          raise CheckpointError(f"cannot read {os.path.basename(fn)}: bad header ({e})") from None
+      self.headers[fn] = read_header(fn)
     return self.headers[fn]
+
+  def check_finite(self, name: str, arr: np.ndarray) -> None:
+    """NaN / Inf in a float tensor: an error, a warning or nothing (`nonfinite`)."""
+    if self.nonfinite == "ignore":
+      return
+    bad = int(arr.size - np.count_nonzero(np.isfinite(arr.astype(np.float32))))
+    if not bad:
+      return
+    msg = f"tensor {name!r} has {bad} non-finite (NaN or Inf) values of {arr.size}"
+    if self.nonfinite == "error":
+      raise CheckpointError(msg + " (load_hf(..., nonfinite='warn') loads it anyway)")
+    warnings.warn(msg, stacklevel=4)
 
   def read_raw(self, name: str, shapes, dtypes, what: str) -> np.ndarray:
     """A tensor of any storage dtype (fp8, uint8 included), memory-mapped."""
@@ -241,8 +269,11 @@ def _quantize_config(cfg: ModelConfig, quantize, block) -> ModelConfig:
   return dataclasses.replace(cfg, quant=QuantConfig(method=quantize, block=block))
 
 
+NONFINITE = ("error", "warn", "ignore")
+
+
 def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = None,
-            quantize_block: tuple[int, int] | None = None):
+            quantize_block: tuple[int, int] | None = None, nonfinite: str = "error"):
   """Loads an HF checkpoint directory (config.json + *.safetensors).
 
   dtype: param dtype (default: float32 on CPU, bfloat16 on GPU/TPU).
@@ -255,7 +286,12 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
   groups of 32 inputs) unless quantize_block = (rows, cols) says otherwise.
   Returns (cfg, params). DeepSeek MTP layers (`model.layers.{num_layers}.*`)
   load into params["mtp"] when present; when absent, cfg.num_mtp_layers = 0.
+  Every file's header is checked before any tensor is read
+  (`safetensors_header`); a float tensor holding NaN or Inf raises
+  (nonfinite="error"), warns ("warn") or loads silently ("ignore").
   """
+  if nonfinite not in NONFINITE:
+    raise ValueError(f"load_hf: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
   if not os.path.isdir(path):
     raise FileNotFoundError(f"load_hf: {path} is not a directory")
   cfg = _quantize_config(ModelConfig.from_hf(_read_config(path)), quantize, quantize_block)
@@ -263,7 +299,7 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
   cfg = dataclasses.replace(cfg, dtype=dtype.name)
 
   with ExitStack() as stack:
-    reader = _Reader(path, stack)
+    reader = _Reader(path, stack, nonfinite)
     if cfg.num_mtp_layers and not reader.has(f"model.layers.{cfg.num_layers}.eh_proj.weight"):
       cfg = dataclasses.replace(cfg, num_mtp_layers=0)  # checkpoint without MTP weights
     specs = param_specs(cfg, dtype)
