@@ -31,8 +31,9 @@ class ProcessorConfig:
   """The HF `preprocessor_config.json` fields that shape pixel values.
 
   min_pixels / max_pixels bound the resized image (HF `size.shortest_edge`
-  / `longest_edge`); max_input_pixels bounds the decoded input, checked from
-  the header before decoding (a decompression bomb never allocates).
+  / `longest_edge`); max_input_pixels bounds the input image, checked from
+  the header before bytes or a file are decoded (an oversized image is
+  refused before its pixels are allocated).
   """
 
   patch_size: int = 16
@@ -87,6 +88,8 @@ def load_image(image, cfg: ProcessorConfig) -> Image.Image:
       image = Image.open(io.BytesIO(image) if not isinstance(image, str) else image)
     except (UnidentifiedImageError, OSError) as e:
       raise ImageError(f"cannot decode image: {e}") from None
+    except Image.DecompressionBombError as e:  # Pillow's own cap, past 2 * MAX_IMAGE_PIXELS
+      raise ImageError(f"image has too many pixels: {e}") from None
   elif not isinstance(image, Image.Image):
     raise TypeError(f"image must be bytes, a path, a PIL image or a uint8 array, "
                     f"got {type(image).__name__}")
