@@ -173,7 +173,7 @@ def _split_vl(hf: dict) -> tuple[dict, dict]:
   if not text:
     raise ValueError(f"config.json ({hf['model_type']}): text_config is missing")
   text.update(model_type=hf["model_type"], tie_word_embeddings=hf.get("tie_word_embeddings", False))
-  rope = dict(text.pop("rope_parameters", None) or text.pop("rope_scaling", None) or {})
+  rope = {**(text.pop("rope_scaling", None) or {}), **(text.pop("rope_parameters", None) or {})}
   mrope = tuple(rope.pop("mrope_section", (24, 20, 20)))
   if not rope.pop("mrope_interleaved", True):
     raise ValueError("config.json: text_config mrope_interleaved=False is not supported")

@@ -58,6 +58,22 @@ def test_config_from_hf():
     ModelConfig.from_hf(hf)
 
 
+def test_config_old_rope_scaling_form():
+  """Published Qwen3-VL configs carry rope_theta + rope_scaling (with the
+  MRoPE keys) in text_config, and vision model_type qwen3_vl_moe."""
+  hf = json.loads((VL / "qwen3_vl_moe" / "config.json").read_text())
+  text = hf["text_config"]
+  rope = text.pop("rope_parameters")
+  text.update(rope_theta=5e6, rope_scaling=dict(rope, rope_theta=None, mrope_section=[4, 2, 2]))
+  del text["rope_scaling"]["rope_theta"]
+  hf["vision_config"]["model_type"] = "qwen3_vl_moe"
+  cfg = ModelConfig.from_hf(hf)
+  assert cfg.rope_theta == 5e6 and cfg.mrope_section == (4, 2, 2)
+  text["rope_scaling"]["mrope_interleaved"] = False
+  with pytest.raises(ValueError, match="mrope_interleaved"):
+    ModelConfig.from_hf(hf)
+
+
 @pytest.mark.parametrize("name,case", CASES)
 def test_matches_hf(loaded, name, case):
   cfg, params = loaded(name)
