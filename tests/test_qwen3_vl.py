@@ -105,6 +105,38 @@ def test_placeholder_expansion_matches_hf_prompt(loaded, name, case):
   assert out == f["tokens"][0].tolist()
 
 
+def test_cached_greedy_equals_full_forwards(loaded):
+  """Prefill in chunks of 5 (chunks end inside both images), then greedy
+  decode with MRoPE positions continuing from the prompt's deltas: the
+  tokens of repeated full forwards, and the prefill logits of one."""
+  cfg, params = loaded("qwen3_vl")
+  f = np.load(VL / "qwen3_vl" / "two_images.npz")
+  tokens, pixels, grid = f["tokens"], f["pixel_values"], f["image_grid_thw"]
+  T = tokens.shape[1]
+  visual = multimodal.visual_inputs(cfg, params, tokens, pixels, grid)
+  _, deltas = multimodal.rope_positions(cfg, tokens, grid)
+  cache = models.init_cache(cfg, batch=1, max_len=T + 4)
+  chunks = []
+  for s in range(0, T, 5):
+    logits, cache = multimodal.vl_forward(cfg, params, multimodal.slice_inputs(visual, s, s + 5), cache)
+    chunks.append(np.asarray(logits))
+  assert rel_err(np.concatenate(chunks, axis=1)[0], f["logits"]) <= 1e-4
+  seq, cached, step_logits = tokens[0].tolist(), [], []
+  for _ in range(4):
+    cached.append(int(np.argmax(logits[0, -1])))
+    step = multimodal.text_inputs(cfg, params, [[cached[-1]]], [[len(seq) + len(cached) - 1 + deltas[0]]])
+    logits, cache = multimodal.vl_forward(cfg, params, step, cache)
+    step_logits.append(np.asarray(logits[0, -1]))
+  full = []
+  for _ in range(4):
+    out = multimodal.vl_logits(cfg, params, np.array([seq + full]), pixels, grid)
+    full.append(int(np.argmax(out[0, -1])))
+  assert cached == full
+  last = multimodal.vl_logits(cfg, params, np.array([seq + full]), pixels, grid)[0, T:]
+  assert rel_err(np.stack(step_logits), np.asarray(last)) <= 1e-4
+  assert deltas[0] < 0  # the images' tokens take fewer positions than tokens: the delta matters
+
+
 def test_processor_matches_hf():
   images = [png(*spec) for spec in PROC["images"]]
   ref = np.load(VL / "processor.npz")

@@ -8,6 +8,12 @@ per temporal patch, as HF's Qwen3-VL processor writes it less the
 "<t seconds>" text before each frame, which needs the tokenizer).
 Visual tokens take the vision tower's outputs in prompt order (images in
 image order, videos in video order) and their DeepStack features.
+
+Cached decoding (`vl_forward`, the contiguous cache of `models.forward`):
+a prompt's `VisualInputs` are fed in chunks (`slice_inputs`, a chunk may
+end inside an image); the tokens after it take `text_inputs` at rotary
+position cache length + delta (`rope_positions`' deltas), so positions
+continue where the prompt's last image left them.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import vision
-from jaxinfer.models.context import FullContext
+from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.models.transformer import VisualInputs, check_tokens, head, trunk_with_counts
 
@@ -168,3 +174,41 @@ def vl_logits(cfg: ModelConfig, params, tokens, pixel_values=None, image_grid_th
   visual = visual_inputs(cfg, params, tokens, pixel_values, image_grid_thw, pixel_values_videos,
                          video_grid_thw)
   return _vl_logits(cfg, params, visual, plan_from_params(params))
+
+
+def slice_inputs(visual: VisualInputs, start: int, end: int) -> VisualInputs:
+  """Tokens [start, end) of a prompt's inputs (a prefill chunk)."""
+  return VisualInputs(embeds=visual.embeds[:, start:end], positions=visual.positions[:, :, start:end],
+                      deepstack=visual.deepstack[:, :, start:end])
+
+
+def text_inputs(cfg: ModelConfig, params, tokens, positions) -> VisualInputs:
+  """Text tokens [B, T] at rotary positions [B, T] (all three MRoPE axes
+  alike), no DeepStack: the tokens generated after a multimodal prompt."""
+  x = params["embed"][jnp.asarray(tokens, jnp.int32)].astype(cfg.compute_dtype())
+  positions = jnp.broadcast_to(jnp.asarray(positions, jnp.int32), (3, *x.shape[:2]))
+  return VisualInputs(embeds=x, positions=positions, deepstack=jnp.zeros((0, *x.shape), x.dtype))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4), donate_argnums=3)
+def _vl_forward(cfg, params, visual, cache, ep):
+  B, T = visual.embeds.shape[:2]
+  starts = cache["lengths"]
+  x, layers, _ = trunk_with_counts(cfg, params, jnp.zeros((B, T), jnp.int32), ContiguousContext(starts),
+                                   cache["layers"], ep, visual=visual)
+  return head(cfg, params, x), dict(layers=layers, lengths=starts + T)
+
+
+def vl_forward(cfg: ModelConfig, params, visual: VisualInputs, cache):
+  """Appends a chunk of inputs (`visual_inputs` / `slice_inputs` /
+  `text_inputs`) to each sequence of the contiguous cache
+  (`models.init_cache`): -> (float32 logits [B, T, V], new cache); the
+  cache is donated."""
+  B, T = visual.embeds.shape[:2]
+  if cache["lengths"].shape != (B,):
+    raise ValueError(f"vl_forward: cache holds {cache['lengths'].shape[0]} sequences, inputs {B}")
+  max_len = jax.tree.leaves(cache["layers"])[0].shape[2]
+  longest = int(np.max(cache["lengths"])) + T
+  if longest > max_len:
+    raise ValueError(f"vl_forward: {longest} tokens would overflow the cache (max_len {max_len})")
+  return _vl_forward(cfg, params, visual, cache, plan_from_params(params))
