@@ -137,6 +137,20 @@ def test_cached_greedy_equals_full_forwards(loaded):
   assert deltas[0] < 0  # the images' tokens take fewer positions than tokens: the delta matters
 
 
+def test_expert_parallel_matches_hf(loaded):
+  """The MoE model with its experts split over 4 CPU devices (tp_attn_ep;
+  the vision tower replicated) gives HF's logits."""
+  import jax
+  from jaxinfer import sharding
+  cfg, params = loaded("qwen3_vl_moe")
+  f = np.load(VL / "qwen3_vl_moe" / "two_images.npz")
+  mesh = sharding.make_mesh({"expert": 4}, devices=jax.devices()[:4])
+  placed = sharding.shard_params(cfg, params, mesh, layout="tp_attn_ep")
+  assert placed["layers"][0]["mlp"]["w_gate"].sharding.spec[1] == "expert"
+  logits = multimodal.vl_logits(cfg, placed, f["tokens"], f["pixel_values"], f["image_grid_thw"])
+  assert rel_err(logits[0], f["logits"]) <= 1e-4
+
+
 def test_processor_matches_hf():
   images = [png(*spec) for spec in PROC["images"]]
   ref = np.load(VL / "processor.npz")
