@@ -151,6 +151,28 @@ def test_expert_parallel_matches_hf(loaded):
   assert rel_err(logits[0], f["logits"]) <= 1e-4
 
 
+def test_encoder_cache_encodes_each_image_once(loaded):
+  from jaxinfer.engine.encoder_cache import EncoderCache, image_hash, split_images
+  cfg, params = loaded("qwen3_vl")
+  f = np.load(VL / "qwen3_vl" / "two_images.npz")
+  tokens, pixels, grid = f["tokens"], f["pixel_values"], f["image_grid_thw"]
+  cache = EncoderCache(cfg, params)
+  first = multimodal.visual_inputs(cfg, params, tokens, pixels, grid, encoder=cache.encode)
+  again = multimodal.visual_inputs(cfg, params, tokens, pixels, grid, encoder=cache.encode)
+  assert cache.stats() == dict(hits=2, misses=2, entries=2, tokens=len(f["image_embeds"]),
+                               hit_rate=0.5)
+  for a, b in ((first.embeds, again.embeds), (first.deepstack, again.deepstack)):
+    np.testing.assert_array_equal(a, b)
+  # Images encoded one at a time give the batch's features.
+  assert rel_err(cache.encode(pixels, grid)[0], f["image_embeds"]) <= 1e-4
+  (p0, g0), (p1, g1) = split_images(pixels, grid)
+  assert image_hash(p0, g0) != image_hash(p1, g1)
+  assert image_hash(p0, g0) != image_hash(p0 + 1e-3, g0)
+  small = EncoderCache(cfg, params, max_tokens=20)  # 15 + 10 tokens: the first is evicted
+  small.encode(pixels, grid)
+  assert small.stats()["entries"] == 1 and small.stats()["tokens"] == 10
+
+
 def test_processor_matches_hf():
   images = [png(*spec) for spec in PROC["images"]]
   ref = np.load(VL / "processor.npz")

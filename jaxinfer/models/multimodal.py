@@ -132,8 +132,11 @@ def encode_images(cfg: ModelConfig, params, pixel_values, grid_thw):
 
 
 def visual_inputs(cfg: ModelConfig, params, tokens, pixel_values=None, image_grid_thw=None,
-                  pixel_values_videos=None, video_grid_thw=None) -> VisualInputs:
-  """Embeddings with visual tokens scattered in, MRoPE positions, DeepStack."""
+                  pixel_values_videos=None, video_grid_thw=None, encoder=None) -> VisualInputs:
+  """Embeddings with visual tokens scattered in, MRoPE positions, DeepStack.
+  encoder(pixel_values, grid_thw) -> (tokens, DeepStack): `encode_images`
+  by default, or an encoder cache's `encode`."""
+  encoder = encoder or functools.partial(encode_images, cfg, params)
   vc = _need_vision(cfg)
   tokens = np.asarray(tokens)
   x = params["embed"][jnp.asarray(tokens, jnp.int32)].astype(cfg.compute_dtype())
@@ -146,7 +149,7 @@ def visual_inputs(cfg: ModelConfig, params, tokens, pixel_values=None, image_gri
       if len(rows):
         raise ValueError(f"prompt has {len(rows)} placeholder tokens (id {tok}) but no pixels")
       continue
-    feats, ds = encode_images(cfg, params, pv, grid)
+    feats, ds = encoder(pv, grid)
     if feats.shape[0] != len(rows):
       raise ValueError(f"prompt has {len(rows)} placeholder tokens (id {tok}); the images "
                        f"{_grids(grid)} make {feats.shape[0]}")
