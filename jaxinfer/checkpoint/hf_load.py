@@ -255,6 +255,8 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
   groups of 32 inputs) unless quantize_block = (rows, cols) says otherwise.
   Returns (cfg, params). DeepSeek MTP layers (`model.layers.{num_layers}.*`)
   load into params["mtp"] when present; when absent, cfg.num_mtp_layers = 0.
+  Qwen3-VL checkpoints load their vision tower (`model.visual.*`) into
+  params["vision"] and the language model from `model.language_model.*`.
   """
   if not os.path.isdir(path):
     raise FileNotFoundError(f"load_hf: {path} is not a directory")
