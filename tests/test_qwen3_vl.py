@@ -58,6 +58,13 @@ def test_config_from_hf():
     ModelConfig.from_hf(hf)
 
 
+def test_config_round_trips_through_orbax_metadata():
+  import json as json_lib
+  from jaxinfer.checkpoint.orbax_io import config_from_dict, config_to_dict
+  cfg = ModelConfig.from_hf(json.loads((VL / "qwen3_vl" / "config.json").read_text()))
+  assert config_from_dict(json_lib.loads(json_lib.dumps(config_to_dict(cfg)))) == cfg
+
+
 def test_config_old_rope_scaling_form():
   """Published Qwen3-VL configs carry rope_theta + rope_scaling (with the
   MRoPE keys) in text_config, and vision model_type qwen3_vl_moe."""
