@@ -94,6 +94,58 @@ class QuantConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class VisionConfig:
+  """Qwen3-VL's vision tower (`models.vision`) and its placeholder tokens.
+
+  Patches of temporal_patch x patch x patch pixels, `depth` pre-norm ViT
+  blocks with 2D rotary positions, learned position embeddings on a
+  sqrt(num_position_embeddings)-square grid resampled to each image, a
+  merger of spatial_merge x spatial_merge patches into one LM token of
+  out_hidden_size, and one more merger per `deepstack_indexes` block whose
+  output is added to the LM's hidden states after layer 0, 1, ...
+  """
+
+  depth: int
+  hidden_size: int
+  intermediate_size: int
+  num_heads: int
+  out_hidden_size: int
+  in_channels: int = 3
+  patch_size: int = 16
+  temporal_patch_size: int = 2
+  spatial_merge_size: int = 2
+  num_position_embeddings: int = 2304
+  deepstack_indexes: tuple[int, ...] = ()
+  rope_theta: float = 10000.0
+  image_token_id: int = 151655
+  video_token_id: int = 151656
+  vision_start_token_id: int = 151652
+  vision_end_token_id: int = 151653
+
+  def __post_init__(self):
+    for name in ("depth", "hidden_size", "intermediate_size", "num_heads", "out_hidden_size",
+                 "patch_size", "temporal_patch_size", "spatial_merge_size"):
+      _need(getattr(self, name) > 0, f"vision {name} must be > 0, got {getattr(self, name)}")
+    _need(self.hidden_size % (4 * self.num_heads) == 0,
+          f"vision head dim ({self.hidden_size} / {self.num_heads}) must be a multiple of 4")
+    side = math.isqrt(self.num_position_embeddings)
+    _need(side * side == self.num_position_embeddings and side > 0,
+          f"vision num_position_embeddings must be a square, got {self.num_position_embeddings}")
+    bad = [i for i in self.deepstack_indexes if not 0 <= i < self.depth]
+    _need(not bad, f"vision deepstack_indexes {bad} out of range [0, {self.depth})")
+    _need(list(self.deepstack_indexes) == sorted(set(self.deepstack_indexes)),
+          f"vision deepstack_indexes must increase, got {self.deepstack_indexes}")
+
+  @property
+  def head_dim(self) -> int:
+    return self.hidden_size // self.num_heads
+
+  @property
+  def patch_dim(self) -> int:
+    return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
   """Shape and behaviour of a decoder-only transformer.
 
@@ -135,6 +187,12 @@ class ModelConfig:
   rope_theta: float = 10000.0
   rope_scaling: RopeScaling | None = None
   rope_interleave: bool = False  # DeepSeek: rotate (2i, 2i+1) pairs
+  # Qwen3-VL interleaved MRoPE: frequencies i = 1, 4, 7.. (< 3 * sections[1])
+  # rotate by the height position, 2, 5, 8.. (< 3 * sections[2]) by the
+  # width, the rest by the temporal one. (): plain RoPE.
+  mrope_section: tuple[int, ...] = ()
+  # Qwen3-VL's vision tower (None: a text-only model).
+  vision: VisionConfig | None = None
 
   # Mixture of experts; num_experts == 0 means a dense model.
   num_experts: int = 0
@@ -243,6 +301,8 @@ class ModelConfig:
       kw["rope_scaling"] = RopeScaling(**kw["rope_scaling"])
     if "quant" in kw:
       kw["quant"] = QuantConfig(**kw["quant"])
+    if "vision" in kw:
+      kw["vision"] = VisionConfig(**kw["vision"])
     return cls(**kw)
 
 
@@ -278,6 +338,17 @@ def _validate(c: ModelConfig) -> None:
     need(not c.qk_norm and not c.attention_sinks and not c.qkv_bias,
          "MLA does not support qk_norm, attention_sinks or qkv_bias")
   need(c.rope_dim % 2 == 0, f"RoPE dim must be even, got {c.rope_dim}")
+  if c.mrope_section:
+    need(len(c.mrope_section) == 3 and sum(c.mrope_section) == c.rope_dim // 2,
+         f"mrope_section must be 3 sizes summing to rope_dim / 2 = {c.rope_dim // 2}, "
+         f"got {c.mrope_section}")
+  need(c.vision is None or isinstance(c.vision, VisionConfig),
+       f"vision must be a VisionConfig or None, got {type(c.vision).__name__}")
+  if c.vision is not None:
+    need(c.vision.out_hidden_size == c.d_model,
+         f"vision out_hidden_size {c.vision.out_hidden_size} != d_model {c.d_model}")
+    need(len(c.vision.deepstack_indexes) <= c.num_layers,
+         f"{len(c.vision.deepstack_indexes)} DeepStack taps for {c.num_layers} layers")
   need(c.sliding_window >= 0, f"sliding_window must be >= 0, got {c.sliding_window}")
   if c.layer_types:
     need(len(c.layer_types) == c.num_layers,

@@ -16,7 +16,9 @@ from typing import Any
 
 from jaxinfer.hf_quant_config import quant_fields
 
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss")
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "qwen3_vl",
+                         "qwen3_vl_moe")
+VL_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
 
 # Keys that carry no inference semantics (PretrainedConfig bookkeeping,
 # generation defaults, training-only losses and dropouts).
@@ -79,8 +81,13 @@ def model_config_fields(hf: dict) -> dict[str, Any]:
     raise ValueError(
         f"config.json: model_type {model_type!r} is not supported "
         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+  vl = None
+  if model_type in VL_MODEL_TYPES:
+    hf, vl = _split_vl(hf)
   r = _Reader(hf)
   kw: dict[str, Any] = dict(model_type=model_type)
+  if vl is not None:
+    kw.update(vl)
   d_model = r.req("hidden_size")
   num_heads = r.req("num_attention_heads")
   kw.update(
@@ -101,7 +108,8 @@ def model_config_fields(hf: dict) -> dict[str, Any]:
   kw.update(_rope(r))
 
   build = {"llama": _llama, "mixtral": _mixtral, "qwen3_moe": _qwen3_moe,
-           "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss}[model_type]
+           "deepseek_v3": _deepseek_v3, "gpt_oss": _gpt_oss, "qwen3_vl": _qwen3_dense,
+           "qwen3_vl_moe": _qwen3_vl_moe}[model_type]
   build(r, kw)
   if r.get("quantization_config") is not None:
     kw["quant"] = quant_fields(r.hf)
@@ -144,6 +152,51 @@ def _qwen3_moe(r: _Reader, kw: dict) -> None:
   kw.update(qk_norm=True, num_experts=num_experts, num_experts_per_tok=r.req("num_experts_per_tok"),
             moe_ffn_dim=r.req("moe_intermediate_size"), router="softmax_topk",
             norm_topk_prob=bool(r.get("norm_topk_prob", False)), dense_layers=dense)
+
+
+def _qwen3_dense(r: _Reader, kw: dict) -> None:
+  _llama(r, kw)
+  kw["qk_norm"] = True
+
+
+def _qwen3_vl_moe(r: _Reader, kw: dict) -> None:
+  _qwen3_moe(r, kw)
+  kw["norm_topk_prob"] = True  # HF's Qwen3-VL-MoE router always renormalises the top-k
+
+
+def _split_vl(hf: dict) -> tuple[dict, dict]:
+  """A Qwen3-VL config -> (its text_config as a flat config for the text
+  builders, the `vision` / `mrope_section` fields). The text config's own
+  tie_word_embeddings is HF's default, not what the model does: the
+  top-level one decides (transformers ties lm_head by it)."""
+  text = dict(hf.get("text_config") or {})
+  if not text:
+    raise ValueError(f"config.json ({hf['model_type']}): text_config is missing")
+  text.update(model_type=hf["model_type"], tie_word_embeddings=hf.get("tie_word_embeddings", False))
+  rope = {**(text.pop("rope_scaling", None) or {}), **(text.pop("rope_parameters", None) or {})}
+  mrope = tuple(rope.pop("mrope_section", (24, 20, 20)))
+  if not rope.pop("mrope_interleaved", True):
+    raise ValueError("config.json: text_config mrope_interleaved=False is not supported")
+  text["rope_parameters"] = rope
+  r = _Reader(dict(hf.get("vision_config") or {}))
+  vision = dict(depth=r.req("depth"), hidden_size=r.req("hidden_size"),
+                intermediate_size=r.req("intermediate_size"), num_heads=r.req("num_heads"),
+                out_hidden_size=r.req("out_hidden_size"), in_channels=r.get("in_channels", 3),
+                patch_size=r.get("patch_size", 16), temporal_patch_size=r.get("temporal_patch_size", 2),
+                spatial_merge_size=r.get("spatial_merge_size", 2),
+                num_position_embeddings=r.get("num_position_embeddings", 2304),
+                deepstack_indexes=tuple(r.get("deepstack_visual_indexes", ())))
+  r.expect("hidden_act", ("gelu_pytorch_tanh",), "gelu_pytorch_tanh")
+  vrope = dict(r.get("rope_parameters", {}))
+  if vrope.pop("rope_type", "axial") != "axial" or set(vrope) - {"rope_theta"}:
+    raise ValueError(f"config.json: vision rope_parameters {r.hf['rope_parameters']} not supported")
+  vision["rope_theta"] = float(vrope.get("rope_theta", 10000.0))
+  for key in ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id"):
+    if hf.get(key) is not None:
+      vision[key] = hf[key]
+  if r.leftover():
+    raise ValueError(f"config.json: unsupported vision_config keys {r.leftover()}")
+  return text, dict(vision=vision, mrope_section=mrope)
 
 
 def _deepseek_v3(r: _Reader, kw: dict) -> None:

@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxinfer.checkpoint import hf_names, hf_quant
+from jaxinfer.checkpoint import hf_names, hf_names_vision, hf_quant
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.safetensors_header import read_header
 from jaxinfer.config import ModelConfig, QuantConfig
@@ -289,6 +289,8 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
   Every file's header is checked before any tensor is read
   (`safetensors_header`); a float tensor holding NaN or Inf raises
   (nonfinite="error"), warns ("warn") or loads silently ("ignore").
+  Qwen3-VL checkpoints load their vision tower (`model.visual.*`) into
+  params["vision"] and the language model from `model.language_model.*`.
   """
   if nonfinite not in NONFINITE:
     raise ValueError(f"load_hf: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
@@ -304,8 +306,10 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
       cfg = dataclasses.replace(cfg, num_mtp_layers=0)  # checkpoint without MTP weights
     specs = param_specs(cfg, dtype)
     top = hf_names.top_sources(cfg)
+    lm = hf_names.lm_prefix(cfg)
+    vision = hf_names_vision.vision_sources(cfg.vision, cfg.d_model) if cfg.vision else {}
     seg_sources = [
-        [hf_names.block_sources(cfg, f"model.layers.{i}", is_moe, reader.has)
+        [hf_names.block_sources(cfg, f"{lm}.layers.{i}", is_moe, reader.has)
          for i in range(first, first + n)]
         for is_moe, first, n in cfg.segments()]
     mtp = [hf_names.mtp_sources(cfg, d, reader.has) for d in range(cfg.num_mtp_layers)]
@@ -317,6 +321,8 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
         return [layer[key[2:]] for layer in seg_sources[key[1]]]
       if key[0] == "mtp":
         return [m[0][key[1:]] for m in mtp]
+      if key[0] == "vision":
+        return vision[key[1:]]
       return top[key]
 
     flat_shardings = shardings

@@ -145,7 +145,12 @@ def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> d
   if cfg.router == "sigmoid_grouped":
     s[("score_bias",)] = _one(f"{router}.e_score_correction_bias", (E,))
   x = f"{m}.experts"
-  if cfg.model_type == "gpt_oss":
+  if cfg.model_type == "qwen3_vl_moe":
+    # Published Qwen3-VL-MoE: gate_up_proj [E, D, 2F] (gate columns first), down_proj [E, F, D].
+    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., :F])
+    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., F:])
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D))
+  elif cfg.model_type == "gpt_oss":
     # Quantized (MXFP4) the same tensors are [E, out, in]: gate/up interleave rows.
     gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
     s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 0::2],
@@ -185,10 +190,15 @@ def block_sources(cfg: ModelConfig, prefix: str, is_moe: bool, has: Callable[[st
   return s
 
 
+def lm_prefix(cfg: ModelConfig) -> str:
+  """Where the language model's tensors live ('model', or Qwen3-VL's 'model.language_model')."""
+  return "model.language_model" if cfg.vision is not None else "model"
+
+
 def top_sources(cfg: ModelConfig) -> dict:
-  D, V = cfg.d_model, cfg.vocab_size
-  s = {("embed",): _one("model.embed_tokens.weight", (V, D)),
-       ("final_norm",): _one("model.norm.weight", (D,))}
+  D, V, p = cfg.d_model, cfg.vocab_size, lm_prefix(cfg)
+  s = {("embed",): _one(f"{p}.embed_tokens.weight", (V, D)),
+       ("final_norm",): _one(f"{p}.norm.weight", (D,))}
   if not cfg.tie_embeddings:
     s[("lm_head",)] = _one("lm_head.weight", (V, D), lambda w: w.T)
   return s

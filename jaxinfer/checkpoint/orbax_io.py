@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
-from jaxinfer.config import ModelConfig, QuantConfig, RopeScaling
+from jaxinfer.config import ModelConfig, QuantConfig, RopeScaling, VisionConfig
 from jaxinfer.models.specs import abstract_params
 
 
@@ -37,7 +37,10 @@ def config_from_dict(d: dict) -> ModelConfig:
   if d.get("quant") is not None:
     q = dict(d["quant"])
     d["quant"] = QuantConfig(**dict(q, block=tuple(q["block"]), targets=tuple(q["targets"])))
-  for name in ("layer_types", "dense_layers", "eos_token_ids"):
+  if d.get("vision") is not None:
+    v = dict(d["vision"])
+    d["vision"] = VisionConfig(**dict(v, deepstack_indexes=tuple(v["deepstack_indexes"])))
+  for name in ("layer_types", "dense_layers", "eos_token_ids", "mrope_section"):
     if name in d:
       d[name] = tuple(d[name])
   return ModelConfig(**d)

@@ -167,6 +167,21 @@ def rope_cos_sin(cfg: ModelConfig, positions):
   return jnp.cos(angles) * attn_factor, jnp.sin(angles) * attn_factor
 
 
+def mrope_cos_sin(cfg: ModelConfig, positions):
+  """Qwen3-VL interleaved MRoPE: positions [3, B, T] (temporal, height,
+  width) -> cos, sin [B, T, rope_dim / 2]. Frequency i takes the height
+  position when i % 3 == 1 and i < 3 * sections[1], the width one when
+  i % 3 == 2 and i < 3 * sections[2], else the temporal one. Text tokens
+  have all three equal, which is plain RoPE."""
+  inv_freq, attn_factor = rope_frequencies(cfg)
+  axis = np.zeros(len(inv_freq), np.int32)
+  for a in (1, 2):
+    axis[a:3 * cfg.mrope_section[a]:3] = a
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [3, B, T, R/2]
+  angles = jnp.where(axis == 0, angles[0], jnp.where(axis == 1, angles[1], angles[2]))
+  return jnp.cos(angles) * attn_factor, jnp.sin(angles) * attn_factor
+
+
 def apply_rope(x, cos, sin, interleave: bool = False):
   """x [B, T, N, R] rotated by position. Pairs (i, i + R/2) as HF's
   rotate_half; with `interleave`, pairs (2i, 2i + 1) (DeepSeek's layout),

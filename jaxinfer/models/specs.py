@@ -17,6 +17,10 @@ Tree layout (nested dicts; segment blocks stacked on a leading `layers` axis):
                w_gate/w_up [L, E, D, F], w_down [L, E, F, D], b_gate/b_up [L, E, F], b_down [L, E, D],
                shared: {w_gate, w_up [L, D, Fs], w_down [L, Fs, D]}
   mtp (DeepSeek MTP, stacked over depth M): enorm/hnorm/norm [M, D], eh_proj [M, 2D, D], block
+  vision (Qwen3-VL, `models.vision`): patch_w [C*Tp*P*P, Cv], patch_b, pos_embed [G, Cv],
+    blocks (stacked over depth): norm1_w/b, norm2_w/b [Cv], wqkv [Cv, 3, Nv, Hv], bqkv,
+      wo [Nv, Hv, Cv], bo, fc1 [Cv, Fv], b1, fc2 [Fv, Cv], b2
+    merger / deepstack (stacked over taps): norm_w/b, fc1 [4Cv, 4Cv], b1, fc2 [4Cv, D], b2
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig, QuantConfig
+from jaxinfer.config import ModelConfig, QuantConfig, VisionConfig
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models.quant import QuantizedWeight
 
@@ -166,6 +170,33 @@ def block_specs(cfg: ModelConfig, is_moe: bool, dtype) -> dict:
   return _quantize_block(cfg.quant, tree, is_moe)
 
 
+def _merger_specs(vc: VisionConfig, D: int, P, postshuffle: bool) -> dict:
+  C4 = vc.hidden_size * vc.spatial_merge_size ** 2
+  norm = C4 if postshuffle else vc.hidden_size
+  return dict(norm_w=P((norm,), (None,), "ones"), norm_b=P((norm,), (None,), "zeros"),
+              fc1=P((C4, C4), (None, None)), b1=P((C4,), (None,), "zeros"),
+              fc2=P((C4, D), (None, "embed")), b2=P((D,), ("embed",), "zeros"))
+
+
+def vision_specs(vc: VisionConfig, D: int, dtype) -> dict:
+  """Specs of params["vision"] (vision weights are small: replicated)."""
+  P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
+  C, F, N, H = vc.hidden_size, vc.intermediate_size, vc.num_heads, vc.head_dim
+  block = dict(norm1_w=P((C,), (None,), "ones"), norm1_b=P((C,), (None,), "zeros"),
+               norm2_w=P((C,), (None,), "ones"), norm2_b=P((C,), (None,), "zeros"),
+               wqkv=P((C, 3, N, H), (None, None, None, None)),
+               bqkv=P((3, N, H), (None, None, None), "zeros"),
+               wo=P((N, H, C), (None, None, None)), bo=P((C,), (None,), "zeros"),
+               fc1=P((C, F), (None, None)), b1=P((F,), (None,), "zeros"),
+               fc2=P((F, C), (None, None)), b2=P((C,), (None,), "zeros"))
+  tree = dict(patch_w=P((vc.patch_dim, C), (None, None)), patch_b=P((C,), (None,), "zeros"),
+              pos_embed=P((vc.num_position_embeddings, C), (None, None)),
+              blocks=_stack(block, vc.depth), merger=_merger_specs(vc, D, P, False))
+  if vc.deepstack_indexes:
+    tree["deepstack"] = _stack(_merger_specs(vc, D, P, True), len(vc.deepstack_indexes))
+  return tree
+
+
 def param_specs(cfg: ModelConfig, dtype=None) -> dict:
   """The abstract param tree of `cfg` (see the module docstring)."""
   dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
@@ -185,6 +216,8 @@ def param_specs(cfg: ModelConfig, dtype=None) -> dict:
                eh_proj=eh_proj, norm=P((D,), ("embed",), "ones"),
                block=block_specs(cfg, is_moe, dtype))
     tree["mtp"] = _stack(mtp, cfg.num_mtp_layers)
+  if cfg.vision is not None:
+    tree["vision"] = vision_specs(cfg.vision, D, dtype)
   return tree
 
 

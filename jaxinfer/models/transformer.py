@@ -8,6 +8,7 @@ cache is an explicit pytree threaded through and returned:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -18,10 +19,33 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models import moe as moe_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
-from jaxinfer.models.layers import fuse_gate_up, linear, mlp, pack_linear, rms_norm, rope_cos_sin
+from jaxinfer.models.layers import (fuse_gate_up, linear, mlp, mrope_cos_sin, pack_linear, rms_norm,
+                                   rope_cos_sin)
 from jaxinfer.models.layouts import FusedMLP, SplitExperts
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.models.quant import QuantizedWeight
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class VisualInputs:
+  """A multimodal prompt's LM inputs (`models.multimodal.visual_inputs`):
+  token embeddings with the visual tokens in place, the 3-D MRoPE
+  positions, and the DeepStack features added after layers 0..k-1 (zero
+  outside visual tokens)."""
+
+  embeds: jax.Array  # [B, T, D]
+  positions: jax.Array  # [3, B, T] int32
+  deepstack: jax.Array  # [k, B, T, D]
+
+
+def _deepstack(vis: VisualInputs | None, x, layer):
+  """x plus the DeepStack features of (global) layer `layer`, if it has any."""
+  if vis is None or vis.deepstack.shape[0] == 0:
+    return x
+  k = vis.deepstack.shape[0]
+  add = vis.deepstack[jnp.minimum(layer, k - 1)].astype(x.dtype)
+  return jnp.where(layer < k, x + add, x)
 
 
 def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep=None,
@@ -56,11 +80,16 @@ def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
 
 
 def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None,
-                      count_experts=None):
+                      count_experts=None, visual: VisualInputs | None = None):
   """`trunk`, plus per-MoE-layer expert counts [Lm, E] when count_experts is
-  an `moe_core.ExpertCount` (see `block`); else None."""
-  x = params["embed"][tokens].astype(cfg.compute_dtype())
-  cos, sin = rope_cos_sin(cfg, ctx.token_positions(tokens.shape[1]))
+  an `moe_core.ExpertCount` (see `block`); else None. visual: a multimodal
+  prompt's embeddings, MRoPE positions and DeepStack features."""
+  if visual is None:
+    x = params["embed"][tokens].astype(cfg.compute_dtype())
+    cos, sin = rope_cos_sin(cfg, ctx.token_positions(tokens.shape[1]))
+  else:
+    x = visual.embeds.astype(cfg.compute_dtype())
+    cos, sin = mrope_cos_sin(cfg, visual.positions)
   new_caches, counts = [], []
   for seg, (is_moe, first, count) in enumerate(cfg.segments()):
     windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
@@ -68,11 +97,12 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
 
     # The segment's stacked cache rides in the carry and is updated in place
     # at [layer]; scanning it as xs/ys would copy the whole cache every step.
-    def body(carry, xs, is_moe=is_moe):
+    def body(carry, xs, is_moe=is_moe, first=first):
       x, cache = carry
       p, window, layer = xs
       x, cache, n = block(cfg, is_moe, p, x, cos, sin, ctx, window,
                           None if cache is None else (cache, layer), ep, count_experts)
+      x = _deepstack(visual, x, first + layer)
       return (x, None if cache is None else cache[0]), n
 
     seg_params = params["layers"][seg]
