@@ -51,6 +51,15 @@ class Cluster(Flow):
       for d in self._serving:
         check_compatible(self.workers[p].engine, self.workers[d].engine)
 
+  def add_worker(self, worker: Worker) -> int:
+    """A new worker in service (`Flow.add_worker`), checked against the
+    disaggregation pairs it joins. -> its index."""
+    pairs = ([(worker, self.workers[d]) for d in self._serving] if worker.role == "prefill"
+             else [(self.workers[p], worker) for p in self._prefill])
+    for prefill, decode in pairs:
+      check_compatible(prefill.engine, decode.engine)
+    return super().add_worker(worker)
+
   def step(self) -> list[tuple[int, list[int], bool]]:
     """Lands the transfers that have arrived, then steps every live worker
     with work once. -> (request id, new tokens, finished) events."""

@@ -306,6 +306,19 @@ class Flow:
         events.append((req.cid, [], True))
     return events
 
+  def add_worker(self, worker: EngineWorker) -> int:
+    """Puts a new worker in service (a restarted process, a scale-up); its
+    index is new (a stopped worker's is never reused). -> the index."""
+    if worker.page_size != self.page_size:
+      raise ValueError(f"add_worker: page_size {worker.page_size}, the cluster's is "
+                       f"{self.page_size}")
+    i = self.router.add_worker()
+    if i != len(self.workers):
+      raise RuntimeError(f"add_worker: the router has {i} workers, the flow {len(self.workers)}")
+    self.workers.append(worker)
+    (self._prefill if worker.role == "prefill" else self._serving).append(i)
+    return i
+
   def _release_reservation(self, req: FlowRequest) -> None:
     if req.reservation is not None:
       w, rank, pages = req.reservation

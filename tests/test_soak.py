@@ -1,0 +1,50 @@
+"""The serving soak's CI version (`jaxinfer.serving.soak`; the 10-minute run
+is `experiments/soak.py`): random arrivals, aborts, a worker stopped and
+replaced, stalled transfers and a bounded queue over a prefill + decode +
+mixed cluster of the default model, plain and speculative, with every
+serving invariant checked after every step."""
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import jaxinfer
+from jaxinfer.serving import soak
+
+
+@pytest.fixture(scope="module")
+def default_model():
+  return jaxinfer.load_default_model()
+
+
+@pytest.mark.parametrize("speculative", [0, 2])
+def test_short_soak_keeps_every_invariant(default_model, speculative):
+  config = soak.SoakConfig(steps=60, seed=speculative, speculative=speculative,
+                           restart_every_steps=25, arrivals_per_step=1.0, abort_prob=0.08,
+                           stall_prob=0.1, max_queue=6)
+  report = soak.soak(*default_model, config)
+  assert report["violations"] == 0
+  # The faults happened and the traffic was served, refused or aborted, none lost.
+  assert report["restarts"] >= 2 and report["stalls"] >= 1 and report["aborts"] >= 1
+  assert report["accepted"] + report["refused"] == report["submitted"]
+  assert sum(report["ended"].values()) == report["accepted"]
+  assert report["ended"].get("length", 0) + report["ended"].get("stop", 0) > 0
+
+
+def test_the_checks_catch_a_leak_and_a_wrong_token(default_model):
+  """The invariants can fail: a page reference nobody holds, and a token
+  that is not the reference greedy token, each raise SoakViolation."""
+  cfg, params, tok = default_model
+  run = soak.Soak(cfg, params, tok, soak.SoakConfig(steps=0))
+  run.cluster.workers[1].engine.allocators[0].allocate(1)  # taken, held by nobody
+  with pytest.raises(soak.SoakViolation, match="have refcounts"):
+    run._check_pages(0)
+  run = soak.Soak(cfg, params, tok, soak.SoakConfig(steps=0))
+  cid = run.cluster.submit(run.pool[0], jaxinfer.SamplingParams(max_tokens=3, temperature=0.0))
+  run.prompt_of[cid] = 0
+  run.reference = [list(np.add(r, 1) % cfg.vocab_size) for r in run.reference]  # a wrong model
+  with pytest.raises(soak.SoakViolation, match="reference greedy tokens"):
+    while True:
+      run.cluster.step()
+      run._check_requests(1)
