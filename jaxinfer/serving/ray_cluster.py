@@ -1,0 +1,186 @@
+"""A serving cluster whose workers are Ray actors, one process each; the
+router and the request flow (`flow.Flow`) stay in the driver.
+
+  ray.init(num_cpus=2)
+  cluster = Cluster([WorkerSpec(role="prefill"), WorkerSpec(role="decode")],
+                    backend="ray", disagg=DisaggConfig(mode="always"))
+  cluster.generate(prompts, SamplingParams(max_tokens=16))
+  cluster.shutdown()
+
+Each cluster step sends every live worker its `step` at once, then gathers
+the answers (`ray.get` with a deadline), so the workers' devices run side by
+side. Between steps the flow talks to each worker through a `RemoteEngine`
+(remote_engine.py).
+
+Faults: a worker whose actor dies (its process killed), whose step raises,
+or that does not answer within `step_timeout_s` is taken out exactly as
+`stop_worker` does (its requests re-routed and recomputed, none lost, none
+served twice), and its actor is killed.
+
+KV transfer (disaggregated prefill -> decode): the prefill process returns
+the pages' K/V as host arrays into Ray's object store; the transfer is ready
+once they are there, and the decode process reads them (shared memory on
+one host) when it lands the transfer. `measure_transfer` times that path.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Sequence
+
+import jaxinfer
+from jaxinfer.serving import replay
+from jaxinfer.serving.disagg import DisaggConfig, check_compatible
+from jaxinfer.serving.flow import Flow, ServeOutput
+from jaxinfer.serving.ray_worker import WorkerProcess, WorkerSpec
+from jaxinfer.serving.remote_engine import RemoteWorker, ray_module
+from jaxinfer.serving.router import Router
+
+# The directory holding the jaxinfer package: worker processes import the
+# same jaxinfer as the driver (a source checkout or an installed package).
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
+
+
+def start_actor(spec: WorkerSpec):
+  """Starts a worker actor in a process of its own, importing this jaxinfer."""
+  ray = ray_module()
+  env = dict(spec.env)
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+  return ray.remote(WorkerProcess).options(
+      num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
+      runtime_env={"env_vars": env}).remote(spec)
+
+
+def _why(e: BaseException) -> str:
+  lines = str(e).strip().splitlines()
+  return f"{type(e).__name__}: {lines[-1] if lines else ''}"
+
+
+class RayCluster(Flow):
+  """`Cluster(workers, backend="ray")`: see the module docstring."""
+
+  def __init__(self, workers: Sequence[WorkerSpec], *, router: Router | str = "kv",
+               disagg: DisaggConfig | None = None, max_queue: int | None = None,
+               router_options: dict | None = None, clock: Callable[[], float] = time.perf_counter,
+               step_timeout_s: float = 300.0, start_timeout_s: float = 600.0):
+    """workers: a `WorkerSpec` per worker (built in its actor). Ray is
+    started on this host if it is not yet. step_timeout_s: a worker that
+    does not answer a step (or `reserve_pages`) by then is taken out."""
+    ray = ray_module()
+    specs = list(workers)
+    for k, s in enumerate(specs):
+      if not isinstance(s, WorkerSpec):
+        raise TypeError(f"Cluster(backend='ray'): workers[{k}] must be a WorkerSpec (built in "
+                        f"its own process), got {type(s).__name__}")
+    if not step_timeout_s > 0:
+      raise ValueError(f"Cluster(backend='ray'): step_timeout_s must be > 0, got {step_timeout_s}")
+    if not ray.is_initialized():
+      ray.init()
+    actors = [start_actor(s) for s in specs]
+    try:
+      infos = ray.get([a.info.remote() for a in actors], timeout=start_timeout_s)
+    except Exception as e:
+      self._kill(actors)
+      raise RuntimeError(f"Cluster(backend='ray'): a worker failed to start: {_why(e)}") from e
+    remote = [RemoteWorker(a, info, s, step_timeout_s)
+              for a, info, s in zip(actors, infos, specs, strict=True)]
+    try:
+      super().__init__(remote, router=router, disagg=disagg, max_queue=max_queue,
+                       router_options=router_options, clock=clock)
+      for p in self._prefill:
+        for d in self._serving:
+          check_compatible(self.workers[p].engine, self.workers[d].engine)
+    except Exception:
+      self._kill(actors)
+      raise
+    self.step_timeout_s = step_timeout_s
+
+  @staticmethod
+  def _kill(actors) -> None:
+    for a in actors:
+      try:
+        ray_module().kill(a, no_restart=True)
+      except Exception:  # noqa: BLE001, S110 - already gone
+        pass
+
+  def step(self) -> list[tuple[int, list[int], bool]]:
+    """Lands the transfers that have arrived, then steps every live worker
+    once, all at the same time. -> (request id, new tokens, finished) events."""
+    ray = ray_module()
+    events = []
+    self.poll_transfers()
+    for i, w in enumerate(self.workers):
+      if w.alive and w.engine.dead:
+        events += self.stop_worker(i, f"worker {w.name} (pid {w.pid}): {w.engine.dead}")
+    pending = {i: w.engine.actor.step.remote() for i, w in enumerate(self.workers) if w.alive}
+    deadline = time.monotonic() + self.step_timeout_s
+    for i, ref in pending.items():
+      w = self.workers[i]
+      try:
+        result = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+      except Exception as e:  # noqa: BLE001 - dead, hung or raising: taken out, not fatal
+        events += self.stop_worker(i, f"worker {w.name} (pid {w.pid}) failed: {_why(e)}")
+        continue
+      events += self.advance(i, w.absorb(result))
+      w.engine.release_untaken()
+    return events
+
+  def stop_worker(self, i: int, reason: str = "stopped") -> list:
+    """`Flow.stop_worker`, then kills the worker's actor."""
+    events = super().stop_worker(i, reason)
+    self._kill([self.workers[i].engine.actor])
+    return events
+
+  def shutdown(self) -> None:
+    """Kills every worker actor (the cluster serves nothing after)."""
+    for i, w in enumerate(self.workers):
+      if w.alive:
+        self.stop_worker(i, "cluster shut down")
+
+  def pids(self) -> list[int]:
+    """The workers' process ids."""
+    return [w.pid for w in self.workers]
+
+  def generate(self, prompts, sampling=None) -> list[ServeOutput]:
+    """Submits every prompt at once and serves them to the end (outputs in order)."""
+    return replay.generate(self, prompts, sampling)
+
+  def run(self, items, sampling=None, *, on_step=None) -> list[ServeOutput]:
+    """Replays a workload in real time (`replay.run`); outputs in item order."""
+    return replay.run(self, items, sampling, on_step=on_step)
+
+
+def measure_transfer(cluster: RayCluster, *, src: int, dst: int, num_pages: Sequence[int],
+                     repeats: int = 3) -> list[dict]:
+  """Times the KV hand-over path between two worker processes: read pages on
+  worker src (device -> host -> object store), write them into pages of
+  worker dst (object store -> device). -> per size {pages, bytes, seconds
+  (best of repeats), bytes_per_s, call_overhead_s (an empty round trip)}."""
+  ray = ray_module()
+  a, b = cluster.workers[src].engine.actor, cluster.workers[dst].engine.actor
+  overhead = min(_timed(lambda: ray.get(b.pid.remote(), timeout=60)) for _ in range(repeats))
+  rows = []
+  for n in num_pages:
+    reserved = ray.get(b.reserve_pages.remote(n * cluster.page_size), timeout=60)
+    if reserved is None:
+      raise ValueError(f"measure_transfer: worker {dst} cannot reserve {n} pages")
+    rank, pages = reserved
+    best, size = float("inf"), 0
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      blob, size_ref = a.read_pages.options(num_returns=2).remote(0, list(range(n)))
+      b.write_pages.remote(rank, pages, [blob])
+      ray.get(b.pid.remote(), timeout=120)  # runs after the write
+      best = min(best, time.perf_counter() - t0)
+      size = ray.get(size_ref, timeout=60)
+    b.release_pages.remote(rank, pages)
+    rows.append(dict(pages=n, bytes=size, seconds=best, bytes_per_s=size / best,
+                     call_overhead_s=overhead))
+  return rows
+
+
+def _timed(fn) -> float:
+  t0 = time.perf_counter()
+  fn()
+  return time.perf_counter() - t0
