@@ -82,19 +82,45 @@ class RayCluster(Flow):
       infos = ray.get([a.info.remote() for a in actors], timeout=start_timeout_s)
     except Exception as e:
       self._kill(actors)
-      raise RuntimeError(f"Cluster(backend='ray'): a worker failed to start: {_why(e)}") from e
+      raise RuntimeError(
+          f"Cluster(backend='ray'): a worker failed to start within {start_timeout_s} s: "
+          f"{_why(e)} (the workers ask for {sum(s.num_cpus for s in specs)} CPUs and "
+          f"{sum(s.num_gpus for s in specs)} GPUs; Ray has {ray.available_resources()} free)"
+      ) from e
+    self._attach(specs, actors, infos, step_timeout_s, dict(
+        router=router, disagg=disagg, max_queue=max_queue, router_options=router_options,
+        clock=clock))
+
+  def _attach(self, specs, actors, infos, step_timeout_s: float, flow_options: dict) -> None:
     remote = [RemoteWorker(a, info, s, step_timeout_s)
               for a, info, s in zip(actors, infos, specs, strict=True)]
     try:
-      super().__init__(remote, router=router, disagg=disagg, max_queue=max_queue,
-                       router_options=router_options, clock=clock)
+      super().__init__(remote, **flow_options)
       for p in self._prefill:
         for d in self._serving:
           check_compatible(self.workers[p].engine, self.workers[d].engine)
     except Exception:
       self._kill(actors)
       raise
-    self.step_timeout_s = step_timeout_s
+    self.specs, self.step_timeout_s = specs, step_timeout_s
+
+  def fresh(self, **flow_options) -> "RayCluster":
+    """A new cluster on the same worker processes, with fresh engines (empty
+    KV and prefix caches; each process keeps its compiled programs) and a
+    fresh flow (`flow_options`: router, disagg, max_queue, ...): repeated
+    benchmark runs without restarting processes or recompiling. This
+    cluster is retired (its workers marked stopped; the actors are the new
+    cluster's)."""
+    if not all(w.alive for w in self.workers):
+      raise RuntimeError("fresh: a worker of this cluster is stopped; start a new cluster")
+    actors = [w.engine.actor for w in self.workers]
+    infos = ray_module().get([a.reset.remote() for a in actors], timeout=self.step_timeout_s)
+    for w in self.workers:
+      w.stop("retired: its processes serve a fresh cluster")
+    new = object.__new__(RayCluster)
+    new._attach(self.specs, actors, infos, self.step_timeout_s,
+                dict(dict(clock=self.clock), **flow_options))
+    return new
 
   @staticmethod
   def _kill(actors) -> None:

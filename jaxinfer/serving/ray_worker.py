@@ -88,13 +88,20 @@ class WorkerProcess:
   """The body of a worker actor: a `Worker` driven by a `RayCluster`."""
 
   def __init__(self, spec: WorkerSpec):
-    cfg, params = spec.load()
-    self.worker = Worker(cfg, params, spec.config, role=spec.role, name=spec.name)
+    self.spec = spec
+    self._model = spec.load()
+    self.reset()
+
+  def reset(self) -> dict:
+    """A fresh engine (empty caches; this process's compiled programs stay)
+    -> `info`."""
+    self.worker = Worker(*self._model, self.spec.config, role=self.spec.role, name=self.spec.name)
     self.engine = self.worker.engine
     self._rid: dict[int, int] = {}  # driver key -> engine request id
     self._key: dict[int, int] = {}  # engine request id -> driver key
     self._held: set[int] = set()  # engine ids submitted with hold_pages
     self._error: str | None = None  # a failed page write: the next step raises it
+    return self.info()
 
   def info(self) -> dict:
     """What the driver needs to check requests and compatibility."""
