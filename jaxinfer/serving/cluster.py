@@ -1,5 +1,6 @@
 """A serving cluster in one process: workers, a router, optional
-disaggregated prefill, fault handling and a bounded queue.
+disaggregated prefill, fault handling and a bounded queue. (With
+backend="ray" each worker runs in a process of its own: `ray_cluster`.)
 
   cluster = Cluster([Worker(...), ...], router="kv")
   cid = cluster.submit(prompt, SamplingParams(...))       # or cluster.run(workload items)
@@ -88,7 +89,12 @@ class Cluster(Flow):
 
   def run(self, items, sampling: SamplingParams | Callable | None = None, *,
           on_step: Callable[["Cluster", float], None] | None = None) -> list[ServeOutput]:
-    """Replays a workload in real time (`replay.run`); outputs in item order."""
+    """Replays a workload (`workloads.Item`s, arrival_s from now) in real
+    time; outputs in item order. A request the bounded queue rejects ends
+    with finish_reason "error" naming why. sampling: SamplingParams, or a
+    function item -> SamplingParams (default: greedy, item.max_tokens).
+    on_step(cluster, elapsed_s): called after every cluster step (faults,
+    probes)."""
     return replay.run(self, items, sampling, on_step=on_step)
 
 
