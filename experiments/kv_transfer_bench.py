@@ -1,6 +1,8 @@
 """KV transfer between worker processes: bytes/s of the disaggregated
-prefill -> decode hand-over on the Ray backend (read pages on one worker
-process, through Ray's object store, written into pages of another).
+prefill -> decode hand-over on the Ray backend (pages read on one worker
+process, written into pages of another), by each KV transport: jax's
+transfer library (device to device through transfer servers) and Ray's
+object store (through host memory).
 
   python experiments/kv_transfer_bench.py                     # default model, 1..256 pages
   python experiments/kv_transfer_bench.py --num_pages=1,64 --repeats=5
@@ -31,6 +33,7 @@ _MODEL = flags.DEFINE_string("model", "default", "'default' (the bundled model) 
 _PAGES = flags.DEFINE_list("num_pages", ["1", "4", "16", "64", "256"], "pages per transfer")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed transfers per size (best reported)")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "KV page size")
+_TRANSPORTS = flags.DEFINE_list("kv_transport", ["jax", "object_store"], "transports to measure")
 _RAY_CPUS = flags.DEFINE_integer("ray_cpus", 2, "CPUs of the local Ray")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results",
                                                "kv_transfer_bench"), "output prefix (.json)")
@@ -49,19 +52,22 @@ def main(argv):
   specs = [WorkerSpec(model=cfg, params=ref, config=config, role=role, name=role,
                       num_cpus=_RAY_CPUS.value / 2, env={"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""})
            for role in ("prefill", "decode")]
-  cluster = Cluster(specs, backend="ray")
-  measure_transfer(cluster, src=0, dst=1, num_pages=sizes, repeats=1)  # compiles the gathers
-  rows = measure_transfer(cluster, src=0, dst=1, num_pages=sizes, repeats=_REPEATS.value)
-  cluster.shutdown()
+  rows = []
+  for transport in _TRANSPORTS.value:
+    cluster = Cluster(specs, backend="ray", kv_transport=transport)
+    measure_transfer(cluster, src=0, dst=1, num_pages=sizes, repeats=1)  # compiles the gathers
+    new = measure_transfer(cluster, src=0, dst=1, num_pages=sizes, repeats=_REPEATS.value)
+    rows += [dict(r, kv_transport=transport) for r in new]
+    cluster.shutdown()
   ray.shutdown()
-  print(f"{'pages':>6} {'bytes':>10} {'ms':>8} {'MB/s':>8}  (empty round trip "
-        f"{rows[0]['call_overhead_s'] * 1e3:.2f} ms)")
+  print(f"{'transport':>12} {'pages':>6} {'bytes':>10} {'ms':>8} {'MB/s':>8}  (empty round "
+        f"trip {rows[0]['call_overhead_s'] * 1e3:.2f} ms)")
   for r in rows:
-    print(f"{r['pages']:6d} {r['bytes']:10d} {r['seconds'] * 1e3:8.2f} "
+    print(f"{r['kv_transport']:>12} {r['pages']:6d} {r['bytes']:10d} {r['seconds'] * 1e3:8.2f} "
           f"{r['bytes_per_s'] / 1e6:8.1f}")
   results.write(_OUT.value, rows, model=_MODEL.value, page_size=_PAGE_SIZE.value,
-                path="Ray object store: device_get in the prefill process, ray object, "
-                "device_put + scatter in the decode process",
+                path="jax: offer on the prefill process's transfer server, pull + scatter in "
+                "the decode process; object_store: device_get, Ray object, device_put + scatter",
                 note="2-core dev machine shared with other jobs; both processes and the "
                 "driver on the same 2 cores")
 

@@ -65,13 +65,15 @@ def test_two_ray_workers_equal_one_engine(params_ref):
     cluster.shutdown()
 
 
-def test_disaggregated_across_processes_and_transfer_timeout(params_ref):
+@pytest.mark.parametrize("kv_transport", ["jax", "object_store"])
+def test_disaggregated_across_processes_and_transfer_timeout(params_ref, kv_transport):
   params, ref = params_ref
   prompts = _prompts([3, 17, 9, 30])
   sampling = SamplingParams(max_tokens=6)
   want = [o.token_ids for o in Engine(CFG, params, CONFIG).generate(prompts, sampling)]
   cluster = Cluster(_specs(ref, ["prefill", "decode"]), backend="ray",
-                    disagg=DisaggConfig(mode="always", transfer_timeout_s=20.0), step_timeout_s=90)
+                    disagg=DisaggConfig(mode="always", transfer_timeout_s=20.0), step_timeout_s=90,
+                    kv_transport=kv_transport)
   try:
     outs = cluster.generate(prompts, sampling)
     assert [o.token_ids for o in outs] == want
@@ -130,5 +132,7 @@ def test_ray_backend_errors_name_the_problem(params_ref):
     Cluster([], backend="grpc")
   with pytest.raises(TypeError, match=r"workers\[0\] must be a WorkerSpec"):
     Cluster([object()], backend="ray")
+  with pytest.raises(ValueError, match="kv_transport must be one of"):
+    Cluster([WorkerSpec()], backend="ray", kv_transport="nccl")
   with pytest.raises(ValueError, match="role must be one of"):
     WorkerSpec(role="verify")

@@ -39,6 +39,7 @@ from jaxinfer.serving.router import Router
 
 # The directory holding the jaxinfer package: worker processes import the
 # same jaxinfer as the driver (a source checkout or an installed package).
+KV_TRANSPORTS = ("jax", "object_store")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
 
 
@@ -63,10 +64,13 @@ class RayCluster(Flow):
   def __init__(self, workers: Sequence[WorkerSpec], *, router: Router | str = "kv",
                disagg: DisaggConfig | None = None, max_queue: int | None = None,
                router_options: dict | None = None, clock: Callable[[], float] = time.perf_counter,
-               step_timeout_s: float = 300.0, start_timeout_s: float = 600.0):
+               step_timeout_s: float = 300.0, start_timeout_s: float = 600.0,
+               kv_transport: str = "jax"):
     """workers: a `WorkerSpec` per worker (built in its actor). Ray is
     started on this host if it is not yet. step_timeout_s: a worker that
-    does not answer a step (or `reserve_pages`) by then is taken out."""
+    does not answer a step (or `reserve_pages`) by then is taken out.
+    kv_transport: how prefilled pages move, "jax" (jax's transfer library)
+    or "object_store" (Ray's); see `ray_worker`."""
     ray = ray_module()
     specs = list(workers)
     for k, s in enumerate(specs):
@@ -75,11 +79,17 @@ class RayCluster(Flow):
                         f"its own process), got {type(s).__name__}")
     if not step_timeout_s > 0:
       raise ValueError(f"Cluster(backend='ray'): step_timeout_s must be > 0, got {step_timeout_s}")
+    if kv_transport not in KV_TRANSPORTS:
+      raise ValueError(f"Cluster(backend='ray'): kv_transport must be one of {KV_TRANSPORTS}, "
+                       f"got {kv_transport!r}")
     if not ray.is_initialized():
       ray.init()
     actors = [start_actor(s) for s in specs]
     try:
       infos = ray.get([a.info.remote() for a in actors], timeout=start_timeout_s)
+      if kv_transport == "jax":
+        addresses = ray.get([a.transfer_address.remote() for a in actors], timeout=60)
+        infos = [dict(i, transfer_address=a) for i, a in zip(infos, addresses, strict=True)]
     except Exception as e:
       self._kill(actors)
       raise RuntimeError(
@@ -115,6 +125,8 @@ class RayCluster(Flow):
       raise RuntimeError("fresh: a worker of this cluster is stopped; start a new cluster")
     actors = [w.engine.actor for w in self.workers]
     infos = ray_module().get([a.reset.remote() for a in actors], timeout=self.step_timeout_s)
+    infos = [dict(i, transfer_address=w.engine.info.get("transfer_address"))
+             for i, w in zip(infos, self.workers, strict=True)]
     for w in self.workers:
       w.stop("retired: its processes serve a fresh cluster")
     new = object.__new__(RayCluster)
@@ -179,28 +191,29 @@ class RayCluster(Flow):
 
 def measure_transfer(cluster: RayCluster, *, src: int, dst: int, num_pages: Sequence[int],
                      repeats: int = 3) -> list[dict]:
-  """Times the KV hand-over path between two worker processes: read pages on
-  worker src (device -> host -> object store), write them into pages of
-  worker dst (object store -> device). -> per size {pages, bytes, seconds
-  (best of repeats), bytes_per_s, call_overhead_s (an empty round trip)}."""
+  """Times the KV hand-over between two worker processes, by the cluster's
+  kv_transport: pages read on worker src, written into pages reserved on
+  worker dst, end to end (device to device). -> per size {pages, bytes,
+  seconds (best of repeats), bytes_per_s, call_overhead_s (an empty round
+  trip to dst, part of seconds)}."""
   ray = ray_module()
-  a, b = cluster.workers[src].engine.actor, cluster.workers[dst].engine.actor
-  overhead = min(_timed(lambda: ray.get(b.pid.remote(), timeout=60)) for _ in range(repeats))
+  a, b = cluster.workers[src].engine, cluster.workers[dst].engine
+  overhead = min(_timed(lambda: ray.get(b.actor.pid.remote(), timeout=60)) for _ in range(repeats))
   rows = []
   for n in num_pages:
-    reserved = ray.get(b.reserve_pages.remote(n * cluster.page_size), timeout=60)
+    reserved = ray.get(b.actor.reserve_pages.remote(n * cluster.page_size), timeout=60)
     if reserved is None:
       raise ValueError(f"measure_transfer: worker {dst} cannot reserve {n} pages")
     rank, pages = reserved
     best, size = float("inf"), 0
     for _ in range(repeats):
       t0 = time.perf_counter()
-      blob, size_ref = a.read_pages.options(num_returns=2).remote(0, list(range(n)))
-      b.write_pages.remote(rank, pages, [blob])
-      ray.get(b.pid.remote(), timeout=120)  # runs after the write
+      blob = a.read_pages(0, list(range(n)))
+      b.write_pages(rank, pages, blob)
+      ray.get(b.actor.pid.remote(), timeout=120)  # answers after the write
       best = min(best, time.perf_counter() - t0)
-      size = ray.get(size_ref, timeout=60)
-    b.release_pages.remote(rank, pages)
+      size = ray.get(blob.size_ref, timeout=60)
+    b.release_pages(rank, pages)
     rows.append(dict(pages=n, bytes=size, seconds=best, bytes_per_s=size / best,
                      call_overhead_s=overhead))
   return rows

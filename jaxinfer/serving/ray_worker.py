@@ -9,10 +9,14 @@ request flow reads between steps: the engine's events, finished requests'
 outputs, held prefill pages and MTP drafts, the load and the prefix-page
 events for the router.
 
-KV hand-over between processes: the prefill process's `read_pages` returns
-the pages' K/V as host arrays, which Ray keeps in its object store; the
-decode process's `write_pages` gets the object (shared memory on one host,
-pulled across hosts) and writes it into its reservation.
+KV hand-over between processes, two transports:
+  "jax"           jax's transfer library (`jax.experimental.transfer`): the
+                  prefill process offers the pages' K/V (device arrays) on
+                  its transfer server; the decode process pulls them straight
+                  onto its device and writes them into its reservation.
+  "object_store"  the prefill process returns the K/V as host arrays into
+                  Ray's object store; the decode process gets the object
+                  (shared memory on one host) and writes it.
 
 This module does not import ray: the actor class is made in `ray_cluster`.
 """
@@ -21,8 +25,10 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 
 import jax
+from jax.experimental import transfer
 import numpy as np
 
 from jaxinfer import checkpoint, models, presets
@@ -90,6 +96,8 @@ class WorkerProcess:
   def __init__(self, spec: WorkerSpec):
     self.spec = spec
     self._model = spec.load()
+    self._server = None  # the jax transfer server, started on first use
+    self._conns: dict[str, object] = {}  # peers' transfer servers
     self.reset()
 
   def reset(self) -> dict:
@@ -136,6 +144,41 @@ class WorkerProcess:
     """-> (the pages' K/V as host arrays, their size in bytes)."""
     blob = jax.device_get(self.engine.read_pages(rank, pages))
     return blob, int(sum(a.nbytes for a in jax.tree.leaves(blob)))
+
+  def transfer_address(self) -> str:
+    """This process's jax transfer server (started now if not yet)."""
+    if self._server is None:
+      host = socket.gethostbyname(socket.gethostname())
+      self._server = transfer.start_transfer_server(jax.devices()[0].client, f"{host}:0",
+                                                    [f"{host}:0"])
+    return self._server.address()
+
+  def offer_pages(self, rank: int, pages, uuid: int):
+    """Offers the pages' K/V on the transfer server under uuid -> (their
+    shapes and dtypes, their size in bytes)."""
+    self.transfer_address()
+    blob = self.engine.read_pages(rank, pages)
+    self._server.await_pull(uuid, blob)
+    meta = jax.tree.map(lambda a: (a.shape, a.dtype), blob)
+    return meta, int(sum(a.nbytes for a in jax.tree.leaves(blob)))
+
+  def pull_pages(self, rank: int, pages, address: str, uuid: int, boxed_meta) -> None:
+    """Pulls pages another process offered (`offer_pages`) and writes them
+    into a reservation."""
+    import ray  # noqa: PLC0415 - only inside an actor
+    try:
+      meta = ray.get(boxed_meta[0], timeout=60)
+      if address not in self._conns:
+        self.transfer_address()
+        self._conns[address] = self._server.connect(address)
+      local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+      spec = jax.tree.map(lambda m: jax.ShapeDtypeStruct(*m, sharding=local), meta,
+                          is_leaf=lambda m: isinstance(m, tuple) and len(m) == 2)
+      blob = self._conns[address].pull(uuid, spec)
+    except Exception as e:  # noqa: BLE001 - reported by the next step
+      self._error = f"KV pages never arrived from {address}: {type(e).__name__}: {e}"
+      return
+    self.engine.write_pages(rank, pages, self.engine.place_pages(blob))
 
   def write_pages(self, rank: int, pages, boxed_ref) -> None:
     """Writes another process's `read_pages` (boxed_ref: [its ObjectRef],

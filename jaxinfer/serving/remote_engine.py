@@ -13,6 +13,8 @@ Only `reserve_pages` waits for an answer.
 
 from __future__ import annotations
 
+import uuid
+
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.serving.ray_worker import WorkerSpec
 from jaxinfer.serving.worker import EngineWorker
@@ -28,11 +30,13 @@ def ray_module():
 
 
 class RemoteBlob:
-  """K/V pages in Ray's object store on their way to a decode worker (a
-  leaf for `Transfer.ready`): ready once the prefill process has put them."""
+  """K/V pages on their way to a decode worker (a leaf for `Transfer.ready`):
+  in Ray's object store (ref: the pages) or offered on the prefill
+  process's jax transfer server (ref: their shapes; address, uuid). Ready
+  once the prefill process has put or offered them."""
 
-  def __init__(self, ref, size_ref):
-    self.ref, self.size_ref = ref, size_ref
+  def __init__(self, ref, size_ref, address: str | None = None, uuid: int | None = None):
+    self.ref, self.size_ref, self.address, self.uuid = ref, size_ref, address, uuid
 
   def is_ready(self) -> bool:
     ray = ray_module()
@@ -60,6 +64,8 @@ class RemoteEngine:
   """The engine host API (`flow.py`) of a worker actor, in the driver."""
 
   def __init__(self, actor, info: dict, call_timeout_s: float):
+    """info: the actor's `info()`, with its jax transfer server's address as
+    "transfer_address" when pages travel by jax's transfer library."""
     self.actor, self.info, self.call_timeout_s = actor, info, call_timeout_s
     self.cfg, self.config, self.max_model_len = info["cfg"], info["config"], info["max_model_len"]
     self.pool = range(info["pool_segments"])  # its length is what `check_compatible` reads
@@ -119,13 +125,21 @@ class RemoteEngine:
     return None if drafts is None else HostDrafts(drafts)
 
   def read_pages(self, rank: int, pages) -> RemoteBlob:
-    return RemoteBlob(*self.actor.read_pages.options(num_returns=2).remote(rank, list(pages)))
+    address = self.info.get("transfer_address")
+    if address is None:
+      return RemoteBlob(*self.actor.read_pages.options(num_returns=2).remote(rank, list(pages)))
+    key = uuid.uuid4().int >> 66  # unique on this server across clusters (`fresh`)
+    refs = self.actor.offer_pages.options(num_returns=2).remote(rank, list(pages), key)
+    return RemoteBlob(*refs, address=address, uuid=key)
 
   def place_pages(self, blob):
     return blob  # in the object store (pages) or in the driver (drafts) until it lands
 
   def write_pages(self, rank: int, pages, blob: RemoteBlob) -> None:
-    self.actor.write_pages.remote(rank, list(pages), [blob.ref])
+    if blob.uuid is None:
+      self.actor.write_pages.remote(rank, list(pages), [blob.ref])
+    else:
+      self.actor.pull_pages.remote(rank, list(pages), blob.address, blob.uuid, [blob.ref])
 
   def release_untaken(self) -> None:
     """After the flow read a step: frees held pages it did not take and drops
