@@ -64,6 +64,7 @@ flags.DEFINE_string("model", "tiny_dense", "a preset (random weights, float32) o
 flags.DEFINE_list("backend", ["local"], "local (workers in this process), ray (Ray actors, "
                   "a process each) or local,ray (both, in one run)")
 flags.DEFINE_integer("ray_cpus", 2, "--backend=ray: CPUs of the local Ray")
+flags.DEFINE_enum("kv_transport", "jax", ["jax", "object_store"], "--backend=ray: KV transport")
 flags.DEFINE_list("disagg_roles", ["prefill", "prefill", "decode", "decode"], "disagg: workers")
 flags.DEFINE_integer("workers", 4, "workers (routing, faults)")
 flags.DEFINE_integer("devices_per_worker", 0,
@@ -105,7 +106,7 @@ def _engine_config():
                       fixed_step_shapes=True)
 
 
-_RAY: dict = {}  # (roles, model) -> the latest Ray cluster over those worker processes
+_RAY: dict = {}  # roles -> the latest Ray cluster over those worker processes
 
 
 def _cluster(backend, cfg, params, roles, **options):
@@ -118,15 +119,12 @@ def _cluster(backend, cfg, params, roles, **options):
     ray.init(num_cpus=FLAGS.ray_cpus, include_dashboard=False, log_to_driver=False)
   key = tuple(roles)
   if key not in _RAY:
-    for other in _RAY.values():  # free their CPUs for the new processes
-      other.shutdown()
-    _RAY.clear()
     ref = ray.put(host_tree(params))
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
     specs = [WorkerSpec(model=cfg, params=ref, config=_engine_config(), role=r, name=f"{r}{i}",
-                         num_cpus=FLAGS.ray_cpus / len(roles), env=env)
+                         num_cpus=0.1, env=env)  # every topology's processes stay up
              for i, r in enumerate(roles)]
-    _RAY[key] = Cluster(specs, backend="ray", **options)
+    _RAY[key] = Cluster(specs, backend="ray", kv_transport=FLAGS.kv_transport, **options)
     return _RAY[key]
   _RAY[key] = _RAY[key].fresh(**options)
   return _RAY[key]
@@ -323,7 +321,7 @@ def main(argv):
       "experiments", "routers", "rates", "workers", "devices_per_worker", "layout", "sessions",
       "turns", "think_s", "long_fractions", "disagg_rate", "system_len", "user_len",
       "reply_len", "max_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs",
-      "max_local_prefill_length", "model", "backend", "disagg_roles", "ray_cpus")},
+      "max_local_prefill_length", "model", "backend", "disagg_roles", "ray_cpus", "kv_transport")},
       note="--backend=ray: a local Ray; on the 2-core dev machine all worker processes and "
       "the driver share 2 cores with other jobs" if "ray" in FLAGS.backend else None)
   for cluster in _RAY.values():

@@ -60,6 +60,8 @@ def test_two_ray_workers_equal_one_engine(params_ref):
     assert [o.token_ids for o in outs] == want
     assert {o.finish_reason for o in outs} == {"length"}
     assert cluster.stats()["requests_per_worker"] == [3, 3]
+    assert [w.engine.stats()["prompt_tokens"] for w in cluster.workers] == [3 + 9 + 5,
+                                                                             17 + 30 + 12]
     assert _pages_in_use(cluster) == [0, 0]
   finally:
     cluster.shutdown()
@@ -121,6 +123,35 @@ def test_sigkill_of_a_worker_loses_and_duplicates_no_request(params_ref):
     assert [o.reroutes for o in outs] == [0, 1] * 3 and {o.worker for o in outs} == {0}
     assert cluster.stats()["live_workers"] == [True, False]
     assert "ActorDiedError" in cluster.workers[1].error or "RayActorError" in cluster.workers[1].error
+    assert _pages_in_use(cluster) == [0]
+  finally:
+    cluster.shutdown()
+
+
+def test_sigkill_of_the_prefill_process_mid_transfer(params_ref):
+  # Pages offered on a dead process's transfer server never arrive: those
+  # transfers time out and their requests are prefilled on the decode worker.
+  params, ref = params_ref
+  prompts = _prompts([22, 27, 31, 25, 29, 24], seed=2)
+  sampling = SamplingParams(max_tokens=8)
+  want = [o.token_ids for o in Engine(CFG, params, CONFIG).generate(prompts, sampling)]
+  cluster = Cluster(_specs(ref, ["prefill", "decode"]), backend="ray", step_timeout_s=90,
+                    disagg=DisaggConfig(mode="always", transfer_timeout_s=3.0))
+  try:
+    cids = [cluster.submit(p, sampling) for p in prompts]
+    steps = 0
+    while cluster.has_unfinished():
+      cluster.step()
+      steps += 1
+      if steps == 2:  # some prompts prefilled (their pages offered), others not yet
+        assert {cluster.request(c).state for c in cids} & {"transfer", "decode"}
+        assert "prefill" in {cluster.request(c).state for c in cids}
+        os.kill(cluster.pids()[0], signal.SIGKILL)
+      assert steps < 300, "the cluster did not finish"
+    outs = [cluster.output(c) for c in cids]
+    assert [o.token_ids for o in outs] == want and {o.finish_reason for o in outs} == {"length"}
+    assert sum(o.reroutes for o in outs) >= 1  # taken from the dead prefill worker
+    assert cluster.stats()["live_workers"] == [False, True]
     assert _pages_in_use(cluster) == [0]
   finally:
     cluster.shutdown()

@@ -167,6 +167,7 @@ class RayCluster(Flow):
   def stop_worker(self, i: int, reason: str = "stopped") -> list:
     """`Flow.stop_worker`, then kills the worker's actor."""
     events = super().stop_worker(i, reason)
+    self.workers[i].engine.dead = self.workers[i].engine.dead or reason
     self._kill([self.workers[i].engine.actor])
     return events
 

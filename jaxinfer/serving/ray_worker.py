@@ -221,6 +221,9 @@ class WorkerProcess:
     return dict(events=events, outputs=outputs, held=held, load=self.worker.load(),
                 kv_events=self.worker.take_events())
 
+  def stats(self) -> dict:
+    return self.engine.stats()
+
   def pid(self) -> int:
     return os.getpid()
 

@@ -33,12 +33,18 @@ class RemoteBlob:
   """K/V pages on their way to a decode worker (a leaf for `Transfer.ready`):
   in Ray's object store (ref: the pages) or offered on the prefill
   process's jax transfer server (ref: their shapes; address, uuid). Ready
-  once the prefill process has put or offered them."""
+  once the prefill process has put or offered them; offered pages die with
+  their process (source.dead), and are then never ready: the transfer
+  times out and the request is retried."""
 
-  def __init__(self, ref, size_ref, address: str | None = None, uuid: int | None = None):
-    self.ref, self.size_ref, self.address, self.uuid = ref, size_ref, address, uuid
+  def __init__(self, ref, size_ref, source=None, address: str | None = None,
+               uuid: int | None = None):
+    self.ref, self.size_ref, self.source = ref, size_ref, source
+    self.address, self.uuid = address, uuid
 
   def is_ready(self) -> bool:
+    if self.uuid is not None and self.source.dead:
+      return False
     ray = ray_module()
     done, _ = ray.wait([self.size_ref], timeout=0)
     if not done:
@@ -130,7 +136,7 @@ class RemoteEngine:
       return RemoteBlob(*self.actor.read_pages.options(num_returns=2).remote(rank, list(pages)))
     key = uuid.uuid4().int >> 66  # unique on this server across clusters (`fresh`)
     refs = self.actor.offer_pages.options(num_returns=2).remote(rank, list(pages), key)
-    return RemoteBlob(*refs, address=address, uuid=key)
+    return RemoteBlob(*refs, source=self, address=address, uuid=key)
 
   def place_pages(self, blob):
     return blob  # in the object store (pages) or in the driver (drafts) until it lands
@@ -140,6 +146,13 @@ class RemoteEngine:
       self.actor.write_pages.remote(rank, list(pages), [blob.ref])
     else:
       self.actor.pull_pages.remote(rank, list(pages), blob.address, blob.uuid, [blob.ref])
+
+  def stats(self) -> dict:
+    """The engine's `stats()` (waits for the answer; {} from a dead worker)."""
+    try:
+      return ray_module().get(self.actor.stats.remote(), timeout=self.call_timeout_s)
+    except Exception:  # noqa: BLE001 - the cluster's next step stops it
+      return {}
 
   def release_untaken(self) -> None:
     """After the flow read a step: frees held pages it did not take and drops
