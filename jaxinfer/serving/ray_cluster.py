@@ -17,10 +17,14 @@ or that does not answer within `step_timeout_s` is taken out exactly as
 `stop_worker` does (its requests re-routed and recomputed, none lost, none
 served twice), and its actor is killed.
 
-KV transfer (disaggregated prefill -> decode): the prefill process returns
-the pages' K/V as host arrays into Ray's object store; the transfer is ready
-once they are there, and the decode process reads them (shared memory on
-one host) when it lands the transfer. `measure_transfer` times that path.
+KV transfer (disaggregated prefill -> decode), `kv_transport`: "jax" (the
+default) pulls the pages device to device with jax's transfer library, from
+the prefill process's transfer server; "object_store" moves them as host
+arrays through Ray's object store (see `ray_worker`). A transfer is ready
+once the prefill process has offered (or stored) the pages; the decode
+process fetches them when the flow lands the transfer. Transfer timeouts
+and conditional disaggregation are the flow's, as in one process.
+`measure_transfer` times the path.
 """
 
 from __future__ import annotations
