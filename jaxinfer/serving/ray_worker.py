@@ -159,7 +159,7 @@ class WorkerProcess:
     self.transfer_address()
     blob = self.engine.read_pages(rank, pages)
     self._server.await_pull(uuid, blob)
-    meta = jax.tree.map(lambda a: (a.shape, a.dtype), blob)
+    meta = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), blob)
     return meta, int(sum(a.nbytes for a in jax.tree.leaves(blob)))
 
   def pull_pages(self, rank: int, pages, address: str, uuid: int, boxed_meta) -> None:
@@ -172,8 +172,7 @@ class WorkerProcess:
         self.transfer_address()
         self._conns[address] = self._server.connect(address)
       local = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-      spec = jax.tree.map(lambda m: jax.ShapeDtypeStruct(*m, sharding=local), meta,
-                          is_leaf=lambda m: isinstance(m, tuple) and len(m) == 2)
+      spec = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=local), meta)
       blob = self._conns[address].pull(uuid, spec)
     except Exception as e:  # noqa: BLE001 - reported by the next step
       self._error = f"KV pages never arrived from {address}: {type(e).__name__}: {e}"
