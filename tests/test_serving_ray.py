@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import ray
 
-from jaxinfer import Engine, EngineConfig, SamplingParams, models, presets
+from jaxinfer import Engine, EngineConfig, SamplingParams, load_default_model, models, presets
 from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.disagg import DisaggConfig
 from jaxinfer.serving.ray_cluster import RayCluster, measure_transfer
@@ -67,13 +67,20 @@ def test_two_ray_workers_equal_one_engine(params_ref):
     cluster.shutdown()
 
 
-@pytest.mark.parametrize("kv_transport", ["jax", "object_store"])
-def test_disaggregated_across_processes_and_transfer_timeout(params_ref, kv_transport):
+@pytest.mark.parametrize("kv_transport,model", [("jax", "default"), ("object_store", "tiny")])
+def test_disaggregated_across_processes_and_transfer_timeout(params_ref, kv_transport, model):
+  # "default": the bundled MLA + MoE model, loaded in each worker process.
   params, ref = params_ref
-  prompts = _prompts([3, 17, 9, 30])
+  cfg = CFG
+  specs = _specs(ref, ["prefill", "decode"])
+  if model == "default":
+    cfg, params, _ = load_default_model()
+    specs = [dataclasses.replace(s, model="default", params=None) for s in specs]
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in [3, 17, 9, 30]]
   sampling = SamplingParams(max_tokens=6)
-  want = [o.token_ids for o in Engine(CFG, params, CONFIG).generate(prompts, sampling)]
-  cluster = Cluster(_specs(ref, ["prefill", "decode"]), backend="ray",
+  want = [o.token_ids for o in Engine(cfg, params, CONFIG).generate(prompts, sampling)]
+  cluster = Cluster(specs, backend="ray",
                     disagg=DisaggConfig(mode="always", transfer_timeout_s=20.0), step_timeout_s=90,
                     kv_transport=kv_transport)
   try:
