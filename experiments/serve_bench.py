@@ -22,8 +22,11 @@ Experiments:
            completed, failed (with their errors), lost and duplicated
            requests, and whether the tokens equal a fault-free run's.
 
-All workers share this process and, on CPU, the same cores: offered loads
-compare policies on equal footing; they do not model separate machines.
+--backend=ray runs the workers as Ray actors, a process each (a local Ray
+with --ray_cpus CPUs; every run on fresh engines in the same processes);
+--backend=local,ray runs both, side by side in one run. In-process workers
+share this process and, on CPU, the same cores: offered loads compare
+policies on equal footing; they do not model separate machines.
 Results: a table on stdout, JSON and plots under experiments/results/.
 """
 
@@ -47,6 +50,7 @@ from jaxinfer.bench import flag_config, results  # noqa: E402
 from jaxinfer.serving import workloads  # noqa: E402
 from jaxinfer.serving.cluster import Cluster, percentiles  # noqa: E402
 from jaxinfer.serving.disagg import DisaggConfig  # noqa: E402
+from jaxinfer.serving.ray_worker import WorkerSpec, host_tree  # noqa: E402
 from jaxinfer.serving.worker import Worker  # noqa: E402
 
 FLAGS = flags.FLAGS
@@ -57,6 +61,11 @@ flags.DEFINE_list("experiments", ["routing", "disagg", "faults"], "which experim
 flags.DEFINE_string("model", "tiny_dense", "a preset (random weights, float32) or 'default' "
                     "(the bundled trained model); small and fast by default, so that four "
                     "workers sharing two CPU cores can be driven near saturation")
+flags.DEFINE_list("backend", ["local"], "local (workers in this process), ray (Ray actors, "
+                  "a process each) or local,ray (both, in one run)")
+flags.DEFINE_integer("ray_cpus", 2, "--backend=ray: CPUs of the local Ray")
+flags.DEFINE_enum("kv_transport", "jax", ["jax", "object_store"], "--backend=ray: KV transport")
+flags.DEFINE_list("disagg_roles", ["prefill", "prefill", "decode", "decode"], "disagg: workers")
 flags.DEFINE_integer("workers", 4, "workers (routing, faults)")
 flags.DEFINE_integer("devices_per_worker", 0,
                      "devices of each worker's sub-mesh (0: every worker on the default device, "
@@ -95,6 +104,30 @@ def _engine_config():
   return EngineConfig(page_size=FLAGS.page_size, num_pages=FLAGS.num_pages, max_num_seqs=FLAGS.max_num_seqs,
                       max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                       fixed_step_shapes=True)
+
+
+_RAY: dict = {}  # roles -> the latest Ray cluster over those worker processes
+
+
+def _cluster(backend, cfg, params, roles, **options):
+  """A cluster on fresh engines: in this process, or in Ray worker processes
+  started once per set of roles (each later run resets their engines)."""
+  if backend == "local":
+    return Cluster(_workers(cfg, params, roles), **options)
+  import ray  # noqa: PLC0415 - only --backend=ray needs it
+  if not ray.is_initialized():
+    ray.init(num_cpus=FLAGS.ray_cpus, include_dashboard=False, log_to_driver=False)
+  key = tuple(roles)
+  if key not in _RAY:
+    ref = ray.put(host_tree(params))
+    env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
+    specs = [WorkerSpec(model=cfg, params=ref, config=_engine_config(), role=r, name=f"{r}{i}",
+                         num_cpus=0.1, env=env)  # every topology's processes stay up
+             for i, r in enumerate(roles)]
+    _RAY[key] = Cluster(specs, backend="ray", kv_transport=FLAGS.kv_transport, **options)
+    return _RAY[key]
+  _RAY[key] = _RAY[key].fresh(**options)
+  return _RAY[key]
 
 
 def _workers(cfg, params, roles):
@@ -151,13 +184,13 @@ def routing(cfg, params):
     }
     for name, items in loads.items():
       first = None
-      for policy in FLAGS.routers:
+      for backend, policy in [(b, p) for p in FLAGS.routers for b in FLAGS.backend]:
         outs, wall, cluster = _serve(
-            lambda: Cluster(_workers(cfg, params, ["mixed"] * FLAGS.workers), router=policy),
+            lambda: _cluster(backend, cfg, params, ["mixed"] * FLAGS.workers, router=policy),
             items)
         tokens = [o.token_ids for o in outs]
         first = first or tokens
-        row = dict(experiment="routing", workload=name, router=policy, rate=rate,
+        row = dict(experiment="routing", backend=backend, workload=name, router=policy, rate=rate,
                    offered_req_s=workloads.summary(items)["offered_rate"],
                    workers=FLAGS.workers, layout=FLAGS.layout,
                    same_tokens_as_first_router=tokens == first, **_metrics(outs, wall, cluster))
@@ -176,15 +209,16 @@ def disagg(cfg, params):
       items.append(workloads.Item(arrival_s=float(t), max_tokens=FLAGS.max_tokens,
                                   prompt=tuple(rng.integers(0, cfg.vocab_size, n).tolist())))
     first = None
-    for mode in ("never", "always", "conditional"):
+    for backend, mode in [(b, m) for m in ("never", "always", "conditional")
+                          for b in FLAGS.backend]:
       config = DisaggConfig(mode=mode, max_local_prefill_length=FLAGS.max_local_prefill_length,
                             max_prefill_queue_size=4)
       outs, wall, cluster = _serve(
-          lambda: Cluster(_workers(cfg, params, ["prefill", "prefill", "decode", "decode"]),
-                          router="kv", disagg=config), items)
+          lambda: _cluster(backend, cfg, params, FLAGS.disagg_roles, router="kv",
+                           disagg=config), items)
       tokens = [o.token_ids for o in outs]
       first = first or tokens
-      row = dict(experiment="disagg", mode=mode, long_fraction=frac,
+      row = dict(experiment="disagg", backend=backend, mode=mode, long_fraction=frac,
                  short_len=FLAGS.short_len, long_len=FLAGS.long_len, rate=FLAGS.disagg_rate,
                  same_tokens_as_first_mode=tokens == first, **_metrics(outs, wall, cluster))
       rows.append(row)
@@ -197,7 +231,7 @@ def faults(cfg, params):
                                system_len=FLAGS.system_len, user_len=FLAGS.user_len,
                                reply_len=FLAGS.reply_len, think_s=FLAGS.think_s,
                                max_tokens=FLAGS.max_tokens, seed=0)
-  make = lambda: Cluster(_workers(cfg, params, ["mixed"] * FLAGS.workers), router="kv")
+  make = lambda: _cluster(FLAGS.backend[0], cfg, params, ["mixed"] * FLAGS.workers, router="kv")
   ref, _, _ = _serve(make, items)
   stop_s = FLAGS.stop_at * max(it.arrival_s for it in items)
 
@@ -209,7 +243,7 @@ def faults(cfg, params):
   outs, wall, cluster = _serve(make, items, on_step=stop)
   lost = sum(o.finish_reason is None for o in outs)
   duplicated = sum(len(o.token_ids) > it.max_tokens for o, it in zip(outs, items))
-  row = dict(experiment="faults", stopped_worker=1, stop_at_s=stop_s,
+  row = dict(experiment="faults", backend=FLAGS.backend[0], stopped_worker=1, stop_at_s=stop_s,
              rerouted=sum(o.reroutes > 0 for o in outs), lost=lost, duplicated=duplicated,
              same_tokens_as_fault_free=[o.token_ids for o in outs] == [o.token_ids for o in ref],
              error_reasons=sorted({o.error for o in outs if o.error}),
@@ -219,7 +253,7 @@ def faults(cfg, params):
 
 def _print(r):
   t, p = r["ttft_ms"], r["tpot_ms"]
-  what = " ".join(f"{k}={r[k]}" for k in ("workload", "router", "rate", "mode", "long_fraction",
+  what = " ".join(f"{k}={r[k]}" for k in ("backend", "workload", "router", "rate", "mode", "long_fraction",
                                            "stopped_worker") if k in r)
   print(f"{r['experiment']:8s} {what:45s} {r['completed']:4d}/{r['requests']:<4d} "
         f"{r['throughput_tok_s']:7.1f} tok/s  TTFT mean {t['mean']:8.1f} p90 {t['p90']:8.1f} ms"
@@ -234,6 +268,7 @@ def _plot(rows, path):
     import matplotlib.pyplot as plt
   except ImportError:
     return
+  rows = [r for r in rows if r["backend"] == FLAGS.backend[0]]
   routing_rows = [r for r in rows if r["experiment"] == "routing"]
   disagg_rows = [r for r in rows if r["experiment"] == "disagg"]
   fig, axes = plt.subplots(1, 3, figsize=(15, 4))
@@ -266,6 +301,8 @@ def main(argv):
     cfg, params, _ = run.load_default_model()
   else:
     cfg, params = run.load_model(preset=FLAGS.model, dtype="float32")
+  if set(FLAGS.backend) - {"local", "ray"} or not FLAGS.backend:
+    raise ValueError(f"--backend: choose from local, ray; got {FLAGS.backend}")
   known = {"routing": routing, "disagg": disagg, "faults": faults}
   unknown = set(FLAGS.experiments) - set(known)
   if unknown:
@@ -284,12 +321,26 @@ def main(argv):
       "experiments", "routers", "rates", "workers", "devices_per_worker", "layout", "sessions",
       "turns", "think_s", "long_fractions", "disagg_rate", "system_len", "user_len",
       "reply_len", "max_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs",
-      "max_local_prefill_length", "model")})
+      "max_local_prefill_length", "model", "backend", "disagg_roles", "ray_cpus", "kv_transport")},
+      note="--backend=ray: a local Ray; on the 2-core dev machine all worker processes and "
+      "the driver share 2 cores with other jobs" if "ray" in FLAGS.backend else None)
+  for cluster in _RAY.values():
+    cluster.shutdown()
   _summary(rows)
 
 
-def _summary(rows):
+def _summary(all_rows):
   """The comparisons the benchmark exists for, as ratios measured in this run."""
+  for r in all_rows:
+    if r["backend"] == "ray" and r["experiment"] != "faults":
+      twin = next((t for t in all_rows if t["backend"] == "local" and all(
+          t.get(k) == r.get(k) for k in ("experiment", "workload", "router", "rate", "mode",
+                                          "long_fraction"))), None)
+      if twin:
+        print(f"{r['experiment']} {r.get('workload', r.get('mode'))} ray / local: tokens/s "
+              f"{r['throughput_tok_s'] / twin['throughput_tok_s']:.2f}x, TTFT mean "
+              f"{r['ttft_ms']['mean'] / twin['ttft_ms']['mean']:.2f}x")
+  rows = [r for r in all_rows if r["backend"] == FLAGS.backend[0]]
   for wl in ("multi_turn",):
     for rate in sorted({r["rate"] for r in rows if r["experiment"] == "routing"}):
       by = {r["router"]: r for r in rows if r["experiment"] == "routing"

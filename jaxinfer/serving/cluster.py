@@ -1,5 +1,6 @@
 """A serving cluster in one process: workers, a router, optional
-disaggregated prefill, fault handling and a bounded queue.
+disaggregated prefill, fault handling and a bounded queue. (With
+backend="ray" each worker runs in a process of its own: `ray_cluster`.)
 
   cluster = Cluster([Worker(...), ...], router="kv")
   cid = cluster.submit(prompt, SamplingParams(...))       # or cluster.run(workload items)
@@ -20,31 +21,45 @@ served twice:
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Callable, Sequence
 
 import numpy as np
 
 from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.serving import ray_cluster, replay
 from jaxinfer.serving.disagg import DisaggConfig, check_compatible
 from jaxinfer.serving.flow import Flow, QueueFull, ServeOutput
 from jaxinfer.serving.router import Router
 from jaxinfer.serving.worker import Worker
 
+BACKENDS = ("local", "ray")
+
 __all__ = ["Cluster", "QueueFull", "ServeOutput", "percentiles"]
 
 
 class Cluster(Flow):
-  """Routes requests over workers and steps them; see the module docstring."""
+  """Routes requests over workers and steps them; see the module docstring.
+
+  backend="ray": the workers are `ray_cluster.WorkerSpec`s, each built in a
+  Ray actor of its own (`ray_cluster.RayCluster`, same API and guarantees)."""
+
+  def __new__(cls, workers=(), *args, backend: str = "local", **kwargs):
+    if backend not in BACKENDS:
+      raise ValueError(f"Cluster: backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "ray":
+      return ray_cluster.RayCluster(workers, *args, **kwargs)
+    return super().__new__(cls)
 
   def __init__(self, workers: Sequence[Worker], *, router: Router | str = "kv",
                disagg: DisaggConfig | None = None, max_queue: int | None = None,
-               router_options: dict | None = None, clock: Callable[[], float] = time.perf_counter):
+               router_options: dict | None = None, clock: Callable[[], float] = time.perf_counter,
+               backend: str = "local"):
     """workers: mixed and decode workers take requests; prefill workers only
     prefill for decode workers (then `disagg`, default `DisaggConfig()`).
     router: a `Router`, or its policy name ("kv", "round_robin", "random",
-    "least_loaded") with `router_options`."""
+    "least_loaded") with `router_options`. backend: "local" (this process)
+    or "ray" (see the class docstring)."""
     super().__init__(workers, router=router, disagg=disagg, max_queue=max_queue,
                      router_options=router_options, clock=clock)
     for p in self._prefill:
@@ -79,12 +94,7 @@ class Cluster(Flow):
   def generate(self, prompts, sampling: SamplingParams | Sequence[SamplingParams] | None = None
                ) -> list[ServeOutput]:
     """Submits every prompt at once and serves them to the end (outputs in order)."""
-    if isinstance(sampling, SamplingParams) or sampling is None:
-      sampling = [sampling] * len(prompts)
-    cids = [self.submit(p, s) for p, s in zip(prompts, sampling, strict=True)]
-    while self.has_unfinished():
-      self.step()
-    return [self.output(c) for c in cids]
+    return replay.generate(self, prompts, sampling)
 
   def run(self, items, sampling: SamplingParams | Callable | None = None, *,
           on_step: Callable[["Cluster", float], None] | None = None) -> list[ServeOutput]:
@@ -94,33 +104,7 @@ class Cluster(Flow):
     function item -> SamplingParams (default: greedy, item.max_tokens).
     on_step(cluster, elapsed_s): called after every cluster step (faults,
     probes)."""
-    order = sorted(range(len(items)), key=lambda k: items[k].arrival_s)
-    start = self.clock()
-    outputs: dict[int, ServeOutput | int] = {}
-    nxt = 0
-    while nxt < len(order) or self.has_unfinished():
-      now = self.clock() - start
-      while nxt < len(order) and items[order[nxt]].arrival_s <= now:
-        k = order[nxt]
-        item = items[k]
-        sp = (sampling(item) if callable(sampling) else
-              dataclasses.replace(sampling or SamplingParams(), max_tokens=item.max_tokens))
-        try:
-          outputs[k] = self.submit(list(item.prompt), sp, arrival_s=start + item.arrival_s)
-        except QueueFull as e:
-          outputs[k] = ServeOutput(
-              request_id=-1, prompt_token_ids=list(item.prompt), token_ids=[],
-              finish_reason="error", error=f"rejected: {e}", ttft_s=None, tpot_s=None,
-              worker=None, prefill_worker=None, cached_prompt_tokens=0, retries=0, reroutes=0)
-        nxt += 1
-      if self.has_unfinished():
-        self.step()
-        if on_step:
-          on_step(self, self.clock() - start)
-      elif nxt < len(order):
-        time.sleep(max(0.0, min(0.01, items[order[nxt]].arrival_s - (self.clock() - start))))
-    return [outputs[k] if isinstance(outputs[k], ServeOutput) else self.output(outputs[k])
-            for k in range(len(items))]
+    return replay.run(self, items, sampling, on_step=on_step)
 
 
 def percentiles(values, qs=(50, 90, 99)) -> dict:
