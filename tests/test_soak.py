@@ -4,8 +4,6 @@ replaced, stalled transfers and a bounded queue over a prefill + decode +
 mixed cluster of the default model, plain and speculative, with every
 serving invariant checked after every step."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -20,9 +18,9 @@ def default_model():
 
 @pytest.mark.parametrize("speculative", [0, 2])
 def test_short_soak_keeps_every_invariant(default_model, speculative):
-  config = soak.SoakConfig(steps=60, seed=speculative, speculative=speculative,
-                           restart_every_steps=25, arrivals_per_step=1.0, abort_prob=0.08,
-                           stall_prob=0.1, max_queue=6)
+  config = soak.SoakConfig(steps=40, seed=speculative, speculative=speculative,
+                           restart_every_steps=15, arrivals_per_step=1.0, abort_prob=0.3,
+                           stall_prob=0.1, max_queue=6, max_tokens=12, pool_size=12)
   report = soak.soak(*default_model, config)
   assert report["violations"] == 0
   # The faults happened and the traffic was served, refused or aborted, none lost.
@@ -32,19 +30,19 @@ def test_short_soak_keeps_every_invariant(default_model, speculative):
   assert report["ended"].get("length", 0) + report["ended"].get("stop", 0) > 0
 
 
-def test_the_checks_catch_a_leak_and_a_wrong_token(default_model):
-  """The invariants can fail: a page reference nobody holds, and a token
-  that is not the reference greedy token, each raise SoakViolation."""
+def test_the_checks_catch_a_wrong_token_and_a_leak(default_model):
+  """The invariants can fail: a token that is not the reference greedy
+  token, and a page reference nobody holds, each raise SoakViolation."""
   cfg, params, tok = default_model
-  run = soak.Soak(cfg, params, tok, soak.SoakConfig(steps=0))
-  run.cluster.workers[1].engine.allocators[0].allocate(1)  # taken, held by nobody
-  with pytest.raises(soak.SoakViolation, match="have refcounts"):
-    run._check_pages(0)
-  run = soak.Soak(cfg, params, tok, soak.SoakConfig(steps=0))
+  run = soak.Soak(cfg, params, tok, soak.SoakConfig(steps=0, pool_size=4, max_tokens=3))
   cid = run.cluster.submit(run.pool[0], jaxinfer.SamplingParams(max_tokens=3, temperature=0.0))
   run.prompt_of[cid] = 0
   run.reference = [list(np.add(r, 1) % cfg.vocab_size) for r in run.reference]  # a wrong model
   with pytest.raises(soak.SoakViolation, match="reference greedy tokens"):
-    while True:
+    for step in range(100):
       run.cluster.step()
-      run._check_requests(1)
+      run._check_requests(step)
+  run._check_pages(0)
+  run.cluster.workers[1].engine.allocators[0].allocate(1)  # taken, held by nobody
+  with pytest.raises(soak.SoakViolation, match="have refcounts"):
+    run._check_pages(1)

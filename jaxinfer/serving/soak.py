@@ -55,6 +55,7 @@ class SoakConfig:
   restart_every_steps: int = 60  # stop a worker, start a fresh one in its place
   max_queue: int = 10
   max_tokens: int = 24
+  pool_size: int = 32  # distinct prompts (each one's reference tokens are computed once)
   long_prompt_prob: float = 0.15
   speculative: int = 0  # MTP draft tokens per worker step (0: plain decoding)
   # Fixed step shapes: a handful of compiles under any traffic (as serving runs).
@@ -91,7 +92,7 @@ class Soak:
   def __init__(self, cfg, params, tokenizer, config: SoakConfig):
     self.cfg, self.params, self.config = cfg, params, config
     self.rng = np.random.default_rng(config.seed)
-    self.pool = prompt_pool(tokenizer, config.seed)
+    self.pool = prompt_pool(tokenizer, config.seed, config.pool_size)
     greedy = SamplingParams(max_tokens=config.max_tokens, temperature=0.0)
     ref_engine = Engine(cfg, params, config.engine)
     self.reference = [o.token_ids for o in ref_engine.generate(self.pool, greedy)]
