@@ -285,12 +285,10 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
   checkpoint's projections on load, weight-only, per output channel (int4:
   groups of 32 inputs) unless quantize_block = (rows, cols) says otherwise.
   Returns (cfg, params). DeepSeek MTP layers (`model.layers.{num_layers}.*`)
-  load into params["mtp"] when present; when absent, cfg.num_mtp_layers = 0.
-  Every file's header is checked before any tensor is read
-  (`safetensors_header`); a float tensor holding NaN or Inf raises
-  (nonfinite="error"), warns ("warn") or loads silently ("ignore").
-  Qwen3-VL checkpoints load their vision tower (`model.visual.*`) into
-  params["vision"] and the language model from `model.language_model.*`.
+  load into params["mtp"] when present (else cfg.num_mtp_layers = 0); Qwen3-VL's
+  vision tower (`model.visual.*`) into params["vision"]. Every file's header is
+  checked before any tensor is read (`safetensors_header`); a float tensor
+  with NaN or Inf raises (nonfinite="error"), warns ("warn") or loads ("ignore").
   """
   if nonfinite not in NONFINITE:
     raise ValueError(f"load_hf: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
@@ -299,7 +297,6 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
   cfg = _quantize_config(ModelConfig.from_hf(_read_config(path)), quantize, quantize_block)
   dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
   cfg = dataclasses.replace(cfg, dtype=dtype.name)
-
   with ExitStack() as stack:
     reader = _Reader(path, stack, nonfinite)
     if cfg.num_mtp_layers and not reader.has(f"model.layers.{cfg.num_layers}.eh_proj.weight"):

@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from jaxinfer import config as config_module
 from jaxinfer.engine.engine import Engine, EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.speculative import MTPConfig
@@ -66,8 +67,7 @@ class SoakConfig:
 def prompt_pool(tokenizer, seed: int, n: int = 32) -> list[list[int]]:
   """Prompts of real text (this library's source): most behind one of two
   shared system prefixes, a quarter long (about 400 tokens)."""
-  import jaxinfer.config as text_module
-  text = inspect.getsource(text_module)
+  text = inspect.getsource(config_module)
   rng = np.random.default_rng(seed)
   systems = [text[:200], text[1000:1150]]
   pool = []
