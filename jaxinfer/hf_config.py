@@ -145,6 +145,8 @@ def _qwen3_moe(r: _Reader, kw: dict) -> None:
   r.get("sliding_window"), r.get("max_window_layers")  # inert without use_sliding_window
   n = kw["num_layers"]
   step = r.get("decoder_sparse_step", 1)
+  if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+    raise ValueError(f"config.json: decoder_sparse_step must be an integer >= 1, got {step!r}")
   mlp_only = set(r.get("mlp_only_layers", []))
   num_experts = r.get("num_experts", r.get("num_local_experts"))
   # HF Qwen3MoeDecoderLayer: sparse iff not mlp-only and (i + 1) % step == 0.

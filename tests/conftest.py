@@ -6,12 +6,7 @@ segfaulted XLA:CPU inside `compilation_cache.get_executable_and_time`
 
 import os
 
-# One LLVM module per compile on XLA:CPU (no parallel codegen threads): every
-# crash seen in full runs (issue 23) was a segfault inside backend_compile on
-# the 2-core machine, in unrelated programs; a race in the parallel codegen
-# split is the suspect. Compile time is unchanged here (1.9 vs 2.1 s, tiny_moe).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                      "--xla_cpu_parallel_codegen_split_count=1")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pathlib  # noqa: E402
