@@ -1,5 +1,12 @@
 """Test setup: 8 simulated CPU devices (before jax is imported), float32.
 
+Each compiled XLA:CPU program holds its machine code in memory maps of its
+own, and jax keeps every program it compiled. A test worker that compiles a
+thousand programs passes Linux's vm.max_map_count (65530): XLA:CPU's next
+compile then fails to map memory and segfaults (docs/known_issues.md). So
+between tests, a worker past half that many maps drops jax's compiled
+programs (`jax.clear_caches`); later tests compile what they need again.
+
 No persistent XLA compilation cache: reading executables back from it
 segfaulted XLA:CPU inside `compilation_cache.get_executable_and_time`
 (sharded engine programs, xdist workers sharing the cache)."""
@@ -9,6 +16,7 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
@@ -22,6 +30,23 @@ ON_GPU = jax.default_backend() == "gpu"
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 HF_FIXTURES = ["llama", "llama_sharded", "mixtral", "qwen3_moe", "deepseek_v3",
                "deepseek_v2lite", "gpt_oss"]
+
+
+MAX_MAP_COUNT = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())
+
+
+def memory_maps() -> int:
+  """The number of memory maps this process holds (lines of /proc/self/maps)."""
+  with open("/proc/self/maps") as f:
+    return sum(1 for _ in f)
+
+
+@pytest.fixture(autouse=True)
+def _bounded_memory_maps():
+  yield
+  if memory_maps() > MAX_MAP_COUNT // 2:
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
