@@ -1,6 +1,7 @@
 """Serving on Ray: workers as actors in processes of their own (a local Ray
 started here, 2 CPUs), KV pages handed between processes, a worker process
-killed mid-run. Every answer is compared with one in-process Engine."""
+killed mid-run, a worker spanning two processes (a `jax.distributed` group).
+Every answer is compared with one in-process Engine."""
 
 import dataclasses
 import os
@@ -164,6 +165,39 @@ def test_sigkill_of_the_prefill_process_mid_transfer(params_ref):
     assert _pages_in_use(cluster) == [0]
   finally:
     cluster.shutdown()
+
+
+def test_a_worker_spanning_two_processes_equals_one_engine(params_ref):
+  # One worker, two Ray actors with 2 CPU devices each: one jax.distributed
+  # group, a tp engine on its global 4-device mesh, every command sent to
+  # both processes (SPMD), tokens from process 0.
+  cfg = dataclasses.replace(CFG, num_kv_heads=4)  # kv heads split over 4 tensor ranks
+  params = models.init_params(cfg, jax.random.key(1))
+  prompts = _prompts([3, 17, 9, 30, 5], seed=3)
+  sampling = SamplingParams(max_tokens=6)
+  want = [o.token_ids for o in Engine(cfg, params, CONFIG).generate(prompts, sampling)]
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  spec = WorkerSpec(model=cfg, params=ray.put(host_tree(params)), config=CONFIG, num_cpus=0.5,
+                    env=env, num_processes=2, mesh_axes={"tensor": 4}, layout="tp")
+  cluster = Cluster([spec], backend="ray", step_timeout_s=120, start_timeout_s=300)
+  try:
+    [worker] = cluster.workers
+    group = worker.engine.actor.actors
+    infos = ray.get([a.info.remote() for a in group], timeout=60)
+    assert [i["process_index"] for i in infos] == [0, 1]
+    assert {i["process_count"] for i in infos} == {2} and len(infos[0]["devices"]) == 4
+    assert len({i["pid"] for i in infos} | {os.getpid()}) == 3  # two processes of its own
+    outs = cluster.generate(prompts, sampling)
+    assert [o.token_ids for o in outs] == want
+    assert _pages_in_use(cluster) == [0]
+    # Both processes ran every step on identical host state.
+    stats = ray.get([a.stats.remote() for a in group], timeout=60)
+    assert stats[0]["steps"] == stats[1]["steps"] > 0
+    assert stats[0]["prompt_tokens"] == stats[1]["prompt_tokens"] == sum(map(len, prompts))
+  finally:
+    cluster.shutdown()
+  with pytest.raises(ValueError, match="serves role 'mixed' only"):
+    WorkerSpec(num_processes=2, role="prefill")
 
 
 def test_ray_backend_errors_name_the_problem(params_ref):
