@@ -167,19 +167,25 @@ def test_sigkill_of_the_prefill_process_mid_transfer(params_ref):
     cluster.shutdown()
 
 
+GROUP_CFG = dataclasses.replace(CFG, num_kv_heads=4)  # kv heads split over 4 tensor ranks
+
+
+def _group_spec(params_ref_):
+  """One worker, two Ray actors with 2 CPU devices each: one jax.distributed
+  group, a tp engine on its global 4-device mesh."""
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  return WorkerSpec(model=GROUP_CFG, params=params_ref_, config=CONFIG, num_cpus=0.5, env=env,
+                    num_processes=2, mesh_axes={"tensor": 4}, layout="tp", name="group")
+
+
 def test_a_worker_spanning_two_processes_equals_one_engine(params_ref):
-  # One worker, two Ray actors with 2 CPU devices each: one jax.distributed
-  # group, a tp engine on its global 4-device mesh, every command sent to
-  # both processes (SPMD), tokens from process 0.
-  cfg = dataclasses.replace(CFG, num_kv_heads=4)  # kv heads split over 4 tensor ranks
-  params = models.init_params(cfg, jax.random.key(1))
+  # Every command sent to both processes (SPMD), tokens from process 0.
+  params = models.init_params(GROUP_CFG, jax.random.key(1))
   prompts = _prompts([3, 17, 9, 30, 5], seed=3)
   sampling = SamplingParams(max_tokens=6)
-  want = [o.token_ids for o in Engine(cfg, params, CONFIG).generate(prompts, sampling)]
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-  spec = WorkerSpec(model=cfg, params=ray.put(host_tree(params)), config=CONFIG, num_cpus=0.5,
-                    env=env, num_processes=2, mesh_axes={"tensor": 4}, layout="tp")
-  cluster = Cluster([spec], backend="ray", step_timeout_s=120, start_timeout_s=300)
+  want = [o.token_ids for o in Engine(GROUP_CFG, params, CONFIG).generate(prompts, sampling)]
+  cluster = Cluster([_group_spec(ray.put(host_tree(params)))], backend="ray",
+                    step_timeout_s=120, start_timeout_s=300)
   try:
     [worker] = cluster.workers
     group = worker.engine.actor.actors
@@ -200,12 +206,47 @@ def test_a_worker_spanning_two_processes_equals_one_engine(params_ref):
     WorkerSpec(num_processes=2, role="prefill")
 
 
+def test_sigkill_of_one_process_takes_its_group_out(params_ref):
+  # Process 1 of the group dies mid-run: process 0's step fails in a
+  # collective (or would hang there until the step deadline), the group is
+  # taken out, and its requests are recomputed on the single-process worker:
+  # the same tokens, none lost.
+  params = models.init_params(GROUP_CFG, jax.random.key(1))
+  ref = ray.put(host_tree(params))
+  prompts = _prompts([5, 11, 8, 14], seed=4)
+  sampling = SamplingParams(max_tokens=10)
+  want = [o.token_ids for o in Engine(GROUP_CFG, params, CONFIG).generate(prompts, sampling)]
+  single = WorkerSpec(model=GROUP_CFG, params=ref, config=CONFIG, num_cpus=0.5, env=ENV)
+  cluster = Cluster([_group_spec(ref), single], backend="ray", router="round_robin",
+                    step_timeout_s=30, start_timeout_s=300)
+  try:
+    group = cluster.workers[0].engine.actor.actors
+    cids = [cluster.submit(p, sampling) for p in prompts]
+    steps = 0
+    while cluster.has_unfinished():
+      cluster.step()
+      steps += 1
+      if steps == 3:
+        os.kill(ray.get(group[1].pid.remote(), timeout=30), signal.SIGKILL)
+      assert steps < 200, "the cluster did not finish"
+    outs = [cluster.output(c) for c in cids]
+    assert [o.token_ids for o in outs] == want and {o.worker for o in outs} == {1}
+    assert [o.reroutes for o in outs] == [1, 0, 1, 0]
+    err = cluster.workers[0].error  # on CPU gloo reports the lost peer at once
+    assert "Gloo" in err or "GetTimeoutError" in err, err
+    assert cluster.stats()["live_workers"] == [False, True]
+  finally:
+    cluster.shutdown()
+
+
 def test_ray_backend_errors_name_the_problem(params_ref):
   params, _ = params_ref
   with pytest.raises(ValueError, match="backend must be one of"):
     Cluster([], backend="grpc")
   with pytest.raises(TypeError, match=r"workers\[0\] must be a WorkerSpec"):
     Cluster([object()], backend="ray")
+  with pytest.raises(ValueError, match="cannot take KV pages from prefill workers"):
+    Cluster([WorkerSpec(role="prefill"), WorkerSpec(num_processes=2)], backend="ray")
   with pytest.raises(ValueError, match="kv_transport must be one of"):
     Cluster([WorkerSpec()], backend="ray", kv_transport="nccl")
   with pytest.raises(ValueError, match="role must be one of"):

@@ -77,6 +77,9 @@ class RayCluster(Flow):
                         f"its own process), got {type(s).__name__}")
     if not step_timeout_s > 0:
       raise ValueError(f"Cluster(backend='ray'): step_timeout_s must be > 0, got {step_timeout_s}")
+    if any(s.role == "prefill" for s in specs) and any(s.num_processes > 1 for s in specs):
+      raise ValueError("Cluster(backend='ray'): a worker of num_processes > 1 cannot take KV "
+                       "pages from prefill workers (not built); serve it without prefill workers")
     if kv_transport not in KV_TRANSPORTS:
       raise ValueError(f"Cluster(backend='ray'): kv_transport must be one of {KV_TRANSPORTS}, "
                        f"got {kv_transport!r}")

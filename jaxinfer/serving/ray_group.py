@@ -9,9 +9,10 @@ The driver sees the group as one actor (`ActorGroup`): every call
 processes, in the same order, so their host state (schedulers, allocators,
 request ids) stays identical and their device steps meet in the same
 collectives; the answer is process 0's. The others' answers are equal and
-dropped: a process that fails or dies leaves process 0 waiting in a
-collective, so the group is taken out by the cluster's step timeout (or by
-process 0's own error), and killing the group kills every process.
+dropped: a process that fails or dies breaks process 0's next collective
+(on CPU gloo raises at once: "Connection reset by peer"; a hang is ended by
+the cluster's step timeout), so the group is taken out and its requests
+re-routed, and killing the group kills every process.
 """
 
 from __future__ import annotations
