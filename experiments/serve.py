@@ -4,6 +4,8 @@
   python experiments/serve.py --port=8001 --api_key=secret --max_queue=32
   python experiments/serve.py --model_dir=path/to/hf        # tokenizer.json + chat template from it
   python experiments/serve.py --backend=ray --workers=2     # a Ray cluster: a process per worker
+  python experiments/serve.py --backend=ray --workers=1 --worker_processes=2 --worker_cpu_devices=2
+      # one worker over 2 processes (a jax.distributed group, one 4-device tp mesh)
 
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "default", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
@@ -13,7 +15,8 @@ server accepts traffic (--warmup). /metrics serves Prometheus text.
 --backend=ray serves a `Cluster(backend="ray")` of --workers mixed workers,
 each a Ray actor in its own process with the same engine flags (a local
 Ray is started unless --ray_address names one); /metrics then sums the
-workers' engines.
+workers' engines. --worker_processes > 1 makes each worker a group of
+processes sharing one tensor-parallel mesh (`serving.ray_group`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,10 @@ _BACKEND = flags.DEFINE_enum("backend", "engine", ["engine", "ray"], "engine: on
                              "this process; ray: a Cluster of Ray worker processes")
 _WORKERS = flags.DEFINE_integer("workers", 2, "--backend=ray: worker processes")
 _WORKER_CPUS = flags.DEFINE_float("worker_cpus", 1.0, "--backend=ray: Ray CPUs per worker")
+_WORKER_PROCESSES = flags.DEFINE_integer("worker_processes", 1, "--backend=ray: processes per "
+                                         "worker (> 1: a jax.distributed group, one tp mesh)")
+_WORKER_CPU_DEVICES = flags.DEFINE_integer("worker_cpu_devices", None, "--backend=ray on CPU: "
+                                           "devices per worker process (default: XLA's)")
 _RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "--backend=ray: a running Ray cluster "
                                    "(default: start one on this host)")
 
@@ -77,8 +84,11 @@ def ray_cluster(config: EngineConfig):
   from jaxinfer.serving.ray_worker import WorkerSpec  # noqa: PLC0415
   if not ray.is_initialized():
     ray.init(address=_RAY_ADDRESS.value, include_dashboard=False)
+  env = ({} if _WORKER_CPU_DEVICES.value is None else
+         {"XLA_FLAGS": f"--xla_force_host_platform_device_count={_WORKER_CPU_DEVICES.value}"})
   specs = [WorkerSpec(model="default", checkpoint=_MODEL_DIR.value, config=config,
-                      name=f"worker{k}", num_cpus=_WORKER_CPUS.value)
+                      name=f"worker{k}", num_cpus=_WORKER_CPUS.value, env=env,
+                      num_processes=_WORKER_PROCESSES.value, layout="tp")
            for k in range(_WORKERS.value)]
   return Cluster(specs, backend="ray", router="kv")
 
