@@ -3,12 +3,20 @@
   python experiments/serve.py                               # the bundled default model on :8000
   python experiments/serve.py --port=8001 --api_key=secret --max_queue=32
   python experiments/serve.py --model_dir=path/to/hf        # tokenizer.json + chat template from it
+  python experiments/serve.py --backend=ray --workers=2     # a Ray cluster: a process per worker
+  python experiments/serve.py --backend=ray --workers=1 --worker_processes=2 --worker_cpu_devices=2
+      # one worker over 2 processes (a jax.distributed group, one 4-device tp mesh)
 
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "default", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
 The engine compiles its step programs on a warm-up request before the
 server accepts traffic (--warmup). /metrics serves Prometheus text.
+--backend=ray serves a `Cluster(backend="ray")` of --workers mixed workers,
+each a Ray actor in its own process with the same engine flags (a local
+Ray is started unless --ray_address names one); /metrics then sums the
+workers' engines. --worker_processes > 1 makes each worker a group of
+processes sharing one tensor-parallel mesh (`serving.ray_group`).
 """
 
 from __future__ import annotations
@@ -20,6 +28,7 @@ import uvicorn
 
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run
 from jaxinfer.serving import openai_protocol
+from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.http_server import make_app
 from jaxinfer.tokenizer import load_tokenizer
 
@@ -45,6 +54,16 @@ _DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per
 _FIXED_SHAPES = flags.DEFINE_bool("fixed_step_shapes", False, "engine: pad every step to the "
                                    "budgets, so the warm-up compiles (nearly) every program")
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving")
+_BACKEND = flags.DEFINE_enum("backend", "engine", ["engine", "ray"], "engine: one Engine in "
+                             "this process; ray: a Cluster of Ray worker processes")
+_WORKERS = flags.DEFINE_integer("workers", 2, "--backend=ray: worker processes")
+_WORKER_CPUS = flags.DEFINE_float("worker_cpus", 1.0, "--backend=ray: Ray CPUs per worker")
+_WORKER_PROCESSES = flags.DEFINE_integer("worker_processes", 1, "--backend=ray: processes per "
+                                         "worker (> 1: a jax.distributed group, one tp mesh)")
+_WORKER_CPU_DEVICES = flags.DEFINE_integer("worker_cpu_devices", None, "--backend=ray on CPU: "
+                                           "devices per worker process (default: XLA's)")
+_RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "--backend=ray: a running Ray cluster "
+                                   "(default: start one on this host)")
 
 
 def load(model_dir: str | None):
@@ -59,23 +78,49 @@ def load(model_dir: str | None):
   return cfg, params, load_tokenizer(cfg, model_dir), template, name
 
 
+def ray_cluster(config: EngineConfig):
+  """A Cluster of --workers Ray worker processes, each loading the model itself."""
+  import ray  # noqa: PLC0415 - only --backend=ray needs it
+  from jaxinfer.serving.ray_worker import WorkerSpec  # noqa: PLC0415
+  if not ray.is_initialized():
+    ray.init(address=_RAY_ADDRESS.value, include_dashboard=False)
+  env = ({} if _WORKER_CPU_DEVICES.value is None else
+         {"XLA_FLAGS": f"--xla_force_host_platform_device_count={_WORKER_CPU_DEVICES.value}"})
+  specs = [WorkerSpec(model="default", checkpoint=_MODEL_DIR.value, config=config,
+                      name=f"worker{k}", num_cpus=_WORKER_CPUS.value, env=env,
+                      num_processes=_WORKER_PROCESSES.value, layout="tp")
+           for k in range(_WORKERS.value)]
+  return Cluster(specs, backend="ray", router="kv")
+
+
 def main(argv):
   del argv
   cfg, params, tok, template, name = load(_MODEL_DIR.value)
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
-  engine = Engine(cfg, params, EngineConfig(max_num_seqs=_MAX_SEQS.value,
-                                            max_num_batched_tokens=_TOKEN_BUDGET.value,
-                                            kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
-                                            fixed_step_shapes=_FIXED_SHAPES.value))
+  config = EngineConfig(max_num_seqs=_MAX_SEQS.value, max_num_batched_tokens=_TOKEN_BUDGET.value,
+                        kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
+                        fixed_step_shapes=_FIXED_SHAPES.value)
+  if _BACKEND.value == "ray":
+    del params  # each worker process loads its own
+    backend = ray_cluster(config)
+  else:
+    backend = Engine(cfg, params, config)
   if _WARMUP.value:
     logging.info("warming up (compiling the step programs)")
-    engine.generate([[1] * n for n in (8, 100, 400)], SamplingParams(max_tokens=16))
-  app_ = make_app(engine, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
+    copies = _WORKERS.value if _BACKEND.value == "ray" else 1  # distinct: every worker gets some
+    backend.generate([[1 + k] * n for k in range(copies) for n in (8, 100, 400)],
+                     SamplingParams(max_tokens=16))
+  app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template)
   print(f"serving {_MODEL_NAME.value or name!r} on http://{_HOST.value}:{_PORT.value}/v1 "
-        f"(context {engine.max_model_len} tokens)", flush=True)
-  uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning")
+        f"(context {app_.state.engine_loop.max_model_len} tokens, backend {_BACKEND.value})",
+        flush=True)
+  try:
+    uvicorn.run(app_, host=_HOST.value, port=_PORT.value, log_level="warning")
+  finally:
+    if _BACKEND.value == "ray":
+      backend.shutdown()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Serving on Ray: workers as actors in processes of their own (a local Ray
 started here, 2 CPUs), KV pages handed between processes, a worker process
-killed mid-run. Every answer is compared with one in-process Engine."""
+killed mid-run, a worker spanning two processes (a `jax.distributed` group).
+Every answer is compared with one in-process Engine."""
 
 import dataclasses
 import os
@@ -166,12 +167,86 @@ def test_sigkill_of_the_prefill_process_mid_transfer(params_ref):
     cluster.shutdown()
 
 
+GROUP_CFG = dataclasses.replace(CFG, num_kv_heads=4)  # kv heads split over 4 tensor ranks
+
+
+def _group_spec(params_ref_):
+  """One worker, two Ray actors with 2 CPU devices each: one jax.distributed
+  group, a tp engine on its global 4-device mesh."""
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+  return WorkerSpec(model=GROUP_CFG, params=params_ref_, config=CONFIG, num_cpus=0.5, env=env,
+                    num_processes=2, mesh_axes={"tensor": 4}, layout="tp", name="group")
+
+
+def test_a_worker_spanning_two_processes_equals_one_engine(params_ref):
+  # Every command sent to both processes (SPMD), tokens from process 0.
+  params = models.init_params(GROUP_CFG, jax.random.key(1))
+  prompts = _prompts([3, 17, 9, 30, 5], seed=3)
+  sampling = SamplingParams(max_tokens=6)
+  want = [o.token_ids for o in Engine(GROUP_CFG, params, CONFIG).generate(prompts, sampling)]
+  cluster = Cluster([_group_spec(ray.put(host_tree(params)))], backend="ray",
+                    step_timeout_s=120, start_timeout_s=300)
+  try:
+    [worker] = cluster.workers
+    group = worker.engine.actor.actors
+    infos = ray.get([a.info.remote() for a in group], timeout=60)
+    assert [i["process_index"] for i in infos] == [0, 1]
+    assert {i["process_count"] for i in infos} == {2} and len(infos[0]["devices"]) == 4
+    assert len({i["pid"] for i in infos} | {os.getpid()}) == 3  # two processes of its own
+    outs = cluster.generate(prompts, sampling)
+    assert [o.token_ids for o in outs] == want
+    assert _pages_in_use(cluster) == [0]
+    # Both processes ran every step on identical host state.
+    stats = ray.get([a.stats.remote() for a in group], timeout=60)
+    assert stats[0]["steps"] == stats[1]["steps"] > 0
+    assert stats[0]["prompt_tokens"] == stats[1]["prompt_tokens"] == sum(map(len, prompts))
+  finally:
+    cluster.shutdown()
+  with pytest.raises(ValueError, match="serves role 'mixed' only"):
+    WorkerSpec(num_processes=2, role="prefill")
+
+
+def test_sigkill_of_one_process_takes_its_group_out(params_ref):
+  # Process 1 of the group dies mid-run: process 0's step fails in a
+  # collective (or would hang there until the step deadline), the group is
+  # taken out, and its requests are recomputed on the single-process worker:
+  # the same tokens, none lost.
+  params = models.init_params(GROUP_CFG, jax.random.key(1))
+  ref = ray.put(host_tree(params))
+  prompts = _prompts([5, 11, 8, 14], seed=4)
+  sampling = SamplingParams(max_tokens=10)
+  want = [o.token_ids for o in Engine(GROUP_CFG, params, CONFIG).generate(prompts, sampling)]
+  single = WorkerSpec(model=GROUP_CFG, params=ref, config=CONFIG, num_cpus=0.5, env=ENV)
+  cluster = Cluster([_group_spec(ref), single], backend="ray", router="round_robin",
+                    step_timeout_s=30, start_timeout_s=300)
+  try:
+    group = cluster.workers[0].engine.actor.actors
+    cids = [cluster.submit(p, sampling) for p in prompts]
+    steps = 0
+    while cluster.has_unfinished():
+      cluster.step()
+      steps += 1
+      if steps == 3:
+        os.kill(ray.get(group[1].pid.remote(), timeout=30), signal.SIGKILL)
+      assert steps < 200, "the cluster did not finish"
+    outs = [cluster.output(c) for c in cids]
+    assert [o.token_ids for o in outs] == want and {o.worker for o in outs} == {1}
+    assert [o.reroutes for o in outs] == [1, 0, 1, 0]
+    err = cluster.workers[0].error  # on CPU gloo reports the lost peer at once
+    assert "Gloo" in err or "GetTimeoutError" in err, err
+    assert cluster.stats()["live_workers"] == [False, True]
+  finally:
+    cluster.shutdown()
+
+
 def test_ray_backend_errors_name_the_problem(params_ref):
   params, _ = params_ref
   with pytest.raises(ValueError, match="backend must be one of"):
     Cluster([], backend="grpc")
   with pytest.raises(TypeError, match=r"workers\[0\] must be a WorkerSpec"):
     Cluster([object()], backend="ray")
+  with pytest.raises(ValueError, match="cannot take KV pages from prefill workers"):
+    Cluster([WorkerSpec(role="prefill"), WorkerSpec(num_processes=2)], backend="ray")
   with pytest.raises(ValueError, match="kv_transport must be one of"):
     Cluster([WorkerSpec()], backend="ray", kv_transport="nccl")
   with pytest.raises(ValueError, match="role must be one of"):

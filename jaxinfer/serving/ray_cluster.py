@@ -25,6 +25,10 @@ once the prefill process has offered (or stored) the pages; the decode
 process fetches them when the flow lands the transfer. Transfer timeouts
 and conditional disaggregation are the flow's, as in one process.
 `measure_transfer` times the path.
+
+A worker may span several processes (`WorkerSpec(num_processes=N)`, a
+`jax.distributed` group on one global mesh): the driver sends its every
+command to all N processes and reads process 0's answers (`ray_group`).
 """
 
 from __future__ import annotations
@@ -34,10 +38,10 @@ import time
 from typing import Callable, Sequence
 
 import jaxinfer
-from jaxinfer.serving import replay
+from jaxinfer.serving import ray_group, replay
 from jaxinfer.serving.disagg import DisaggConfig, check_compatible
 from jaxinfer.serving.flow import Flow, ServeOutput
-from jaxinfer.serving.ray_worker import WorkerProcess, WorkerSpec
+from jaxinfer.serving.ray_worker import WorkerSpec
 from jaxinfer.serving.remote_engine import RemoteWorker, ray_module
 from jaxinfer.serving.router import Router
 
@@ -45,16 +49,6 @@ from jaxinfer.serving.router import Router
 # same jaxinfer as the driver (a source checkout or an installed package).
 KV_TRANSPORTS = ("jax", "object_store")
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
-
-
-def start_actor(spec: WorkerSpec):
-  """Starts a worker actor in a process of its own, importing this jaxinfer."""
-  ray = ray_module()
-  env = dict(spec.env)
-  env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-  return ray.remote(WorkerProcess).options(
-      num_cpus=spec.num_cpus, num_gpus=spec.num_gpus, max_restarts=0,
-      runtime_env={"env_vars": env}).remote(spec)
 
 
 def _why(e: BaseException) -> str:
@@ -83,23 +77,31 @@ class RayCluster(Flow):
                         f"its own process), got {type(s).__name__}")
     if not step_timeout_s > 0:
       raise ValueError(f"Cluster(backend='ray'): step_timeout_s must be > 0, got {step_timeout_s}")
+    if any(s.role == "prefill" for s in specs) and any(s.num_processes > 1 for s in specs):
+      raise ValueError("Cluster(backend='ray'): a worker of num_processes > 1 cannot take KV "
+                       "pages from prefill workers (not built); serve it without prefill workers")
     if kv_transport not in KV_TRANSPORTS:
       raise ValueError(f"Cluster(backend='ray'): kv_transport must be one of {KV_TRANSPORTS}, "
                        f"got {kv_transport!r}")
     if not ray.is_initialized():
       ray.init()
-    actors = [start_actor(s) for s in specs]
+    actors = []
     try:
+      for s in specs:  # a process each (this jaxinfer on its path), or a group of them
+        actors.append(ray_group.start_actor(s, PACKAGE_ROOT, start_timeout_s))
       infos = ray.get([a.info.remote() for a in actors], timeout=start_timeout_s)
-      if kv_transport == "jax":
-        addresses = ray.get([a.transfer_address.remote() for a in actors], timeout=60)
-        infos = [dict(i, transfer_address=a) for i, a in zip(infos, addresses, strict=True)]
+      if kv_transport == "jax":  # process groups hand over no KV (role "mixed")
+        addresses = ray.get([a.transfer_address.remote() for a, s in zip(actors, specs)
+                             if s.num_processes == 1], timeout=60)[::-1]
+        infos = [dict(i, transfer_address=addresses.pop() if s.num_processes == 1 else None)
+                 for i, s in zip(infos, specs, strict=True)]
     except Exception as e:
       self._kill(actors)
       raise RuntimeError(
           f"Cluster(backend='ray'): a worker failed to start within {start_timeout_s} s: "
-          f"{_why(e)} (the workers ask for {sum(s.num_cpus for s in specs)} CPUs and "
-          f"{sum(s.num_gpus for s in specs)} GPUs; Ray has {ray.available_resources()} free)"
+          f"{_why(e)} (the workers ask for "
+          f"{sum(s.num_cpus * s.num_processes for s in specs)} CPUs and "
+          f"{sum(s.num_gpus * s.num_processes for s in specs)} GPUs; Ray has {ray.available_resources()} free)"
       ) from e
     self._attach(specs, actors, infos, step_timeout_s, dict(
         router=router, disagg=disagg, max_queue=max_queue, router_options=router_options,
@@ -141,10 +143,7 @@ class RayCluster(Flow):
   @staticmethod
   def _kill(actors) -> None:
     for a in actors:
-      try:
-        ray_module().kill(a, no_restart=True)
-      except Exception:  # noqa: BLE001, S110 - already gone
-        pass
+      ray_group.kill(a)
 
   def step(self) -> list[tuple[int, list[int], bool]]:
     """Lands the transfers that have arrived, then steps every live worker

@@ -18,6 +18,11 @@ KV hand-over between processes, two transports:
                   Ray's object store; the decode process gets the object
                   (shared memory on one host) and writes it.
 
+A worker may span several processes (`WorkerSpec.num_processes`, e.g. one
+per host): a `jax.distributed` group with one global mesh, every process
+running the same engine on the same commands (SPMD, multi-controller; see
+`ray_group`).
+
 This module does not import ray: the actor class is made in `ray_cluster`.
 """
 
@@ -31,7 +36,7 @@ import jax
 from jax.experimental import transfer
 import numpy as np
 
-from jaxinfer import checkpoint, models, presets
+from jaxinfer import checkpoint, models, presets, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.run import load_default_model
@@ -50,6 +55,12 @@ class WorkerSpec:
   checkpoint: an HF model directory (`checkpoint.load_hf`) instead.
   num_cpus / num_gpus: the actor's Ray resources. env: environment variables
   of the worker process (e.g. JAX_PLATFORMS, XLA_FLAGS).
+  num_processes: processes (Ray actors, each with these resources and env)
+  the worker spans, joined by `jax.distributed` into one global mesh; > 1
+  serves role "mixed" only (no KV hand-over between process groups yet).
+  mesh_axes / layout: the engine's mesh over all the worker's devices
+  (default: none for one process, {"tensor": every device} for a group)
+  and its `sharding` layout.
   """
 
   model: str | ModelConfig = "default"
@@ -62,10 +73,19 @@ class WorkerSpec:
   num_cpus: float = 1.0
   num_gpus: float = 0.0
   env: dict = dataclasses.field(default_factory=dict)
+  num_processes: int = 1
+  mesh_axes: dict | None = None
+  layout: str = "tp"
 
   def __post_init__(self):
     if self.role not in ROLES:
       raise ValueError(f"WorkerSpec: role must be one of {ROLES}, got {self.role!r}")
+    if not (isinstance(self.num_processes, int) and self.num_processes >= 1):
+      raise ValueError(f"WorkerSpec: num_processes must be an integer >= 1, got "
+                       f"{self.num_processes!r}")
+    if self.num_processes > 1 and self.role != "mixed":
+      raise ValueError(f"WorkerSpec: a worker of num_processes={self.num_processes} serves "
+                       f"role 'mixed' only, got {self.role!r}")
     if not isinstance(self.model, (str, ModelConfig)):
       raise TypeError(f"WorkerSpec: model must be 'default', a preset name or a ModelConfig, "
                       f"got {type(self.model).__name__}")
@@ -87,23 +107,45 @@ class WorkerSpec:
     elif type(params).__name__ == "ObjectRef":
       import ray  # noqa: PLC0415 - only inside an actor, where ray is installed
       params = ray.get(params)
-    return cfg, jax.tree.map(jax.numpy.asarray, params)
+    # A group's processes each hand the engine the whole (host) array; it
+    # places its shards of the global mesh (`sharding.shard_params`).
+    return cfg, jax.tree.map(np.asarray if self.num_processes > 1 else jax.numpy.asarray, params)
 
 
 class WorkerProcess:
-  """The body of a worker actor: a `Worker` driven by a `RayCluster`."""
+  """The body of a worker actor: a `Worker` driven by a `RayCluster`. A
+  process of a multi-process worker builds it in `join`, not here."""
 
   def __init__(self, spec: WorkerSpec):
     self.spec = spec
-    self._model = spec.load()
     self._server = None  # the jax transfer server, started on first use
     self._conns: dict[str, object] = {}  # peers' transfer servers
+    if spec.num_processes == 1:
+      self._build()
+
+  def coordinator_address(self) -> str:
+    """host:port for a group's `jax.distributed` coordinator on this host."""
+    with socket.socket() as s:
+      s.bind(("", 0))
+      return f"{socket.gethostbyname(socket.gethostname())}:{s.getsockname()[1]}"
+
+  def join(self, coordinator_address: str, process_id: int) -> None:
+    """Joins the worker's `jax.distributed` group (before any JAX work in
+    this process), then builds the engine on the group's global mesh."""
+    sharding.initialize_distributed(coordinator_address, self.spec.num_processes, process_id)
+    self._build()
+
+  def _build(self) -> None:
+    self._model = self.spec.load()
     self.reset()
 
   def reset(self) -> dict:
     """A fresh engine (empty caches; this process's compiled programs stay)
     -> `info`."""
-    self.worker = Worker(*self._model, self.spec.config, role=self.spec.role, name=self.spec.name)
+    spec = self.spec
+    devices = jax.devices() if spec.num_processes > 1 or spec.mesh_axes else None
+    self.worker = Worker(*self._model, spec.config, role=spec.role, name=spec.name,
+                         devices=devices, mesh_axes=spec.mesh_axes, layout=spec.layout)
     self.engine = self.worker.engine
     self._rid: dict[int, int] = {}  # driver key -> engine request id
     self._key: dict[int, int] = {}  # engine request id -> driver key
@@ -117,7 +159,8 @@ class WorkerProcess:
     return dict(pid=os.getpid(), cfg=e.cfg, config=e.config, max_model_len=e.max_model_len,
                 vocab_size=e.vocab_size, num_ranks=e.num_ranks, num_pages=e.allocator.num_pages,
                 eos_ids=sorted(e._eos_ids), pool_segments=len(e.pool),
-                devices=[str(d) for d in jax.devices()])
+                devices=[str(d) for d in jax.devices()], process_index=jax.process_index(),
+                process_count=jax.process_count())
 
   def submit(self, key: int, tokens, sampling, hold_pages: bool) -> None:
     self._track(key, self.engine.submit(tokens, sampling, hold_pages=hold_pages), hold_pages)
