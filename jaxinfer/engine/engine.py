@@ -274,7 +274,8 @@ class Engine(EngineCore):
     images: for a vision model, the prompt's images (encoded bytes, file
     paths, PIL images or uint8 [H, W, 3] arrays), one image placeholder
     token in the prompt per image, widened here to the image's tokens.
-    hold_pages: see `EngineCore.submit`."""
+    hold_pages: when it finishes (not on abort), its KV pages stay allocated
+    for `take_pages` (a disaggregated prefill hands them to a decode worker)."""
     rid = self._enqueue_checked(*self._check(prompt, sampling, images))
     self._requests[rid].hold_pages = hold_pages
     return rid
