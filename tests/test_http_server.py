@@ -399,3 +399,11 @@ def test_chat_image_refused(vl_server, url, match):
   r = _vl_chat(server, url)
   assert r.status_code == 400, r.text
   assert re.search(match, r.json()["error"]["message"]), r.json()
+
+
+def test_chat_image_to_text_only_model(default):
+  server, _, _ = default
+  body = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+  r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+  assert r.status_code == 400 and "need a vision model" in r.json()["error"]["message"], r.text

@@ -121,6 +121,8 @@ def test_bad_input_named_and_engine_keeps_serving(model):
     eng.submit([1, IMG, IMG, 2], GREEDY, images=[A])
   with pytest.raises(ValueError, match="1 image placeholders .* for 0 images"):
     eng.submit(P1, GREEDY)
+  with pytest.raises(ValueError, match="1 video placeholders .* for 0 videos"):
+    eng.submit([1, 121, 2], GREEDY)  # videos are not served by the Engine
   with pytest.raises(TypeError, match="images must be a non-empty list"):
     eng.submit(P1, GREEDY, images=A)
   while eng.has_unfinished():

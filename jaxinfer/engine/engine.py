@@ -283,10 +283,13 @@ class Engine(EngineCore):
   def _check(self, prompt, sampling, images):
     """-> (token ids, sampling, `MultimodalPrompt` or None); raises on bad input."""
     tokens, sampling = self._validate(prompt, sampling)
-    if images is None and self.cfg.vision is not None and self.cfg.vision.image_token_id in tokens:
-      raise ValueError(f"prompt has {tokens.count(self.cfg.vision.image_token_id)} image "
-                       f"placeholders (id {self.cfg.vision.image_token_id}) for 0 images")
     if images is None:
+      vc = self.cfg.vision
+      for name, tok in (() if vc is None else (("image", vc.image_token_id),
+                                               ("video", vc.video_token_id))):
+        if tok in tokens:
+          raise ValueError(f"prompt has {tokens.count(tok)} {name} placeholders (id {tok}) "
+                           f"for 0 {name}s")
       return tokens, sampling, None
     if self._spec is not None or self._dp_axes:
       raise ValueError("images: requests with images run on plain steps without attention DP "
