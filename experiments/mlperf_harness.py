@@ -20,7 +20,10 @@ Latency limits are a model's published Server / Interactive TTFT and TPOT
 ../shared/reference/serving_facts.md), times `--latency_scale` to map them
 to a small model on a small machine. The dataset is `--num_samples`
 held-out stdlib prompts (never trained on) or a JSONL file of
-{"tokens": [...]} or {"text": "..."} rows (`--dataset`).
+{"tokens": [...]} or {"text": "..."} rows (`--dataset`), with "images":
+[paths] for a vision model (`--model_dir`, e.g. Qwen3-VL; one image
+placeholder id in "tokens", or "<image>" in "text", per image:
+`serving.workloads.read_prompts`).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from absl import app, flags
 import jax
 from ml_collections import config_flags
 
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run, sharding, training
+from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, checkpoint, run, sharding,
+                      training, vision_inputs)
 from jaxinfer.bench import flag_config, results
 from jaxinfer.bench.sharding_report import parse_mesh
-from jaxinfer.serving import mlperf, mlperf_http
+from jaxinfer.serving import mlperf, mlperf_http, workloads
+from jaxinfer.tokenizer import HFTokenizer
 
 # (TTFT ms, TPOT ms) 99th-percentile limits: Server, Interactive.
 LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175), (4500, 80)),
@@ -50,6 +55,10 @@ flags.DEFINE_list("scenarios", ["Offline", "Server", "Interactive"], "LoadGen sc
 flags.DEFINE_enum("mode", "performance", ["performance", "accuracy"], "LoadGen mode")
 flags.DEFINE_string("dataset", "", "JSONL of prompts ({'tokens': [...]} or {'text': ...}); "
                     "default: held-out stdlib prompts")
+flags.DEFINE_string("model_dir", "", "an HF checkpoint to serve instead of the default model "
+                    "(a vision model takes a --dataset with images)")
+flags.DEFINE_string("processor_json", "", "vision models: ProcessorConfig fields as JSON "
+                    "(default: the vision tower's patch sizes, HF's pixel bounds)")
 flags.DEFINE_integer("num_samples", 32, "held-out prompts in the default dataset")
 flags.DEFINE_integer("prompt_bytes", 96, "bytes of each held-out prompt")
 flags.DEFINE_integer("max_tokens", 32, "tokens generated per sample")
@@ -82,24 +91,22 @@ flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "m
                     "output directory (LoadGen logs per run, results.json)")
 
 
-def _dataset(tokenizer):
+def _dataset(cfg, tokenizer):
+  """-> (prompts, images per prompt or None)."""
   if not FLAGS.dataset:
-    return training.held_out_prompts([FLAGS.prompt_bytes] * FLAGS.num_samples)
-  prompts = []
-  with open(FLAGS.dataset) as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      row = json.loads(line)
-      if "tokens" in row:
-        prompts.append([int(t) for t in row["tokens"]])
-      elif "text" in row:
-        prompts.append(tokenizer.encode(row["text"]))
-      else:
-        raise ValueError(f"{FLAGS.dataset}:{n}: a row needs 'tokens' or 'text'")
-  if not prompts:
-    raise ValueError(f"{FLAGS.dataset}: no prompts")
-  return prompts
+    return training.held_out_prompts([FLAGS.prompt_bytes] * FLAGS.num_samples), None
+  encode = tokenizer.encode if tokenizer is not None else None
+  prompts, images = workloads.read_prompts(FLAGS.dataset, encode=encode, vision=cfg.vision)
+  return prompts, images if any(i is not None for i in images) else None
+
+
+def _model():
+  """-> (cfg, params, tokenizer or None): --model_dir's HF checkpoint, else the default model."""
+  if not FLAGS.model_dir:
+    return run.load_default_model()
+  cfg, params = checkpoint.load_hf(FLAGS.model_dir)
+  has_tok = os.path.exists(os.path.join(FLAGS.model_dir, "tokenizer.json"))
+  return cfg, params, HFTokenizer(FLAGS.model_dir) if has_tok else None
 
 
 def _engine(cfg, params):
@@ -107,7 +114,13 @@ def _engine(cfg, params):
   # Fixed step shapes: the warm-up compiles every program a run needs, so no
   # LoadGen query waits on a compile.
   mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
+  proc = None
+  if FLAGS.processor_json:
+    with open(FLAGS.processor_json) as f:
+      proc = vision_inputs.ProcessorConfig(**{k: v for k, v in json.load(f).items()
+                                              if k in vision_inputs.ProcessorConfig.__annotations__})
   return Engine(cfg, params, EngineConfig(page_size=16, max_num_seqs=FLAGS.max_num_seqs,
+                                          image_processor=proc,
                                           max_num_batched_tokens=FLAGS.max_num_batched_tokens,
                                           kv_cache_bytes=256 << 20, speculative=spec,
                                           fixed_step_shapes=True),
@@ -125,21 +138,24 @@ def _ms(summary, key):
   return None if v is None else v / 1e6
 
 
-def _sut(cfg, params, prompts, scenario):
+def _sut(cfg, params, prompts, scenario, images=None):
   first_token_events = scenario != "Offline"
   if FLAGS.server_url:  # the server compiled its programs on its own warm-up
+    if images is not None:
+      raise ValueError("--server_url: datasets with images run on the in-process Engine only")
     return mlperf_http.HttpSUT(FLAGS.server_url, FLAGS.server_model, prompts,
                                max_tokens=FLAGS.max_tokens, first_token_events=first_token_events,
                                concurrency=FLAGS.http_concurrency)
   engine = _engine(cfg, params)
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens)
-  engine.generate(prompts, sampling)  # compiles the programs before timing
-  return mlperf.EngineSUT(engine, prompts, sampling, first_token_events=first_token_events)
+  engine.generate(prompts, sampling, images=images)  # compiles the programs before timing
+  return mlperf.EngineSUT(engine, prompts, sampling, first_token_events=first_token_events,
+                          images=images)
 
 
-def one_run(cfg, params, prompts, scenario, qps, *, min_duration_ms, tag):
+def one_run(cfg, params, prompts, scenario, qps, *, min_duration_ms, tag, images=None):
   sampling = SamplingParams(max_tokens=FLAGS.max_tokens)
-  sut = _sut(cfg, params, prompts, scenario)
+  sut = _sut(cfg, params, prompts, scenario, images)
   ttft, tpot = _limits(scenario)
   outdir = os.path.join(FLAGS.out, tag)
   shutil.rmtree(outdir, ignore_errors=True)
@@ -161,7 +177,7 @@ def one_run(cfg, params, prompts, scenario, qps, *, min_duration_ms, tag):
              harness=mine, compliance=comp,
              first_tokens_match=not comp["first_token_mismatches"])
   if FLAGS.mode == "accuracy":
-    ref = _engine(cfg, params).generate(prompts, sampling)
+    ref = _engine(cfg, params).generate(prompts, sampling, images=images)
     got = mlperf.parse_accuracy_log(os.path.join(outdir, "mlperf_log_accuracy.json"))
     row["accuracy_samples_logged"] = len(got)
     row["accuracy_exact_match"] = sum(got.get(i) == r.token_ids for i, r in enumerate(ref)) / len(ref)
@@ -219,9 +235,11 @@ def main(argv):
   flag_config.apply_config(_CONFIG.value, FLAGS, __file__)
   if FLAGS.cpu_devices:  # before anything initialises JAX's backends
     jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
-  cfg, params, tokenizer = run.load_default_model()
-  prompts = _dataset(tokenizer)
+  cfg, params, tokenizer = _model()
+  prompts, images = _dataset(cfg, tokenizer)
   rows, found = [], None
+  if FLAGS.search and images is not None:
+    raise ValueError("--search: datasets with images run the scenarios only")
   if FLAGS.search:
     rows, found = search(cfg, params, prompts)
   else:
@@ -231,11 +249,13 @@ def main(argv):
       if scenario not in qps:
         raise ValueError(f"--scenarios: unknown {scenario!r}; use {sorted(qps)}")
       rows.append(one_run(cfg, params, prompts, scenario, qps[scenario],
-                          min_duration_ms=FLAGS.min_duration_ms, tag=f"{scenario}_{FLAGS.mode}"))
+                          min_duration_ms=FLAGS.min_duration_ms, tag=f"{scenario}_{FLAGS.mode}",
+                          images=images))
   name = "search" if FLAGS.search else f"scenarios_{FLAGS.mode}"
   results.write(os.path.join(FLAGS.out, name), rows, None, search=found, limits=FLAGS.limits,
                 latency_scale=FLAGS.latency_scale, max_tokens=FLAGS.max_tokens,
-                num_samples=len(prompts), model="default (tiny_moe trained)",
+                num_samples=len(prompts), model=FLAGS.model_dir or "default (tiny_moe trained)",
+                images=images is not None,
                 mesh=FLAGS.mesh or None, layout=FLAGS.layout if FLAGS.mesh else None,
                 speculative=FLAGS.speculative, server_url=FLAGS.server_url or None)
 

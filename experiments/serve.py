@@ -53,6 +53,8 @@ _KV_MB = flags.DEFINE_integer("kv_cache_mb", 256, "engine: KV cache size in MiB"
 _DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per step (0: off)")
 _FIXED_SHAPES = flags.DEFINE_bool("fixed_step_shapes", False, "engine: pad every step to the "
                                    "budgets, so the warm-up compiles (nearly) every program")
+_IMAGE_ROOT = flags.DEFINE_string("image_root", None, "vision models: the directory chat image "
+                                  "file paths may be read from (None: base64 data URLs only)")
 _WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving")
 _BACKEND = flags.DEFINE_enum("backend", "engine", ["engine", "ray"], "engine: one Engine in "
                              "this process; ray: a Cluster of Ray worker processes")
@@ -112,7 +114,8 @@ def main(argv):
                      SamplingParams(max_tokens=16))
   app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
-                  api_key=_API_KEY.value or None, chat_template=template)
+                  api_key=_API_KEY.value or None, chat_template=template,
+                  image_root=_IMAGE_ROOT.value)
   print(f"serving {_MODEL_NAME.value or name!r} on http://{_HOST.value}:{_PORT.value}/v1 "
         f"(context {app_.state.engine_loop.max_model_len} tokens, backend {_BACKEND.value})",
         flush=True)

@@ -90,20 +90,31 @@ def scatter_pages(pool: PagePool, pages, blob: PagePool) -> PagePool:
   return pool.put(pages, blob)
 
 
-def hash_page(parent: bytes | None, tokens) -> bytes:
-  """Chained page hash: equal prefixes give equal chains (stable across processes)."""
+def hash_page(parent: bytes | None, tokens, extra: bytes = b"") -> bytes:
+  """Chained page hash: equal prefixes give equal chains (stable across
+  processes). extra: more content of the page than its token ids (the
+  content hashes of the images whose tokens it holds), b"" for text."""
   h = hashlib.blake2b(digest_size=16)
   h.update(parent or b"root")
   h.update(np.asarray(tokens, np.int32).tobytes())
+  h.update(extra)
   return h.digest()
 
 
-def iter_page_hashes(tokens, page_size: int):
+def page_extra(spans, page: int, page_size: int) -> bytes:
+  """The hashes (bytes) of the spans (start, end, hash) overlapping a page."""
+  lo, hi = page * page_size, (page + 1) * page_size
+  return b"".join(h for s, e, h in spans if s < hi and e > lo)
+
+
+def iter_page_hashes(tokens, page_size: int, spans=()):
   """The chained hashes of the full pages of `tokens`, lazily (callers that
-  stop at the first miss hash no further)."""
+  stop at the first miss hash no further). spans: (start, end, hash) of
+  the images in the tokens (`page_extra`)."""
   parent = None
   for i in range(len(tokens) // page_size):
-    parent = hash_page(parent, tokens[i * page_size:(i + 1) * page_size])
+    parent = hash_page(parent, tokens[i * page_size:(i + 1) * page_size],
+                       page_extra(spans, i, page_size) if spans else b"")
     yield parent
 
 
@@ -168,13 +179,14 @@ class PageAllocator:
         else:
           self.free.append(page)
 
-  def match_prefix(self, tokens, max_pages: int) -> tuple[list[int], list[bytes]]:
+  def match_prefix(self, tokens, max_pages: int, spans=()) -> tuple[list[int], list[bytes]]:
     """Longest run of cached full pages that prefixes `tokens` (at most
-    max_pages); takes a reference to each. -> (pages, their hashes)."""
+    max_pages; spans: the images in them, `iter_page_hashes`); takes a
+    reference to each. -> (pages, their hashes)."""
     pages, hashes = [], []
     if not self.prefix_caching:
       return pages, hashes
-    for h in iter_page_hashes(tokens[:max_pages * self.page_size], self.page_size):
+    for h in iter_page_hashes(tokens[:max_pages * self.page_size], self.page_size, spans):
       page = self.hash_page.get(h)
       if page is None:
         break

@@ -331,3 +331,79 @@ def test_mlperf_harness_over_http(default, tmp_path):
   assert "first tokens match True" in out.stdout, out.stdout[-2000:]
   rows = json.loads((tmp_path / "scenarios_performance.json").read_text())
   assert rows["server_url"] == server.url and rows["rows"][0]["compliance"]["completed"] >= 8
+
+
+class _SmallTokenizer:
+  """Bytes folded into the tiny VL fixture's vocabulary (128)."""
+
+  def encode(self, text: str) -> list[int]:
+    return [b % 100 for b in text.encode()]
+
+  def decode(self, ids) -> str:
+    return "".join(chr(97 + int(i) % 26) for i in ids)
+
+
+@pytest.fixture(scope="module")
+def vl_server(tmp_path_factory):
+  """The tiny Qwen3-VL fixture's Engine, chat images from data URLs and from
+  files under an image root (holding one PNG, with a secret PNG beside it)."""
+  import jax.numpy as jnp
+  from test_vl_engine import A, PROC, VL
+  from jaxinfer import checkpoint
+  cfg, params = checkpoint.load_hf(str(VL / "qwen3_vl"), dtype=jnp.float32)
+  engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, max_num_seqs=4,
+                                            max_num_batched_tokens=32, image_processor=PROC))
+  base = tmp_path_factory.mktemp("vl")
+  (base / "root").mkdir()
+  (base / "root" / "a.png").write_bytes(A)
+  (base / "secret.png").write_bytes(A)
+  (base / "root" / "link.png").symlink_to(base / "secret.png")
+  tok = _SmallTokenizer()  # the chat prompt: the image as vision start, pad, end
+  ids = tok.encode("user: look ") + [122, 120, 123] + tok.encode(" now\nassistant: ")
+  ref = engine.generate([ids], SamplingParams(max_tokens=4), images=[[A]])[0].token_ids
+  server = _Server(make_app(engine, tok, "vl", image_root=str(base / "root")))
+  yield server, ref, base
+  server.close()
+
+
+def _vl_chat(server, url):
+  body = {"model": "vl", "max_tokens": 4, "temperature": 0, "return_token_ids": True,
+          "messages": [{"role": "user", "content": [
+              {"type": "text", "text": "look "},
+              {"type": "image_url", "image_url": {"url": url}},
+              {"type": "text", "text": " now"}]}]}
+  return httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+
+
+def test_chat_image_equals_engine_generate(vl_server):
+  import base64
+  from test_vl_engine import A
+  server, ref, _ = vl_server
+  for url in ("data:image/png;base64," + base64.b64encode(A).decode(), "a.png"):
+    r = _vl_chat(server, url)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["token_ids"] == ref
+
+
+@pytest.mark.parametrize("url, match", [
+    ("http://example.com/a.png", "http\\(s\\) URLs are not fetched"),
+    ("https://example.com/a.png", "http\\(s\\) URLs are not fetched"),
+    ("../secret.png", "outside the server's image root"),
+    ("link.png", "outside the server's image root"),  # a symlink out of the root
+    ("ABSOLUTE", "outside the server's image root"),
+    ("data:image/png;base64,bm90IGFuIGltYWdl", "cannot decode image"),  # "not an image"
+])
+def test_chat_image_refused(vl_server, url, match):
+  server, _, base = vl_server
+  url = str(base / "secret.png") if url == "ABSOLUTE" else url
+  r = _vl_chat(server, url)
+  assert r.status_code == 400, r.text
+  assert re.search(match, r.json()["error"]["message"]), r.json()
+
+
+def test_chat_image_to_text_only_model(default):
+  server, _, _ = default
+  body = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": [
+      {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+  r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+  assert r.status_code == 400 and "need a vision model" in r.json()["error"]["message"], r.text

@@ -67,3 +67,35 @@ def test_parse_accuracy_log_reads_loadgen_bytes(tmp_path):
   path.write_text(_json.dumps(rows))
   with pytest.raises(ValueError, match="sample 3 logged twice"):
     _mlperf.parse_accuracy_log(str(path))
+
+
+def test_multimodal_dataset_through_loadgen(tmp_path):
+  """A JSONL dataset of prompts with image paths (the tiny Qwen3-VL fixture):
+  every completed sample carries Engine.generate's tokens for its image."""
+  import json
+  import jax.numpy as jnp
+  from test_vl_engine import A, B, PROC, VL
+  from jaxinfer import checkpoint
+  from jaxinfer.serving import workloads
+  cfg, params = checkpoint.load_hf(str(VL / "qwen3_vl"), dtype=jnp.float32)
+  (tmp_path / "a.png").write_bytes(A)
+  (tmp_path / "b.png").write_bytes(B)
+  rows = [{"tokens": [1, 2, 120, 3], "images": ["a.png"]},
+          {"text": "hi <image> there", "images": ["b.png"]}, {"tokens": [5, 6, 7]}]
+  (tmp_path / "ds.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+  prompts, images = workloads.read_prompts(str(tmp_path / "ds.jsonl"),
+                                           encode=lambda t: [b % 100 for b in t.encode()],
+                                           vision=cfg.vision)
+  assert prompts[1].count(120) == 1 and images[2] is None and images[0][0].endswith("a.png")
+  (tmp_path / "bad.jsonl").write_text(json.dumps({"tokens": [1, 120, 120], "images": ["a.png"]}))
+  with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+    workloads.read_prompts(str(tmp_path / "bad.jsonl"), vision=cfg.vision)
+  engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=96, max_num_seqs=4,
+                                            image_processor=PROC))
+  sampling = SamplingParams(max_tokens=3)
+  ref = {i: o.token_ids for i, o in enumerate(engine.generate(prompts, sampling, images=images))}
+  sut = mlperf.EngineSUT(engine, prompts, sampling, first_token_events=False, images=images)
+  mlperf.run_loadgen(sut, scenario="Offline", outdir=str(tmp_path / "lg"), target_qps=20.0,
+                     ttft_ms=5000, tpot_ms=1000, min_duration_ms=300, min_query_count=6)
+  assert sut.compliance()["completed"] >= 6
+  assert all(tokens == ref[i] for i, tokens in sut.completed.values())

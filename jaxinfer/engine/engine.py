@@ -26,12 +26,14 @@ from jaxinfer import eplb, kv_cache, kv_scales, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
+from jaxinfer.engine.images import Images
 from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
 from jaxinfer.models import mtp, quant, transformer
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.page_pool import KV_CACHE_DTYPES
+from jaxinfer.vision_inputs import ProcessorConfig
 
 
 _UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
@@ -102,6 +104,11 @@ class EngineConfig:
   dp_balance: str = "none"
   dp_min_step_tokens: int = 32
   kv_cache_dtype: str | None = None  # None | "fp8" | "int8"
+  # Requests with images (vision models): the image processor (None: the
+  # vision tower's patch sizes, `ProcessorConfig`'s pixel bounds) and the
+  # encoder cache's capacity in visual tokens (0: encode every image).
+  image_processor: ProcessorConfig | None = None
+  encoder_cache_tokens: int = 1 << 16
 
   def __post_init__(self):
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
@@ -123,6 +130,12 @@ class EngineConfig:
     if self.kv_cache_dtype is not None and self.kv_cache_dtype not in KV_CACHE_DTYPES:
       raise ValueError(f"EngineConfig: kv_cache_dtype must be one of {tuple(KV_CACHE_DTYPES)} "
                        f"or None, got {self.kv_cache_dtype!r}")
+    if self.encoder_cache_tokens < 0:
+      raise ValueError(f"EngineConfig: encoder_cache_tokens must be >= 0, "
+                       f"got {self.encoder_cache_tokens}")
+    if self.image_processor is not None and not isinstance(self.image_processor, ProcessorConfig):
+      raise TypeError(f"EngineConfig: image_processor must be a ProcessorConfig or None, "
+                      f"got {type(self.image_processor).__name__}")
     if not 0 < self.kv_cache_memory_fraction <= 1:
       raise ValueError(f"EngineConfig: kv_cache_memory_fraction must be in (0, 1], "
                        f"got {self.kv_cache_memory_fraction}")
@@ -190,6 +203,8 @@ class Engine(EngineCore):
     self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
+    # Requests with images: processor, encoder (cache) and prompt layout.
+    self.images = Images(cfg, self.params, config.image_processor, config.encoder_cache_tokens)
 
   def _set_params(self, params) -> None:
     """params (stacked, as `init_params` makes them) and the layout the step runs."""
@@ -253,6 +268,40 @@ class Engine(EngineCore):
 
   # ------------------------------------------------------------ requests
 
+  def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None, *,
+             hold_pages: bool = False, images=None) -> int:
+    """Queues a request; returns its id. Raises on bad input, queueing nothing.
+    images: for a vision model, the prompt's images (encoded bytes, file
+    paths, PIL images or uint8 [H, W, 3] arrays), one image placeholder
+    token in the prompt per image, widened here to the image's tokens.
+    hold_pages: when it finishes (not on abort), its KV pages stay allocated
+    for `take_pages` (a disaggregated prefill hands them to a decode worker)."""
+    rid = self._enqueue_checked(*self._check(prompt, sampling, images))
+    self._requests[rid].hold_pages = hold_pages
+    return rid
+
+  def _check(self, prompt, sampling, images):
+    """-> (token ids, sampling, `MultimodalPrompt` or None); raises on bad input."""
+    tokens, sampling = self._validate(prompt, sampling)
+    if images is None:
+      vc = self.cfg.vision
+      for name, tok in (() if vc is None else (("image", vc.image_token_id),
+                                               ("video", vc.video_token_id))):
+        if tok in tokens:
+          raise ValueError(f"prompt has {tokens.count(tok)} {name} placeholders (id {tok}) "
+                           f"for 0 {name}s")
+      return tokens, sampling, None
+    if self._spec is not None or self._dp_axes:
+      raise ValueError("images: requests with images run on plain steps without attention DP "
+                       "(no speculative decoding, no dp_attn_ep layout)")
+    mm = self.images.prepare(tokens, images)
+    return *self._validate(mm.tokens, sampling), mm
+
+  def _enqueue_checked(self, tokens, sampling, mm) -> int:
+    req = self._new_request(tokens, sampling, mm=mm)
+    self.schedulers[req.rank].add(req)
+    return req.id
+
   def has_unfinished(self) -> bool:
     """Whether any request is queued, running, or has a step in flight."""
     return super().has_unfinished() or bool(self._runner.in_flight)
@@ -268,20 +317,24 @@ class Engine(EngineCore):
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-               *, progress=None) -> list[RequestOutput]:
+               *, progress=None, images=None) -> list[RequestOutput]:
     """Runs prompts to completion; outputs in prompt order. All prompts are
-    validated before any is queued. progress: optional callable(num_done)."""
+    validated before any is queued. progress: optional callable(num_done).
+    images: per prompt, its images or None (see `submit`)."""
     if isinstance(sampling, SamplingParams) or sampling is None:
       sampling = [sampling] * len(prompts)
     if len(sampling) != len(prompts):
       raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+    images = [None] * len(prompts) if images is None else list(images)
+    if len(images) != len(prompts):
+      raise ValueError(f"images: got {len(images)} image lists for {len(prompts)} prompts")
     checked = []
-    for i, (p, s) in enumerate(zip(prompts, sampling)):
+    for i, (p, s, im) in enumerate(zip(prompts, sampling, images)):
       try:
-        checked.append(self._validate(p, s))
+        checked.append(self._check(p, s, im))
       except (ValueError, TypeError) as e:
         raise type(e)(f"prompts[{i}]: {e}") from None
-    ids = [self._enqueue(tokens, s) for tokens, s in checked]
+    ids = [self._enqueue_checked(*c) for c in checked]
     pending, done = set(ids), 0
     while pending:
       for rid, _, finished in self.step():
@@ -365,4 +418,5 @@ class Engine(EngineCore):
         overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
         kv_cache_dtype=self.kv_dtype.name,
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
+        **(self.images.stats() if self.cfg.vision is not None else {}),
         **self._runner.stats())

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine import steps
+from jaxinfer.engine import images, steps
 from jaxinfer.engine.scheduler import Scheduled
 
 Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
@@ -116,9 +116,10 @@ class PlainRunner:
           self._prev_sampled, eng._load, max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
           axes=eng._dp_axes, greedy=greedy)
     else:
+      visual = images.step_visual(eng.cfg, per_rank[0], shapes.tokens)
       sampled, eng.pool, eng._load = steps.step(
           eng.cfg, eng._step_params, eng.pool, batches[0][0], self._prev_sampled, eng._load,
-          max_q=shapes.max_q, ep=eng._ep, greedy=greedy, **eng._heads)
+          visual, max_q=shapes.max_q, ep=eng._ep, greedy=greedy, **eng._heads)
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)

@@ -31,7 +31,7 @@ import dataclasses
 import time
 
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.kv_cache import PageAllocator, hash_page
+from jaxinfer.kv_cache import PageAllocator, hash_page, page_extra
 
 
 def capacity_error(prompt_len: int, max_tokens: int, *, max_model_len: int, page_size: int,
@@ -81,6 +81,15 @@ class Request:
   # row (device arrays) taken when a held request finishes on the prefill
   # side, or arrived with it on the decode side until written into a slot.
   drafts: object = None
+  # A multimodal prompt (`engine.images.MultimodalPrompt`): its visual
+  # tokens' features and MRoPE positions; its images' spans enter the page
+  # hashes, so the same text with another image never hits the prefix cache.
+  mm: object = None
+
+  @property
+  def spans(self) -> tuple:
+    """(start, end, content hash) of each image's tokens in the prompt."""
+    return self.mm.spans if self.mm is not None else ()
 
   @property
   def tokens(self) -> list[int]:
@@ -231,7 +240,7 @@ class Scheduler:
       if not req.pages:
         # Reuse cached full pages, leaving at least one token to compute.
         max_pages = (len(tokens) - 1) // self.alloc.page_size
-        req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages)
+        req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages, req.spans)
         req.num_computed = len(req.pages) * self.alloc.page_size
       n, samples, d = self._chunk(req, budget, spec_k)
       need = self._pages_for(req, n, samples, spec_k)
@@ -368,10 +377,10 @@ class Scheduler:
     full = min(req.num_computed, req.num_known, len(req.pages) * ps) // ps
     if full <= len(req.page_hashes):
       return  # nothing new (most decode steps): skip building the token list
-    tokens = req.tokens
+    tokens, spans = req.tokens, req.spans
     for k in range(len(req.page_hashes), full):
       parent = req.page_hashes[-1] if req.page_hashes else None
-      h = hash_page(parent, tokens[k * ps:(k + 1) * ps])
+      h = hash_page(parent, tokens[k * ps:(k + 1) * ps], page_extra(spans, k, ps) if spans else b"")
       self.alloc.register(req.pages[k], h)
       req.page_hashes.append(h)
 

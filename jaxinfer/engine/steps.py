@@ -24,7 +24,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import request_keys, sample
 from jaxinfer.models.context import PagedContext, RankedPagedContext
 from jaxinfer.models.moe_core import ExpertCount
-from jaxinfer.models.transformer import head, trunk_with_counts
+from jaxinfer.models.transformer import VisualInputs, head, trunk_with_counts
 
 
 @jax.tree_util.register_dataclass
@@ -113,8 +113,8 @@ def _sample(logits, batch, greedy):
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "mesh",
                                               "head_axis"),
                    donate_argnames=("pool", "load"))
-def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
-         max_q: int, ep=None, greedy: bool = False, mesh=None, head_axis=None):
+def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, visual=None,
+         *, max_q: int, ep=None, greedy: bool = False, mesh=None, head_axis=None):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
   fixed size), new pool, new load). prev_sampled [S]: the previous step's
   output, from which tokens not yet read back by the host are taken (async
@@ -123,7 +123,9 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   (static): every row has temperature 0. mesh, head_axis (static): the mesh
   axis the layout splits attention heads and the pool over
   (`sharding.head_axis`), so attention runs per device in shard_map; None:
-  no split."""
+  no split. visual: a multimodal step's rows (`engine.images.step_visual`):
+  rope [3, T] MRoPE positions, embeds [T, D] where mask [T] (visual tokens),
+  deepstack [k, T, D]; None: text (RoPE at batch.positions)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
@@ -131,12 +133,23 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
                      page_table=batch.page_table, max_q=max_q, mesh=mesh,
                      head_axis=head_axis)
   x, caches, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool.model, ep,
-                                      None if load is None else ExpertCount.LOGICAL)
+                                      None if load is None else ExpertCount.LOGICAL,
+                                      _visual_inputs(cfg, params, tokens, visual))
   pool = pool.with_segments(caches)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   sampled = _sample(logits, batch, greedy)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
           _add_load(load, counts))
+
+
+def _visual_inputs(cfg: ModelConfig, params, tokens, visual) -> VisualInputs | None:
+  """A multimodal step's rows -> the trunk's `VisualInputs` (batch of one)."""
+  if visual is None:
+    return None
+  x = params["embed"][tokens].astype(cfg.compute_dtype())
+  x = jnp.where(visual["mask"][:, None], visual["embeds"].astype(x.dtype), x)
+  return VisualInputs(embeds=x[None], positions=visual["rope"][:, None],
+                      deepstack=visual["deepstack"][:, None].astype(x.dtype))
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:

@@ -95,9 +95,10 @@ class EngineLoop:
     self._inbox.put(None)
     self._thread.join()
 
-  def submit(self, prompt: list[int], sampling) -> Stream:
+  def submit(self, prompt: list[int], sampling, images=None) -> Stream:
     """Queues a request for the engine thread; ApiError 429 when full, 503
-    when the engine thread has failed."""
+    when the engine thread has failed. images: the prompt's images (an
+    `Engine` with a vision model), or None."""
     if self.error is not None:
       raise ApiError(503, f"the engine failed: {self.error!r}", kind="server_error")
     with self._lock:
@@ -107,7 +108,7 @@ class EngineLoop:
                        kind="rate_limit_exceeded")
       self._held += 1
     stream = Stream(asyncio.get_running_loop())
-    self._inbox.put(("submit", stream, prompt, sampling))
+    self._inbox.put(("submit", stream, prompt, sampling, images))
     return stream
 
   def abort(self, stream: Stream, reason: str = "abort") -> None:
@@ -152,12 +153,13 @@ class EngineLoop:
 
   def _command(self, kind, *args) -> None:
     if kind == "submit":
-      stream, prompt, sampling = args
+      stream, prompt, sampling, images = args
       if self.error is not None:
         return self._end(stream, error=ApiError(503, f"the engine failed: {self.error!r}",
                                                 kind="server_error"))
       try:
-        stream.rid = self.backend.submit(prompt, sampling)
+        extra = {} if images is None else dict(images=images)
+        stream.rid = self.backend.submit(prompt, sampling, **extra)
       except QueueFull as e:
         return self._end(stream, error=ApiError(429, str(e), code="queue_full",
                                                 kind="rate_limit_exceeded"))

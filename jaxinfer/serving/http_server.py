@@ -16,6 +16,11 @@ max_body_bytes. When max_queue requests are held, or a Cluster's queue is
 full, a request gets 429 at once. With api_key, /v1/ routes need
 `Authorization: Bearer <api_key>` (else 401). A client that disconnects
 aborts its request, freeing its KV pages.
+
+Vision models (an `Engine` whose cfg has a vision tower): chat messages may
+carry image_url parts, base64 data URLs or files under image_root
+(`chat_images`; http(s) URLs, paths outside the root and undecodable
+images get a 400).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import uuid
 import fastapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxinfer.serving import chat_images
 from jaxinfer.serving import openai_protocol as proto
 from jaxinfer.serving.engine_loop import EngineLoop
 from jaxinfer.serving.http_metrics import CONTENT_TYPE, HttpMetrics
@@ -40,15 +46,18 @@ __all__ = ["make_app"]
 def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
              max_body_bytes: int = 1 << 20, max_tokens_cap: int | None = None,
              api_key: str | None = None,
-             chat_template: str | proto.ChatTemplate | None = None) -> fastapi.FastAPI:
+             chat_template: str | proto.ChatTemplate | None = None,
+             image_root: str | None = None) -> fastapi.FastAPI:
   """The app over backend (an `Engine` or a `serving.Cluster`, stepped only
   by the app's engine thread from startup to shutdown). tokenizer: encode /
   decode (`jaxinfer.tokenizer`). max_tokens_cap: the most tokens one request
   may ask for (None: the context). chat_template: a jinja2 source or a
-  `ChatTemplate` (None: the built-in "role: content" lines)."""
+  `ChatTemplate` (None: the built-in "role: content" lines). image_root:
+  the directory chat image paths may be read from (None: data URLs only)."""
   h = _Handlers(backend, tokenizer, model_name, max_queue=max_queue,
                 max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap, api_key=api_key,
                 chat_template=chat_template)
+  h.images = chat_images.ImageLoader(image_root)
 
   @contextlib.asynccontextmanager
   async def lifespan(_):
@@ -121,15 +130,19 @@ class _Handlers:
 
   async def chat_completions(self, request: fastapi.Request):
     req = await self._body(request, proto.ChatRequest)
-    text = self.chat_template.render(req.messages)
-    prompt = proto.encode(self.tokenizer, text, special=False)
+    vision = getattr(getattr(self.loop.backend, "cfg", None), "vision", None)
+    text = self.chat_template.render(req.messages, chat_images.MARKER if vision else None)
+    images = [self.images.load(u) for u in chat_images.image_urls(req.messages)] or None
+    prompt = (chat_images.prompt_ids(text, self.tokenizer, vision) if images else
+              proto.encode(self.tokenizer, text, special=False))
     if not prompt:
       raise ApiError(400, "messages: the rendered chat prompt is empty", param="messages")
-    return await self._serve(request, req, prompt, self._sampling(req, prompt, None), chat=True)
+    return await self._serve(request, req, prompt, self._sampling(req, prompt, None), chat=True,
+                             images=images)
 
-  async def _serve(self, request, req, prompt, sp, *, chat: bool):
+  async def _serve(self, request, req, prompt, sp, *, chat: bool, images=None):
     detok = proto.Detokenizer(self.tokenizer, proto.stop_strings(req))
-    stream = self.loop.submit(prompt, sp)
+    stream = self.loop.submit(prompt, sp, images)
     kind, payload = await stream.get()  # "accepted", or the backend refused it
     if kind == "error":
       raise payload

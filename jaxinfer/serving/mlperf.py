@@ -92,9 +92,14 @@ class EngineSUT(SUTRecord):
   """A LoadGen system under test serving `prompts` (sample index -> token ids)."""
 
   def __init__(self, engine: Engine, prompts, sampling: SamplingParams, *,
-               first_token_events: bool = True):
+               first_token_events: bool = True, images=None):
     super().__init__(prompts)
     self.engine, self.sampling = engine, sampling
+    # Per sample its images or None (a vision model; decoded and encoded on
+    # submit, each distinct image once while the encoder cache holds it).
+    self.images = list(images) if images is not None else [None] * len(self.prompts)
+    if len(self.images) != len(self.prompts):
+      raise ValueError(f"images: {len(self.images)} image lists for {len(self.prompts)} prompts")
     for i, p in enumerate(self.prompts):
       try:
         engine.check_request(p, sampling)
@@ -160,7 +165,8 @@ class EngineSUT(SUTRecord):
       return
     while True:
       qid, index = item
-      self._live[self.engine.submit(self.prompts[index], self.sampling)] = (qid, index)
+      extra = {} if self.images[index] is None else dict(images=self.images[index])
+      self._live[self.engine.submit(self.prompts[index], self.sampling, **extra)] = (qid, index)
       try:
         item = self._incoming.get_nowait()
       except queue.Empty:

@@ -73,13 +73,24 @@ class ChatMessage(pydantic.BaseModel):
   role: Literal["system", "user", "assistant", "tool", "developer"]
   content: str | list[dict[str, Any]]
 
-  def text(self) -> str:
+  def text(self, image_marker: str | None = None) -> str:
+    """The content as text; image_url parts as image_marker (None: refused,
+    the model takes no images)."""
     if isinstance(self.content, str):
       return self.content
-    parts = [p.get("text") for p in self.content]
-    if any(p.get("type") != "text" or not isinstance(t, str) for p, t in zip(self.content, parts)):
-      raise ApiError(400, "messages: only text content parts are supported", param="messages")
-    return "".join(parts)
+    out = []
+    for p in self.content:
+      if p.get("type") == "image_url" and image_marker is not None:
+        out.append(image_marker)
+      elif p.get("type") == "image_url":
+        raise ApiError(400, "messages: image_url content parts need a vision model; this one "
+                       "takes text only", param="messages", code="invalid_image")
+      elif p.get("type") != "text" or not isinstance(p.get("text"), str):
+        raise ApiError(400, "messages: content parts must be text or image_url, got "
+                       f"{p.get('type')!r}", param="messages")
+      else:
+        out.append(p["text"])
+    return "".join(out)
 
 
 class ChatRequest(_Request):
@@ -207,8 +218,8 @@ class ChatTemplate:
     self._template = env.from_string(source)
     self._tokens = dict(special_tokens or {})
 
-  def render(self, messages: list[ChatMessage]) -> str:
-    msgs = [{"role": m.role, "content": m.text()} for m in messages]
+  def render(self, messages: list[ChatMessage], image_marker: str | None = None) -> str:
+    msgs = [{"role": m.role, "content": m.text(image_marker)} for m in messages]
     if not msgs:
       raise ApiError(400, "messages: give at least one message", param="messages")
     return self._template.render(messages=msgs, add_generation_prompt=True, **self._tokens)

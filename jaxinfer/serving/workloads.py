@@ -10,6 +10,9 @@ Their prefix structure is what a KV-aware router feeds on:
   multi_turn            conversations whose every turn extends the last one
   from_mooncake_trace   a replay of Mooncake's production traces, whose
                         hash_ids encode the real prefix sharing
+
+and `read_prompts`, a JSONL dataset of prompts (with images, for vision
+models) as the MLPerf harness takes it.
 """
 
 from __future__ import annotations
@@ -252,3 +255,47 @@ def summary(items) -> dict:
       "offered_rate": (len(items) - 1) / duration if duration > 0 else math.inf,
       "shared_prefix_fraction": _shared_prefix_tokens(prompts) / total if total else 0.0,
   }
+
+
+IMAGE_MARKER = "<image>"  # in a JSONL row's text: where one of its images goes
+
+
+def read_prompts(path: str, *, encode=None, vision=None) -> tuple[list[list[int]], list]:
+  """A JSONL file of prompts -> (token ids per row, images per row or None).
+
+  A row is {"tokens": [...]} or {"text": "..."} (encoded with `encode`),
+  plus, for a vision model (vision: its `VisionConfig`), "images": [paths]
+  (relative ones from the file's folder): the tokens hold one image
+  placeholder id per image, or the text one "<image>" per image (each
+  becomes vision start, image placeholder, vision end)."""
+  prompts, images = [], []
+  folder = os.path.dirname(os.path.abspath(path))
+  with open(path) as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      row = json.loads(line)
+      where = f"{path}:{n}"
+      paths = row.get("images")
+      if paths is not None and (vision is None or not isinstance(paths, list) or not paths):
+        raise ValueError(f"{where}: 'images' needs a vision model and a non-empty list of paths")
+      if "tokens" in row:
+        ids = [int(t) for t in row["tokens"]]
+      elif "text" in row:
+        if encode is None:
+          raise ValueError(f"{where}: a 'text' row needs a tokenizer")
+        pieces = row["text"].split(IMAGE_MARKER) if paths else [row["text"]]
+        ids = list(encode(pieces[0]))
+        for piece in pieces[1:]:
+          ids += [vision.vision_start_token_id, vision.image_token_id,
+                  vision.vision_end_token_id] + list(encode(piece))
+      else:
+        raise ValueError(f"{where}: a row needs 'tokens' or 'text'")
+      if paths and ids.count(vision.image_token_id) != len(paths):
+        raise ValueError(f"{where}: {ids.count(vision.image_token_id)} image placeholders "
+                         f"for {len(paths)} images")
+      prompts.append(ids)
+      images.append([os.path.join(folder, p) for p in paths] if paths else None)
+  if not prompts:
+    raise ValueError(f"{path}: no prompts")
+  return prompts, images

@@ -1,0 +1,140 @@
+"""Requests with images (Qwen3-VL): the prompt's visual tokens on the host
+and their rows of each engine step.
+
+`Images.prepare` runs once per request, on submit, before it is queued:
+decode and patchify each image (`vision_inputs.process_images`), widen
+the prompt's one <|image_pad|> per image to the image's tokens
+(`multimodal.expand_placeholders`), encode each image (the vision tower
+runs once per distinct image: `EncoderCache`, keyed by the content hash
+`image_hash`), and lay out the prompt's 3-D MRoPE positions
+(`multimodal.rope_positions`). Every bad input raises there (a named
+`ValueError`), so it never reaches a step.
+
+`step_visual` builds a step's visual rows from its chunks: a chunk may
+start or end inside an image (chunked prefill, a prefix-cache hit, a
+recompute after preemption). Prompt token p takes the embedding row and
+the MRoPE position the prompt's layout gives it; a generated token at
+sequence position p takes rotary position p + delta on all three axes
+(Qwen3-VL's rope delta: the prompt's largest position + 1 - its length).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxinfer import vision_inputs
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine.encoder_cache import EncoderCache, image_hash, split_images
+from jaxinfer.models import multimodal
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class MultimodalPrompt:
+  """One request's visual inputs, on the host."""
+
+  tokens: list[int]  # the prompt, placeholders expanded
+  rope: np.ndarray  # [3, L] int32 MRoPE positions of the prompt's tokens
+  delta: int  # rotary position of sequence position p >= L: p + delta
+  row: np.ndarray  # [L] int32: row of feats for a visual token, else -1
+  feats: np.ndarray  # [M, D] the visual tokens' embeddings (prompt order)
+  deepstack: np.ndarray  # [k, M, D] their DeepStack features
+  spans: tuple  # (start, end, image content hash bytes) per image
+
+
+class Images:
+  """The engine's image path: processor settings and the encoder (cached
+  or not). cache_tokens: the encoder cache's capacity in visual tokens,
+  0 to encode every image of every request (no cache)."""
+
+  def __init__(self, cfg: ModelConfig, params, processor: vision_inputs.ProcessorConfig | None,
+               cache_tokens: int):
+    self.cfg, self.params = cfg, params
+    vc = cfg.vision
+    self.processor = processor or (None if vc is None else vision_inputs.ProcessorConfig(
+        patch_size=vc.patch_size, temporal_patch_size=vc.temporal_patch_size,
+        merge_size=vc.spatial_merge_size))
+    self.cache = EncoderCache(cfg, params, cache_tokens) if vc is not None and cache_tokens else None
+    self.encodes = 0  # images run through the vision tower
+
+  def _encode(self, pixels, grid):
+    if self.cache is not None:
+      misses = self.cache.misses
+      out = self.cache.encode(pixels, [grid])
+      self.encodes += self.cache.misses - misses
+      return out
+    self.encodes += 1
+    return multimodal.encode_images(self.cfg, self.params, pixels, [grid])
+
+  def prepare(self, prompt, images) -> MultimodalPrompt:
+    """prompt: token ids with one image placeholder per image; images:
+    encoded bytes, file paths, PIL images or uint8 [H, W, 3] arrays."""
+    cfg = self.cfg
+    if cfg.vision is None:
+      raise ValueError(f"images sent to a text-only model ({cfg.model_type}: no vision tower)")
+    if not isinstance(images, (list, tuple)) or not images:
+      raise TypeError(f"images must be a non-empty list, got {type(images).__name__}")
+    pixels, grids = vision_inputs.process_images(images, self.processor)
+    tokens = multimodal.expand_placeholders(cfg, prompt, grids)
+    rope, deltas = multimodal.rope_positions(cfg, np.asarray([tokens]), grids)
+    feats, deep, spans = [], [], []
+    starts = _image_starts(tokens, cfg.vision.image_token_id, grids, cfg)
+    for (pv, grid), start in zip(split_images(pixels, grids), starts):
+      f, d = self._encode(pv, grid)
+      feats.append(np.asarray(f, np.float32))
+      deep.append(np.asarray(d, np.float32))
+      spans.append((start, start + f.shape[0], bytes.fromhex(image_hash(pv, grid))))
+    is_img = np.asarray(tokens) == cfg.vision.image_token_id
+    row = np.full(len(tokens), -1, np.int32)
+    row[is_img] = np.arange(int(is_img.sum()), dtype=np.int32)
+    return MultimodalPrompt(tokens=tokens, rope=rope[:, 0], delta=int(deltas[0]), row=row,
+                            feats=np.concatenate(feats), deepstack=np.concatenate(deep, axis=1),
+                            spans=tuple(spans))
+
+  def stats(self) -> dict:
+    out = dict(encoder_calls=self.encodes)
+    if self.cache is not None:
+      out.update({f"encoder_cache_{k}": v for k, v in self.cache.stats().items()})
+    return out
+
+
+def _image_starts(tokens, image_id: int, grids, cfg: ModelConfig) -> list[int]:
+  """The first token of each image's run of placeholder tokens."""
+  starts, i = [], 0
+  for g in grids:
+    i = tokens.index(image_id, i)
+    starts.append(i)
+    i += multimodal.num_tokens(cfg, g)
+  return starts
+
+
+def step_visual(cfg: ModelConfig, scheduled, num_rows: int) -> dict | None:
+  """A step's visual rows (`steps.step`'s visual arguments) when any of its
+  chunks is multimodal, else None (the text step: plain RoPE at the
+  sequence position, which MRoPE equals for text without images)."""
+  if not any(s.request.mm is not None for s in scheduled):
+    return None
+  k, D = len(cfg.vision.deepstack_indexes), cfg.d_model
+  rope = np.zeros((3, num_rows), np.int32)
+  embeds = np.zeros((num_rows, D), np.float32)
+  mask = np.zeros(num_rows, bool)
+  deep = np.zeros((k, num_rows, D), np.float32)
+  t = 0
+  for s in scheduled:
+    mm, pos = s.request.mm, np.arange(s.start, s.start + s.num_tokens)
+    rows = slice(t, t + s.num_tokens)
+    t += s.num_tokens
+    if mm is None:
+      rope[:, rows] = pos
+      continue
+    L = len(mm.tokens)
+    in_prompt = pos < L
+    rope[:, rows] = np.where(in_prompt, mm.rope[:, np.minimum(pos, L - 1)], pos + mm.delta)
+    img = np.where(in_prompt, mm.row[np.minimum(pos, L - 1)], -1)
+    hit = img >= 0
+    idx = np.arange(rows.start, rows.stop)[hit]
+    embeds[idx] = mm.feats[img[hit]]
+    deep[:, idx] = mm.deepstack[:, img[hit]]
+    mask[idx] = True
+  return dict(rope=rope, embeds=embeds, mask=mask, deepstack=deep)
