@@ -3,8 +3,7 @@
 Builds each model with transformers + torch on the fly (other head counts,
 group settings, rope scalings, windows, tied embeddings, old-style
 `rope_scaling`), so the loader must read every field from config.json rather
-than assume the fixtures' values. Skipped when torch/transformers are absent
-(the default test install); run with `pip install torch==2.13.0 transformers`.
+than assume the fixtures' values. The dev extra installs torch and transformers.
 """
 
 import sys
@@ -47,8 +46,6 @@ VARIANTS = {
 
 @pytest.fixture(scope="module")
 def make_model():
-  pytest.importorskip("torch")
-  pytest.importorskip("transformers")
   sys.path.insert(0, str(FIXTURES))
   import make_hf_fixtures
   return make_hf_fixtures.make_model

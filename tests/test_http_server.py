@@ -303,7 +303,6 @@ def test_chat_template_from_the_model_dir(tmp_path):
 
 
 def test_loadgen_server_run_over_http(default, tmp_path):
-  pytest.importorskip("mlperf_loadgen")
   from jaxinfer.serving import mlperf
   from jaxinfer.serving.mlperf_http import HttpSUT
   server, tok, refs = default
@@ -319,7 +318,6 @@ def test_loadgen_server_run_over_http(default, tmp_path):
 
 
 def test_mlperf_harness_over_http(default, tmp_path):
-  pytest.importorskip("mlperf_loadgen")
   server, _, _ = default
   env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   out = subprocess.run(

@@ -3,6 +3,9 @@
 import ast
 import pathlib
 import re
+import shutil
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).parent.parent
 
@@ -41,6 +44,17 @@ def test_readme_test_command_is_what_ci_runs():
   install = commands[1].split("&&")[-2].strip()
   ci = (ROOT / ".ci" / "run").read_text()
   assert test_cmd in ci and install.replace("pip install", "pip install -q") in ci
+
+
+def test_a_skipped_test_fails_the_suite(tmp_path):
+  shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+  (tmp_path / "test_skips.py").write_text(
+      "import pytest\n\ndef test_passes():\n  pass\n\n"
+      "def test_skips():\n  pytest.importorskip('no_such_module_here')\n")
+  out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o",
+                        "addopts=", str(tmp_path)], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1, out.stdout[-2000:]
+  assert "1 failed, 1 passed" in out.stdout and "this suite never skips" in out.stdout
 
 
 def test_no_upward_imports():
