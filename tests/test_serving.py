@@ -3,6 +3,8 @@ layouts, page accounting under aborts and transfer timeouts, routing,
 worker faults and the bounded queue."""
 
 import dataclasses
+import gc
+import weakref
 
 import jax
 import numpy as np
@@ -147,12 +149,18 @@ def test_stopping_a_worker_mid_run_loses_nothing(fault):
   cids = [cluster.submit(p, sampling) for p in prompts]
   steps = 0
   while cluster.has_unfinished():
+    if cluster.workers[1].alive:  # its KV pool when it stops
+      pool = [weakref.ref(x) for x in jax.tree.leaves(cluster.workers[1].engine.pool)]
     cluster.step()
     steps += 1
     if fault == "stop" and steps == 3:
       cluster.stop_worker(1, "maintenance")
   outs = [cluster.output(c) for c in cids]
   assert not cluster.workers[1].alive
+  gc.collect()  # a stopped worker keeps no device memory, and its engine says so
+  assert pool and not any(r() is not None for r in pool)
+  with pytest.raises(RuntimeError, match="released"):
+    cluster.workers[1].engine.submit([1, 2, 3])
   # Every request completed exactly once, with the tokens of an undisturbed run.
   assert [o.finish_reason for o in outs] == ["length"] * len(prompts)
   assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

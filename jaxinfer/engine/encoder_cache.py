@@ -79,6 +79,12 @@ class EncoderCache:
         break
       self.tokens -= self._entries.pop(key)[0].shape[0]
 
+  def release(self) -> None:
+    """Drops the weights and every cached feature."""
+    self.params = None
+    self._entries.clear()
+    self.tokens = 0
+
   def stats(self) -> dict:
     total = self.hits + self.misses
     return dict(hits=self.hits, misses=self.misses, entries=len(self._entries), tokens=self.tokens,

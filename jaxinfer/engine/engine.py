@@ -201,6 +201,7 @@ class Engine(EngineCore):
     self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
     # The step runner: builds, dispatches and reads its own steps.
     self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
+    self.released = False
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
     # Requests with images: processor, encoder (cache) and prompt layout.
@@ -282,6 +283,7 @@ class Engine(EngineCore):
 
   def _check(self, prompt, sampling, images):
     """-> (token ids, sampling, `MultimodalPrompt` or None); raises on bad input."""
+    self._check_not_released()
     tokens, sampling = self._validate(prompt, sampling)
     if images is None:
       vc = self.cfg.vision
@@ -313,7 +315,22 @@ class Engine(EngineCore):
     finished) events that became known: with async scheduling, those of the
     previous step, read back while this one runs. Under attention DP every
     rank steps together, an idle one on an all-padding batch."""
+    self._check_not_released()
     return self._runner.step(self)
+
+  def release(self) -> None:
+    """Frees this engine's device memory for good: the KV pool, its weights,
+    the draft state and cached image features (a stopped serving worker's
+    engine). Requests, schedulers and `stats` stay readable; submitting or
+    stepping afterwards is a RuntimeError."""
+    self._runner.release()
+    self.images.release()
+    self.pool = self._load = self.params = self._step_params = None
+    self.released = True
+
+  def _check_not_released(self) -> None:
+    if self.released:
+      raise RuntimeError("Engine: released (its device memory was freed); make a new Engine")
 
   def generate(self, prompts: Sequence[Sequence[int]],
                sampling: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -352,6 +369,7 @@ class Engine(EngineCore):
 
   def read_pages(self, rank: int, pages):
     """The K/V of `pages` of a rank's slice, as device arrays (async)."""
+    self._check_not_released()
     return kv_cache.gather_pages(self.pool, self._global_pages(rank, pages))
 
   def place_pages(self, blob):
@@ -363,6 +381,7 @@ class Engine(EngineCore):
 
   def write_pages(self, rank: int, pages, blob) -> None:
     """Writes placed K/V into a reservation (ordered before later steps)."""
+    self._check_not_released()
     self.pool = kv_cache.scatter_pages(self.pool, self._global_pages(rank, pages), blob)
 
   # ------------------------------------------------------------ EPLB

@@ -92,6 +92,12 @@ class Images:
                             feats=np.concatenate(feats), deepstack=np.concatenate(deep, axis=1),
                             spans=tuple(spans))
 
+  def release(self) -> None:
+    """Drops the weights and the cached features (`Engine.release`)."""
+    self.params = None
+    if self.cache is not None:
+      self.cache.release()
+
   def stats(self) -> dict:
     out = dict(encoder_calls=self.encodes)
     if self.cache is not None:

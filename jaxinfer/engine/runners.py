@@ -138,3 +138,8 @@ class PlainRunner:
 
   def stats(self) -> dict:
     return {}
+
+  def release(self) -> None:
+    """Drops the device state (`Engine.release`)."""
+    self.in_flight.clear()
+    self._prev_sampled = None

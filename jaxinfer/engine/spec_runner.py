@@ -225,6 +225,11 @@ class SpecRunner:
   def stats(self) -> dict:
     return self._acceptance.stats(self.config.num_draft_tokens)
 
+  def release(self) -> None:
+    """Drops the device state (`Engine.release`)."""
+    self.in_flight.clear()
+    self._state = self._specs_of = None
+
 
 def _continue(schedulers, previous: list[list[Scheduled]], K: int):
   """Pipelined blocks for every rank, or None (then the step in flight is

@@ -98,6 +98,12 @@ class Worker(EngineWorker):
     self.steps += 1
     return self.engine.step()
 
+  def stop(self, reason: str = "stopped") -> None:
+    """Takes the worker out of service and frees its engine's device memory
+    (`Engine.release`): a stopped worker keeps no KV pool or weights."""
+    super().stop(reason)
+    self.engine.release()
+
   def fail_after(self, steps: int) -> None:
     """Fault injection: `step` raises once the worker has run `steps` steps."""
     self._fail_after = steps
