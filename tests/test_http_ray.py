@@ -6,9 +6,7 @@ the remote worker, whose pages are freed (seen on /metrics, which reads the
 workers' own stats). Ray runs locally on 2 CPUs and is shut down after."""
 
 import os
-import time
 
-import httpx
 import pytest
 import ray
 
@@ -17,7 +15,7 @@ from jaxinfer import Engine, EngineConfig, SamplingParams
 from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.http_server import make_app
 from jaxinfer.serving.ray_worker import WorkerSpec
-from test_http_server import _client, _metric, _Server
+from test_http_server import _client, _Server, disconnect_mid_stream
 
 CONFIG = EngineConfig(page_size=16, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64)
 ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}  # one CPU device per worker process
@@ -70,21 +68,7 @@ def test_completions_over_two_worker_processes_equal_engine_generate(ray_server,
 
 def test_disconnect_aborts_on_the_remote_worker(ray_server):
   server, cluster, _, _ = ray_server
-  aborted = _metric(server, "jaxinfer_requests_total", '{finish_reason="abort"}', missing=0.0)
-  body = dict(model="default", prompt=PROMPTS[3], max_tokens=900, temperature=0, stream=True)
-  with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
-    assert r.status_code == 200
-    lines = r.iter_lines()  # kept: a dropped iterator closes the connection
-    for _ in range(3):
-      assert next(lines).startswith("data: ") and next(lines) == ""
-    time.sleep(0.5)  # tokens keep coming: the request still runs in a worker process
-    assert _metric(server, "jaxinfer_running") == 1 and _metric(server, "jaxinfer_kv_pages_used") > 0
-  deadline = time.monotonic() + 30
-  while _metric(server, "jaxinfer_kv_pages_used") > 0 or _metric(server, "jaxinfer_running") > 0:
-    assert time.monotonic() < deadline, "the disconnected request still holds pages"
-    time.sleep(0.1)
-  assert _metric(server, "jaxinfer_requests_total", '{finish_reason="abort"}') == aborted + 1
-  assert _metric(server, "jaxinfer_held") == 0
+  disconnect_mid_stream(server, PROMPTS[3], max_tokens=900)  # the request runs in a worker process
   # The workers' own engines say the same (the abort reached the remote process).
   stats = [w.engine.stats() for w in cluster.workers]
   assert [s["kv_pages_used"] for s in stats] == [0, 0] and [s["running"] for s in stats] == [0, 0]

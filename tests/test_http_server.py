@@ -159,10 +159,12 @@ def test_stop_string_cuts_the_text(default):
   assert r.choices[0].text == full[:full.index(stop)] and r.choices[0].finish_reason == "stop"
 
 
-def test_disconnect_aborts_and_frees_pages(default):
-  server, _, _ = default
+def disconnect_mid_stream(server, prompt: str, max_tokens: int) -> None:
+  """Streams a long completion, drops the connection after 3 chunks while
+  it runs, and checks /metrics: the request is aborted (counted once) and
+  its pages are freed within 30 s."""
   aborted = _metric(server, "jaxinfer_requests_total", '{finish_reason="abort"}', missing=0.0)
-  body = dict(model="default", prompt=PROMPTS[3], max_tokens=1500, temperature=0, stream=True)
+  body = dict(model="default", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True)
   with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
     assert r.status_code == 200
     lines = r.iter_lines()  # kept: a dropped iterator closes the connection
@@ -176,6 +178,10 @@ def test_disconnect_aborts_and_frees_pages(default):
     time.sleep(0.1)
   assert _metric(server, "jaxinfer_requests_total", '{finish_reason="abort"}') == aborted + 1
   assert _metric(server, "jaxinfer_held") == 0
+
+
+def test_disconnect_aborts_and_frees_pages(default):
+  disconnect_mid_stream(default[0], PROMPTS[3], max_tokens=1500)
 
 
 BAD = {
