@@ -1,9 +1,10 @@
 """The GPU compile gate for the Engine's steps: plain decode, mixed prefill +
 decode, speculative MTP, the attention-DP `shard_map` step with expert
-parallelism and the Qwen3-VL image step (with its vision encoder) are compiled into H100 executables on this CPU machine from
-abstract params (`jaxinfer.bench.gpu_plan`), with the config's kernel target
-set to "gpu": the compiled HLO must hold the Pallas Triton kernels, not the
-XLA fallback. Also the ops target contract and gpu_plan's fit verdicts."""
+parallelism and the Qwen3-VL image step (with its vision encoder) are
+compiled into H100 executables on this CPU machine from abstract params
+(`jaxinfer.bench.gpu_plan`), with the config's kernel target set to "gpu":
+the compiled HLO must hold the Pallas Triton kernels, not the XLA
+fallback. Also the ops target contract and gpu_plan's fit verdicts."""
 
 import dataclasses
 import json
