@@ -1,14 +1,16 @@
 """Requests with images (Qwen3-VL): the prompt's visual tokens on the host
 and their rows of each engine step.
 
-`Images.prepare` runs once per request, on submit, before it is queued:
-decode and patchify each image (`vision_inputs.process_images`), widen
-the prompt's one <|image_pad|> per image to the image's tokens
-(`multimodal.expand_placeholders`), encode each image (the vision tower
-runs once per distinct image: `EncoderCache`, keyed by the content hash
-`image_hash`), and lay out the prompt's 3-D MRoPE positions
-(`multimodal.rope_positions`). Every bad input raises there (a named
-`ValueError`), so it never reaches a step.
+`Images.check` runs once per request, on submit, before it is queued: a
+text prompt must hold no image or video placeholder; a prompt with images
+goes to `Images.prepare`, which decodes and patchifies each image
+(`vision_inputs.process_images`), widens the prompt's one <|image_pad|> per
+image to the image's tokens (`multimodal.expand_placeholders`), encodes
+each image (the vision tower runs once per distinct image: `EncoderCache`,
+keyed by the content hash `image_hash`), and lays out the prompt's 3-D
+MRoPE positions (`multimodal.rope_positions`). Every bad input raises there
+(a named `ValueError`), so it never reaches a step. `per_prompt` checks
+`Engine.generate`'s image lists.
 
 `step_visual` builds the visual rows of a step that holds a visual token:
 a chunk may start or end inside an image (chunked prefill, a prefix-cache
@@ -71,6 +73,23 @@ class Images:
     self.encodes += 1
     return multimodal.encode_images(self.cfg, self.params, pixels, [grid])
 
+  def check(self, tokens, images, *, plain_steps: bool) -> MultimodalPrompt | None:
+    """A request's visual inputs (`prepare`), or None for a text prompt;
+    raises on bad input. plain_steps: the engine runs plain steps without
+    attention DP, the only steps that take visual rows."""
+    if images is None:
+      vc = self.cfg.vision
+      for name, tok in (() if vc is None else (("image", vc.image_token_id),
+                                               ("video", vc.video_token_id))):
+        if tok in tokens:
+          raise ValueError(f"prompt has {tokens.count(tok)} {name} placeholders (id {tok}) "
+                           f"for 0 {name}s")
+      return None
+    if not plain_steps:
+      raise ValueError("images: requests with images run on plain steps without attention DP "
+                       "(no speculative decoding, no dp_attn_ep layout)")
+    return self.prepare(tokens, images)
+
   def prepare(self, prompt, images) -> MultimodalPrompt:
     """prompt: token ids with one image placeholder per image; images:
     encoded bytes, file paths, PIL images or uint8 [H, W, 3] arrays."""
@@ -125,10 +144,22 @@ class Images:
     return dict(rope=rope, embeds=embeds, mask=mask, deepstack=deep)
 
   def stats(self) -> dict:
+    """Vision models: encoder_calls, visual_steps, encoder_cache_* (with a
+    cache); text models: nothing."""
+    if self.cfg.vision is None:
+      return {}
     out = dict(encoder_calls=self.encodes, visual_steps=self.visual_steps)
     if self.cache is not None:
       out.update({f"encoder_cache_{k}": v for k, v in self.cache.stats().items()})
     return out
+
+
+def per_prompt(images, num_prompts: int) -> list:
+  """`Engine.generate`'s images -> per prompt, its images or None."""
+  images = [None] * num_prompts if images is None else list(images)
+  if len(images) != num_prompts:
+    raise ValueError(f"images: got {len(images)} image lists for {num_prompts} prompts")
+  return images
 
 
 def _image_starts(tokens, image_id: int, grids, cfg: ModelConfig) -> list[int]:
