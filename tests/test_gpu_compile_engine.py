@@ -181,9 +181,11 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   text, image = (gpu_compile.MemoryReport.of(compiled[n]) for n in ("text", "image"))
   assert gpu_plan.TRITON_CALL in compiled["image"].as_text()  # the paged kernel, not XLA
   assert 0 < image.peak_bytes < 80e9
-  # The image step takes the visual rows on top of the text step's arguments.
+  # The image step takes the visual rows on top of the text step's arguments,
+  # less the text step's rotary positions (it rotates by the rows' MRoPE, and
+  # jit drops an unused argument).
   rows_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in visual.values())
-  assert image.argument_bytes - text.argument_bytes == rows_bytes
+  assert image.argument_bytes - text.argument_bytes == rows_bytes - batch.rope_positions.nbytes
   vc, grid = cfg.vision, ((1, 4, 6),)  # 24 patches -> 6 visual tokens
   encoder = vision.encode.lower(vc, params["vision"], S((24, vc.patch_dim), jnp.float32),
                                 grid).compile()
