@@ -1,12 +1,14 @@
 """The GPU compile gate for the Engine's steps: plain decode, mixed prefill +
-decode, speculative MTP and the attention-DP `shard_map` step with expert
-parallelism are compiled into H100 executables on this CPU machine from
-abstract params (`jaxinfer.bench.gpu_plan`), with the config's kernel target
-set to "gpu": the compiled HLO must hold the Pallas Triton kernels, not the
-XLA fallback. Also the ops target contract and gpu_plan's fit verdicts."""
+decode, speculative MTP, the attention-DP `shard_map` step with expert
+parallelism and the Qwen3-VL image step (with its vision encoder) are
+compiled into H100 executables on this CPU machine from abstract params
+(`jaxinfer.bench.gpu_plan`), with the config's kernel target set to "gpu":
+the compiled HLO must hold the Pallas Triton kernels, not the XLA
+fallback. Also the ops target contract and gpu_plan's fit verdicts."""
 
 import dataclasses
 import json
+import math
 import pathlib
 
 import jax
@@ -14,8 +16,12 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from conftest import FIXTURES
 from jaxinfer import gpu_compile, ops, presets
 from jaxinfer.bench import gpu_plan, sharding_report
+from jaxinfer.config import ModelConfig
+from jaxinfer.engine import steps
+from jaxinfer.models import vision
 
 RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results"
 SMALL = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
@@ -142,12 +148,51 @@ def test_fp8_kv_dp_attn_ep_and_speculative_steps_compile_for_eight_h100s():
 
 
 def _abstract(model, w):
-  cfg = gpu_plan.gpu_config(presets.get(model), "bfloat16")
+  cfg = model if isinstance(model, ModelConfig) else gpu_plan.gpu_config(presets.get(model),
+                                                                         "bfloat16")
   mesh = gpu_compile.mesh({"data": 1})
   params = gpu_plan.abstract_params(cfg, mesh, "tp")
   pool = gpu_plan.abstract_pool(cfg, mesh, "tp", w.pool_pages(), w.page_size,
                                 kv_cache_dtype=w.kv_cache_dtype)
   return params, pool, mesh, "tp"
+
+
+def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
+  # The Engine's image step: `steps.step` with visual rows (`images.step_visual`:
+  # MRoPE [3, T], embeddings [T, D] where mask [T], DeepStack [k, T, D]) for a
+  # prefill chunk inside an image next to decodes; and the vision tower
+  # (`vision.encode`, jitted on its own per image grid), bf16 on an H100.
+  hf = json.loads((FIXTURES / "hf_vl" / "qwen3_vl" / "config.json").read_text())
+  cfg = gpu_plan.gpu_config(ModelConfig.from_hf(hf), "bfloat16")
+  params, pool, mesh, _ = _abstract(cfg, SMALL)
+  seqs = [(SMALL.prefill_tokens, SMALL.prefill_tokens)] + [(1, SMALL.context)] * (SMALL.batch - 1)
+  batch, shapes = gpu_plan.host_batch(seqs, SMALL.page_size, SMALL.pages_per_seq(), len(seqs))
+  T, D, k = shapes.tokens, cfg.d_model, len(cfg.vision.deepstack_indexes)
+  rep = NamedSharding(mesh, P())
+  S = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=rep)
+  visual = dict(rope=S((3, T), jnp.int32), embeds=S((T, D), jnp.float32),
+                mask=S((T,), jnp.bool_), deepstack=S((k, T, D), jnp.float32))
+  compiled = {}
+  for name, rows in (("text", None), ("image", visual)):
+    lowered = steps.step.lower(cfg, params, pool, gpu_compile.abstract(batch, rep),
+                               S((shapes.seqs,), jnp.int32), None, rows, max_q=shapes.max_q,
+                               greedy=True)
+    compiled[name] = lowered.compile()
+  text, image = (gpu_compile.MemoryReport.of(compiled[n]) for n in ("text", "image"))
+  assert gpu_plan.TRITON_CALL in compiled["image"].as_text()  # the paged kernel, not XLA
+  assert 0 < image.peak_bytes < 80e9
+  # The image step takes the visual rows on top of the text step's arguments,
+  # less the text step's rotary positions (it rotates by the rows' MRoPE, and
+  # jit drops an unused argument).
+  rows_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in visual.values())
+  assert image.argument_bytes - text.argument_bytes == rows_bytes - batch.rope_positions.nbytes
+  vc, grid = cfg.vision, ((1, 4, 6),)  # 24 patches -> 6 visual tokens
+  encoder = vision.encode.lower(vc, params["vision"], S((24, vc.patch_dim), jnp.float32),
+                                grid).compile()
+  m = gpu_compile.MemoryReport.of(encoder)
+  assert m.argument_bytes > 0 and 0 < m.peak_bytes < 80e9
+  shapes_out = [o.shape for o in jax.tree.leaves(encoder.out_info)]
+  assert shapes_out == [(6, D), (k, 6, D)]
 
 
 def test_steps_compile_for_eight_h100s():

@@ -17,7 +17,7 @@ from PIL import Image
 
 from conftest import FIXTURES
 from jaxinfer import Engine, EngineConfig, SamplingParams, checkpoint, models, sharding, vision_inputs
-from jaxinfer.models import multimodal, vision
+from jaxinfer.models import layers, multimodal, vision
 
 VL = FIXTURES / "hf_vl"
 PROC = vision_inputs.ProcessorConfig(**{k: v for k, v in json.loads(
@@ -79,6 +79,30 @@ def test_mixed_batch_with_chunks_inside_images(model):
   assert outs[0].metrics.prompt_tokens == 21
   for out, (p, im) in zip(outs, [(P1, [A]), (P2, [B, A]), (P3, None)]):
     assert out.token_ids == reference(model, p, im, GREEDY.max_tokens)
+
+
+def test_mrope_over_equal_axes_is_rope(model):
+  # What the text step relies on: a text token's three MRoPE axes are equal.
+  cfg = model[0]
+  p = jnp.asarray([[0, 5, 16, 200]], jnp.int32)
+  for ours, ref in zip(layers.mrope_cos_sin(cfg, jnp.stack([p] * 3)), layers.rope_cos_sin(cfg, p)):
+    np.testing.assert_array_equal(ours, ref)
+
+
+def test_only_steps_with_visual_tokens_carry_visual_rows(model):
+  """Chunks of 8 over 1 + 15 visual + 10 text tokens: the two chunks holding
+  visual tokens carry visual rows; the text chunks after the image and the
+  decode steps run the text step, rotated by the MRoPE position p + delta
+  (delta -10 here) as plain RoPE. Tokens equal the full-forward reference."""
+  P4 = [1, IMG] + list(range(20, 30))
+  eng = engine(model, prefill_chunk_size=8)
+  outs = eng.generate([P4, P3], GREEDY, images=[[A], None])
+  assert outs[0].metrics.prompt_tokens == 26
+  stats = eng.stats()
+  assert stats["visual_steps"] == 2
+  assert stats["steps"] == 4 + GREEDY.max_tokens - 1  # 4 prefill chunks, then decodes
+  assert outs[0].token_ids == reference(model, P4, [A], GREEDY.max_tokens)
+  assert outs[1].token_ids == reference(model, P3, None, GREEDY.max_tokens)
 
 
 def test_prefix_cache_hits_same_image_misses_another(model):

@@ -26,7 +26,7 @@ from jaxinfer import eplb, kv_cache, kv_scales, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
-from jaxinfer.engine.images import Images
+from jaxinfer.engine.images import Images, per_prompt
 from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
@@ -285,19 +285,8 @@ class Engine(EngineCore):
     """-> (token ids, sampling, `MultimodalPrompt` or None); raises on bad input."""
     self._check_not_released()
     tokens, sampling = self._validate(prompt, sampling)
-    if images is None:
-      vc = self.cfg.vision
-      for name, tok in (() if vc is None else (("image", vc.image_token_id),
-                                               ("video", vc.video_token_id))):
-        if tok in tokens:
-          raise ValueError(f"prompt has {tokens.count(tok)} {name} placeholders (id {tok}) "
-                           f"for 0 {name}s")
-      return tokens, sampling, None
-    if self._spec is not None or self._dp_axes:
-      raise ValueError("images: requests with images run on plain steps without attention DP "
-                       "(no speculative decoding, no dp_attn_ep layout)")
-    mm = self.images.prepare(tokens, images)
-    return *self._validate(mm.tokens, sampling), mm
+    mm = self.images.check(tokens, images, plain_steps=self._spec is None and not self._dp_axes)
+    return (tokens, sampling, None) if mm is None else (*self._validate(mm.tokens, sampling), mm)
 
   def _enqueue_checked(self, tokens, sampling, mm) -> int:
     req = self._new_request(tokens, sampling, mm=mm)
@@ -342,11 +331,8 @@ class Engine(EngineCore):
       sampling = [sampling] * len(prompts)
     if len(sampling) != len(prompts):
       raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-    images = [None] * len(prompts) if images is None else list(images)
-    if len(images) != len(prompts):
-      raise ValueError(f"images: got {len(images)} image lists for {len(prompts)} prompts")
     checked = []
-    for i, (p, s, im) in enumerate(zip(prompts, sampling, images)):
+    for i, (p, s, im) in enumerate(zip(prompts, sampling, per_prompt(images, len(prompts)))):
       try:
         checked.append(self._check(p, s, im))
       except (ValueError, TypeError) as e:
@@ -437,5 +423,5 @@ class Engine(EngineCore):
         overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
         kv_cache_dtype=self.kv_dtype.name,
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
-        **(self.images.stats() if self.cfg.vision is not None else {}),
+        **self.images.stats(),
         **self._runner.stats())

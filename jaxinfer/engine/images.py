@@ -1,21 +1,26 @@
 """Requests with images (Qwen3-VL): the prompt's visual tokens on the host
 and their rows of each engine step.
 
-`Images.prepare` runs once per request, on submit, before it is queued:
-decode and patchify each image (`vision_inputs.process_images`), widen
-the prompt's one <|image_pad|> per image to the image's tokens
-(`multimodal.expand_placeholders`), encode each image (the vision tower
-runs once per distinct image: `EncoderCache`, keyed by the content hash
-`image_hash`), and lay out the prompt's 3-D MRoPE positions
-(`multimodal.rope_positions`). Every bad input raises there (a named
-`ValueError`), so it never reaches a step.
+`Images.check` runs once per request, on submit, before it is queued: a
+text prompt must hold no image or video placeholder; a prompt with images
+goes to `Images.prepare`, which decodes and patchifies each image
+(`vision_inputs.process_images`), widens the prompt's one <|image_pad|> per
+image to the image's tokens (`multimodal.expand_placeholders`), encodes
+each image (the vision tower runs once per distinct image: `EncoderCache`,
+keyed by the content hash `image_hash`), and lays out the prompt's 3-D
+MRoPE positions (`multimodal.rope_positions`). Every bad input raises there
+(a named `ValueError`), so it never reaches a step. `per_prompt` checks
+`Engine.generate`'s image lists.
 
-`step_visual` builds a step's visual rows from its chunks: a chunk may
-start or end inside an image (chunked prefill, a prefix-cache hit, a
-recompute after preemption). Prompt token p takes the embedding row and
-the MRoPE position the prompt's layout gives it; a generated token at
+`step_visual` builds the visual rows of a step that holds a visual token:
+a chunk may start or end inside an image (chunked prefill, a prefix-cache
+hit, a recompute after preemption). Prompt token p takes the embedding row
+and the MRoPE position the prompt's layout gives it; a generated token at
 sequence position p takes rotary position p + delta on all three axes
 (Qwen3-VL's rope delta: the prompt's largest position + 1 - its length).
+Every other step (decode, text chunks) is a text step: no visual rows, its
+rotary positions from `step_rope` (one per token: MRoPE over three equal
+axes is RoPE).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class Images:
         merge_size=vc.spatial_merge_size))
     self.cache = EncoderCache(cfg, params, cache_tokens) if vc is not None and cache_tokens else None
     self.encodes = 0  # images run through the vision tower
+    self.visual_steps = 0  # steps that carried visual rows
 
   def _encode(self, pixels, grid):
     if self.cache is not None:
@@ -66,6 +72,23 @@ class Images:
       return out
     self.encodes += 1
     return multimodal.encode_images(self.cfg, self.params, pixels, [grid])
+
+  def check(self, tokens, images, *, plain_steps: bool) -> MultimodalPrompt | None:
+    """A request's visual inputs (`prepare`), or None for a text prompt;
+    raises on bad input. plain_steps: the engine runs plain steps without
+    attention DP, the only steps that take visual rows."""
+    if images is None:
+      vc = self.cfg.vision
+      for name, tok in (() if vc is None else (("image", vc.image_token_id),
+                                               ("video", vc.video_token_id))):
+        if tok in tokens:
+          raise ValueError(f"prompt has {tokens.count(tok)} {name} placeholders (id {tok}) "
+                           f"for 0 {name}s")
+      return None
+    if not plain_steps:
+      raise ValueError("images: requests with images run on plain steps without attention DP "
+                       "(no speculative decoding, no dp_attn_ep layout)")
+    return self.prepare(tokens, images)
 
   def prepare(self, prompt, images) -> MultimodalPrompt:
     """prompt: token ids with one image placeholder per image; images:
@@ -98,11 +121,51 @@ class Images:
     if self.cache is not None:
       self.cache.release()
 
+  def step_visual(self, scheduled, num_rows: int) -> dict | None:
+    """A step's visual rows (`steps.step`'s visual arguments) when any of its
+    tokens is a visual token, else None: the text step, rotated by
+    `step_rope` (decode steps, and prefill chunks between images)."""
+    if not any(s.request.mm is not None for s in scheduled):
+      return None
+    chunks = [_chunk_rows(s) for s in scheduled]
+    if not any((img >= 0).any() for _, img in chunks):
+      return None
+    self.visual_steps += 1
+    k, D = len(self.cfg.vision.deepstack_indexes), self.cfg.d_model
+    rope = np.zeros((3, num_rows), np.int32)
+    embeds = np.zeros((num_rows, D), np.float32)
+    mask = np.zeros(num_rows, bool)
+    deep = np.zeros((k, num_rows, D), np.float32)
+    t = 0
+    for s, (pos, img) in zip(scheduled, chunks):
+      rope[:, t:t + s.num_tokens] = pos
+      hit = img >= 0
+      idx = t + np.flatnonzero(hit)
+      t += s.num_tokens
+      if not hit.any():  # text rows: embedded in the step, DeepStack 0
+        continue
+      embeds[idx] = s.request.mm.feats[img[hit]]
+      deep[:, idx] = s.request.mm.deepstack[:, img[hit]]
+      mask[idx] = True
+    return dict(rope=rope, embeds=embeds, mask=mask, deepstack=deep)
+
   def stats(self) -> dict:
-    out = dict(encoder_calls=self.encodes)
+    """Vision models: encoder_calls, visual_steps, encoder_cache_* (with a
+    cache); text models: nothing."""
+    if self.cfg.vision is None:
+      return {}
+    out = dict(encoder_calls=self.encodes, visual_steps=self.visual_steps)
     if self.cache is not None:
       out.update({f"encoder_cache_{k}": v for k, v in self.cache.stats().items()})
     return out
+
+
+def per_prompt(images, num_prompts: int) -> list:
+  """`Engine.generate`'s images -> per prompt, its images or None."""
+  images = [None] * num_prompts if images is None else list(images)
+  if len(images) != num_prompts:
+    raise ValueError(f"images: got {len(images)} image lists for {num_prompts} prompts")
+  return images
 
 
 def _image_starts(tokens, image_id: int, grids, cfg: ModelConfig) -> list[int]:
@@ -115,32 +178,25 @@ def _image_starts(tokens, image_id: int, grids, cfg: ModelConfig) -> list[int]:
   return starts
 
 
-def step_visual(cfg: ModelConfig, scheduled, num_rows: int) -> dict | None:
-  """A step's visual rows (`steps.step`'s visual arguments) when any of its
-  chunks is multimodal, else None (the text step: plain RoPE at the
-  sequence position, which MRoPE equals for text without images)."""
+def _chunk_rows(s) -> tuple[np.ndarray, np.ndarray]:
+  """A chunk's MRoPE positions [3, n] and rows of its request's feats [n]
+  (-1: not a visual token)."""
+  mm, pos = s.request.mm, np.arange(s.start, s.start + s.num_tokens)
+  if mm is None:
+    return np.broadcast_to(pos, (3, len(pos))), np.full(len(pos), -1, np.int32)
+  L = len(mm.tokens)
+  in_prompt, at = pos < L, np.minimum(pos, L - 1)
+  return (np.where(in_prompt, mm.rope[:, at], pos + mm.delta),
+          np.where(in_prompt, mm.row[at], -1))
+
+
+def step_rope(scheduled) -> np.ndarray | None:
+  """A text step's rotary positions [real tokens] when any of its chunks is
+  multimodal, else None (the sequence positions). A text token's three MRoPE
+  axes hold one position (`multimodal.rope_positions`; generated tokens
+  p + delta on all three), and interleaved MRoPE over equal axes is plain
+  RoPE at that position (`layers.mrope_cos_sin`), so the text step rotates
+  by the temporal axis. Steps with a visual token take `step_visual`'s rows."""
   if not any(s.request.mm is not None for s in scheduled):
     return None
-  k, D = len(cfg.vision.deepstack_indexes), cfg.d_model
-  rope = np.zeros((3, num_rows), np.int32)
-  embeds = np.zeros((num_rows, D), np.float32)
-  mask = np.zeros(num_rows, bool)
-  deep = np.zeros((k, num_rows, D), np.float32)
-  t = 0
-  for s in scheduled:
-    mm, pos = s.request.mm, np.arange(s.start, s.start + s.num_tokens)
-    rows = slice(t, t + s.num_tokens)
-    t += s.num_tokens
-    if mm is None:
-      rope[:, rows] = pos
-      continue
-    L = len(mm.tokens)
-    in_prompt = pos < L
-    rope[:, rows] = np.where(in_prompt, mm.rope[:, np.minimum(pos, L - 1)], pos + mm.delta)
-    img = np.where(in_prompt, mm.row[np.minimum(pos, L - 1)], -1)
-    hit = img >= 0
-    idx = np.arange(rows.start, rows.stop)[hit]
-    embeds[idx] = mm.feats[img[hit]]
-    deep[:, idx] = mm.deepstack[:, img[hit]]
-    mask[idx] = True
-  return dict(rope=rope, embeds=embeds, mask=mask, deepstack=deep)
+  return np.concatenate([_chunk_rows(s)[0][0] for s in scheduled])

@@ -76,7 +76,8 @@ def rank_batch(scheduled: list[Scheduled], shapes: steps.StepShapes):
       q_lens=[s.num_tokens for s in scheduled],
       kv_lens=[s.start + s.num_tokens for s in scheduled],
       page_tables=[r.pages for r in reqs], **sampling_fields(reqs),
-      sample_idx=[len(r.output) + r.pending for r in reqs]), len(tokens)
+      sample_idx=[len(r.output) + r.pending for r in reqs],
+      rope_positions=images.step_rope(scheduled)), len(tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,7 +117,7 @@ class PlainRunner:
           self._prev_sampled, eng._load, max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
           axes=eng._dp_axes, greedy=greedy)
     else:
-      visual = images.step_visual(eng.cfg, per_rank[0], shapes.tokens)
+      visual = eng.images.step_visual(per_rank[0], shapes.tokens)
       sampled, eng.pool, eng._load = steps.step(
           eng.cfg, eng._step_params, eng.pool, batches[0][0], self._prev_sampled, eng._load,
           visual, max_q=shapes.max_q, ep=eng._ep, greedy=greedy, **eng._heads)

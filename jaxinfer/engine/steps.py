@@ -33,7 +33,8 @@ class StepBatch:
   tokens: jax.Array  # [T] int32
   from_prev: jax.Array  # [T] int32: row of the previous step's samples holding this
   #                       token (still on device when this step was built), or -1
-  positions: jax.Array  # [T] int32
+  positions: jax.Array  # [T] int32: sequence position (the K/V slot)
+  rope_positions: jax.Array  # [T] int32: rotary position on the text path (`images.step_rope`)
   token_seq: jax.Array  # [T] int32
   valid: jax.Array  # [T] bool
   cu_q_lens: jax.Array  # [B + 1] int32
@@ -83,13 +84,17 @@ def ragged_layout(shapes: StepShapes, q_lens, page_tables):
 
 
 def pad_batch(shapes: StepShapes, *, tokens, from_prev, positions, token_seq, q_lens, kv_lens,
-              page_tables, temperature, top_k, top_p, seeds, sample_idx) -> StepBatch:
-  """Host lists -> a padded StepBatch of numpy arrays (one transfer per step)."""
+              page_tables, temperature, top_k, top_p, seeds, sample_idx,
+              rope_positions=None) -> StepBatch:
+  """Host lists -> a padded StepBatch of numpy arrays (one transfer per step).
+  rope_positions None: the sequence positions."""
   T, B = shapes.tokens, shapes.seqs
   n = len(tokens)
   cu, table, last = ragged_layout(shapes, q_lens, page_tables)
   return StepBatch(
-      tokens=pad(tokens, T, np.int32), from_prev=pad(from_prev, T, np.int32, -1), positions=pad(positions, T, np.int32),
+      tokens=pad(tokens, T, np.int32), from_prev=pad(from_prev, T, np.int32, -1),
+      positions=pad(positions, T, np.int32),
+      rope_positions=pad(positions if rope_positions is None else rope_positions, T, np.int32),
       token_seq=pad(token_seq, T, np.int32), valid=pad(np.ones(n, bool), T, bool),
       cu_q_lens=cu, kv_lens=pad(kv_lens, B, np.int32), page_table=table, logits_idx=last,
       temperature=pad(temperature, B, np.float32), top_k=pad(top_k, B, np.int32),
@@ -123,15 +128,15 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   (static): every row has temperature 0. mesh, head_axis (static): the mesh
   axis the layout splits attention heads and the pool over
   (`sharding.head_axis`), so attention runs per device in shard_map; None:
-  no split. visual: a multimodal step's rows (`engine.images.step_visual`):
+  no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
   rope [3, T] MRoPE positions, embeds [T, D] where mask [T] (visual tokens),
-  deepstack [k, T, D]; None: text (RoPE at batch.positions)."""
+  deepstack [k, T, D]; None: text (RoPE at batch.rope_positions)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q, mesh=mesh,
-                     head_axis=head_axis)
+                     head_axis=head_axis, rope_positions=batch.rope_positions)
   x, caches, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool.model, ep,
                                       None if load is None else ExpertCount.LOGICAL,
                                       _visual_inputs(cfg, params, tokens, visual))

@@ -123,10 +123,11 @@ class PagedContext:
   max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
   mesh: object = dataclasses.field(metadata=dict(static=True), default=None)
   head_axis: object = dataclasses.field(metadata=dict(static=True), default=None)
+  rope_positions: jax.Array | None = None  # [T] int32 rotary positions; None: positions
   caches_latent = True
 
   def token_positions(self, T: int):
-    return self.positions[None]
+    return (self.positions if self.rope_positions is None else self.rope_positions)[None]
 
   def token_valid(self):
     return self.valid[None]
