@@ -141,7 +141,8 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
   j <= q_positions[b, t] and (window == 0 or q_positions - j < window)
   (HF's sliding-window rule). `window` may be a traced scalar (scanned layers).
   sinks [N] or None: a learned logit per head in the softmax denominator
-  (GPT-OSS). Returns [B, T, N, Hv] in q's dtype; softmax runs in float32.
+  (GPT-OSS). Returns [B, T, N, Hv] in q's dtype (zeros for a row that sees no
+  key); softmax runs in float32.
   Every target runs this XLA form (`target` is validated, nothing more).
   """
   resolve_target(target)

@@ -16,8 +16,7 @@ FlashAttention): per row a running max m, sum l and accumulator acc,
 so no [T, S] tensor exists; key blocks no query of the block can see (after
 its last position, or before its window) are skipped by a `cond`. The sink
 logit joins the denominator once, at the end. A row with no visible key
-returns zeros in `blocked` (the flash kernel's rule) and a harmless uniform
-average in `dense`; callers discard such rows.
+(padding) returns zeros in both, as in the flash kernel.
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ def dense(q, k, v, q_positions, kv_lengths, window, sinks, scale):
   mask = _visible(q_positions, kv_lengths, jnp.asarray(window, jnp.int32),
                   jnp.arange(S, dtype=jnp.int32))
   # A large finite negative rather than -inf: a fully masked (padding) row
-  # yields a harmless uniform row instead of NaN.
+  # stays finite (uniform); it is zeroed at the end.
   scores = jnp.where(mask[:, None, None], scores, MASKED)
   if sinks is None:
     probs = jax.nn.softmax(scores, axis=-1)
@@ -58,6 +57,7 @@ def dense(q, k, v, q_positions, kv_lengths, window, sinks, scale):
     probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
   out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v,
                    preferred_element_type=jnp.float32)
+  out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None, None], out, 0)
   return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
 
 
