@@ -31,14 +31,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import page_pool
+from jaxinfer import page_pool, xla_attention
 import pallas_kernels
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
 IMPLEMENTATIONS = ("xla", "pallas")
 TARGETS = ("gpu", "cpu")
-_MASKED = -1e30
+_BLOCK_Q, _BLOCK_K = 64, 128  # XLA attention blocks (queries, keys)
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
 
 
@@ -141,7 +141,8 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
   j <= q_positions[b, t] and (window == 0 or q_positions - j < window)
   (HF's sliding-window rule). `window` may be a traced scalar (scanned layers).
   sinks [N] or None: a learned logit per head in the softmax denominator
-  (GPT-OSS). Returns [B, T, N, Hv] in q's dtype; softmax runs in float32.
+  (GPT-OSS). Returns [B, T, N, Hv] in q's dtype (zeros for a row that sees no
+  key); softmax runs in float32.
   Every target runs this XLA form (`target` is validated, nothing more).
   """
   resolve_target(target)
@@ -151,32 +152,13 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
 
 
 def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
-  B, T, N, _ = q.shape
-  S, K = k.shape[1], k.shape[2]
-  G = N // K
-  qg = q.reshape(B, T, K, G, q.shape[-1])
-  # Grouped heads attend to their shared KV head without repeating K/V.
-  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
-  scores = scores * scale
-  kpos = jnp.arange(S, dtype=jnp.int32)
-  qpos = q_positions[:, :, None]  # [B, T, 1]
-  mask = (kpos[None, None, :] <= qpos) & (kpos[None, None, :] < kv_lengths[:, None, None])
-  window = jnp.asarray(window, jnp.int32)
-  mask &= (window == 0) | (qpos - kpos[None, None, :] < window)
-  # A large finite negative rather than -inf: a fully masked (padding) row
-  # yields a harmless uniform row instead of NaN.
-  scores = jnp.where(mask[:, None, None], scores, _MASKED)
-  if sinks is None:
-    probs = jax.nn.softmax(scores, axis=-1)
-  else:
-    # Softmax over [scores, sink]; the sink column takes mass but has no value.
-    sink = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
-    m = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
-    e = jnp.exp(scores - m)
-    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
-  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+  # Past one block of queries and of keys, blocks with an online softmax: no
+  # [T, S] scores, and key blocks past causality or the window are skipped
+  # (bench_dense prefill @512 on a 2-core CPU: see `xla_attention`).
+  if q.shape[1] > _BLOCK_Q and k.shape[1] > _BLOCK_K:
+    return xla_attention.blocked(q, k, v, q_positions, kv_lengths, window, sinks, scale,
+                                 block_q=_BLOCK_Q, block_k=_BLOCK_K)
+  return xla_attention.dense(q, k, v, q_positions, kv_lengths, window, sinks, scale)
 
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,

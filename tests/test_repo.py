@@ -12,14 +12,16 @@ ROOT = pathlib.Path(__file__).parent.parent
 # Lower index = lower layer. A module may import its own layer or lower ones.
 LAYERS = [
     ("pallas_kernels", 0), ("jaxinfer/config.py", 1), ("jaxinfer/hf_config.py", 1),
-    ("jaxinfer/presets.py", 1), ("jaxinfer/ops.py", 1), ("jaxinfer/models", 2),
+    ("jaxinfer/presets.py", 1), ("jaxinfer/ops.py", 1), ("jaxinfer/xla_attention.py", 1),
+    ("jaxinfer/models", 2),
     ("jaxinfer/checkpoint", 3), ("jaxinfer/kv_cache.py", 3), ("jaxinfer/tokenizer.py", 1),
     ("jaxinfer/vision_inputs.py", 1), ("jaxinfer/sharding.py", 3), ("jaxinfer/eplb.py", 3), ("jaxinfer/bench", 5),
     ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5), ("jaxinfer/training.py", 3),
     ("jaxinfer/serving", 5), ("jaxinfer/sim", 5), ("jaxinfer/gpu_compile.py", 3),
 ]
 MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
-                "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.models": 2,
+                "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.xla_attention": 1,
+                "jaxinfer.models": 2,
                 "jaxinfer.checkpoint": 3, "jaxinfer.kv_cache": 3, "jaxinfer.tokenizer": 1,
                 "jaxinfer.vision_inputs": 1, "jaxinfer.sharding": 3, "jaxinfer.eplb": 3, "jaxinfer.bench": 5,
                 "jaxinfer.engine": 4, "jaxinfer.run": 5, "jaxinfer.training": 3,

@@ -1,0 +1,126 @@
+"""Grouped-query attention in pure JAX (`ops`' XLA path): dense and blocked.
+
+Both take q [B, T, N, Hk], k [B, S, K, Hk], v [B, S, K, Hv], q_positions
+[B, T], kv_lengths [B], a window (int or traced scalar, 0: none), sinks [N]
+or None and the softmax scale; key j is visible to query t iff
+j < kv_lengths[b], j <= q_positions[b, t] and (window == 0 or
+q_positions[b, t] - j < window). Softmax runs in float32.
+
+`dense` forms the [B, K, G, T, S] scores. `blocked` walks query blocks and,
+inside each, key blocks with an online softmax (Milakov & Gimelshein 2018;
+FlashAttention): per row a running max m, sum l and accumulator acc,
+
+  m' = max(m, rowmax(s)),  l' = l e^(m - m') + sum e^(s - m'),
+  acc' = acc e^(m - m') + e^(s - m') v,
+
+so no [T, S] tensor exists; key blocks no query of the block can see (after
+its last position, or before its window) are skipped by a `cond`. The sink
+logit joins the denominator once, at the end. A row with no visible key
+(padding) returns zeros in both, as in the flash kernel.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+MASKED = -1e30
+
+
+def _visible(q_positions, kv_lengths, window, kpos):
+  """[B, T, S] bool: which keys (at `kpos` [S]) each query sees."""
+  qpos = q_positions[:, :, None]
+  mask = (kpos[None, None, :] <= qpos) & (kpos[None, None, :] < kv_lengths[:, None, None])
+  return mask & ((window == 0) | (qpos - kpos[None, None, :] < window))
+
+
+def dense(q, k, v, q_positions, kv_lengths, window, sinks, scale):
+  B, T, N, _ = q.shape
+  S, K = k.shape[1], k.shape[2]
+  G = N // K
+  qg = q.reshape(B, T, K, G, q.shape[-1])
+  # Grouped heads attend to their shared KV head without repeating K/V.
+  scores = jnp.einsum("BTKGH,BSKH->BKGTS", qg, k, preferred_element_type=jnp.float32)
+  scores = scores * scale
+  mask = _visible(q_positions, kv_lengths, jnp.asarray(window, jnp.int32),
+                  jnp.arange(S, dtype=jnp.int32))
+  # A large finite negative rather than -inf: a fully masked (padding) row
+  # stays finite (uniform); it is zeroed at the end.
+  scores = jnp.where(mask[:, None, None], scores, MASKED)
+  if sinks is None:
+    probs = jax.nn.softmax(scores, axis=-1)
+  else:
+    # Softmax over [scores, sink]; the sink column takes mass but has no value.
+    sink = sinks.astype(jnp.float32).reshape(1, K, G, 1, 1)
+    m = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+    e = jnp.exp(scores - m)
+    probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))
+  out = jnp.einsum("BKGTS,BSKH->BTKGH", probs.astype(v.dtype), v,
+                   preferred_element_type=jnp.float32)
+  out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None, None], out, 0)
+  return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+
+
+def _blocks(x, size, axis=1, mode="constant"):
+  """Pad `axis` to a multiple of `size` and move the block index to the front."""
+  n = -(-x.shape[axis] // size)
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, n * size - x.shape[axis])
+  x = jnp.pad(x, pad, mode=mode)
+  x = x.reshape(x.shape[:axis] + (n, size) + x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def blocked(q, k, v, q_positions, kv_lengths, window, sinks, scale, *, block_q, block_k):
+  B, T, N, _ = q.shape
+  S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+  G = N // K
+  window = jnp.asarray(window, jnp.int32)
+  # Padded queries repeat the last position (their rows are dropped); padded
+  # keys sit at positions >= S >= kv_lengths, so the mask hides them.
+  qb = _blocks(q.reshape(B, T, K, G, -1), block_q)  # [nq, B, bq, K, G, Hk]
+  pb = _blocks(q_positions, block_q, mode="edge")  # [nq, B, bq]
+  kb, vb = _blocks(k, block_k), _blocks(v, block_k)  # [nk, B, bk, K, H]
+  kmax = jnp.max(kv_lengths)
+
+  def query_block(_, xs):
+    qi, pos = xs
+    lo, hi = jnp.min(pos), jnp.max(pos)
+
+    def key_block(carry, ys):
+      j0, kj, vj = ys
+      seen = (j0 <= hi) & (j0 < kmax) & ((window == 0) | (lo - (j0 + block_k - 1) < window))
+      return jax.lax.cond(seen, _online_step, lambda c, *_: c, carry, qi, kj, vj,
+                          _visible(pos, kv_lengths, window, j0 + jnp.arange(block_k)),
+                          scale), None
+
+    init = (jnp.full((B, K, G, block_q), MASKED, jnp.float32),
+            jnp.zeros((B, K, G, block_q), jnp.float32),
+            jnp.zeros((B, K, G, block_q, Hv), jnp.float32))
+    starts = jnp.arange(kb.shape[0], dtype=jnp.int32) * block_k
+    (m, l, acc), _ = jax.lax.scan(key_block, init, (starts, kb, vb))
+    if sinks is not None:  # the sink column: mass in the denominator, no value
+      sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+      m_all = jnp.maximum(m, sink)
+      l = l * jnp.exp(m - m_all) + jnp.exp(sink - m_all)
+      acc = acc * jnp.exp(m - m_all)[..., None]
+    return None, acc / jnp.where(l == 0, 1.0, l)[..., None]
+
+  _, out = jax.lax.scan(query_block, None, (qb, pb))  # [nq, B, K, G, bq, Hv]
+  out = out.transpose(1, 0, 4, 2, 3, 5).reshape(B, -1, N, Hv)  # [B, nq * bq, N, Hv]
+  return out[:, :T].astype(q.dtype)
+
+
+def _online_step(carry, qi, kj, vj, mask, scale):
+  """One key block into the running (max, sum, acc) of a query block.
+  qi [B, bq, K, G, Hk], kj [B, bk, K, Hk], vj [B, bk, K, Hv], mask [B, bq, bk]."""
+  m, l, acc = carry
+  s = jnp.einsum("BTKGH,BSKH->BKGTS", qi, kj, preferred_element_type=jnp.float32) * scale
+  mask = mask[:, None, None]
+  s = jnp.where(mask, s, MASKED)
+  m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+  p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)  # masked keys add nothing
+  corr = jnp.exp(m - m_new)
+  l = l * corr + jnp.sum(p, axis=-1)
+  pv = jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
+  return m_new, l, acc * corr[..., None] + pv
