@@ -73,7 +73,7 @@ def _blocks(x, size, axis=1, mode="constant"):
 
 def blocked(q, k, v, q_positions, kv_lengths, window, sinks, scale, *, block_q, block_k):
   B, T, N, _ = q.shape
-  S, K, Hv = k.shape[1], k.shape[2], v.shape[-1]
+  K, Hv = k.shape[2], v.shape[-1]
   G = N // K
   window = jnp.asarray(window, jnp.int32)
   # Padded queries repeat the last position (their rows are dropped); padded
