@@ -197,3 +197,24 @@ def test_bounded_queue_rejects_with_a_clear_error():
   rejected = [o for o in outs if o.finish_reason == "error"]
   assert rejected and all("rejected" in o.error and "max_queue" in o.error for o in rejected)
   assert all(o.finish_reason == "length" for o in outs if o not in rejected)
+
+
+def test_workers_added_after_a_stop_pair_with_the_live_workers_only():
+  # A stopped worker has released its engine: the compatibility checks of a
+  # new worker skip it, and the new pairs serve with the reference tokens.
+  cfg, params = _model("dense")
+  prompts = _prompts(cfg, [6, 11, 3], seed=4)
+  sampling = SamplingParams(max_tokens=6)
+  ref = Engine(cfg, params, EngineConfig(**CONFIG)).generate(prompts, sampling)
+  worker = lambda role, name: Worker(cfg, params, EngineConfig(**CONFIG), role=role, name=name)
+  cluster = Cluster([worker("prefill", "p0"), worker("decode", "d0")],
+                    disagg=DisaggConfig(mode="always"))
+  cluster.stop_worker(0)
+  cluster.add_worker(worker("prefill", "p1"))
+  cluster.stop_worker(1)
+  cluster.add_worker(worker("decode", "d1"))
+  cids = [cluster.submit(p, sampling) for p in prompts]
+  while cluster.has_unfinished():
+    cluster.step()
+  assert [cluster.output(c).token_ids for c in cids] == [r.token_ids for r in ref]
+  assert cluster.stats()["remote_prefills"] == len(prompts)

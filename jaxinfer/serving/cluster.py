@@ -68,9 +68,11 @@ class Cluster(Flow):
 
   def add_worker(self, worker: Worker) -> int:
     """A new worker in service (`Flow.add_worker`), checked against the
-    disaggregation pairs it joins. -> its index."""
-    pairs = ([(worker, self.workers[d]) for d in self._serving] if worker.role == "prefill"
-             else [(self.workers[p], worker) for p in self._prefill])
+    disaggregation pairs it joins (live workers: a stopped one has released
+    its engine). -> its index."""
+    pairs = ([(worker, self.workers[d]) for d in self._live(self._serving)]
+             if worker.role == "prefill"
+             else [(self.workers[p], worker) for p in self._live(self._prefill)])
     for prefill, decode in pairs:
       check_compatible(prefill.engine, decode.engine)
     return super().add_worker(worker)
