@@ -199,3 +199,24 @@ def test_moe_tp_attn_ep_matches():
   assert eng.stats()["visual_steps"] >= 1
   assert outs[0].token_ids == reference(model, P1, [A], GREEDY.max_tokens)
   assert outs[1].token_ids == reference(model, P3, None, GREEDY.max_tokens)
+
+
+def test_moe_attention_dp_matches():
+  """Qwen3-VL-MoE under dp_attn_ep on data=2 x expert=2 (four attention-DP
+  ranks, experts over all four): image and text requests in one batch on
+  different ranks, chunks inside images; decode steps after the images run
+  the text step at p + delta on each rank."""
+  model = moe_model()
+  cfg, params = model
+  mesh = sharding.make_mesh({"data": 2, "expert": 2}, jax.devices()[:4])
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=48, max_num_seqs=4,
+                                         max_num_batched_tokens=32, prefill_chunk_size=8,
+                                         image_processor=PROC), mesh=mesh, layout="dp_attn_ep")
+  assert eng.num_ranks == 4
+  prompts, imgs = [P1, P3, P2], [[A], None, [B, A]]
+  outs = eng.generate(prompts, GREEDY, images=imgs)
+  stats = eng.stats()
+  assert sorted(stats["requests_per_rank"]) == [0, 1, 1, 1]
+  assert stats["visual_steps"] >= 1
+  for out, p, im in zip(outs, prompts, imgs):
+    assert out.token_ids == reference(model, p, im, GREEDY.max_tokens)
