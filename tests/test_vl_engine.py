@@ -174,3 +174,49 @@ def test_tensor_parallel_matches(model):
   outs = eng.generate([P1, P3], GREEDY, images=[[A], None])
   assert outs[0].token_ids == reference(model, P1, [A], GREEDY.max_tokens)
   assert outs[1].token_ids == reference(model, P3, None, GREEDY.max_tokens)
+
+
+def moe_model(num_kv_heads=None):
+  """The tiny Qwen3-VL-MoE (4 experts); num_kv_heads: a random model with
+  that many KV heads (the fixture's one KV head does not split over tensor)."""
+  cfg, params = checkpoint.load_hf(str(VL / "qwen3_vl_moe"), dtype=jnp.float32)
+  if num_kv_heads is None:
+    return cfg, params
+  cfg = dataclasses.replace(cfg, num_kv_heads=num_kv_heads)
+  return cfg, models.init_params(cfg, jax.random.key(1))
+
+
+def test_moe_tp_attn_ep_matches():
+  """Qwen3-VL-MoE, attention heads over tensor=2 and the experts over all
+  four devices (tp_attn_ep): a text and an image request in one batch."""
+  model = moe_model(num_kv_heads=2)
+  cfg, params = model
+  mesh = sharding.make_mesh({"tensor": 2, "expert": 2}, jax.devices()[:4])
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, max_num_seqs=4,
+                                         max_num_batched_tokens=32, prefill_chunk_size=8,
+                                         image_processor=PROC), mesh=mesh, layout="tp_attn_ep")
+  outs = eng.generate([P1, P3], GREEDY, images=[[A], None])
+  assert eng.stats()["visual_steps"] >= 1
+  assert outs[0].token_ids == reference(model, P1, [A], GREEDY.max_tokens)
+  assert outs[1].token_ids == reference(model, P3, None, GREEDY.max_tokens)
+
+
+def test_moe_attention_dp_matches():
+  """Qwen3-VL-MoE under dp_attn_ep on data=2 x expert=2 (four attention-DP
+  ranks, experts over all four): image and text requests in one batch on
+  different ranks, chunks inside images; decode steps after the images run
+  the text step at p + delta on each rank."""
+  model = moe_model()
+  cfg, params = model
+  mesh = sharding.make_mesh({"data": 2, "expert": 2}, jax.devices()[:4])
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=48, max_num_seqs=4,
+                                         max_num_batched_tokens=32, prefill_chunk_size=8,
+                                         image_processor=PROC), mesh=mesh, layout="dp_attn_ep")
+  assert eng.num_ranks == 4
+  prompts, imgs = [P1, P3, P2], [[A], None, [B, A]]
+  outs = eng.generate(prompts, GREEDY, images=imgs)
+  stats = eng.stats()
+  assert sorted(stats["requests_per_rank"]) == [0, 1, 1, 1]
+  assert stats["visual_steps"] >= 1
+  for out, p, im in zip(outs, prompts, imgs):
+    assert out.token_ids == reference(model, p, im, GREEDY.max_tokens)

@@ -285,7 +285,7 @@ class Engine(EngineCore):
     """-> (token ids, sampling, `MultimodalPrompt` or None); raises on bad input."""
     self._check_not_released()
     tokens, sampling = self._validate(prompt, sampling)
-    mm = self.images.check(tokens, images, plain_steps=self._spec is None and not self._dp_axes)
+    mm = self.images.check(tokens, images, plain_steps=self._spec is None)
     return (tokens, sampling, None) if mm is None else (*self._validate(mm.tokens, sampling), mm)
 
   def _enqueue_checked(self, tokens, sampling, mm) -> int:

@@ -75,8 +75,8 @@ class Images:
 
   def check(self, tokens, images, *, plain_steps: bool) -> MultimodalPrompt | None:
     """A request's visual inputs (`prepare`), or None for a text prompt;
-    raises on bad input. plain_steps: the engine runs plain steps without
-    attention DP, the only steps that take visual rows."""
+    raises on bad input. plain_steps: the engine runs plain steps (with or
+    without attention DP), the only steps that take visual rows."""
     if images is None:
       vc = self.cfg.vision
       for name, tok in (() if vc is None else (("image", vc.image_token_id),
@@ -86,8 +86,8 @@ class Images:
                            f"for 0 {name}s")
       return None
     if not plain_steps:
-      raise ValueError("images: requests with images run on plain steps without attention DP "
-                       "(no speculative decoding, no dp_attn_ep layout)")
+      raise ValueError("images: requests with images run on plain steps "
+                       "(no speculative decoding)")
     return self.prepare(tokens, images)
 
   def prepare(self, prompt, images) -> MultimodalPrompt:
@@ -125,28 +125,37 @@ class Images:
     """A step's visual rows (`steps.step`'s visual arguments) when any of its
     tokens is a visual token, else None: the text step, rotated by
     `step_rope` (decode steps, and prefill chunks between images)."""
-    if not any(s.request.mm is not None for s in scheduled):
+    rows = self.ranked_visual([scheduled], num_rows)
+    return None if rows is None else {k: v[0] for k, v in rows.items()}
+
+  def ranked_visual(self, per_rank, num_rows: int) -> dict | None:
+    """Each rank's visual rows stacked [n, ...] (`steps.step_ranked`, attention
+    DP) when any rank's chunks hold a visual token, else None. A rank without
+    one gets its text rows: token embeddings (mask 0), DeepStack 0, and its
+    rotary positions on all three MRoPE axes (MRoPE over equal axes is RoPE)."""
+    if not any(s.request.mm is not None for sch in per_rank for s in sch):
       return None
-    chunks = [_chunk_rows(s) for s in scheduled]
-    if not any((img >= 0).any() for _, img in chunks):
+    chunks = [[_chunk_rows(s) for s in sch] for sch in per_rank]
+    if not any((img >= 0).any() for rank in chunks for _, img in rank):
       return None
     self.visual_steps += 1
-    k, D = len(self.cfg.vision.deepstack_indexes), self.cfg.d_model
-    rope = np.zeros((3, num_rows), np.int32)
-    embeds = np.zeros((num_rows, D), np.float32)
-    mask = np.zeros(num_rows, bool)
-    deep = np.zeros((k, num_rows, D), np.float32)
-    t = 0
-    for s, (pos, img) in zip(scheduled, chunks):
-      rope[:, t:t + s.num_tokens] = pos
-      hit = img >= 0
-      idx = t + np.flatnonzero(hit)
-      t += s.num_tokens
-      if not hit.any():  # text rows: embedded in the step, DeepStack 0
-        continue
-      embeds[idx] = s.request.mm.feats[img[hit]]
-      deep[:, idx] = s.request.mm.deepstack[:, img[hit]]
-      mask[idx] = True
+    n, k, D = len(per_rank), len(self.cfg.vision.deepstack_indexes), self.cfg.d_model
+    rope = np.zeros((n, 3, num_rows), np.int32)
+    embeds = np.zeros((n, num_rows, D), np.float32)
+    mask = np.zeros((n, num_rows), bool)
+    deep = np.zeros((n, k, num_rows, D), np.float32)
+    for r, (sch, rank_chunks) in enumerate(zip(per_rank, chunks)):
+      t = 0
+      for s, (pos, img) in zip(sch, rank_chunks):
+        rope[r, :, t:t + s.num_tokens] = pos
+        hit = img >= 0
+        idx = t + np.flatnonzero(hit)
+        t += s.num_tokens
+        if not hit.any():  # text rows: embedded in the step, DeepStack 0
+          continue
+        embeds[r, idx] = s.request.mm.feats[img[hit]]
+        deep[r][:, idx] = s.request.mm.deepstack[:, img[hit]]
+        mask[r, idx] = True
     return dict(rope=rope, embeds=embeds, mask=mask, deepstack=deep)
 
   def stats(self) -> dict:

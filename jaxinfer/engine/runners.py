@@ -114,7 +114,8 @@ class PlainRunner:
     if eng._dp_axes:
       sampled, eng.pool, eng._load = steps.step_ranked(
           eng.cfg, eng._step_params, eng.pool, steps.stack_batches([b for b, _ in batches]),
-          self._prev_sampled, eng._load, max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
+          self._prev_sampled, eng._load, eng.images.ranked_visual(per_rank, shapes.tokens),
+          max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
           axes=eng._dp_axes, greedy=greedy)
     else:
       visual = eng.images.step_visual(per_rank[0], shapes.tokens)

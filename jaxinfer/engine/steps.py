@@ -139,7 +139,8 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
                      head_axis=head_axis, rope_positions=batch.rope_positions)
   x, caches, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool.model, ep,
                                       None if load is None else ExpertCount.LOGICAL,
-                                      _visual_inputs(cfg, params, tokens, visual))
+                                      _visual_inputs(cfg, params, tokens[None],
+                                                     jax.tree.map(lambda a: a[None], visual)))
   pool = pool.with_segments(caches)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   sampled = _sample(logits, batch, greedy)
@@ -148,13 +149,15 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
 
 
 def _visual_inputs(cfg: ModelConfig, params, tokens, visual) -> VisualInputs | None:
-  """A multimodal step's rows -> the trunk's `VisualInputs` (batch of one)."""
+  """A multimodal step's rows, each with a leading batch axis (tokens [B, T];
+  visual rope [B, 3, T], embeds [B, T, D], mask [B, T], deepstack
+  [B, k, T, D]) -> the trunk's `VisualInputs`."""
   if visual is None:
     return None
   x = params["embed"][tokens].astype(cfg.compute_dtype())
-  x = jnp.where(visual["mask"][:, None], visual["embeds"].astype(x.dtype), x)
-  return VisualInputs(embeds=x[None], positions=visual["rope"][:, None],
-                      deepstack=visual["deepstack"][:, None].astype(x.dtype))
+  x = jnp.where(visual["mask"][..., None], visual["embeds"].astype(x.dtype), x)
+  return VisualInputs(embeds=x, positions=jnp.moveaxis(visual["rope"], 1, 0),
+                      deepstack=jnp.moveaxis(visual["deepstack"], 1, 0).astype(x.dtype))
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
@@ -164,17 +167,21 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes", "greedy"),
                    donate_argnames=("pool", "load"))
-def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
-                max_q: int, ep, mesh, axes, greedy: bool = False):
+def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None,
+                visual=None, *, max_q: int, ep, mesh, axes, greedy: bool = False):
   """Attention-data-parallel step: batch fields [n, ...], rank r's requests
-  and pages on rank r. -> (sampled [n, S] int32, new pool, new load)."""
+  and pages on rank r. -> (sampled [n, S] int32, new pool, new load).
+  visual: `step`'s visual rows per rank, [n, ...] (`Images.ranked_visual`:
+  a rank without visual tokens has its text rows), or None."""
   n, B = batch.kv_lens.shape
   prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
   tokens = jnp.where(batch.from_prev >= 0, prev, batch.tokens)  # [n, T]
   ctx = RankedPagedContext(batch.positions, batch.token_seq, batch.valid, batch.cu_q_lens,
-                           batch.kv_lens, batch.page_table, max_q, mesh, axes)
+                           batch.kv_lens, batch.page_table, max_q, mesh, axes,
+                           rope_positions=batch.rope_positions)
   x, caches, counts = trunk_with_counts(cfg, params, tokens, ctx, pool.model, ep,
-                                      None if load is None else ExpertCount.LOGICAL)  # x [n, T, D]
+                                      None if load is None else ExpertCount.LOGICAL,
+                                      _visual_inputs(cfg, params, tokens, visual))  # x [n, T, D]
   pool = pool.with_segments(caches)
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)

@@ -206,10 +206,11 @@ class RankedPagedContext:
   max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
   mesh: object = dataclasses.field(metadata=dict(static=True), default=None)
   axes: tuple = dataclasses.field(metadata=dict(static=True), default=())
+  rope_positions: jax.Array | None = None  # [n, T] rotary positions; None: positions
   caches_latent = True
 
   def token_positions(self, T: int):
-    return self.positions
+    return self.positions if self.rope_positions is None else self.rope_positions
 
   def token_valid(self):
     return self.valid
