@@ -17,11 +17,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import FIXTURES
-from jaxinfer import gpu_compile, ops, presets
+from jaxinfer import gpu_compile, ops, presets, sharding
 from jaxinfer.bench import gpu_plan, sharding_report
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import steps
 from jaxinfer.models import vision
+from jaxinfer.models.moe_ep import plan_from_params
 
 RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results"
 SMALL = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
@@ -193,6 +194,31 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   assert m.argument_bytes > 0 and 0 < m.peak_bytes < 80e9
   shapes_out = [o.shape for o in jax.tree.leaves(encoder.out_info)]
   assert shapes_out == [(6, D), (k, 6, D)]
+
+
+def test_qwen3_vl_moe_image_step_under_attention_dp_compiles_for_four_h100s():
+  # Images under attention DP: `steps.step_ranked` with each rank's visual rows
+  # ([n, ...], `Images.ranked_visual`), Qwen3-VL-MoE (4 experts) on data=2 x expert=2 H100s.
+  hf = json.loads((FIXTURES / "hf_vl" / "qwen3_vl_moe" / "config.json").read_text())
+  cfg = gpu_plan.gpu_config(ModelConfig.from_hf(hf), "bfloat16")
+  mesh, layout = gpu_compile.mesh({"data": 2, "expert": 2}), "dp_attn_ep"
+  params = gpu_plan.abstract_params(cfg, mesh, layout)
+  pool = gpu_plan.abstract_pool(cfg, mesh, layout, SMALL.pool_pages(), SMALL.page_size)
+  axes = sharding.dp_axes(mesh, layout)
+  n = math.prod(mesh.shape[a] for a in axes)
+  seqs = [(SMALL.prefill_tokens, SMALL.prefill_tokens)] + [(1, SMALL.context)] * (SMALL.batch - 1)
+  batch, shapes = gpu_plan.host_batch(seqs, SMALL.page_size, SMALL.pages_per_seq(), len(seqs))
+  split = NamedSharding(mesh, P(axes))
+  S = lambda shape, d: jax.ShapeDtypeStruct((n, *shape), d, sharding=split)
+  T, D, k = shapes.tokens, cfg.d_model, len(cfg.vision.deepstack_indexes)
+  visual = dict(rope=S((3, T), jnp.int32), embeds=S((T, D), jnp.float32),
+                mask=S((T,), jnp.bool_), deepstack=S((k, T, D), jnp.float32))
+  ranked = gpu_compile.abstract(steps.stack_batches([batch] * n), split)
+  compiled = steps.step_ranked.lower(
+      cfg, params, pool, ranked, S((shapes.seqs,), jnp.int32), None, visual, max_q=shapes.max_q,
+      ep=plan_from_params(params), mesh=mesh, axes=axes, greedy=True).compile()
+  assert n == 4 and gpu_plan.TRITON_CALL in compiled.as_text()
+  assert 0 < gpu_compile.MemoryReport.of(compiled).peak_bytes < 80e9
 
 
 def test_steps_compile_for_eight_h100s():
