@@ -36,14 +36,22 @@ def ray_server():
     cluster = Cluster([WorkerSpec(config=CONFIG, name=f"w{k}", num_cpus=0.5, env=ENV)
                        for k in range(2)], backend="ray", router="round_robin",
                       step_timeout_s=120, start_timeout_s=300)
+    # Both workers compile their steps before any HTTP timeout runs (a loaded
+    # 2-core machine took over a minute); every prompt once keeps round robin even.
+    warm = [cluster.submit(i, SamplingParams(max_tokens=2)) for i in ids]
+    while cluster.has_unfinished():
+      cluster.step()
+    assert all(cluster.output(c).finish_reason == "length" for c in warm)
     server = _Server(make_app(cluster, tok, "default", max_queue=16))
     yield server, cluster, tok, refs
   finally:
-    if server is not None:
-      server.close()
-    if cluster is not None:
-      cluster.shutdown()
-    ray.shutdown()
+    try:
+      if server is not None:
+        server.close()
+    finally:  # Ray stops even if uvicorn did not: later tests in this process start it again
+      if cluster is not None:
+        cluster.shutdown()
+      ray.shutdown()
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -51,7 +59,7 @@ def test_completions_over_two_worker_processes_equal_engine_generate(ray_server,
   server, cluster, tok, refs = ray_server
   pids = cluster.pids()
   assert len(set(pids)) == 2 and os.getpid() not in pids
-  c = _client(server)
+  c = _client(server, timeout=300)
   for prompt, ref in zip(PROMPTS, refs, strict=True):  # round robin: both workers serve
     r = c.completions.create(model="default", prompt=prompt, max_tokens=MAX_TOKENS,
                              temperature=0, stream=stream, extra_body={"return_token_ids": True})

@@ -89,8 +89,8 @@ def cluster_server():
   server.close()
 
 
-def _client(server, key="none"):
-  return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=60)
+def _client(server, key="none", timeout=60):
+  return openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=timeout)
 
 
 def _metric(server, name, labels="", missing=None) -> float:
