@@ -201,7 +201,6 @@ class Engine(EngineCore):
     self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
     # The step runner: builds, dispatches and reads its own steps.
     self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
-    self.released = False
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
     # Requests with images: processor, encoder (cache) and prompt layout.
@@ -315,7 +314,11 @@ class Engine(EngineCore):
     self._runner.release()
     self.images.release()
     self.pool = self._load = self.params = self._step_params = None
-    self.released = True
+
+  @property
+  def released(self) -> bool:
+    """Whether `release` freed this engine (it holds no KV pool)."""
+    return self.pool is None
 
   def _check_not_released(self) -> None:
     if self.released:
