@@ -11,6 +11,7 @@ import pytest
 
 from jaxinfer import ModelConfig, hf_config, models, presets
 from jaxinfer.bench import decode
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -99,7 +100,7 @@ def test_hf_model_has_our_param_count(name):
 
 def test_script_end_to_end(tmp_path):
   out = tmp_path / "bd"
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device, as users run
+  env = subprocess_env()  # one CPU device, as users run
   cmd = [sys.executable, str(ROOT / "experiments" / "bench_decode.py"), "--model=tiny_dense",
          "--batches=1,2", "--new_tokens=4", "--repeats=1", "--prefill_len=32", "--prompt_len=16",
          f"--bandwidth_bytes={1 << 24}", "--quant=int8", f"--out={out}"]

@@ -33,6 +33,7 @@ from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.http_server import make_app
 from jaxinfer.serving.worker import Worker
 from jaxinfer.tokenizer import ByteTokenizer
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class Stack:\n", "for i in range("]
@@ -325,7 +326,7 @@ def test_loadgen_server_run_over_http(default, tmp_path):
 
 def test_mlperf_harness_over_http(default, tmp_path):
   server, _, _ = default
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = subprocess_env()
   out = subprocess.run(
       [sys.executable, "experiments/mlperf_harness.py", "--scenarios=Server", "--num_samples=4",
        "--max_tokens=4", "--min_duration_ms=1000", "--min_query_count=8", "--server_qps=4",

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from conftest import subprocess_env
 
 WORKER = pathlib.Path(__file__).parent / "multihost_worker.py"
 TIMEOUT_S = 300
@@ -23,8 +24,7 @@ def _free_port() -> int:
 
 def test_two_process_mesh_matches_single_process(tmp_path):
   port = _free_port()
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-  env["JAX_PLATFORMS"] = "cpu"
+  env = subprocess_env(JAX_PLATFORMS="cpu")
   outs = [tmp_path / f"p{i}.json" for i in range(2)]
   procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(outs[i])],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from conftest import subprocess_env
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,7 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _run(args, timeout=600):
   # A fresh process: no inherited simulated-device flags, the script sets its own.
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+  env = subprocess_env(drop=("XLA_FLAGS", "JAX_PLATFORMS"))
   return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True,
                         timeout=timeout, env=env)
 
