@@ -12,7 +12,6 @@ import pathlib
 import time
 
 import pytest
-from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
@@ -40,8 +39,8 @@ def test_notebook_runs_top_to_bottom(path):
   import nbclient
   import nbformat
   nb = nbformat.read(path, as_version=4)
-  env = subprocess_env(drop=("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_XDIST_WORKER",
-                             "PYTEST_CURRENT_TEST"))
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST")}
   client = nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
                                    resources={"metadata": {"path": str(path.parent)}})
   t0 = time.perf_counter()

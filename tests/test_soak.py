@@ -18,7 +18,7 @@ def default_model():
 
 @pytest.mark.parametrize("speculative", [0, 2])
 def test_short_soak_keeps_every_invariant(default_model, speculative):
-  config = soak.SoakConfig(steps=40, seed=speculative, speculative=speculative,
+  config = soak.SoakConfig(steps=32, seed=speculative, speculative=speculative,
                            restart_every_steps=15, arrivals_per_step=1.0, abort_prob=0.3,
                            stall_prob=0.1, max_queue=6, max_tokens=12, pool_size=12)
   report = soak.soak(*default_model, config)
