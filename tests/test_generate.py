@@ -1,13 +1,15 @@
 """Contiguous-cache generation: greedy equals repeated full forwards; sampling behaviour."""
 
 import dataclasses
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import SamplingParams, engine, models, presets
+from jaxinfer import Engine, EngineConfig, SamplingParams, engine, models, presets
+from jaxinfer.engine import sampling
 
 
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
@@ -42,6 +44,51 @@ def test_sample_filters():
   assert set(f(1.0, 0, 0.7)) == {0, 1}  # nucleus: 0.5 + 0.3 >= 0.7
   assert set(f(1.0, 0, 0.5)) == {0}
   assert set(f(1.0, 0, 1.0)) == {0, 1, 2, 3}
+
+
+def test_top_k_fast_path_equals_the_full_sort():
+  # lax.top_k over k_cap logits gives the same filtered logits, hence the
+  # same samples, as sorting the vocabulary; rows mix top_k, top_p and T.
+  B, V = 64, 5000
+  logits = jax.random.normal(jax.random.key(1), (B, V)) * 3.0
+  rng = np.random.default_rng(0)
+  temperature = jnp.asarray(rng.uniform(0.3, 2.0, B), jnp.float32)
+  top_k = jnp.asarray(rng.integers(1, 65, B), jnp.int32)
+  top_p = jnp.asarray(rng.choice([1.0, 0.9, 0.5, 0.05], B), jnp.float32)
+  full = sampling.filter_logits(logits, temperature, top_k, top_p)
+  for k_cap in (64, 128):
+    np.testing.assert_array_equal(
+        sampling.filter_logits(logits, temperature, top_k, top_p, k_cap=k_cap), full)
+  keys = jax.random.split(jax.random.key(2), B)
+  np.testing.assert_array_equal(
+      engine.sample(logits, keys, temperature, top_k, top_p, k_cap=64),
+      engine.sample(logits, keys, temperature, top_k, top_p))
+  # The bucket: powers of two from 16, greedy rows ignored, 0 where any
+  # sampled row has no top_k or one over 1024.
+  P = SamplingParams
+  assert sampling.top_k_cap([P(temperature=1.0, top_k=40), P(top_k=0)]) == 64
+  assert sampling.top_k_cap([P(temperature=1.0, top_k=3)]) == 16
+  assert sampling.top_k_cap([P(temperature=1.0, top_k=1024)]) == 1024
+  assert sampling.top_k_cap([P(temperature=1.0, top_k=1025)]) == 0
+  assert sampling.top_k_cap([P(temperature=1.0, top_k=40), P(temperature=0.5)]) == 0
+  assert sampling.top_k_cap([P()]) == 0
+
+
+def test_engine_top_k_sampling_takes_the_fast_path_with_the_same_tokens():
+  # A top_k batch runs the k_cap program; its tokens equal filtering by the
+  # full sort (the same engine with the fast path off).
+  cfg = presets.get("tiny_dense")
+  params = models.init_params(cfg, jax.random.key(0))
+  prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+  sp = [SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=s) for s in (1, 2)]
+  fast = Engine(cfg, params, EngineConfig(num_pages=32))
+  out = fast.generate(prompts, sp)
+  assert {key[2] for key in fast._runner.counts.programs} == {32}  # every step: k_cap 32
+  with mock.patch.object(sampling, "top_k_cap", return_value=0):
+    slow = Engine(cfg, params, EngineConfig(num_pages=32))
+    ref = slow.generate(prompts, sp)
+  assert {key[2] for key in slow._runner.counts.programs} == {0}
+  assert [o.token_ids for o in out] == [r.token_ids for r in ref]
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine import images, steps
+from jaxinfer.engine import images, sampling, steps
 from jaxinfer.engine.scheduler import Scheduled
 
 Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
@@ -110,22 +110,24 @@ class PlainRunner:
     busy = [sch for sch in per_rank if sch]
     shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
+    reqs = [s.request for sch in busy for s in sch]
     greedy = all_greedy(s for sch in busy for s in sch)
+    k_cap = 0 if greedy else sampling.top_k_cap(r.sampling for r in reqs)
     if eng._dp_axes:
       sampled, eng.pool, eng._load = steps.step_ranked(
           eng.cfg, eng._step_params, eng.pool, steps.stack_batches([b for b, _ in batches]),
           self._prev_sampled, eng._load, eng.images.ranked_visual(per_rank, shapes.tokens),
           max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
-          axes=eng._dp_axes, greedy=greedy)
+          axes=eng._dp_axes, greedy=greedy, k_cap=k_cap)
     else:
       visual = eng.images.step_visual(per_rank[0], shapes.tokens)
       sampled, eng.pool, eng._load = steps.step(
           eng.cfg, eng._step_params, eng.pool, batches[0][0], self._prev_sampled, eng._load,
-          visual, max_q=shapes.max_q, ep=eng._ep, greedy=greedy, **eng._heads)
+          visual, max_q=shapes.max_q, ep=eng._ep, greedy=greedy, k_cap=k_cap, **eng._heads)
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, greedy), sum(n for _, n in batches), bool(self.in_flight))
+    self.counts.record((shapes, greedy, k_cap), sum(n for _, n in batches), bool(self.in_flight))
     self.in_flight.append(PlainInFlight(per_rank, sampled))
 
   def _read(self, eng, keep: int) -> Events:

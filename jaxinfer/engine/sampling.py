@@ -39,14 +39,42 @@ def request_keys(seeds, indices):
   return jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(seeds, indices)
 
 
-def filter_logits(logits, temperature, top_k, top_p):
+# top_k_cap's buckets: powers of two from 16 to 1024. Larger top_k, or a
+# sampled row without top_k, sorts the whole vocabulary.
+MIN_TOP_K_CAP, MAX_TOP_K_CAP = 16, 1024
+
+
+def top_k_cap(samplings) -> int:
+  """The static bound for `filter_logits`' top-k fast path over a batch's
+  `SamplingParams`: the smallest power of two >= 16 covering the top_k of
+  every sampled row (temperature > 0; greedy rows take the argmax and are
+  not filtered), when each has 0 < top_k <= 1024; else 0 (full sort).
+  Powers of two keep the step programs per batch few."""
+  ks = [p.top_k for p in samplings if p.temperature > 0]
+  if not ks or min(ks) == 0 or max(ks) > MAX_TOP_K_CAP:
+    return 0
+  return max(MIN_TOP_K_CAP, 1 << (max(ks) - 1).bit_length())
+
+
+def filter_logits(logits, temperature, top_k, top_p, k_cap: int = 0):
   """logits [B, V] -> logits / T with tokens outside the top_k largest (if
   top_k > 0) and outside the nucleus (the smallest set whose probability
-  reaches top_p) set to -inf. Rows with temperature 0 are scaled by 1e6."""
+  reaches top_p) set to -inf. Rows with temperature 0 are scaled by 1e6.
+
+  k_cap (static): 0 sorts the whole vocabulary. k_cap > 0 promises that
+  every row that will be sampled has 0 < top_k <= k_cap (`top_k_cap`), so
+  only the k_cap largest logits are needed (`lax.top_k`, not a [B, V]
+  sort); rows that break the promise are filtered with min(top_k, k_cap)
+  (greedy rows, whose filtered logits are not used). The result equals the
+  full sort's except under exact ties with the k_cap-th largest logit."""
   B, V = logits.shape
   scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
-  sorted_desc = -jnp.sort(-scaled, axis=-1)
-  k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
+  if 0 < k_cap < V:
+    sorted_desc = jax.lax.top_k(scaled, k_cap)[0]  # [B, k_cap], descending
+    k = jnp.clip(top_k, 1, k_cap)
+  else:
+    sorted_desc = -jnp.sort(-scaled, axis=-1)
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, V), V)
   kth = jnp.take_along_axis(sorted_desc, (k - 1)[:, None], axis=-1)
   scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
   # Nucleus: keep a token if the mass strictly above it is < top_p.
@@ -57,15 +85,15 @@ def filter_logits(logits, temperature, top_k, top_p):
   return jnp.where(scaled < cutoff, -jnp.inf, scaled)
 
 
-def sample(logits, keys, temperature, top_k, top_p):
+def sample(logits, keys, temperature, top_k, top_p, k_cap: int = 0):
   """logits [B, V] float32; keys [B] PRNG keys; temperature/top_p [B] float32;
-  top_k [B] int32.
+  top_k [B] int32; k_cap (static): `filter_logits`' top-k fast path.
 
   Rows with temperature 0 take the argmax. Others sample from
   softmax(logits / T) restricted to the top_k largest (if top_k > 0) and to
   the smallest set whose probability reaches top_p (nucleus).
   """
   greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  scaled = filter_logits(logits, temperature, top_k, top_p)
+  scaled = filter_logits(logits, temperature, top_k, top_p, k_cap)
   sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
   return jnp.where(temperature > 0, sampled, greedy)

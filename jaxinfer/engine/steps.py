@@ -107,25 +107,27 @@ def _add_load(load, counts):
   return load if load is None else load.at[:counts.shape[0]].add(counts)
 
 
-def _sample(logits, batch, greedy):
+def _sample(logits, batch, greedy, k_cap):
   if greedy:  # every row has temperature 0: skip the filters' full-vocab sort
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
   keys = request_keys(batch.seeds.reshape(-1), batch.sample_idx.reshape(-1))
   return sample(logits, keys, batch.temperature.reshape(-1), batch.top_k.reshape(-1),
-                batch.top_p.reshape(-1))
+                batch.top_p.reshape(-1), k_cap)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "mesh",
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "k_cap", "mesh",
                                               "head_axis"),
                    donate_argnames=("pool", "load"))
 def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, visual=None,
-         *, max_q: int, ep=None, greedy: bool = False, mesh=None, head_axis=None):
+         *, max_q: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
+         head_axis=None):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
   fixed size), new pool, new load). prev_sampled [S]: the previous step's
   output, from which tokens not yet read back by the host are taken (async
   scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
   statistics, padding rows excluded), or None to record nothing. greedy
-  (static): every row has temperature 0. mesh, head_axis (static): the mesh
+  (static): every row has temperature 0. k_cap (static): the top-k bound of
+  the sampled rows (`sampling.top_k_cap`; 0: sort the vocabulary). mesh, head_axis (static): the mesh
   axis the layout splits attention heads and the pool over
   (`sharding.head_axis`), so attention runs per device in shard_map; None:
   no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
@@ -143,7 +145,7 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
                                                      jax.tree.map(lambda a: a[None], visual)))
   pool = pool.with_segments(caches)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
-  sampled = _sample(logits, batch, greedy)
+  sampled = _sample(logits, batch, greedy, k_cap)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
           _add_load(load, counts))
 
@@ -165,10 +167,12 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
   return jax.tree.map(lambda *xs: np.stack(xs), *batches)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes", "greedy"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes", "greedy",
+                                              "k_cap"),
                    donate_argnames=("pool", "load"))
 def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None,
-                visual=None, *, max_q: int, ep, mesh, axes, greedy: bool = False):
+                visual=None, *, max_q: int, ep, mesh, axes, greedy: bool = False,
+                k_cap: int = 0):
   """Attention-data-parallel step: batch fields [n, ...], rank r's requests
   and pages on rank r. -> (sampled [n, S] int32, new pool, new load).
   visual: `step`'s visual rows per rank, [n, ...] (`Images.ranked_visual`:
@@ -185,6 +189,6 @@ def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, 
   pool = pool.with_segments(caches)
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)
-  sampled = _sample(logits, batch, greedy)
+  sampled = _sample(logits, batch, greedy, k_cap)
   return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled.reshape(n, B)), pool,
           _add_load(load, counts))
