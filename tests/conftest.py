@@ -11,20 +11,20 @@ No persistent XLA compilation cache: reading executables back from it
 segfaulted XLA:CPU inside `compilation_cache.get_executable_and_time`
 (sharded engine programs, xdist workers sharing the cache).
 
-Tests compile with LLVM's optimisation level 1 (TEST_XLA_FLAGS): much of the
+Tests compile with LLVM's optimisation level 0 (TEST_XLA_FLAGS): much of the
 suite's time is XLA:CPU compiling small programs that then run a few steps.
 XLA's HLO passes are the same; only LLVM optimises the machine code less.
-Measured alone on the 2-core machine, at XLA's default level, 1 and 0:
-  test_engine's greedy + bounded-programs tests (compile-bound): 203 s, 157 s,
-    128 s;
-  a 32-step soak on the default model (run-bound): 36 s, 34 s, 63 s;
-  colab/sharding.ipynb: 54 s, 51 s, 100 s.
-Benchmarks (experiments/), users and the notebooks (tests/test_notebooks.py)
-keep XLA's default. Other test subprocesses get the flag (`subprocess_env`)."""
+Full suite, `-n 2` on the 2-core machine: 35 min of tests at level 0 (62
+CPU-minutes), 49 min at level 1 (89 CPU-minutes). Level 0's slower code
+costs where the default model runs many steps (a 32-step soak alone: 36 s at
+XLA's default level, 63 s at 0), so the notebooks (tests/test_notebooks.py),
+benchmarks (experiments/) and users keep XLA's default (colab/sharding.ipynb:
+54 s at the default, 100 s at level 0). Other test subprocesses get the flag
+(`subprocess_env`)."""
 
 import os
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
 os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

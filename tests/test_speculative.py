@@ -83,10 +83,11 @@ def trained_model():
   return cfg, params
 
 
-@pytest.mark.parametrize("K", [1, 2, 3])
+@pytest.mark.parametrize("K", [1, 3])
 def test_trained_model_greedy_speculative_equals_plain_greedy(trained_model, K):
   # The shipped model drafts well enough that drafts are both accepted and
   # rejected; held-out source of mixed lengths, chunked prefill, preemption.
+  # (K = 2 on this model: tests/test_spec_mesh.py's single-device reference.)
   cfg, params = trained_model
   prompts = training.held_out_prompts([7, 40, 23])
   sampling = SamplingParams(max_tokens=16)
