@@ -14,7 +14,7 @@ segfaulted XLA:CPU inside `compilation_cache.get_executable_and_time`
 Tests compile with LLVM's optimisation level 0 (TEST_XLA_FLAGS): much of the
 suite's time is XLA:CPU compiling small programs that then run a few steps.
 XLA's HLO passes are the same; only LLVM optimises the machine code less.
-Full suite, `-n 2` on the 2-core machine: 35 min of tests at level 0 (62
+Full suite, `-n 2`, one run each on the 2-core machine: 35 min at level 0 (62
 CPU-minutes), 49 min at level 1 (89 CPU-minutes). Level 0's slower code
 costs where the default model runs many steps (a 32-step soak alone: 36 s at
 XLA's default level, 63 s at 0), so the notebooks (tests/test_notebooks.py),
