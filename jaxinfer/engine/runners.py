@@ -110,9 +110,8 @@ class PlainRunner:
     busy = [sch for sch in per_rank if sch]
     shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
-    reqs = [s.request for sch in busy for s in sch]
     greedy = all_greedy(s for sch in busy for s in sch)
-    k_cap = 0 if greedy else sampling.top_k_cap(r.sampling for r in reqs)
+    k_cap = 0 if greedy else sampling.top_k_cap(s.request.sampling for sch in busy for s in sch)
     if eng._dp_axes:
       sampled, eng.pool, eng._load = steps.step_ranked(
           eng.cfg, eng._step_params, eng.pool, steps.stack_batches([b for b, _ in batches]),

@@ -127,10 +127,10 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
   statistics, padding rows excluded), or None to record nothing. greedy
   (static): every row has temperature 0. k_cap (static): the top-k bound of
-  the sampled rows (`sampling.top_k_cap`; 0: sort the vocabulary). mesh, head_axis (static): the mesh
-  axis the layout splits attention heads and the pool over
-  (`sharding.head_axis`), so attention runs per device in shard_map; None:
-  no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
+  the sampled rows (`sampling.top_k_cap`; 0: sort the vocabulary). mesh,
+  head_axis (static): the mesh axis the layout splits attention heads and
+  the pool over (`sharding.head_axis`), so attention runs per device in
+  shard_map; None: no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
   rope [3, T] MRoPE positions, embeds [T, D] where mask [T] (visual tokens),
   deepstack [k, T, D]; None: text (RoPE at batch.rope_positions)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
