@@ -83,19 +83,31 @@ def trained_model():
   return cfg, params
 
 
+TRAINED_PROMPT_LENGTHS, TRAINED_SAMPLING = [7, 40, 23], SamplingParams(max_tokens=16)
+
+
+@pytest.fixture(scope="module")
+def trained_reference(trained_model):
+  """Plain greedy tokens of the K tests' prompts (one run per test worker)."""
+  cfg, params = trained_model
+  prompts = training.held_out_prompts(TRAINED_PROMPT_LENGTHS)
+  ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18)).generate(prompts,
+                                                                           TRAINED_SAMPLING)
+  return [r.token_ids for r in ref]
+
+
 @pytest.mark.parametrize("K", [1, 3])
-def test_trained_model_greedy_speculative_equals_plain_greedy(trained_model, K):
+def test_trained_model_greedy_speculative_equals_plain_greedy(trained_model, trained_reference,
+                                                              K):
   # The shipped model drafts well enough that drafts are both accepted and
   # rejected; held-out source of mixed lengths, chunked prefill, preemption.
   # (K = 2 on this model: tests/test_spec_mesh.py's single-device reference.)
   cfg, params = trained_model
-  prompts = training.held_out_prompts([7, 40, 23])
-  sampling = SamplingParams(max_tokens=16)
-  ref = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18)).generate(prompts, sampling)
+  prompts = training.held_out_prompts(TRAINED_PROMPT_LENGTHS)
   engine = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18,
                                             speculative=MTPConfig(num_draft_tokens=K)))
-  out = engine.generate(prompts, sampling)
-  assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+  out = engine.generate(prompts, TRAINED_SAMPLING)
+  assert [o.token_ids for o in out] == trained_reference
   while engine.has_unfinished():  # a pipelined step may still be in flight
     engine.step()
   stats = engine.stats()
