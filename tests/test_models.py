@@ -148,6 +148,24 @@ def test_step_layout_equals_stacked(name, split_experts, transpose):
     transformer.step_layout(cfg, step)
 
 
+@pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
+def test_stacked_layout_inverts_step_layout(name):
+  """`stacked_layout(step_layout(p))` is p, leaf for leaf and bit for bit,
+  for every layout option (what `Engine.params` rebuilds from)."""
+  from jaxinfer.models import transformer
+  cfg, params, _ = _setup(ARCH_CONFIGS[name], seed=6, T=2)
+  for split_experts, transpose in [(False, False), (True, True), (False, True)]:
+    step = transformer.step_layout(cfg, params, split_experts=split_experts,
+                                   transpose_projections=transpose)
+    back = transformer.stacked_layout(cfg, step)
+    assert jax.tree.structure(back) == jax.tree.structure(params)
+    for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
+      assert got.shape == want.shape and got.dtype == want.dtype, jax.tree_util.keystr(path)
+      np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
+  with pytest.raises(ValueError, match="already stacked"):
+    transformer.stacked_layout(cfg, params)
+
+
 @pytest.mark.parametrize("shape,in_dims", [((6, 10), 1), ((4, 3, 5), 2), ((6, 2, 5), 1),
                                            ((6, 2), 1)])
 def test_packed_linear_equals_tensordot(shape, in_dims):

@@ -197,18 +197,22 @@ class Engine(EngineCore):
     self._init_core(config, num_ranks=self.num_ranks, num_pages=num_pages,
                     max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                     eos_ids=cfg.eos_token_ids)
-    self.pool = self._init_pool(num_pages * self.num_ranks, found_scales)
+    self.pool = self._init_pool(num_pages * self.num_ranks, params, found_scales)
     self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
     # The step runner: builds, dispatches and reads its own steps.
     self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
     # Requests with images: processor, encoder (cache) and prompt layout.
-    self.images = Images(cfg, self.params, config.image_processor, config.encoder_cache_tokens)
+    # (It holds the vision encoder's weights only: they stay when rebalance
+    # replaces the layers'.)
+    vision = {k: v for k, v in self._step_params.items() if k == "vision"}
+    self.images = Images(cfg, vision, config.image_processor, config.encoder_cache_tokens)
 
   def _set_params(self, params) -> None:
-    """params (stacked, as `init_params` makes them) and the layout the step runs."""
-    self.params, self._ep = params, plan_from_params(params)
+    """params (stacked, as `init_params` makes them) -> the layout the step
+    runs, the only copy the engine keeps (`params` rebuilds the stacked tree)."""
+    self._ep = plan_from_params(params)
     # Unsharded, the projections are stored transposed (`layers.PackedLinear`:
     # measured 1.1-1.45x faster at 1-32 rows on the 2-core dev machine).
     step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None,
@@ -218,6 +222,22 @@ class Engine(EngineCore):
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.
     self._step_params = quant.with_kernel(step_params, sharding.kernel_mesh(self.mesh, self.layout))
+
+  @property
+  def params(self):
+    """The weights, stacked as `init_params` makes them (and placed on the
+    mesh as `sharding.shard_params` places them). The engine holds one copy,
+    in its step's layout; with unrolled layers this is rebuilt from it on
+    each access, a new copy of the layer weights. None once released."""
+    if self._step_params is None:
+      return None
+    params = quant.without_kernel(self._step_params)
+    if not self._unroll:
+      return params
+    params = transformer.stacked_layout(self.cfg, params)
+    if self.mesh is not None:
+      params = sharding.shard_params(self.cfg, params, self.mesh, self.layout)
+    return params
 
   def _zero_load(self):
     # The trunk's MoE layers, then the MTP modules' when they run (speculation).
@@ -229,12 +249,12 @@ class Engine(EngineCore):
       load = jax.device_put(load, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
     return load
 
-  def _init_pool(self, num_pages: int, found_scales):
+  def _init_pool(self, num_pages: int, params, found_scales):
     """The zeroed page pool; quantized, with the params' scales or calibrated ones."""
     kind, mtp = self.config.kv_cache_dtype, self._spec is not None
     scales, self.kv_scales_source = None, None
     if kind is not None:
-      scales, self.kv_scales_source = kv_scales.resolve(self.cfg, self.params, found_scales,
+      scales, self.kv_scales_source = kv_scales.resolve(self.cfg, params, found_scales,
                                                         kind, mtp_too=mtp)
     return kv_cache.init_pool(self.cfg, num_pages, self.config.page_size, self.kv_dtype,
                               sharding=self._pool_sharding() if self.mesh is not None else None,
@@ -313,7 +333,7 @@ class Engine(EngineCore):
     stepping afterwards is a RuntimeError."""
     self._runner.release()
     self.images.release()
-    self.pool = self._load = self.params = self._step_params = None
+    self.pool = self._load = self._step_params = None
 
   @property
   def released(self) -> bool:

@@ -12,7 +12,7 @@ from einops import rearrange
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm
+from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm, unpack_linear
 from jaxinfer.models.layouts import AbsorbedMLA
 from jaxinfer.models.quant import QuantizedWeight, dense
 
@@ -67,6 +67,18 @@ def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False):
   if transpose_projections:
     packed = {k: pack_linear(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS}
     p = p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
+  return p
+
+
+def stacked_layout(p):
+  """The inverse of `step_layout`: one layer's attention weights as the
+  stacked params hold them (projections [*In, *Out], MLA's wkv_b
+  [R, N, Hn + Hv]). Same values."""
+  p = {k: unpack_linear(v) for k, v in p.items()}
+  if "w_uk" in p:
+    w_uk, w_uv = p.pop("w_uk"), p.pop("w_uv")
+    p["wkv_b"] = jnp.concatenate([rearrange(w_uk, "N Hn R -> R N Hn"),
+                                  rearrange(w_uv, "N R Hv -> R N Hv")], axis=-1)
   return p
 
 

@@ -37,6 +37,7 @@ class PackedLinear:
   at 32 and equal at 8 and 512, so it is one block.)"""
   wt: jax.Array  # [Out, In]
   out_shape: tuple = struct.field(pytree_node=False)  # Out, the weight's trailing dims
+  in_shape: tuple = struct.field(pytree_node=False, default=())  # In, its leading dims
 
 
 def pack_linear(w, in_dims: int = 1) -> PackedLinear:
@@ -47,7 +48,15 @@ def pack_linear(w, in_dims: int = 1) -> PackedLinear:
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")
   wt = jnp.transpose(w.reshape(math.prod(w.shape[:in_dims]), -1))
-  return PackedLinear(wt, tuple(w.shape[in_dims:]))
+  return PackedLinear(wt, tuple(w.shape[in_dims:]), tuple(w.shape[:in_dims]))
+
+
+def unpack_linear(w):
+  """The inverse of `pack_linear`: a `PackedLinear` -> [*In, *Out]; any
+  other weight as it is."""
+  if not isinstance(w, PackedLinear):
+    return w
+  return jnp.transpose(w.wt).reshape(*w.in_shape, *w.out_shape)
 
 
 def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | None = None):

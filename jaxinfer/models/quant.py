@@ -212,6 +212,12 @@ def with_kernel(tree, mesh=None):
                       else w, tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
 
 
+def without_kernel(tree):
+  """The inverse of `with_kernel`: every `QuantizedWeight` unmarked."""
+  return jax.tree.map(lambda w: w.replace(kernel=None) if isinstance(w, QuantizedWeight) else w,
+                      tree, is_leaf=lambda x: isinstance(x, QuantizedWeight))
+
+
 def held_whole(tree):
   """The weights in tree that are marked for the kernels, marked as held
   whole: for code that runs per rank inside a shard_map over their splits."""

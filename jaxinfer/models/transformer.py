@@ -20,7 +20,7 @@ from jaxinfer.models import attention as attn_lib
 from jaxinfer.models import moe as moe_lib
 from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import (fuse_gate_up, linear, mlp, mrope_cos_sin, pack_linear, rms_norm,
-                                   rope_cos_sin)
+                                   rope_cos_sin, unpack_linear)
 from jaxinfer.models.layouts import FusedMLP, SplitExperts
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.models.quant import QuantizedWeight
@@ -179,6 +179,37 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   out = {**params, "layers": tuple(segs)}
   if not cfg.tie_embeddings:
     out["lm_head"] = pack(params["lm_head"])
+  return out
+
+
+def stacked_layout(cfg: ModelConfig, step):
+  """The inverse of `step_layout`: params in the step layout -> the stacked
+  tree `init_params` makes, with the same values (the Engine keeps only the
+  step layout and rebuilds this when asked: `Engine.params`)."""
+  def unfused(p):
+    if not isinstance(p, FusedMLP):
+      return p
+    gate, up = jnp.split(unpack_linear(p.w_gate_up), 2, axis=-1)
+    return {"w_gate": gate, "w_up": up, "w_down": unpack_linear(p.w_down)}
+
+  def layer_params(layer):
+    mlp = unfused(layer["mlp"])
+    if isinstance(mlp, SplitExperts):
+      gate, up = jnp.split(jnp.stack(mlp.w_gate_up), 2, axis=-1)
+      rest = {k: v for k, v in mlp.items() if k not in ("w_gate_up", "w_down")}
+      mlp = {**rest, "w_gate": gate, "w_up": up, "w_down": jnp.stack(mlp.w_down)}
+    if "shared" in mlp:
+      mlp = {**mlp, "shared": unfused(mlp["shared"])}
+    return {**layer, "attn": attn_lib.stacked_layout(layer["attn"]), "mlp": mlp}
+
+  segs = []
+  for seg in step["layers"]:
+    if not isinstance(seg, (list, tuple)):
+      raise ValueError("stacked_layout: params are already stacked")
+    segs.append(jax.tree.map(lambda *ws: jnp.stack(ws), *(layer_params(x) for x in seg)))
+  out = {**step, "layers": tuple(segs)}
+  if "lm_head" in out:
+    out["lm_head"] = unpack_linear(out["lm_head"])
   return out
 
 
