@@ -6,6 +6,7 @@ Every answer is compared with one in-process Engine."""
 import dataclasses
 import os
 import signal
+import time
 
 import jax
 import numpy as np
@@ -148,7 +149,7 @@ def test_sigkill_of_the_prefill_process_mid_transfer(params_ref):
                     disagg=DisaggConfig(mode="always", transfer_timeout_s=3.0))
   try:
     cids = [cluster.submit(p, sampling) for p in prompts]
-    steps, killed_at = 0, None
+    steps, killed_at, deadline = 0, None, time.monotonic() + 120
     while cluster.has_unfinished():
       cluster.step()
       steps += 1
@@ -157,7 +158,9 @@ def test_sigkill_of_the_prefill_process_mid_transfer(params_ref):
       if killed_at is None and states & {"transfer", "decode"} and "prefill" in states:
         os.kill(cluster.pids()[0], signal.SIGKILL)
         killed_at = steps
-      assert steps < 300, "the cluster did not finish"
+      # A time bound, not a step bound: steps with nothing to run are quick,
+      # and the transfers wait out a 3 s timeout.
+      assert time.monotonic() < deadline, f"the cluster did not finish ({steps} steps)"
     assert killed_at is not None, "never caught prefills in flight"
     outs = [cluster.output(c) for c in cids]
     assert [o.token_ids for o in outs] == want and {o.finish_reason for o in outs} == {"length"}

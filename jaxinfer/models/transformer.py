@@ -144,8 +144,8 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   dynamic-slice that XLA:CPU copies every step, and a weight transposed
   inside the step is copied too (measured on `bench_dense` and `bench_moe`:
   the copies took longer than the matmuls). Per-layer arrays in the wanted
-  layout are read in place. Costs a copy of the layer weights while the
-  stacked ones are kept, and a longer compile."""
+  layout are read in place. Costs a longer compile; the Engine keeps only
+  this layout (`stacked_layout` is the inverse)."""
   def pack(w):
     return pack_linear(w) if transpose_projections else w
 
