@@ -24,9 +24,11 @@ benchmarks (experiments/) and users keep XLA's default (colab/sharding.ipynb:
 
 import os
 
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
-os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {TEST_XLA_FLAGS}")
+TEST_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+for _k, _v in TEST_ENV.items():
+  os.environ.setdefault(_k, _v)
 
 import gc  # noqa: E402
 import pathlib  # noqa: E402
@@ -47,11 +49,20 @@ HF_FIXTURES = ["llama", "llama_sharded", "mixtral", "qwen3_moe", "deepseek_v3",
 def subprocess_env(drop=("XLA_FLAGS",), **extra) -> dict:
   """This process's environment for a test subprocess: the `drop` keys removed
   (the 8 simulated devices, so the child runs on one CPU device as users do),
-  XLA_FLAGS = TEST_XLA_FLAGS unless given, and `extra` added."""
+  TEST_ENV set, and `extra` added."""
   env = {k: v for k, v in os.environ.items() if k not in drop}
-  env.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
-  env.update(extra)
+  env.update(TEST_ENV, **extra)
   return env
+
+
+@pytest.fixture
+def optimized():
+  """XLA's full optimisation for the programs the test compiles: for tests
+  whose time goes into running many steps of the default model rather than
+  into compiling (see the module docstring)."""
+  jax.config.update("jax_disable_most_optimizations", False)
+  yield
+  jax.config.update("jax_disable_most_optimizations", True)
 
 
 MAX_MAP_COUNT = int(pathlib.Path("/proc/sys/vm/max_map_count").read_text())

@@ -16,10 +16,10 @@ from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.http_server import make_app
 from jaxinfer.serving.ray_worker import WorkerSpec
 from test_http_server import _client, _Server, disconnect_mid_stream
-from conftest import TEST_XLA_FLAGS
+from conftest import TEST_ENV
 
 CONFIG = EngineConfig(page_size=16, num_pages=64, max_num_seqs=8, max_num_batched_tokens=64)
-ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": TEST_XLA_FLAGS}  # one CPU device per worker process
+ENV = {"JAX_PLATFORMS": "cpu", **TEST_ENV}  # one CPU device per worker process
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class Stack:\n", "for i in range("]
 MAX_TOKENS = 10
 

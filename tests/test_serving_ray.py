@@ -18,11 +18,11 @@ from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.disagg import DisaggConfig
 from jaxinfer.serving.ray_cluster import RayCluster, measure_transfer
 from jaxinfer.serving.ray_worker import WorkerSpec, host_tree
-from conftest import TEST_XLA_FLAGS
+from conftest import TEST_ENV
 
 CFG = dataclasses.replace(presets.get("tiny_dense"), dtype="float32")
 CONFIG = EngineConfig(page_size=4, num_pages=48, max_num_seqs=4, max_num_batched_tokens=32)
-ENV = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": TEST_XLA_FLAGS}  # one CPU device per worker process
+ENV = {"JAX_PLATFORMS": "cpu", **TEST_ENV}  # one CPU device per worker process
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +177,7 @@ GROUP_CFG = dataclasses.replace(CFG, num_kv_heads=4)  # kv heads split over 4 te
 def _group_spec(params_ref_):
   """One worker, two Ray actors with 2 CPU devices each: one jax.distributed
   group, a tp engine on its global 4-device mesh."""
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count=2 {TEST_XLA_FLAGS}"}
+  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **TEST_ENV}
   return WorkerSpec(model=GROUP_CFG, params=params_ref_, config=CONFIG, num_cpus=0.5, env=env,
                     num_processes=2, mesh_axes={"tensor": 4}, layout="tp", name="group")
 

@@ -17,7 +17,7 @@ def default_model():
 
 
 @pytest.mark.parametrize("speculative", [0, 2])
-def test_short_soak_keeps_every_invariant(default_model, speculative):
+def test_short_soak_keeps_every_invariant(default_model, speculative, optimized):
   config = soak.SoakConfig(steps=32, seed=speculative, speculative=speculative,
                            restart_every_steps=15, arrivals_per_step=1.0, abort_prob=0.3,
                            stall_prob=0.1, max_queue=6, max_tokens=12, pool_size=12)
