@@ -11,15 +11,19 @@ No persistent XLA compilation cache: reading executables back from it
 segfaulted XLA:CPU inside `compilation_cache.get_executable_and_time`
 (sharded engine programs, xdist workers sharing the cache).
 
-Tests compile with LLVM's optimisation level 0 (TEST_XLA_FLAGS): much of the
-suite's time is XLA:CPU compiling small programs that then run a few steps.
-XLA's HLO passes are the same; only LLVM optimises the machine code less.
-Full suite, `-n 2`, one run each on the 2-core machine: 35 min at level 0 (62
-CPU-minutes), 49 min at level 1 (89 CPU-minutes). Level 0's slower code
-costs where the default model runs many steps (a 32-step soak alone: 36 s at
-XLA's default level, 63 s at 0), so the notebooks (tests/test_notebooks.py),
-benchmarks (experiments/) and users keep XLA's default (colab/sharding.ipynb:
-54 s at the default, 100 s at level 0). Other test subprocesses get the flag
+Tests compile with LLVM's optimisation level 0: much of the suite's time
+is XLA:CPU compiling small programs that then run a few steps. The jax flag
+`jax_disable_most_optimizations` (TEST_ENV, JAX_DISABLE_MOST_OPTIMIZATIONS=1)
+sets it; XLA's HLO passes are the same, only LLVM optimises the machine code
+less. Full suite, `-n 2`, one run each on the 2-core machine: 35 min at level
+0 (62 CPU-minutes), 49 min at level 1 (89). Tests whose time goes into
+running many steps rather than compiling take the `optimized` fixture: the
+soaks (alone, 31 + 34 s at level 0, 16 + 23 s optimised) and the MTP
+training tests (20 + 19 s, 12 + 14 s). The speculative tests on the default
+model are compile-bound (22-38 s each at level 0; 28-51 s optimised), so
+they stay at 0. The notebooks (tests/test_notebooks.py), benchmarks
+(experiments/) and users keep XLA's default (colab/sharding.ipynb: 54 s at
+the default, 100 s at level 0). Test subprocesses get TEST_ENV
 (`subprocess_env`)."""
 
 import os

@@ -3,7 +3,7 @@ without outputs.
 
 Each notebook runs in its own kernel (the venv's python: `ipykernel` is in the
 dev extra) with the working directory colab/ and an environment without the
-test suite's XLA_FLAGS / JAX_PLATFORMS, so a notebook sets up its own devices
+test suite's XLA_FLAGS / JAX_PLATFORMS / TEST_ENV, so a notebook sets up its own devices
 the way it would on a fresh runtime.
 """
 
@@ -12,6 +12,8 @@ import pathlib
 import time
 
 import pytest
+
+from conftest import TEST_ENV
 
 ROOT = pathlib.Path(__file__).parent.parent
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
@@ -40,7 +42,8 @@ def test_notebook_runs_top_to_bottom(path):
   import nbformat
   nb = nbformat.read(path, as_version=4)
   env = {k: v for k, v in os.environ.items()
-         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST")}
+         if k not in ("XLA_FLAGS", "JAX_PLATFORMS", "PYTEST_XDIST_WORKER", "PYTEST_CURRENT_TEST",
+                      *TEST_ENV)}
   client = nbclient.NotebookClient(nb, timeout=TIMEOUT_S, kernel_name="python3",
                                    resources={"metadata": {"path": str(path.parent)}})
   t0 = time.perf_counter()
