@@ -141,6 +141,17 @@ class EngineConfig:
                        f"got {self.kv_cache_memory_fraction}")
 
 
+def _stacked_params(engine: "Engine"):
+  """The inverse of `Engine._set_params`: its step params, stacked and placed."""
+  params = quant.without_kernel(engine._step_params)
+  if not engine._unroll:
+    return params
+  params = transformer.stacked_layout(engine.cfg, params)
+  if engine.mesh is None:
+    return params
+  return sharding.shard_params(engine.cfg, params, engine.mesh, engine.layout)
+
+
 class Engine(EngineCore):
   """Serves requests on one model: a paged KV cache, a scheduler and jitted steps.
 
@@ -204,8 +215,7 @@ class Engine(EngineCore):
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
     self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
     # Requests with images: processor, encoder (cache) and prompt layout.
-    # (It holds the vision encoder's weights only: they stay when rebalance
-    # replaces the layers'.)
+    # (Only the vision weights: they outlive a rebalance of the layers'.)
     vision = {k: v for k, v in self._step_params.items() if k == "vision"}
     self.images = Images(cfg, vision, config.image_processor, config.encoder_cache_tokens)
 
@@ -229,15 +239,7 @@ class Engine(EngineCore):
     mesh as `sharding.shard_params` places them). The engine holds one copy,
     in its step's layout; with unrolled layers this is rebuilt from it on
     each access, a new copy of the layer weights. None once released."""
-    if self._step_params is None:
-      return None
-    params = quant.without_kernel(self._step_params)
-    if not self._unroll:
-      return params
-    params = transformer.stacked_layout(self.cfg, params)
-    if self.mesh is not None:
-      params = sharding.shard_params(self.cfg, params, self.mesh, self.layout)
-    return params
+    return None if self._step_params is None else _stacked_params(self)
 
   def _zero_load(self):
     # The trunk's MoE layers, then the MTP modules' when they run (speculation).
