@@ -74,21 +74,29 @@ def test_top_k_fast_path_equals_the_full_sort():
   assert sampling.top_k_cap([P()]) == 0
 
 
-def test_engine_top_k_sampling_takes_the_fast_path_with_the_same_tokens():
-  # A top_k batch runs the k_cap program; its tokens equal filtering by the
-  # full sort (the same engine with the fast path off).
-  cfg = presets.get("tiny_dense")
+@pytest.mark.parametrize("speculative", [False, True])
+def test_engine_top_k_sampling_takes_the_fast_path_with_the_same_tokens(speculative):
+  # A top_k batch runs the k_cap program (plain, or MTP speculation: target
+  # and draft distributions both filtered so); its tokens equal filtering by
+  # the full sort (the same engine with the fast path off).
+  from jaxinfer import MTPConfig
+  cfg = presets.get("tiny_moe" if speculative else "tiny_dense")
   params = models.init_params(cfg, jax.random.key(0))
+  config = EngineConfig(num_pages=32, speculative=MTPConfig(num_draft_tokens=2, batch_schedule=())
+                        if speculative else None)
   prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
   sp = [SamplingParams(max_tokens=6, temperature=0.8, top_k=20, seed=s) for s in (1, 2)]
-  fast = Engine(cfg, params, EngineConfig(num_pages=32))
+  fast = Engine(cfg, params, config)
   out = fast.generate(prompts, sp)
-  assert {key[2] for key in fast._runner.counts.programs} == {32}  # every step: k_cap 32
+  # The program key's last field is k_cap: 32 on every step.
+  assert {key[-1] for key in fast._runner.counts.programs} == {32}
   with mock.patch.object(sampling, "top_k_cap", return_value=0):
-    slow = Engine(cfg, params, EngineConfig(num_pages=32))
+    slow = Engine(cfg, params, config)
     ref = slow.generate(prompts, sp)
-  assert {key[2] for key in slow._runner.counts.programs} == {0}
+  assert {key[-1] for key in slow._runner.counts.programs} == {0}
   assert [o.token_ids for o in out] == [r.token_ids for r in ref]
+  if speculative:
+    assert fast.stats()["spec_verify_steps"] > 0
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -19,7 +19,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxinfer.engine import speculative, steps
+from jaxinfer.engine import sampling, speculative, steps
 from jaxinfer.engine.runners import Events, StepCounts, all_greedy, sampling_fields
 from jaxinfer.engine.scheduler import Scheduled
 
@@ -177,7 +177,8 @@ class SpecRunner:
                         max_model_len=eng.max_model_len)
              for scheduled, slots in zip(per_rank, self._slots)]
     greedy = all_greedy(s for scheduled in busy for s in scheduled)
-    kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy)
+    k_cap = 0 if greedy else sampling.top_k_cap(s.request.sampling for sch in busy for s in sch)
+    kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, k_cap=k_cap)
     if self._ranked is not None:
       packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
       if self._specs_of[0] is not eng._step_params:  # new params (EPLB rebalance)
@@ -192,7 +193,7 @@ class SpecRunner:
           **kw, **eng._heads)
     for sch, scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(scheduled)
-    self.counts.record((shapes, K, greedy), sum(n for _, n in built), bool(self.in_flight))
+    self.counts.record((shapes, K, greedy, k_cap), sum(n for _, n in built), bool(self.in_flight))
     self.in_flight.append(SpecInFlight(per_rank, emitted, K))
 
   def _read(self, eng, keep: int) -> Events:

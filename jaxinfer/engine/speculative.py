@@ -164,10 +164,11 @@ def put_drafts(state, row, drafts: dict) -> dict:
               pos=state["pos"].at[row].set(drafts["pos"]))
 
 
-def _probs(logits, temperature, top_k, top_p):
-  """[B, V] -> the sampling distribution (one-hot argmax for greedy rows)."""
+def _probs(logits, temperature, top_k, top_p, k_cap: int = 0):
+  """[B, V] -> the sampling distribution (one-hot argmax for greedy rows);
+  k_cap (static): `filter_logits`' top-k fast path."""
   greedy = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
-  sampled = jax.nn.softmax(filter_logits(logits, temperature, top_k, top_p), axis=-1)
+  sampled = jax.nn.softmax(filter_logits(logits, temperature, top_k, top_p, k_cap), axis=-1)
   return jnp.where((temperature > 0)[:, None], sampled, greedy)
 
 
@@ -222,17 +223,19 @@ def _correction(p, q, n_acc, num_draft):
   return jnp.where((n_acc < num_draft)[:, None], residual, p_last)
 
 
-def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy=False):
+def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy=False,
+           k_cap: int = 0):
   """Verification. logits [B, K + 1, V] (target at the K + 1 positions),
   drafts [B, K], q [B, K, V], num_draft [B]. -> (tokens [B, K + 1], accepted
   drafts [B]); row b emits tokens[b, :accepted + 1]. greedy (static): every
-  row has temperature 0, so q, the keys and the filters go unused."""
+  row has temperature 0, so q, the keys and the filters go unused. k_cap
+  (static): the filters' top-k fast path (`sampling.top_k_cap`)."""
   if greedy:
     return _accept_greedy(logits, drafts, num_draft)
   B, K1, V = logits.shape
   K = K1 - 1
   flat = lambda a: jnp.repeat(a, K1, axis=0)
-  p = _probs(logits.reshape(B * K1, V), flat(temperature), flat(top_k), flat(top_p))
+  p = _probs(logits.reshape(B * K1, V), flat(temperature), flat(top_k), flat(top_p), k_cap)
   p = p.reshape(B, K1, V)
   split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
   k_u, k_final = split[:, 0], split[:, 1]
@@ -285,7 +288,8 @@ def _resolve_rows(batch: SpecBatch, state, max_q, mesh, head_axis) -> _Rows:
   return _Rows(tokens, positions, ctx, num_draft, base)
 
 
-def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy: bool):
+def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy: bool,
+            k_cap: int):
   """Target logits at each block's K + 1 rows (the last known token and its
   drafts: one forward, the kernels' Q > 1 path), then `accept`.
   -> (tokens [B, K + 1], accepted [B], draft keys [B] or None)."""
@@ -302,7 +306,7 @@ def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy
     k_acc, k_draft = split[:, 0], split[:, 1]
     q_in = state["q"][batch.slot, :K]
   out, n_acc = accept(logits, drafts_in, q_in, rows.num_draft, batch.temperature, batch.top_k,
-                      batch.top_p, k_acc, greedy)
+                      batch.top_p, k_acc, greedy, k_cap)
   return out, n_acc, k_draft
 
 
@@ -338,7 +342,7 @@ def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep, 
 
 
 def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_load, load, *, K,
-           greedy, mesh, head_axis):
+           greedy, k_cap, mesh, head_axis):
   """From the accepted frontier (h [B, D] at position pos [B]) the chain
   drafts K tokens: depth k runs module min(k, M) at pos + k - 1 on the
   previous depth's hidden and draft, writing K/V there (overwritten once
@@ -367,7 +371,7 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_loa
     if greedy:
       drafts.append(jnp.argmax(draft_logits, -1).astype(jnp.int32))
       continue
-    q = _probs(draft_logits, batch.temperature, batch.top_k, batch.top_p)
+    q = _probs(draft_logits, batch.temperature, batch.top_k, batch.top_p, k_cap)
     key_k = jax.vmap(lambda kk: jax.random.fold_in(kk, k))(k_draft)
     drafts.append(jnp.where(batch.temperature > 0, _draw(key_k, q),
                             jnp.argmax(q, -1)).astype(jnp.int32))
@@ -392,11 +396,11 @@ def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
   return state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh",
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
                                               "head_axis"),
                    donate_argnames=("pool", "state", "load"))
 def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
-              ep=None, greedy: bool = False, mesh=None, head_axis=None):
+              ep=None, greedy: bool = False, k_cap: int = 0, mesh=None, head_axis=None):
   """-> (emitted [B, K + 3] int32, new pool, new state, new load): row b emitted
   emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
   not sample), after verifying emitted[b, K + 2] drafts (fewer than the
@@ -406,11 +410,12 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   pool: the target's stacked caches per segment plus the MTP entry last.
   load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
   greedy (static): every request in the batch has temperature 0 (argmax
-  everywhere; the draft distributions are not kept).
+  everywhere; the draft distributions are not kept). k_cap (static): the
+  top-k bound of the sampled rows (`sampling.top_k_cap`; 0: sort).
   mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
   """
   return _spec_body(cfg, params, pool, packed, state, load, max_q=max_q, K=K, ep=ep,
-                    greedy=greedy, mesh=mesh, head_axis=head_axis)
+                    greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
 
 
 def param_specs(params, mesh) -> tuple:
@@ -427,11 +432,11 @@ def param_specs(params, mesh) -> tuple:
   return treedef, tuple(specs)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "mesh", "axes",
-                                              "param_specs"),
+@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
+                                              "axes", "param_specs"),
                    donate_argnames=("pool", "state", "load"))
 def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int,
-                     K: int, ep, greedy: bool = False, mesh, axes, param_specs):
+                     K: int, ep, greedy: bool = False, k_cap: int = 0, mesh, axes, param_specs):
   """Attention data parallelism: `spec_step` run whole on each rank of
   `axes` in one `shard_map`, each on its own batch (packed fields [n, ...]),
   its own slice of the pool's pages and its own rows of the draft state
@@ -447,8 +452,8 @@ def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, *
   def body(params, pool, packed, state, load):
     packed = jax.tree.map(lambda a: a[0], packed)
     emitted, pool, state, load = _spec_body(cfg, params, pool, packed, state, load, max_q=max_q,
-                                            K=K, ep=in_rank, greedy=greedy, mesh=None,
-                                            head_axis=None)
+                                            K=K, ep=in_rank, greedy=greedy, k_cap=k_cap,
+                                            mesh=None, head_axis=None)
     return emitted[None], pool, state, load
 
   return jax.shard_map(
@@ -458,7 +463,8 @@ def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, *
   )(params, pool, packed, state, load)
 
 
-def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, mesh, head_axis):
+def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, k_cap, mesh,
+               head_axis):
   """`spec_step`'s program (traced inside jit, or per rank inside shard_map)."""
   batch = SpecBatch.unpack(packed)
   rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
@@ -469,14 +475,14 @@ def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, 
   mtp_load = load is not None and load.shape[0] > counts.shape[0]
   load = load if load is None else load.at[:counts.shape[0]].add(counts)
   x = x[0]  # [T, D]
-  out, n_acc, k_draft = _verify(cfg, params, x, rows, batch, state, K, greedy)
+  out, n_acc, k_draft = _verify(cfg, params, x, rows, batch, state, K, greedy, k_cap)
   h, mtp_pool, load = _catch_up(cfg, params, x, rows, batch, out, mtp_pool, ep,
                                 load if mtp_load else None, load)
   frontier = jnp.clip(rows.base + n_acc, 0, x.shape[0] - 1)  # each block's last accepted row
   pos = rows.positions[frontier]
   drafts, qs, mtp_pool, load = _draft(cfg, params, h[frontier], pos, batch, mtp_pool, ep,
                                       k_draft, load if mtp_load else None, load, K=K,
-                                      greedy=greedy, mesh=mesh, head_axis=head_axis)
+                                      greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
   state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
   emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)
