@@ -349,3 +349,20 @@ def test_dp_balance_splits_a_lone_prefill(policy):
   assert all(sum(s.num_tokens for s in sch) == 128 for sch in busy.schedule_ranks([0] * 4))
   with pytest.raises(ValueError, match="dp_balance must be one of"):
     EngineConfig(dp_balance="even")
+
+
+def test_host_time_per_step_counts_compiled_programs_only():
+  """stats()["host_ms_per_step"]: host time of building and dispatching a
+  step, over the steps whose program was compiled already."""
+  from jaxinfer.engine.runners import StepCounts
+  counts = StepCounts()
+  counts.record("a", 4, False, 5.0)  # a's first step: it compiles, not counted
+  counts.record("a", 4, True, 0.002)
+  counts.record("b", 1, True, 3.0)
+  counts.record("a", 4, True, 0.004)
+  assert (counts.steps, counts.host_steps) == (4, 2) and abs(counts.host_s - 0.006) < 1e-12
+  cfg, params = _model("tiny_dense")
+  eng = Engine(cfg, params, EngineConfig(num_pages=32))
+  eng.generate(_prompts(cfg, [5, 9]), SamplingParams(max_tokens=8))
+  stats = eng.stats()
+  assert 0 < stats["host_ms_per_step"] < 1e3 and stats["steps"] > stats["compiles"]

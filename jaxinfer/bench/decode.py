@@ -180,7 +180,8 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
   before and after the timed runs should be equal, and `xla_compiles_timed`
   (XLA backend compiles while timed) 0.
   -> {prefill: spread, decode: spread | None, compiles_warm, compiles_after,
-      xla_compiles_timed}.
+      xla_compiles_timed, host_ms_per_step (`Engine.stats`), param_leaves
+      (arrays the step takes as weights)}.
   """
   ps = 16
   per_seq = -(-(prompt_len + new_tokens) // ps)
@@ -208,7 +209,9 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
   return dict(prefill=_spread([p for p, _ in runs]),
               decode=_spread([d for _, d in runs]) if new_tokens > 1 else None,
               compiles_warm=warm, compiles_after=engine.stats()["compiles"],
-              xla_compiles_timed=xla_compiles[0])
+              xla_compiles_timed=xla_compiles[0],
+              host_ms_per_step=engine.stats()["host_ms_per_step"],
+              param_leaves=len(jax.tree.leaves(engine._step_params)))
 
 
 # ----------------------------------------------------------------------------- HF peer
@@ -353,7 +356,8 @@ def _bandwidth(nbytes: int, when: str) -> dict:
   return bw
 
 
-_COMPILE_KEYS = ("compiles_warm", "compiles_after", "xla_compiles_timed")
+_COMPILE_KEYS = ("compiles_warm", "compiles_after", "xla_compiles_timed", "host_ms_per_step",
+                 "param_leaves")
 
 
 def _row(phase, side, batch, prompt_len, new_tokens, spread, **extra) -> dict:

@@ -235,10 +235,9 @@ class Engine(EngineCore):
 
   @property
   def params(self):
-    """The weights, stacked as `init_params` makes them (and placed on the
-    mesh as `sharding.shard_params` places them). The engine holds one copy,
-    in its step's layout; with unrolled layers this is rebuilt from it on
-    each access, a new copy of the layer weights. None once released."""
+    """The weights, stacked as `init_params` makes them (placed as
+    `sharding.shard_params` places them); None once released. The engine
+    holds one copy, in its step's layout: unrolled, this rebuilds a copy."""
     return None if self._step_params is None else _stacked_params(self)
 
   def _zero_load(self):
@@ -427,7 +426,9 @@ class Engine(EngineCore):
     """Engine-wide counters: steps, tokens_per_step, compiles (distinct step
     programs), kv_pages_{total,used,cached,free}, preemptions, prompt and
     cached prompt tokens, running, waiting, overlapped_steps (dispatched
-    before the previous step was read), dp_ranks, requests_per_rank; with
+    before the previous step was read), host_ms_per_step (host time to
+    build and dispatch a step of a compiled program: the floor of a step's
+    time when the device keeps up), dp_ranks, requests_per_rank; with
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
     spec_acceptance_per_position and spec_drafted_per_position."""
@@ -446,6 +447,7 @@ class Engine(EngineCore):
         running=sum(len(s.running) for s in self.schedulers),
         waiting=sum(len(s.waiting) for s in self.schedulers),
         overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
+        host_ms_per_step=1e3 * counts.host_s / max(counts.host_steps, 1),
         kv_cache_dtype=self.kv_dtype.name,
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
         **self.images.stats(),

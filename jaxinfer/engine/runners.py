@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,13 +30,21 @@ Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finish
 @dataclasses.dataclass
 class StepCounts:
   """What a runner dispatched: steps, their real (unpadded) tokens, steps
-  dispatched before the previous one was read, and the distinct programs."""
+  dispatched before the previous one was read, the distinct programs, and
+  the host seconds spent dispatching steps whose program was compiled
+  already (building the batch and the call; not the first call of a
+  program, which compiles it)."""
   steps: int = 0
   tokens: int = 0
   overlapped: int = 0
   programs: set = dataclasses.field(default_factory=set)
+  host_s: float = 0.0
+  host_steps: int = 0
 
-  def record(self, program, num_tokens: int, overlapped: bool) -> None:
+  def record(self, program, num_tokens: int, overlapped: bool, host_s: float) -> None:
+    if program in self.programs:
+      self.host_s += host_s
+      self.host_steps += 1
     self.programs.add(program)
     self.steps += 1
     self.tokens += num_tokens
@@ -107,6 +116,7 @@ class PlainRunner:
     return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
 
   def _dispatch(self, eng, per_rank) -> None:
+    t0 = time.perf_counter()
     busy = [sch for sch in per_rank if sch]
     shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
@@ -126,7 +136,8 @@ class PlainRunner:
     self._prev_sampled = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, greedy, k_cap), sum(n for _, n in batches), bool(self.in_flight))
+    self.counts.record((shapes, greedy, k_cap), sum(n for _, n in batches), bool(self.in_flight),
+                       time.perf_counter() - t0)
     self.in_flight.append(PlainInFlight(per_rank, sampled))
 
   def _read(self, eng, keep: int) -> Events:

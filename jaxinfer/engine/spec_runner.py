@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -171,6 +172,7 @@ class SpecRunner:
           s.request.drafts = None
 
   def _dispatch(self, eng, per_rank: list[list[Scheduled]], K: int) -> None:
+    t0 = time.perf_counter()
     busy = [scheduled for scheduled in per_rank if scheduled]
     shapes = eng.step_shapes(busy, eng._chunk + K)
     built = [spec_batch(scheduled, shapes, slots.of, page_size=eng.config.page_size,
@@ -193,7 +195,8 @@ class SpecRunner:
           **kw, **eng._heads)
     for sch, scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(scheduled)
-    self.counts.record((shapes, K, greedy, k_cap), sum(n for _, n in built), bool(self.in_flight))
+    self.counts.record((shapes, K, greedy, k_cap), sum(n for _, n in built), bool(self.in_flight),
+                       time.perf_counter() - t0)
     self.in_flight.append(SpecInFlight(per_rank, emitted, K))
 
   def _read(self, eng, keep: int) -> Events:
