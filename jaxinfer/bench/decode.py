@@ -206,11 +206,11 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
   warm = engine.stats()["compiles"]
   with count_xla_compiles() as xla_compiles:
     runs = [once() for _ in range(repeats)]
+  stats = engine.stats()
   return dict(prefill=_spread([p for p, _ in runs]),
               decode=_spread([d for _, d in runs]) if new_tokens > 1 else None,
-              compiles_warm=warm, compiles_after=engine.stats()["compiles"],
-              xla_compiles_timed=xla_compiles[0],
-              host_ms_per_step=engine.stats()["host_ms_per_step"],
+              compiles_warm=warm, compiles_after=stats["compiles"],
+              xla_compiles_timed=xla_compiles[0], host_ms_per_step=stats["host_ms_per_step"],
               param_leaves=len(jax.tree.leaves(engine._step_params)))
 
 

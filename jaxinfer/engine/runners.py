@@ -63,6 +63,14 @@ def all_greedy(scheduled) -> bool:
   return all(s.request.sampling.temperature == 0 for s in scheduled)
 
 
+def sampler_mode(busy) -> tuple[bool, int]:
+  """A step's static sampling arguments over its ranks' chunks: (greedy,
+  k_cap) as `steps.step` and `speculative.spec_step` take them."""
+  chunks = [s for scheduled in busy for s in scheduled]
+  greedy = all_greedy(chunks)
+  return greedy, 0 if greedy else sampling.top_k_cap(s.request.sampling for s in chunks)
+
+
 def rank_batch(scheduled: list[Scheduled], shapes: steps.StepShapes):
   """One rank's chunks -> (padded `StepBatch`, real tokens). A token sampled
   by the step still in flight is taken on device from its row there."""
@@ -120,8 +128,7 @@ class PlainRunner:
     busy = [sch for sch in per_rank if sch]
     shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
-    greedy = all_greedy(s for sch in busy for s in sch)
-    k_cap = 0 if greedy else sampling.top_k_cap(s.request.sampling for sch in busy for s in sch)
+    greedy, k_cap = sampler_mode(busy)
     if eng._dp_axes:
       sampled, eng.pool, eng._load = steps.step_ranked(
           eng.cfg, eng._step_params, eng.pool, steps.stack_batches([b for b, _ in batches]),

@@ -20,8 +20,8 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxinfer.engine import sampling, speculative, steps
-from jaxinfer.engine.runners import Events, StepCounts, all_greedy, sampling_fields
+from jaxinfer.engine import speculative, steps
+from jaxinfer.engine.runners import Events, StepCounts, sampler_mode, sampling_fields
 from jaxinfer.engine.scheduler import Scheduled
 
 
@@ -178,8 +178,7 @@ class SpecRunner:
     built = [spec_batch(scheduled, shapes, slots.of, page_size=eng.config.page_size,
                         max_model_len=eng.max_model_len)
              for scheduled, slots in zip(per_rank, self._slots)]
-    greedy = all_greedy(s for scheduled in busy for s in scheduled)
-    k_cap = 0 if greedy else sampling.top_k_cap(s.request.sampling for sch in busy for s in sch)
+    greedy, k_cap = sampler_mode(busy)
     kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, k_cap=k_cap)
     if self._ranked is not None:
       packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
