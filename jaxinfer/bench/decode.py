@@ -287,7 +287,8 @@ def bench_hf(model, *, batch: int, prompt_len: int, new_tokens: int, repeats: in
 # ----------------------------------------------------------------------------- the run
 
 
-def _machine() -> dict:
+def machine_info() -> dict:
+  """The machine a benchmark ran on: CPU model and count, versions."""
   cpu = platform.processor()
   try:
     with open("/proc/cpuinfo") as f:
@@ -460,7 +461,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
     meta.update(hf_params=hf_param_count(hf), hf_attn_implementation=hf.config._attn_implementation)
     if meta["hf_params"] != meta["params"]:
       raise AssertionError(f"HF model has {meta['hf_params']} params, ours {meta['params']}")
-  meta.update(machine=_machine(), command=command or " ".join(map(shlex.quote, sys.argv)))
+  meta.update(machine=machine_info(), command=command or " ".join(map(shlex.quote, sys.argv)))
 
   cells = _measure(cfg, params, hf, batches=batches, prompt_len=prompt_len,
                    prefill_len=prefill_len, new_tokens=new_tokens, repeats=repeats, seed=seed,

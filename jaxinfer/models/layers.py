@@ -12,7 +12,7 @@ import numpy as np
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig, RopeScaling, yarn_get_mscale
-from jaxinfer.models import quant
+from jaxinfer.models import quant, quant_cpu
 from jaxinfer.models.layouts import FusedMLP
 from jaxinfer.models.quant import QuantizedWeight, matmul_weight
 
@@ -42,9 +42,10 @@ class PackedLinear:
 
 def pack_linear(w, in_dims: int = 1) -> PackedLinear:
   """[*In, *Out] (In the first in_dims dims) -> `PackedLinear`; a
-  `QuantizedWeight` is already [Out, In] and stays as it is."""
+  `QuantizedWeight` is already [Out, In]: its codes are unpacked for the CPU
+  step (`quant_cpu.unpacked_codes`: same numbers)."""
   if isinstance(w, QuantizedWeight):
-    return w
+    return quant_cpu.unpacked_codes(w)
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")
   wt = jnp.transpose(w.reshape(math.prod(w.shape[:in_dims]), -1))
@@ -53,7 +54,9 @@ def pack_linear(w, in_dims: int = 1) -> PackedLinear:
 
 def unpack_linear(w):
   """The inverse of `pack_linear`: a `PackedLinear` -> [*In, *Out]; any
-  other weight as it is."""
+  other weight as it is (a `QuantizedWeight` with its codes packed back)."""
+  if isinstance(w, QuantizedWeight):
+    return quant_cpu.packed_codes(w)
   if not isinstance(w, PackedLinear):
     return w
   return jnp.transpose(w.wt).reshape(*w.in_shape, *w.out_shape)
@@ -64,18 +67,53 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
   contracting the last in_dims dims of x. A `QuantizedWeight` is
   dequantized inside the step: per tile by the Pallas kernel for a GPU
   target when the weight is marked for it (`quant.kernel_ready`), else
-  whole (one layer's matrix) to x's dtype."""
+  whole (one layer's matrix) to x's dtype. On a CPU target, a packed or
+  quantized weight meets a few rows (`ROW_REDUCE_ROWS`) as one
+  multiply-reduce instead (`row_reduce_matmul`)."""
   if quant.kernel_ready(w) and ops.resolve(None, target)[0] == "pallas":
     y = _kernel_linear(x.reshape(-1, w.dims[1]), w, target)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
-  if isinstance(w, QuantizedWeight):
-    w = PackedLinear(matmul_weight(w, x.dtype), w.out_shape)
-  if isinstance(w, PackedLinear):
+  if isinstance(w, (PackedLinear, QuantizedWeight)):
     xi = x.reshape(*x.shape[:x.ndim - in_dims], -1)
-    y = jnp.einsum("...I,OI->...O", xi, w.wt, preferred_element_type=preferred_element_type)
+    rows = math.prod(xi.shape[:-1])
+    if _row_reduce(w, rows, target):
+      y = row_reduce_matmul(xi.reshape(rows, -1), w).astype(preferred_element_type or x.dtype)
+      y = y.reshape(*xi.shape[:-1], -1)
+    else:
+      wt = matmul_weight(w, x.dtype) if isinstance(w, QuantizedWeight) else w.wt
+      y = jnp.einsum("...I,OI->...O", xi, wt, preferred_element_type=preferred_element_type)
     return y.reshape(*y.shape[:-1], *w.out_shape)
   return jnp.tensordot(x, w, axes=in_dims, preferred_element_type=preferred_element_type)
+
+
+# Rows up to which XLA:CPU multiplies faster as one multiply-reduce fusion
+# than as a dot (`experiments/linear_forms.py`, results/linear_forms.json):
+# a float [Out, In] weight from 2 rows (at 1 row the dot reads it faster), a
+# quantized one from 1 row (the codes are read once and never written out
+# dequantized; dequantize-then-dot wrote each layer's float matrix).
+ROW_REDUCE_ROWS = {"float": (2, 64), "quantized": (1, 64)}
+
+
+def _row_reduce(w, rows: int, target) -> bool:
+  if ops.resolve_target(target) != "cpu":
+    return False
+  lo, hi = ROW_REDUCE_ROWS["quantized" if isinstance(w, QuantizedWeight) else "float"]
+  return lo <= rows <= hi and (not isinstance(w, QuantizedWeight) or quant_cpu.reducible(w))
+
+
+def row_reduce_matmul(x2, w):
+  """x2 [M, In] times a `PackedLinear` or a `quant_cpu.reducible`
+  `QuantizedWeight` [Out, In] -> float32 [M, Out], as y[o, m] = sum_i
+  W[o, i] x[m, i]: one reduce fusion that reads W once (a quantized one
+  decoded on the fly, `quant_cpu`), row o held in cache while it meets every
+  row of x."""
+  if isinstance(w, QuantizedWeight):
+    return quant_cpu.reduce_matmul(x2, w)
+  x2, wt = x2.astype(jnp.float32), w.wt.astype(jnp.float32)
+  if x2.shape[0] == 1:  # [Out, 1, In] would reduce over a broadcast XLA:CPU runs slowly
+    return jnp.sum(wt * x2, axis=-1)[None]
+  return jnp.sum(wt[:, None, :] * x2[None], axis=-1).T
 
 
 def _kernel_linear(x2, w: QuantizedWeight, target):

@@ -122,6 +122,8 @@ def stored_in(method: str, d_in: int) -> int:
 def _codes(w: QuantizedWeight):
   """values -> float32 [*lead, Out, In]."""
   v = w.values
+  if w.method in PACKED and v.dtype == jnp.int8:  # held unpacked (`quant_cpu.unpacked_codes`)
+    return v.astype(jnp.float32) * (1.0 if w.method == "int4" else 0.5)
   if w.method in ("mxfp4", "nvfp4"):
     pairs = jax.lax.bitcast_convert_type(v, jnp.float4_e2m1fn)  # [..., I/2, 2], low nibble first
     return pairs.reshape(*v.shape[:-1], -1).astype(jnp.float32)

@@ -151,7 +151,7 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
 
   def fused(p):
     if any(isinstance(p[k], QuantizedWeight) for k in _EXPERT_KEYS):
-      return p  # quantized weights stay as loaded: each matmul dequantizes its own
+      return {k: pack(v) for k, v in p.items()}  # quantized: each matmul reads its own
     return FusedMLP(w_gate_up=pack(fuse_gate_up(p["w_gate"], p["w_up"])), w_down=pack(p["w_down"]))
 
   def layer_layout(layer, is_moe):
@@ -187,6 +187,8 @@ def stacked_layout(cfg: ModelConfig, step):
   tree `init_params` makes, with the same values (the Engine keeps only the
   step layout and rebuilds this when asked: `Engine.params`)."""
   def unfused(p):
+    if type(p) is dict:  # quantized MLP weights, held one by one
+      return {k: unpack_linear(v) for k, v in p.items()}
     if not isinstance(p, FusedMLP):
       return p
     gate, up = jnp.split(unpack_linear(p.w_gate_up), 2, axis=-1)

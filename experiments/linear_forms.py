@@ -1,0 +1,67 @@
+"""XLA:CPU's two ways to multiply a few rows by a projection weight, a dot
+and a multiply-reduce fusion, for float32 and weight-only quantized weights,
+at 1 to 512 rows (`jaxinfer.bench.linear_forms`); with --xla_flags, the same
+again under each XLA_FLAGS setting (one process each), so the CPU flags of
+this jax are measured on the same program.
+
+  python experiments/linear_forms.py
+  python experiments/linear_forms.py --xla_flags="--xla_cpu_use_onednn=true;--xla_cpu_use_xnnpack=false"
+
+Writes experiments/results/linear_forms.json: one row per (flags, weights,
+rows, form), with median ms, weight GB/s and the float32 dot's time over
+each; `reduce_wins` lists the row counts where the reduce was faster
+(`layers.ROW_REDUCE_ROWS` comes from it).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+from absl import app, flags
+
+_KINDS = flags.DEFINE_list("weights", ["float32", "int8", "fp8", "int4"], "float32 and quant methods")
+_ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64", "128", "512"], "row counts")
+_REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per cell (median)")
+_XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "';'-separated XLA_FLAGS settings also measured")
+_OUT = flags.DEFINE_string("out", None, "output JSON (default experiments/results/linear_forms.json)")
+_CHILD = flags.DEFINE_bool("child", False, "internal: measure in this process, print JSON rows")
+
+
+def main(argv):
+  del argv
+  if _CHILD.value:
+    from jaxinfer.bench import linear_forms
+    rows = linear_forms.measure(tuple(_KINDS.value), tuple(int(r) for r in _ROWS.value),
+                                _REPEATS.value)
+    print("ROWS " + json.dumps(rows))
+    return
+  import jax
+  from jaxinfer.bench import linear_forms, results
+  from jaxinfer.bench.decode import machine_info
+  base = os.environ.get("XLA_FLAGS", "")
+  settings = [""] + [s.strip() for s in _XLA_FLAGS.value.split(";") if s.strip()]
+  rows, wins = [], {}
+  for setting in settings:
+    env = dict(os.environ, XLA_FLAGS=f"{base} {setting}".strip())
+    print(f"== XLA_FLAGS={env['XLA_FLAGS']!r}", flush=True)
+    proc = subprocess.run([sys.executable, __file__, "--child", f"--weights={','.join(_KINDS.value)}",
+                           f"--rows={','.join(_ROWS.value)}", f"--repeats={_REPEATS.value}"],
+                          env=env, capture_output=True, text=True)
+    found = [l for l in proc.stdout.splitlines() if l.startswith("ROWS ")]
+    if proc.returncode or not found:
+      raise RuntimeError(f"linear_forms under XLA_FLAGS={setting!r} failed:\n{proc.stderr[-3000:]}")
+    print("\n".join(l for l in proc.stdout.splitlines() if not l.startswith("ROWS ")))
+    part = [dict(r, xla_flags=setting) for r in json.loads(found[-1][5:])]
+    rows += part
+    wins[setting or "default"] = linear_forms.best_ranges(part)
+  out = _OUT.value or os.path.join(os.path.dirname(__file__), "results", "linear_forms")
+  results.write(out.removesuffix(".json"), rows, machine=machine_info(),
+                command="experiments/linear_forms.py " + " ".join(sys.argv[1:]),
+                shapes=dict(d_model=linear_forms.D, ffn=linear_forms.F, layers=linear_forms.LAYERS),
+                reduce_wins=wins)
+  del jax
+
+
+if __name__ == "__main__":
+  app.run(main)
