@@ -6,6 +6,13 @@ this jax are measured on the same program.
 
   python experiments/linear_forms.py
   python experiments/linear_forms.py --xla_flags="--xla_cpu_use_onednn=true;--xla_cpu_use_xnnpack=false"
+  python experiments/linear_forms.py --engine_batches=1,8,16,32   # also the Engine's decode step
+
+With --engine_batches, an unrolled Engine on bench_dense decodes at each
+batch with the dot, the reduce (up to 64 rows) and the default
+(`layers.ROW_REDUCE_ROWS`), each in its own process, rounds interleaved:
+the programs of a whole step, where XLA's fusion choices differ from the
+isolated MLPs above.
 
 Writes experiments/results/linear_forms.json: one row per (flags, weights,
 rows, form), with median ms, weight GB/s and the float32 dot's time over
@@ -25,11 +32,20 @@ _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64", "128", 
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per cell (median)")
 _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "';'-separated XLA_FLAGS settings also measured")
 _OUT = flags.DEFINE_string("out", None, "output JSON (default experiments/results/linear_forms.json)")
+_ENGINE = flags.DEFINE_list("engine_batches", [], "Engine decode batches to measure (bench_dense)")
+_ENGINE_WEIGHTS = flags.DEFINE_list("engine_weights", ["float32", "int8"], "weights for --engine_batches")
+_ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved rounds of the engine processes")
 _CHILD = flags.DEFINE_bool("child", False, "internal: measure in this process, print JSON rows")
+_ENGINE_CELL = flags.DEFINE_string("engine_cell", None, "internal: weights,batch,setting")
 
 
 def main(argv):
   del argv
+  if _ENGINE_CELL.value:
+    from jaxinfer.bench import linear_forms
+    weights, batch, setting = _ENGINE_CELL.value.split(",")
+    print("MS " + json.dumps(linear_forms.engine_decode_ms(weights, int(batch), setting)))
+    return
   if _CHILD.value:
     from jaxinfer.bench import linear_forms
     rows = linear_forms.measure(tuple(_KINDS.value), tuple(int(r) for r in _ROWS.value),
@@ -55,11 +71,24 @@ def main(argv):
     part = [dict(r, xla_flags=setting) for r in json.loads(found[-1][5:])]
     rows += part
     wins[setting or "default"] = linear_forms.best_ranges(part)
+  engine_rows = []
+  for _ in range(_ROUNDS.value if _ENGINE.value else 0):
+    for weights in _ENGINE_WEIGHTS.value:
+      for batch in _ENGINE.value:
+        for setting in ("dot", "reduce", "default"):
+          proc = subprocess.run([sys.executable, __file__, f"--engine_cell={weights},{batch},{setting}"],
+                                capture_output=True, text=True)
+          found = [l for l in proc.stdout.splitlines() if l.startswith("MS ")]
+          if proc.returncode or not found:
+            raise RuntimeError(f"engine cell {weights},{batch},{setting} failed:\n{proc.stderr[-3000:]}")
+          engine_rows.append(dict(weights=weights, batch=int(batch), setting=setting,
+                                  decode_ms=json.loads(found[-1][3:])))
+          print(engine_rows[-1], flush=True)
   out = _OUT.value or os.path.join(os.path.dirname(__file__), "results", "linear_forms")
   results.write(out.removesuffix(".json"), rows, machine=machine_info(),
                 command="experiments/linear_forms.py " + " ".join(sys.argv[1:]),
                 shapes=dict(d_model=linear_forms.D, ffn=linear_forms.F, layers=linear_forms.LAYERS),
-                reduce_wins=wins)
+                reduce_wins=wins, engine_decode=engine_rows)
   del jax
 
 

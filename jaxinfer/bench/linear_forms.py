@@ -115,3 +115,43 @@ def best_ranges(rows: list[dict]) -> dict:
   for r in rows:
     by.setdefault(r["weights"], {}).setdefault(r["rows"], {})[r["form"]] = r["ms"]
   return {k: [m for m, f in sorted(v.items()) if f["row_reduce"] < f["dot"]] for k, v in by.items()}
+
+
+# ------------------------------------------------------------ in the engine
+
+ROW_SETTINGS = {"dot": {"float": (0, 0), "quantized": (0, 0)},
+                "reduce": {"float": (1, 64), "quantized": (1, 64)}}
+
+
+def engine_decode_ms(weights: str, batch: int, setting: str, *, model: str = "bench_dense",
+                     prompt_len: int = 32, steps: int = 8, repeats: int = 3) -> float:
+  """Median decode step (ms) of an unrolled Engine on `model` (weights
+  "float32" or a quant method, per channel) at `batch` sequences, with
+  `layers.ROW_REDUCE_ROWS` set to ROW_SETTINGS[setting] ("default": as it
+  is). One setting per process: the step programs are cached by shape, so a
+  second setting in the same process would reuse the first one's."""
+  import jaxinfer
+  from jaxinfer import models
+  from jaxinfer.bench.decode import quantized
+  if setting != "default":
+    layers.ROW_REDUCE_ROWS.update(ROW_SETTINGS[setting])
+  cfg = jaxinfer.presets.get(model)
+  params = models.init_params(cfg, jax.random.key(0))
+  if weights != "float32":
+    cfg, params = quantized(cfg, params, weights)
+  engine = jaxinfer.Engine(cfg, params, jaxinfer.EngineConfig(
+      max_num_seqs=batch, page_size=16, num_pages=batch * (prompt_len + steps + 16) // 16 + 8,
+      unroll_layers=True))
+  del params
+  prompts = [list(range(5, 5 + prompt_len))] * batch
+  run = lambda n: engine.generate(prompts, jaxinfer.SamplingParams(max_tokens=n, temperature=0.0))
+  run(3)  # compiles the prefill and decode programs
+  per_step = []
+  for _ in range(repeats):  # decode time: (n + 1 tokens) - (1 token), per step
+    t = time.perf_counter()
+    run(1)
+    t1 = time.perf_counter() - t
+    t = time.perf_counter()
+    run(steps + 1)
+    per_step.append((time.perf_counter() - t - t1) / steps)
+  return 1e3 * float(np.median(per_step))

@@ -87,12 +87,15 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
   return jnp.tensordot(x, w, axes=in_dims, preferred_element_type=preferred_element_type)
 
 
-# Rows up to which XLA:CPU multiplies faster as one multiply-reduce fusion
-# than as a dot (`experiments/linear_forms.py`, results/linear_forms.json):
-# a float [Out, In] weight from 2 rows (at 1 row the dot reads it faster), a
-# quantized one from 1 row (the codes are read once and never written out
-# dequantized; dequantize-then-dot wrote each layer's float matrix).
-ROW_REDUCE_ROWS = {"float": (2, 64), "quantized": (1, 64)}
+# Rows for which a CPU step multiplies as one multiply-reduce fusion, not a
+# dot. Measured on `bench_dense` (decode step time, the Engine with each
+# setting in its own process, `experiments/linear_forms.py --engine`): float
+# weights win at 8 rows (the dot runs XLA:CPU's GEMM poorly there) but lose
+# at 16 and 32 (XLA then writes out x broadcast against some weights, [Out,
+# rows, In], instead of fusing it); at 1 row the dot reads the weight faster.
+# Quantized weights win at 1 row (3.3x over dequantize-then-dot for int8) and
+# lose past it for the same broadcast.
+ROW_REDUCE_ROWS = {"float": (2, 8), "quantized": (1, 1)}
 
 
 def _row_reduce(w, rows: int, target) -> bool:
