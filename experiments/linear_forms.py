@@ -7,6 +7,8 @@ this jax are measured on the same program.
   python experiments/linear_forms.py
   python experiments/linear_forms.py --xla_flags="--xla_cpu_use_onednn=true;--xla_cpu_use_xnnpack=false"
   python experiments/linear_forms.py --engine_batches=1,8,16,32   # also the Engine's decode step
+  python experiments/linear_forms.py --rows=1 --weights=float32 --engine_batches=1,8,32 \
+      --engine_xla_flags="--xla_cpu_use_onednn=true;--xla_cpu_use_xnnpack=false"
 
 With --engine_batches, an unrolled Engine on bench_dense decodes at each
 batch with the dot, the reduce (up to 64 rows) and the default
@@ -34,6 +36,8 @@ _XLA_FLAGS = flags.DEFINE_string("xla_flags", "", "';'-separated XLA_FLAGS setti
 _OUT = flags.DEFINE_string("out", None, "output JSON (default experiments/results/linear_forms.json)")
 _ENGINE = flags.DEFINE_list("engine_batches", [], "Engine decode batches to measure (bench_dense)")
 _ENGINE_WEIGHTS = flags.DEFINE_list("engine_weights", ["float32", "int8"], "weights for --engine_batches")
+_ENGINE_FLAGS = flags.DEFINE_string("engine_xla_flags", "", "';'-separated XLA_FLAGS settings under "
+                                     "which the Engine cells also run (the default setting only)")
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved rounds of the engine processes")
 _CHILD = flags.DEFINE_bool("child", False, "internal: measure in this process, print JSON rows")
 _ENGINE_CELL = flags.DEFINE_string("engine_cell", None, "internal: weights,batch,setting")
@@ -72,18 +76,22 @@ def main(argv):
     rows += part
     wins[setting or "default"] = linear_forms.best_ranges(part)
   engine_rows = []
+  cells = [(w, b, setting, "") for w in _ENGINE_WEIGHTS.value for b in _ENGINE.value
+           for setting in ("dot", "reduce", "default")]
+  cells += [(w, b, "default", f) for f in _ENGINE_FLAGS.value.split(";") if f.strip()
+            for w in _ENGINE_WEIGHTS.value for b in _ENGINE.value]
   for _ in range(_ROUNDS.value if _ENGINE.value else 0):
-    for weights in _ENGINE_WEIGHTS.value:
-      for batch in _ENGINE.value:
-        for setting in ("dot", "reduce", "default"):
-          proc = subprocess.run([sys.executable, __file__, f"--engine_cell={weights},{batch},{setting}"],
-                                capture_output=True, text=True)
-          found = [l for l in proc.stdout.splitlines() if l.startswith("MS ")]
-          if proc.returncode or not found:
-            raise RuntimeError(f"engine cell {weights},{batch},{setting} failed:\n{proc.stderr[-3000:]}")
-          engine_rows.append(dict(weights=weights, batch=int(batch), setting=setting,
-                                  decode_ms=json.loads(found[-1][3:])))
-          print(engine_rows[-1], flush=True)
+    for weights, batch, setting, flag in cells:
+      env = dict(os.environ, XLA_FLAGS=f"{base} {flag}".strip())
+      proc = subprocess.run([sys.executable, __file__, f"--engine_cell={weights},{batch},{setting}"],
+                            capture_output=True, text=True, env=env)
+      found = [l for l in proc.stdout.splitlines() if l.startswith("MS ")]
+      if proc.returncode or not found:
+        raise RuntimeError(f"engine cell {weights},{batch},{setting},{flag} failed:\n"
+                           f"{proc.stderr[-3000:]}")
+      engine_rows.append(dict(weights=weights, batch=int(batch), setting=setting,
+                              xla_flags=flag.strip(), decode_ms=json.loads(found[-1][3:])))
+      print(engine_rows[-1], flush=True)
   out = _OUT.value or os.path.join(os.path.dirname(__file__), "results", "linear_forms")
   results.write(out.removesuffix(".json"), rows, machine=machine_info(),
                 command="experiments/linear_forms.py " + " ".join(sys.argv[1:]),

@@ -17,6 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jaxinfer
+from jaxinfer import models
+from jaxinfer.bench.decode import quantized
 from jaxinfer.models import layers, quant
 
 D, F, LAYERS = 1024, 2816, 8
@@ -130,9 +133,6 @@ def engine_decode_ms(weights: str, batch: int, setting: str, *, model: str = "be
   `layers.ROW_REDUCE_ROWS` set to ROW_SETTINGS[setting] ("default": as it
   is). One setting per process: the step programs are cached by shape, so a
   second setting in the same process would reuse the first one's."""
-  import jaxinfer
-  from jaxinfer import models
-  from jaxinfer.bench.decode import quantized
   if setting != "default":
     layers.ROW_REDUCE_ROWS.update(ROW_SETTINGS[setting])
   cfg = jaxinfer.presets.get(model)
