@@ -1,8 +1,9 @@
 """Property-based tests (hypothesis, a fixed seed and bounded example counts):
 the page allocator and the engine's host core (scheduler, prefix cache,
 preemption, aborts) against simple models under random operation sequences,
-the tokenizers on arbitrary text and bytes, and `ModelConfig.from_hf` on
-malformed configs."""
+the tokenizers on arbitrary text and bytes, `ModelConfig.from_hf` on
+malformed configs, and the HTTP server's request validation on arbitrary
+bodies."""
 
 import json
 import zlib
@@ -262,3 +263,71 @@ def test_from_hf_on_malformed_configs_names_the_problem(name, data):
     assert str(e), "an error without a message"
   else:
     assert isinstance(cfg, ModelConfig)
+
+
+# ---------------------------------------------------------------- HTTP request validation
+
+_FIELDS = {  # each request field with a strategy of plausible and hostile values
+    "model": st.one_of(st.just("default"), VALUES),
+    "prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(-2, 400), max_size=6),
+                        st.lists(st.text(max_size=4), max_size=3), VALUES),
+    "messages": st.one_of(st.lists(st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "robot"]),
+         "content": st.one_of(st.text(max_size=10), st.lists(st.dictionaries(
+             st.sampled_from(["type", "text", "image_url"]), VALUES), max_size=2))}),
+        max_size=3), VALUES),
+    "max_tokens": VALUES, "max_completion_tokens": VALUES, "temperature": VALUES,
+    "top_p": VALUES, "top_k": VALUES, "seed": VALUES, "stop": st.one_of(
+        VALUES, st.lists(st.text(max_size=3), max_size=3)), "n": VALUES, "stream": VALUES,
+    "presence_penalty": VALUES, "logprobs": VALUES, "best_of": VALUES, "echo": VALUES,
+}
+
+
+_OPTIONAL = {k: v for k, v in _FIELDS.items() if k not in ("model", "prompt", "messages")}
+_GOOD = {"model": st.just("default"), "prompt": st.one_of(
+    st.text(min_size=1, max_size=20), st.lists(st.integers(0, 255), min_size=1, max_size=6)),
+    "messages": st.lists(st.fixed_dictionaries({"role": st.just("user"),
+                                                "content": st.text(max_size=10)}),
+                         min_size=1, max_size=2),
+    "max_tokens": st.one_of(st.none(), st.integers(-2, 80)), "temperature": st.floats(-1, 3),
+    "top_p": st.floats(-0.5, 1.5), "top_k": st.integers(-2, 50)}
+
+
+@st.composite
+def _bodies(draw, chat: bool):
+  """JSON text: the request's required fields (well-formed or not) plus any
+  optional ones, sometimes an unknown key, or not an object at all."""
+  kind = draw(st.integers(0, 9))
+  if kind == 0:
+    return draw(st.text(max_size=30))
+  main = "messages" if chat else "prompt"
+  pick = lambda k: draw(st.one_of(_GOOD[k], _FIELDS[k]) if kind < 5 else _GOOD.get(k, _FIELDS[k]))
+  body = {"model": pick("model"), main: pick(main)}
+  for k in draw(st.lists(st.sampled_from(sorted(_OPTIONAL)), max_size=4, unique=True)):
+    body[k] = draw(_GOOD[k]) if k in _GOOD and draw(st.booleans()) else draw(_FIELDS[k])
+  if draw(st.integers(0, 9)) == 0:
+    body[draw(st.text(min_size=1, max_size=6))] = draw(VALUES)
+  return json.dumps(body)
+
+
+@settings(SETTINGS, max_examples=400)
+@given(chat=st.booleans(), data=st.data(), prompt_len=st.integers(0, 70))
+def test_http_request_validation_names_the_field_or_accepts(chat, data, prompt_len):
+  """A request body of any shape is parsed and checked (`openai_protocol`)
+  into SamplingParams and prompt text, or refused with a 400 `ApiError`
+  whose message is set: never another exception (which the server would
+  answer with a 500)."""
+  from jaxinfer.serving import openai_protocol as op
+  body = data.draw(_bodies(chat))
+  try:
+    req = op.parse(op.ChatRequest if chat else op.CompletionRequest, body.encode())
+    op.stop_strings(req)
+    params = op.sampling_params(req, prompt_len=prompt_len, max_model_len=64, max_tokens_cap=32,
+                                default_max_tokens=None)
+    if chat:
+      [m.text() for m in req.messages]
+  except op.ApiError as e:
+    assert e.status == 400 and e.message and e.body()["error"]["message"] == e.message
+  else:
+    assert isinstance(params, SamplingParams)
+    assert 1 <= params.max_tokens <= min(32, 64 - prompt_len)
