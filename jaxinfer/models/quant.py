@@ -22,7 +22,8 @@ reference) cites each format's source.
 `linear` and the expert paths call `matmul_weight` / `dense`: XLA fuses the
 scale multiply into the operand read on GPU (the H100 compile gate checks
 the programs), and XLA:CPU materialises one layer's dequantized weight per
-use (`bench_decode` reports what that costs).
+use, except a projection at one row, which `quant_cpu` multiplies from the
+codes (`bench_decode --quant` reports what each costs).
 """
 
 from __future__ import annotations
