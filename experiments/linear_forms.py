@@ -56,7 +56,6 @@ def main(argv):
                                 _REPEATS.value)
     print("ROWS " + json.dumps(rows))
     return
-  import jax
   from jaxinfer.bench import linear_forms, results
   from jaxinfer.bench.decode import machine_info
   base = os.environ.get("XLA_FLAGS", "")
@@ -97,7 +96,6 @@ def main(argv):
                 command="experiments/linear_forms.py " + " ".join(sys.argv[1:]),
                 shapes=dict(d_model=linear_forms.D, ffn=linear_forms.F, layers=linear_forms.LAYERS),
                 reduce_wins=wins, engine_decode=engine_rows)
-  del jax
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 
 from conftest import FIXTURES
 from jaxinfer import Engine, EngineConfig, ModelConfig, SamplingParams, engine, models, presets
+from jaxinfer.engine.runners import StepCounts
 
 ARCHS = {
     "tiny_dense": presets.get("tiny_dense"),
@@ -354,7 +355,6 @@ def test_dp_balance_splits_a_lone_prefill(policy):
 def test_host_time_per_step_counts_compiled_programs_only():
   """stats()["host_ms_per_step"]: host time of building and dispatching a
   step, over the steps whose program was compiled already."""
-  from jaxinfer.engine.runners import StepCounts
   counts = StepCounts()
   counts.record("a", 4, False, 5.0)  # a's first step: it compiles, not counted
   counts.record("a", 4, True, 0.002)

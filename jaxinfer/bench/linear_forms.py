@@ -72,10 +72,6 @@ def _program(form: str):
   return jax.jit(mlps)
 
 
-def weight_bytes(weights) -> int:
-  return sum(a.nbytes for a in jax.tree.leaves(weights))
-
-
 def measure(kinds=("float32", "int8", "fp8", "int4"), rows=(1, 2, 4, 8, 16, 32, 64, 128, 512),
             repeats: int = 5, seed: int = 0) -> list[dict]:
   """-> one row per (weights, rows, form): median ms, min ms, GB/s of weight
@@ -105,7 +101,7 @@ def measure(kinds=("float32", "int8", "fp8", "int4"), rows=(1, 2, 4, 8, 16, 32, 
     for (k, f), ts in times.items():
       med = float(np.median(ts))
       out.append(dict(weights=k, rows=m, form=f, ms=1e3 * med, ms_min=1e3 * min(ts),
-                      weight_gbps=weight_bytes(weights[k, f]) / med / 1e9,
+                      weight_gbps=quant.nbytes(weights[k, f]) / med / 1e9,
                       vs_float_dot=float(float_dot / med)))
       print(f"{k:8s} rows {m:4d} {f:10s} {1e3 * med:8.2f} ms  x{float_dot / med:.2f} of the "
             f"float32 dot", flush=True)

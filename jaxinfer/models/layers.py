@@ -88,13 +88,14 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
 
 
 # Rows for which a CPU step multiplies as one multiply-reduce fusion, not a
-# dot. Measured on `bench_dense` (decode step time, the Engine with each
-# setting in its own process, `experiments/linear_forms.py --engine`): float
-# weights win at 8 rows (the dot runs XLA:CPU's GEMM poorly there) but lose
-# at 16 and 32 (XLA then writes out x broadcast against some weights, [Out,
-# rows, In], instead of fusing it); at 1 row the dot reads the weight faster.
-# Quantized weights win at 1 row (3.3x over dequantize-then-dot for int8) and
-# lose past it for the same broadcast.
+# dot. Measured on `bench_dense`'s decode step, the Engine with each setting
+# in its own process (`experiments/linear_forms.py --engine_batches`):
+# float weights at 8 rows 25.1 ms against the dot's 27.3, at 32 rows
+# reduce-to-64 286 ms against 51 (XLA then writes out x broadcast against
+# some weights, [Out, rows, In], instead of fusing it), at 1 row 13.5
+# against 8.1 (results/xla_cpu_flags.json, idle machine); int8 at 1 row 25.5
+# ms against dequantize-then-dot's 164, at 8-32 rows 6-20x slower than it
+# (results/linear_forms.json, a loaded machine).
 ROW_REDUCE_ROWS = {"float": (2, 8), "quantized": (1, 1)}
 
 

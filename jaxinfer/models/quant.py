@@ -120,8 +120,8 @@ def stored_in(method: str, d_in: int) -> int:
 
 # ------------------------------------------------------------ dequantization
 
-def _codes(w: QuantizedWeight):
-  """values -> float32 [*lead, Out, In]."""
+def float_codes(w: QuantizedWeight):
+  """values -> float32 codes [*lead, Out, In] (before the scales)."""
   v = w.values
   if w.method in PACKED and v.dtype == jnp.int8:  # held unpacked (`quant_cpu.unpacked_codes`)
     return v.astype(jnp.float32) * (1.0 if w.method == "int4" else 0.5)
@@ -134,12 +134,19 @@ def _codes(w: QuantizedWeight):
   return v.astype(jnp.float32)
 
 
-def _scales(w: QuantizedWeight):
-  """Scales as float32 multipliers, [*lead, Out, In] after block expansion."""
+def block_scales(w: QuantizedWeight):
+  """Scales as float32 multipliers, one per block: [*lead, ceil(Out / bo),
+  ceil(In / bi)] (E8M0 decoded, NVFP4's second level applied)."""
   s = w.scale
   s = jnp.exp2(s.astype(jnp.float32) - 127.0) if w.method == "mxfp4" else s.astype(jnp.float32)
   if w.scale2 is not None:
     s = s * w.scale2.astype(jnp.float32)[..., None, None]
+  return s
+
+
+def _scales(w: QuantizedWeight):
+  """Scales as float32 multipliers, [*lead, Out, In] after block expansion."""
+  s = block_scales(w)
   out, d_in = w.dims
   bo, bi = block_sizes(w.block, out, d_in)
   # Block expansion by broadcast and reshape (a gather would not split like the weight).
@@ -150,7 +157,7 @@ def _scales(w: QuantizedWeight):
 
 def matmul_weight(w: QuantizedWeight, dtype) -> jax.Array:
   """The dequantized [*lead, Out, In] matrix in dtype (inside a jitted step)."""
-  return (_codes(w) * _scales(w)).astype(dtype)
+  return (float_codes(w) * _scales(w)).astype(dtype)
 
 
 def dense(w, dtype=None) -> jax.Array:

@@ -30,7 +30,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.models.quant import PACKED, QuantizedWeight, block_sizes
+from jaxinfer.models.quant import (PACKED, QuantizedWeight, block_scales, block_sizes,
+                                   float_codes)
 
 
 def fp8_e4m3_to_f32(codes):
@@ -76,7 +77,7 @@ def unpacked_codes(w):
     return w.replace(values=v.astype(jnp.bfloat16))
   if w.method in PACKED and v.dtype == jnp.uint8:
     nib = jnp.stack([v & 0xF, v >> 4], axis=-1).reshape(*v.shape[:-1], -1).astype(jnp.int32)
-    codes = ((nib ^ 8) - 8) if w.method == "int4" else 2 * e2m1_to_f32(nib)
+    codes = int4_to_f32(nib) if w.method == "int4" else 2 * e2m1_to_f32(nib)
     return w.replace(values=codes.astype(jnp.int8))
   return w
 
@@ -105,8 +106,9 @@ MIN_IN_BLOCK = 128  # smaller In blocks: the scale lookup per weight costs more 
 def reducible(w: QuantizedWeight) -> bool:
   """Whether `reduce_matmul` takes w: one matrix (no stacked lead dims) whose
   In blocks tile In exactly, of at least `MIN_IN_BLOCK` inputs (measured:
-  fp8 in 128-blocks 1.8-2.4x faster than dequantize-then-dot at 1 and 8
-  rows, int4 in groups of 32 0.7x at 1 row)."""
+  fp8 in 128-blocks 1.4x and 1.6x faster than dequantize-then-dot at 1 and 8
+  rows, int4 in groups of 32 0.72x at 1 row: results/linear_forms_blocks.json,
+  bench_dense's MLPs, idle machine)."""
   if w.lead:
     return False
   out, d_in = w.dims
@@ -114,13 +116,11 @@ def reducible(w: QuantizedWeight) -> bool:
   return d_in % bi == 0 and bi >= min(MIN_IN_BLOCK, d_in)
 
 
-def _block_scales(w: QuantizedWeight):
-  """float32 [Out, In blocks]: each row's scale per In block (rows of a
-  block repeated; small, built outside the reduce)."""
-  s = w.scale
-  s = jnp.exp2(s.astype(jnp.float32) - 127.0) if w.method == "mxfp4" else s.astype(jnp.float32)
-  if w.scale2 is not None:
-    s = s * w.scale2.astype(jnp.float32)
+def _row_scales(w: QuantizedWeight):
+  """float32 [Out, In blocks]: each row's scale per In block
+  (`quant.block_scales` with the rows of a block repeated; small, built
+  outside the reduce)."""
+  s = block_scales(w)
   out, d_in = w.dims
   bo = block_sizes(w.block, out, d_in)[0]
   return jnp.repeat(s, bo, axis=0)[:out] if bo > 1 else s
@@ -151,16 +151,14 @@ def reduce_matmul(x2, w: QuantizedWeight):
     raise ValueError(f"reduce_matmul: needs one matrix with In blocks tiling In, got lead dims "
                      f"{w.lead} and blocks of {bi} over {d_in} inputs")
   x = x2.astype(jnp.float32)
-  s = _block_scales(w)  # [O, nb]
+  s = _row_scales(w)  # [O, nb]
   if w.method in PACKED and w.values.dtype == jnp.uint8:
     v = w.values.astype(jnp.int32)  # [O, In / 2]
     decode, s = _NIBBLE[w.method], _expand(s, bi // 2)
     xp = x.reshape(x.shape[0], d_in // 2, 2)
     y = _sum((decode(v & 0xF) * s, xp[..., 0]), (decode(v >> 4) * s, xp[..., 1]))
   else:
-    v = w.values
-    codes = fp8_e4m3_to_f32(v) if v.dtype == jnp.float8_e4m3fn else v.astype(jnp.float32)
-    if w.method in ("mxfp4", "nvfp4"):  # held as 2 * e2m1
-      s = s * 0.5
+    codes = (fp8_e4m3_to_f32(w.values) if w.values.dtype == jnp.float8_e4m3fn
+             else float_codes(w))  # XLA:CPU's own fp8 convert is slower
     y = _sum((codes * _expand(s, bi), x))
   return y.T
