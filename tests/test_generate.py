@@ -46,6 +46,24 @@ def test_sample_filters():
   assert set(f(1.0, 0, 1.0)) == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_argmax_equals_jnp_argmax_on_ties_nans_and_infinities(dtype):
+  nan, inf = float("nan"), float("inf")
+  rows = np.array([[1.0, 3.0, 3.0, 2.0],  # a tie: the first
+                   [-inf, -inf, -inf, -inf],  # nothing above -inf: 0
+                   [0.0, -0.0, 0.0, -1.0],  # signed zeros compare equal
+                   [1.0, nan, 5.0, nan],  # a NaN is the largest: the first NaN
+                   [inf, 2.0, inf, nan],
+                   [-2.0, -1.0, -3.0, -1.0]], np.float32)
+  rng = np.random.default_rng(0)
+  noise = rng.standard_normal((3, 5, 1000)).astype(np.float32).round(1)  # many ties
+  for x in (rows, noise):
+    x = jnp.asarray(x, dtype)
+    got = jax.jit(sampling.argmax)(x)
+    assert got.dtype == jnp.int32 and got.shape == x.shape[:-1]
+    np.testing.assert_array_equal(got, jnp.argmax(x, axis=-1))
+
+
 def test_top_k_fast_path_equals_the_full_sort():
   # lax.top_k over k_cap logits gives the same filtered logits, hence the
   # same samples, as sorting the vocabulary; rows mix top_k, top_p and T.

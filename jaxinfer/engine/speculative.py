@@ -46,7 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.sampling import filter_logits, request_keys
+from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
 from jaxinfer.models import mtp
 from jaxinfer.models.context import PagedContext
 from jaxinfer.models.layers import rope_cos_sin
@@ -167,7 +167,7 @@ def put_drafts(state, row, drafts: dict) -> dict:
 def _probs(logits, temperature, top_k, top_p, k_cap: int = 0):
   """[B, V] -> the sampling distribution (one-hot argmax for greedy rows);
   k_cap (static): `filter_logits`' top-k fast path."""
-  greedy = jax.nn.one_hot(jnp.argmax(logits, -1), logits.shape[-1], dtype=jnp.float32)
+  greedy = jax.nn.one_hot(argmax(logits), logits.shape[-1], dtype=jnp.float32)
   sampled = jax.nn.softmax(filter_logits(logits, temperature, top_k, top_p, k_cap), axis=-1)
   return jnp.where((temperature > 0)[:, None], sampled, greedy)
 
@@ -186,7 +186,7 @@ def _accept_greedy(logits, drafts, num_draft):
   """Greedy: accept the longest prefix of drafts equal to the target's argmax.
   The first mismatch (or the bonus position K + 1) emits the argmax there."""
   K1 = logits.shape[1]
-  target = jnp.argmax(logits, -1).astype(jnp.int32)  # [B, K + 1]
+  target = argmax(logits)  # [B, K + 1]
   n_acc = _prefix_len((drafts == target[:, :-1]) & (jnp.arange(K1 - 1) < num_draft[:, None]))
   # Accepted drafts equal the target there, so the target row is the output.
   return target, n_acc
@@ -202,7 +202,7 @@ def _accept_sampled(p, logits, drafts, q, num_draft, temperature, k_u):
   q_d = jnp.take_along_axis(q, drafts[..., None], -1)[..., 0]
   u = jax.vmap(lambda k: jax.random.uniform(k, (K,)))(k_u)
   ok_sampled = u * q_d < p_d  # u < p / q without dividing by zero
-  ok_greedy = drafts == jnp.argmax(logits[:, :K], -1)
+  ok_greedy = drafts == argmax(logits[:, :K])
   ok = jnp.where((temperature > 0)[:, None], ok_sampled, ok_greedy)
   return _prefix_len(ok & (jnp.arange(K) < num_draft[:, None]))
 
@@ -242,7 +242,7 @@ def accept(logits, drafts, q, num_draft, temperature, top_k, top_p, keys, greedy
   n_acc = (_accept_sampled(p, logits, drafts, q, num_draft, temperature, k_u) if K
            else jnp.zeros((B,), jnp.int32))
   p_last = _correction(p, q, n_acc, num_draft)
-  last = jnp.where(temperature > 0, _draw(k_final, p_last), jnp.argmax(p_last, -1))
+  last = jnp.where(temperature > 0, _draw(k_final, p_last), argmax(p_last))
   tokens = jnp.concatenate([drafts, jnp.zeros((B, 1), jnp.int32)], axis=1)
   tokens = jnp.where(jnp.arange(K1) == n_acc[:, None], last[:, None].astype(jnp.int32), tokens)
   return tokens, n_acc
@@ -369,12 +369,12 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_loa
       h = h[0]
     draft_logits = mtp.logits(cfg, params, m, h)
     if greedy:
-      drafts.append(jnp.argmax(draft_logits, -1).astype(jnp.int32))
+      drafts.append(argmax(draft_logits))
       continue
     q = _probs(draft_logits, batch.temperature, batch.top_k, batch.top_p, k_cap)
     key_k = jax.vmap(lambda kk: jax.random.fold_in(kk, k))(k_draft)
     drafts.append(jnp.where(batch.temperature > 0, _draw(key_k, q),
-                            jnp.argmax(q, -1)).astype(jnp.int32))
+                            argmax(q)).astype(jnp.int32))
     qs.append(q)
   return drafts, qs, mtp_pool, load
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.sampling import request_keys, sample
+from jaxinfer.engine.sampling import argmax, request_keys, sample
 from jaxinfer.models.context import PagedContext, RankedPagedContext
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import VisualInputs, head, trunk_with_counts
@@ -109,7 +109,7 @@ def _add_load(load, counts):
 
 def _sample(logits, batch, greedy, k_cap):
   if greedy:  # every row has temperature 0: skip the filters' full-vocab sort
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return argmax(logits)
   keys = request_keys(batch.seeds.reshape(-1), batch.sample_idx.reshape(-1))
   return sample(logits, keys, batch.temperature.reshape(-1), batch.top_k.reshape(-1),
                 batch.top_p.reshape(-1), k_cap)
