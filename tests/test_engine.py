@@ -11,6 +11,7 @@ import pytest
 
 from conftest import FIXTURES
 from jaxinfer import Engine, EngineConfig, ModelConfig, SamplingParams, engine, models, presets
+from jaxinfer.engine import steps
 from jaxinfer.engine.runners import StepCounts
 
 ARCHS = {
@@ -249,6 +250,15 @@ def test_compiled_programs_stay_bounded():
   assert stats["compiles"] <= 24, stats
   assert stats["compiles"] < stats["steps"] / 2
   _no_leak(eng)
+
+
+def test_page_bucket_is_the_smallest_power_of_two_or_one_and_a_half_times_one():
+  sizes = sorted({1 << k for k in range(14)} | {3 << k for k in range(13)})
+  for cap in (5, 12, 100, 4096):
+    for n in range(1, cap + 1):
+      b = steps.page_bucket(n, cap)
+      assert b == min(min(s for s in sizes if s >= n), cap), (n, cap, b)
+  assert steps.page_bucket(130, 100) == 130  # over the cap: as asked (the caller checks)
 
 
 def test_async_overlaps_steps_and_matches_sync():

@@ -125,7 +125,7 @@ def host_batch(seqs, page_size: int, pages: int, seq_cap: int):
   q_lens = [q for q, _ in seqs]
   shapes = steps.StepShapes(tokens=steps.bucket(sum(q_lens), 1 << 30),
                             seqs=steps.bucket(len(seqs), seq_cap),
-                            pages=steps.bucket(pages, 1 << 30),
+                            pages=steps.page_bucket(pages, 1 << 30),
                             max_q=steps.bucket(max(q_lens), 1 << 30))
   positions, token_seq = [], []
   for i, (q, kv) in enumerate(seqs):

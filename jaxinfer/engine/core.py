@@ -183,8 +183,8 @@ class EngineCore:
   def step_shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
     """The bucketed program shapes for the non-empty per-rank schedules."""
     c = self.config
-    pages = steps.bucket(max(len(s.request.pages) for sch in busy for s in sch),
-                         self.max_pages_per_seq)
+    pages = steps.page_bucket(max(len(s.request.pages) for sch in busy for s in sch),
+                              self.max_pages_per_seq)
     if c.fixed_step_shapes:
       return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
                               max_q=max_q_cap)
