@@ -44,6 +44,8 @@ _BANDWIDTH_BYTES = flags.DEFINE_integer("bandwidth_bytes", 1 << 30,
                                         "array size of the bandwidth measurement")
 _SEED = flags.DEFINE_integer("seed", 0, "weights and prompts")
 _QUANT = flags.DEFINE_list("quant", [], "weight-only methods also run (int8, fp8, int4, ...)")
+_LAYOUT = flags.DEFINE_enum("weight_layout", "auto", ["auto", "in_out", "out_in"],
+                            "the Engine's cpu_weight_layout")
 _OUT = flags.DEFINE_string("out", None, "output prefix (.json, .png); default "
                            "experiments/results/bench_decode_<model>")
 
@@ -57,7 +59,8 @@ def main(argv):
                    prompt_len=_PROMPT_LEN.value, prefill_len=_PREFILL_LEN.value,
                    new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value, peer=_PEER.value,
                    threads=_THREADS.value, bandwidth_bytes=_BANDWIDTH_BYTES.value,
-                   seed=_SEED.value, quant=tuple(_QUANT.value), out=out)
+                   seed=_SEED.value, quant=tuple(_QUANT.value),
+                   weight_layout=_LAYOUT.value, out=out)
 
 
 if __name__ == "__main__":

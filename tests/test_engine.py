@@ -286,15 +286,16 @@ def test_unrolled_step_layout_matches_scanned(name):
   prompts = _prompts(cfg, [3, 37, 70, 37], seed=4)
   prompts[3] = prompts[1][:32] + prompts[3][:5]  # shares two pages with prompt 1
   outs, loads = [], []
-  for unroll in (False, True):
+  for unroll, layout in ((False, "auto"), (True, "in_out"), (True, "out_in")):
     eng = Engine(cfg, params, EngineConfig(num_pages=64, max_num_batched_tokens=32,
-                                           unroll_layers=unroll))
+                                           unroll_layers=unroll, cpu_weight_layout=layout))
     outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=9))])
     loads.append(eng.expert_load() if cfg.is_moe else None)
     _no_leak(eng)
-  assert outs[0] == outs[1]
+  assert outs[0] == outs[1] == outs[2]
   if cfg.is_moe:
     np.testing.assert_array_equal(loads[0], loads[1])
+    np.testing.assert_array_equal(loads[0], loads[2])
 
 
 @pytest.mark.parametrize("name", ["tiny_moe", "gpt_oss"])
@@ -360,6 +361,27 @@ def test_dp_balance_splits_a_lone_prefill(policy):
   assert all(sum(s.num_tokens for s in sch) == 128 for sch in busy.schedule_ranks([0] * 4))
   with pytest.raises(ValueError, match="dp_balance must be one of"):
     EngineConfig(dp_balance="even")
+
+
+def test_cpu_weight_layout_auto_times_both_and_small_models_skip_the_probe():
+  from jaxinfer.engine import weight_layout
+  tiny = presets.get("tiny_dense")
+  before = weight_layout.measure.cache_info().misses
+  assert weight_layout.resolve(tiny, "auto") == "in_out"  # weights in cache: no timing
+  assert weight_layout.measure.cache_info().misses == before
+  assert weight_layout.resolve(tiny, "out_in") == "out_in"
+  big = presets.get("bench_dense")
+  got = weight_layout.resolve(big, "auto")
+  probe = weight_layout.measure(big.d_model, 2 * big.ffn_dim)  # the cached probe it ran
+  assert got == probe["layout"] in ("in_out", "out_in")
+  for layout in ("in_out", "out_in"):
+    assert sorted(probe["ms"][layout]) == list(weight_layout.PROBE_ROWS)
+    assert all(ms > 0 for ms in probe["ms"][layout].values())
+  ratio = np.prod([probe["ms"]["in_out"][r] / probe["ms"]["out_in"][r]
+                   for r in weight_layout.PROBE_ROWS])
+  assert (ratio <= 1) == (got == "in_out")
+  with pytest.raises(ValueError, match="cpu_weight_layout must be one of"):
+    EngineConfig(cpu_weight_layout="rows")
 
 
 def test_host_time_per_step_counts_compiled_programs_only():

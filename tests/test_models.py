@@ -117,8 +117,10 @@ def test_prompt_over_context_and_cache_overflow_raise():
 
 
 @pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
-@pytest.mark.parametrize("split_experts,transpose", [(False, False), (True, True), (False, True)])
-def test_step_layout_equals_stacked(name, split_experts, transpose):
+@pytest.mark.parametrize("split_experts,transpose,float_layout", [
+    (False, False, "out_in"), (True, True, "out_in"), (False, True, "out_in"),
+    (True, True, "in_out")])
+def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout):
   """The engine's CPU layout (per-layer weights, fused gate/up, MLA's
   up-projections transposed, experts split, projections packed) computes
   the same logits, full and cached; the split expert path with T tokens
@@ -127,12 +129,12 @@ def test_step_layout_equals_stacked(name, split_experts, transpose):
   from jaxinfer.models.layers import PackedLinear
   cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
   step = transformer.step_layout(cfg, params, split_experts=split_experts,
-                                 transpose_projections=transpose)
+                                 transpose_projections=transpose, float_layout=float_layout)
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
   packed = [isinstance(w, PackedLinear) for w in attn.values()]
-  assert any(packed) == transpose
-  if transpose:
+  assert any(packed) == (transpose and float_layout == "out_in")
+  if transpose and float_layout == "out_in":
     assert isinstance(step.get("lm_head", PackedLinear(None, ())), PackedLinear)
   if split_experts and cfg.is_moe:
     moe_layer = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])
@@ -146,6 +148,8 @@ def test_step_layout_equals_stacked(name, split_experts, transpose):
   assert _rel(jnp.concatenate([out1, out2], axis=1), want[:, :10]) < 1e-5
   with pytest.raises(ValueError, match="already in the step layout"):
     transformer.step_layout(cfg, step)
+  with pytest.raises(ValueError, match="float_layout must be"):
+    transformer.step_layout(cfg, params, float_layout="rows")
 
 
 @pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
@@ -154,9 +158,10 @@ def test_stacked_layout_inverts_step_layout(name):
   for every layout option (what `Engine.params` rebuilds from)."""
   from jaxinfer.models import transformer
   cfg, params, _ = _setup(ARCH_CONFIGS[name], seed=6, T=2)
-  for split_experts, transpose in [(False, False), (True, True), (False, True)]:
+  for split_experts, transpose, layout in [(False, False, "out_in"), (True, True, "out_in"),
+                                           (False, True, "out_in"), (True, True, "in_out")]:
     step = transformer.step_layout(cfg, params, split_experts=split_experts,
-                                   transpose_projections=transpose)
+                                   transpose_projections=transpose, float_layout=layout)
     back = transformer.stacked_layout(cfg, step)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):

@@ -222,7 +222,8 @@ def test_unrolled_speculative_greedy_equals_scanned_plain_greedy():
   outs = []
   for unroll, spec in ((False, None), (True, MTPConfig(num_draft_tokens=2))):
     eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=64, max_num_batched_tokens=32,
-                                           unroll_layers=unroll, speculative=spec))
+                                           unroll_layers=unroll, speculative=spec,
+                                           cpu_weight_layout="out_in"))
     outs.append([o.token_ids for o in eng.generate(prompts, sampling)])
   assert isinstance(eng._step_params["layers"][0], tuple)  # the unrolled engine ran last
   assert any(isinstance(w, PackedLinear) for w in jax.tree.leaves(

@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxinfer import eplb, kv_cache, kv_scales, sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import speculative
+from jaxinfer.engine import speculative, weight_layout
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
 from jaxinfer.engine.images import Images, per_prompt
 from jaxinfer.engine.runners import PlainRunner
@@ -56,7 +56,7 @@ class EngineConfig:
   tokens of bf16 / f32 pages in the same bytes. The comments on the
   remaining fields say what they switch: async_scheduling,
   record_expert_load, fixed_step_shapes, speculative (an `MTPConfig`),
-  unroll_layers, and the attention-DP step budget (dp_balance,
+  unroll_layers, cpu_weight_layout, and the attention-DP step budget (dp_balance,
   dp_min_step_tokens).
   """
 
@@ -91,6 +91,10 @@ class EngineConfig:
   # faster compile. Keeps a second copy of the layer weights while the
   # caller holds the stacked ones.
   unroll_layers: bool | None = None
+  # Unrolled and unsharded: float projections held [In, Out] ("in_out") or
+  # transposed ("out_in"); "auto" times both on this machine
+  # (`engine.weight_layout`: which is faster differs by CPU, up to 1.4x).
+  cpu_weight_layout: str = "auto"
   # Attention DP: every rank's step is as long as the longest (the ranks pad
   # to the same token count), so one rank's prefill chunk stalls the others.
   # "split": when most ranks have little to run, the step's token budget
@@ -124,6 +128,9 @@ class EngineConfig:
     if self.dp_balance not in DP_BALANCE:
       raise ValueError(f"EngineConfig: dp_balance must be one of {DP_BALANCE}, "
                        f"got {self.dp_balance!r}")
+    if self.cpu_weight_layout not in weight_layout.LAYOUTS:
+      raise ValueError(f"EngineConfig: cpu_weight_layout must be one of {weight_layout.LAYOUTS}, "
+                       f"got {self.cpu_weight_layout!r}")
     if self.dp_min_step_tokens < 1:
       raise ValueError(f"EngineConfig: dp_min_step_tokens must be >= 1, "
                        f"got {self.dp_min_step_tokens}")
@@ -223,11 +230,11 @@ class Engine(EngineCore):
     """params (stacked, as `init_params` makes them) -> the layout the step
     runs, the only copy the engine keeps (`params` rebuilds the stacked tree)."""
     self._ep = plan_from_params(params)
-    # Unsharded, the projections are stored transposed (`layers.PackedLinear`:
-    # measured 1.1-1.45x faster at 1-32 rows on the 2-core dev machine).
-    step_params = (transformer.step_layout(self.cfg, params, split_experts=self._ep is None,
-                                           transpose_projections=self.mesh is None)
-                   if self._unroll else params)
+    # Unsharded: quantized codes unpacked, floats as `cpu_weight_layout` picks.
+    step_params = (transformer.step_layout(
+        self.cfg, params, split_experts=self._ep is None, transpose_projections=self.mesh is None,
+        float_layout=weight_layout.resolve(self.cfg, self.config.cpu_weight_layout)
+        if self.mesh is None else "out_in") if self._unroll else params)
     # Quantized weights go to the per-tile dequantizing kernels on a GPU target:
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.

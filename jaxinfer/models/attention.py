@@ -57,15 +57,18 @@ def absorbed_weights(cfg: ModelConfig, p):
 _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a": 1}  # -> in_dims
 
 
-def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False):
+def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False,
+                float_layout: str = "out_in"):
   """One layer's attention weights as the engine's step reads them: MLA's
   as an `AbsorbedMLA` (up-projections pre-transposed); with
-  transpose_projections, the projections as `layers.PackedLinear`."""
+  transpose_projections, the projections as `layers.PackedLinear` (float
+  ones only with float_layout "out_in"; quantized ones always)."""
   if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
   if transpose_projections:
-    packed = {k: pack_linear(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS}
+    packed = {k: pack_linear(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS
+              and (float_layout == "out_in" or isinstance(v, QuantizedWeight))}
     p = p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
   return p
 

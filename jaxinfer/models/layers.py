@@ -30,11 +30,13 @@ def rms_norm(x, weight, eps):
 class PackedLinear:
   """One projection weight [*In, *Out] as the engine's CPU step reads it
   (`pack_linear`): stored transposed, wt [Out, In] with Out flattened.
-  Measured on the 2-core dev machine (XLA:CPU, float32, `bench_dense`'s
-  projections, interleaved runs): XLA:CPU reads it 1.1x faster than
-  [In, Out] at 1 row, 1.45x at 8, 1.4x at 32 and as fast at 512. (Cutting
-  it into 2 column blocks, independent matmuls, was 0.85x at 1 row, 1.08x
-  at 32 and equal at 8 and 512, so it is one block.)"""
+  Which way round XLA:CPU multiplies faster depends on the CPU
+  (`engine.weight_layout`, which the Engine asks): on a 2-core Intel Xeon
+  (float32, `bench_dense`'s projections, interleaved runs) this one, 1.1x
+  at 1 row, 1.45x at 8, 1.4x at 32, as fast at 512; on a 2-core AMD EPYC
+  [In, Out]. (Cutting it into 2 column blocks, independent matmuls, was
+  0.85x at 1 row, 1.08x at 32 and equal at 8 and 512 on the Xeon, so it is
+  one block.)"""
   wt: jax.Array  # [Out, In]
   out_shape: tuple = struct.field(pytree_node=False)  # Out, the weight's trailing dims
   in_shape: tuple = struct.field(pytree_node=False, default=())  # In, its leading dims

@@ -128,7 +128,7 @@ _EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 
 
 def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
-                transpose_projections: bool = False):
+                transpose_projections: bool = False, float_layout: str = "out_in"):
   """Params as `init_params` makes them -> the layout the engine's CPU step
   reads: each segment a tuple of per-layer trees (`trunk` runs them
   unrolled), MLA's attention an `AbsorbedMLA` (`attention.step_layout`),
@@ -137,7 +137,9 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   own array: `moe` then runs only the chosen experts; not for
   expert-parallel params, whose `moe_ep` wants them stacked), and with
   transpose_projections the projections (attention, dense and shared MLPs,
-  lm_head) stored transposed (`layers.PackedLinear`; unsharded params).
+  lm_head) stored transposed (`layers.PackedLinear`; unsharded params),
+  quantized ones with their codes unpacked (`quant_cpu`); float_layout
+  "in_out" keeps float projections [In, Out] (only quantized ones change).
   Same outputs. (`layouts` has the types.)
 
   Why: a scanned layer slices its weights out of the stack with a
@@ -146,8 +148,12 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   the copies took longer than the matmuls). Per-layer arrays in the wanted
   layout are read in place. Costs a longer compile; the Engine keeps only
   this layout (`stacked_layout` is the inverse)."""
-  def pack(w):
-    return pack_linear(w) if transpose_projections else w
+  if float_layout not in ("out_in", "in_out"):
+    raise ValueError(f"step_layout: float_layout must be 'out_in' or 'in_out', got {float_layout!r}")
+
+  def pack(w):  # float weights stay [In, Out] with "in_out"; quantized ones always pack
+    keep = float_layout == "in_out" and not isinstance(w, QuantizedWeight)
+    return pack_linear(w) if transpose_projections and not keep else w
 
   def fused(p):
     if any(isinstance(p[k], QuantizedWeight) for k in _EXPERT_KEYS):
@@ -155,7 +161,8 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
     return FusedMLP(w_gate_up=pack(fuse_gate_up(p["w_gate"], p["w_up"])), w_down=pack(p["w_down"]))
 
   def layer_layout(layer, is_moe):
-    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], transpose_projections)}
+    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], transpose_projections,
+                                                   float_layout)}
     mlp = layer["mlp"]
     if not is_moe:
       mlp = fused(mlp)

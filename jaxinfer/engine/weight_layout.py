@@ -1,0 +1,80 @@
+"""Which way round the unsharded CPU step holds float projection weights:
+[In, Out] as loaded ("in_out") or transposed, [Out, In] ("out_in",
+`layers.PackedLinear`). XLA:CPU's matmul speed for the two differs by
+machine, and not by a little:
+
+  2-core Intel Xeon (earlier sessions): "out_in" 1.1x faster at 1 row,
+    1.45x at 8, 1.4x at 32 (bench_dense's projections).
+  2-core AMD EPYC (experiments/results/weight_layout.json): "in_out" 1.1x
+    at 1 row, 1.54x at 8, 1.38x at 32 on bench_dense's gate-up (the down
+    projection: 0.80x / 1.39x / 1.20x); the Engine's bench_dense decode ran
+    1.12x / 1.23x / 1.24x faster with it at batch 1 / 8 / 32 and prefill
+    0.99x (results/bench_decode_bench_dense_{in_out,out_in}.json).
+
+So `EngineConfig.cpu_weight_layout="auto"` times both on this machine,
+once per process and shape, at the model's widest projection.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import ModelConfig
+
+LAYOUTS = ("auto", "in_out", "out_in")
+# Below this many weight bytes per projection the choice cannot matter
+# (the weights sit in cache): "in_out", with no timing.
+MIN_PROBE_BYTES = 4 << 20
+# The probe streams this many bytes of weights (copies of one projection), so
+# they come from memory as a step's do, not from cache.
+PROBE_BYTES = 96 << 20
+PROBE_ROWS = (1, 8, 32)
+
+
+def resolve(cfg: ModelConfig, layout: str) -> str:
+  """EngineConfig.cpu_weight_layout -> "in_out" or "out_in" for this model
+  and machine ("auto": `measure` at the widest dense projection, d_model x
+  2 ffn_dim, the fused gate-up)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
+  if layout != "auto":
+    return layout
+  d_in, d_out = cfg.d_model, 2 * max(cfg.ffn_dim, cfg.moe_ffn_dim or 0)
+  if d_in * d_out * 4 < MIN_PROBE_BYTES:
+    return "in_out"
+  return measure(d_in, min(d_out, (PROBE_BYTES // 4) // d_in))["layout"]
+
+
+@functools.cache
+def measure(d_in: int, d_out: int, repeats: int = 7) -> dict:
+  """Times x [rows, d_in] @ float32 weights [d_in, d_out] held both ways
+  (copies streaming PROBE_BYTES), at each of PROBE_ROWS rows, the two
+  interleaved -> {layout: the faster by the geometric mean of the
+  per-row-count ratios, ms: {layout: {rows: median ms}}}. Cached per
+  process."""
+  copies = max(1, PROBE_BYTES // (4 * d_in * d_out))
+  rng = np.random.default_rng(0)
+  w = [rng.standard_normal((d_in, d_out), dtype=np.float32) for _ in range(copies)]
+  held = {"in_out": [jnp.asarray(a) for a in w], "out_in": [jnp.asarray(a.T) for a in w]}
+  forms = {"in_out": jax.jit(lambda x, ws: [x @ a for a in ws]),
+           "out_in": jax.jit(lambda x, ws: [jnp.einsum("mi,oi->mo", x, a) for a in ws])}
+  ms = {k: {} for k in forms}
+  for rows in PROBE_ROWS:
+    x = jnp.ones((rows, d_in), jnp.float32)
+    times = {k: [] for k in forms}
+    for rep in range(repeats + 1):
+      for k, f in forms.items():
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, held[k]))
+        if rep:  # the first call compiles
+          times[k].append(time.perf_counter() - t0)
+    for k in forms:
+      ms[k][rows] = 1e3 * statistics.median(times[k])
+  ratio = float(np.prod([ms["in_out"][r] / ms["out_in"][r] for r in PROBE_ROWS]))
+  return dict(layout="in_out" if ratio <= 1 else "out_in", ms=ms)
