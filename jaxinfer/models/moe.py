@@ -68,7 +68,15 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def _experts_split(cfg: ModelConfig, p, x, idx, weights):
+def split_chunk(T: int, k: int, E: int) -> int:
+  """`_experts_split`'s default C for T tokens routed to k of E experts: the
+  expected rows per chosen expert, rounded up to a power of two (1 below 1.1)."""
+  rows = T * k / (E * (1 - (1 - k / E) ** T))
+  return 1 if rows < 1.1 else 1 << math.ceil(math.log2(rows))
+
+
+def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = None,
+                   capacity: int = 0):
   """Routed experts held as one array per expert (`SplitExperts`):
   token copies sorted by expert; each expert runs its rows in chunks of C
   under a loop whose trip count is its row count / C, so an expert no token
@@ -78,33 +86,43 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights):
   experts, 2-core CPU: 1.2-1.3x faster than C = 1 at 4, 8 and 16 tokens, as
   fewer chunks re-read an expert; 1.06x slower at 2), more for prefill.
   This is the CPU decode path: XLA:CPU's grouped matmul touches every
-  expert, and slicing a stacked expert copies it."""
+  expert, and slicing a stacked expert copies it.
+
+  For the variants `bench.moe_prefill` measures: chunk (static) overrides C;
+  capacity > 0 runs each expert's first `capacity` rows as one block
+  outside the loop (a static capacity bucket: no loop trip for an expert
+  that fits, padding rows for one with fewer), the loop only past it."""
   T, k = idx.shape
   D = x.shape[1]
   E = len(p.w_down)  # physical slots
-  rows = T * k / (E * (1 - (1 - k / E) ** T))  # expected rows per chosen expert
-  C = 1 if rows < 1.1 else 1 << math.ceil(math.log2(rows))
+  C = chunk or split_chunk(T, k, E)
   flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
-  xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [T k + C, D]
-  ys = jnp.zeros((T * k + C, p.w_down[0].shape[-1]), x.dtype)
-  rows = jnp.arange(C)
+  pad = max(C, capacity)
+  xs = jnp.concatenate([x[order // k], jnp.zeros((pad, D), x.dtype)])  # [T k + pad, D]
+  ys = jnp.zeros((T * k + pad, p.w_down[0].shape[-1]), x.dtype)
+
+  def block(e, first, n, ys):  # rows first .. first + n of expert e (static n)
+    start = starts[e] + first
+    xe = jax.lax.dynamic_slice_in_dim(xs, start, n)  # [n, D]
+    gate, up = jnp.split(xe @ p.w_gate_up[e], 2, axis=-1)
+    if cfg.expert_bias:
+      gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
+    ye = glu(cfg, gate, up) @ p.w_down[e]
+    if cfg.expert_bias:
+      ye = ye + p["b_down"][e]
+    mine = (first + jnp.arange(n) < sizes[e])[:, None]  # the tail belongs to later experts
+    return jax.lax.dynamic_update_slice_in_dim(
+        ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, n)), start, 0)
+
   for e in range(E):
-    def chunk(i, ys, e=e):
-      start = starts[e] + i * C
-      xe = jax.lax.dynamic_slice_in_dim(xs, start, C)  # [C, D]
-      gate, up = jnp.split(xe @ p.w_gate_up[e], 2, axis=-1)
-      if cfg.expert_bias:
-        gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
-      ye = glu(cfg, gate, up) @ p.w_down[e]
-      if cfg.expert_bias:
-        ye = ye + p["b_down"][e]
-      mine = (i * C + rows < sizes[e])[:, None]  # the chunk's tail belongs to later experts
-      return jax.lax.dynamic_update_slice_in_dim(
-          ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, C)), start, 0)
-    ys = jax.lax.fori_loop(0, (sizes[e] + C - 1) // C, chunk, ys)
+    if capacity:
+      ys = block(e, 0, capacity, ys)
+    rest = jnp.maximum(sizes[e] - capacity, 0)
+    ys = jax.lax.fori_loop(0, (rest + C - 1) // C,
+                           lambda i, ys, e=e: block(e, capacity + i * C, C, ys), ys)
   y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
