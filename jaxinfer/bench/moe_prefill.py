@@ -30,8 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models, presets
-from jaxinfer.models import moe, moe_core
-from jaxinfer.models.layouts import DenseExperts, SplitExperts
+from jaxinfer.models import moe, moe_core, transformer
+from jaxinfer.models.layouts import DenseExperts
 
 
 @jax.tree_util.register_dataclass
@@ -46,18 +46,15 @@ class _GateUp:
 
 
 def layer(cfg, seed: int = 0):
-  """-> (stacked params of one MoE layer, its `SplitExperts` layout,
-  the same with gate and up apart)."""
+  """-> (stacked params of the first MoE layer, its `SplitExperts` layout as
+  the Engine builds it (`transformer.step_layout`), the same with gate and
+  up apart)."""
   params = models.init_params(cfg, jax.random.key(seed))
   moe_seg = next(i for i, (is_moe, _, _) in enumerate(cfg.segments()) if is_moe)
   p = jax.tree.map(lambda w: w[0], params["layers"][moe_seg]["mlp"])
-  E = p["w_down"].shape[0]
-  rest = {k: v for k, v in p.items() if k not in ("w_gate", "w_up", "w_down", "shared")}
-  split = SplitExperts(w_down=tuple(p["w_down"][e] for e in range(E)),
-                       w_gate_up=tuple(jnp.concatenate([p["w_gate"][e], p["w_up"][e]], -1)
-                                       for e in range(E)), **rest)
-  unfused = dataclasses.replace(split, w_gate_up=tuple(_GateUp(p["w_gate"][e], p["w_up"][e])
-                                                       for e in range(E)))
+  split = transformer.step_layout(cfg, params, split_experts=True)["layers"][moe_seg][0]["mlp"]
+  unfused = dataclasses.replace(split, w_gate_up=tuple(
+      _GateUp(g, u) for g, u in zip(p["w_gate"], p["w_up"])))
   return p, split, unfused
 
 

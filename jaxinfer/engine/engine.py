@@ -230,11 +230,11 @@ class Engine(EngineCore):
     """params (stacked, as `init_params` makes them) -> the layout the step
     runs, the only copy the engine keeps (`params` rebuilds the stacked tree)."""
     self._ep = plan_from_params(params)
-    # Unsharded: quantized codes unpacked, floats as `cpu_weight_layout` picks.
-    step_params = (transformer.step_layout(
-        self.cfg, params, split_experts=self._ep is None, transpose_projections=self.mesh is None,
-        float_layout=weight_layout.resolve(self.cfg, self.config.cpu_weight_layout)
-        if self.mesh is None else "out_in") if self._unroll else params)
+    step_params = params
+    if self._unroll:  # unsharded: quantized codes unpacked, floats as cpu_weight_layout picks
+      step_params = transformer.step_layout(
+          self.cfg, params, split_experts=self._ep is None, transpose_projections=self.mesh is None,
+          float_layout=weight_layout.resolve(self.cfg, self.config.cpu_weight_layout, self.mesh))
     # Quantized weights go to the per-tile dequantizing kernels on a GPU target:
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.
