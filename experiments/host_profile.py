@@ -1,0 +1,39 @@
+"""Host time of an Engine decode step on CPU, part by part, in the engine and
+alone (`jaxinfer.bench.host_profile`).
+
+  python experiments/host_profile.py                  # bench_moe, batch 8
+  python experiments/host_profile.py --model=bench_dense --batch=32
+
+Writes experiments/results/host_profile_<model>.json.
+"""
+
+from absl import app, flags
+
+from jaxinfer.bench import host_profile, results
+from jaxinfer.bench.decode import machine_info
+
+_MODEL = flags.DEFINE_string("model", "bench_moe", "preset")
+_BATCH = flags.DEFINE_integer("batch", 8, "decoding sequences")
+_OUT = flags.DEFINE_string("out", None, "output prefix (default experiments/results/host_profile_<model>)")
+
+
+def main(argv):
+  del argv
+  r = host_profile.run(_MODEL.value, _BATCH.value)
+  for part, v in r["in_engine"].items():
+    print(f"in the engine  {part:12s} wall {v['wall_ms']:.3f} ms, cpu {v['cpu_ms']:.3f} ms")
+  for part, ms in r["alone"].items():
+    print(f"alone          {part:34s} {ms:.3f} ms")
+  print("weight arrays", r["param_leaves"])
+  results.write(_OUT.value or f"experiments/results/host_profile_{_MODEL.value}",
+                [dict(where="in_engine", part=k, **v) for k, v in r["in_engine"].items()]
+                + [dict(where="alone", part=k, wall_ms=v) for k, v in r["alone"].items()],
+                None, model=_MODEL.value, batch=_BATCH.value, param_leaves=r["param_leaves"],
+                machine=machine_info(),
+                note="medians: in_engine over the last decode steps (thread CPU time too); "
+                     "alone over repeated calls with no step computing, except the step call "
+                     "'behind a running step'")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,105 @@
+"""Where an Engine step's host time goes on CPU: each part of the plain
+runner's dispatch timed inside real decode steps (wall and thread CPU
+time), then the same batch building and step call repeated with no step
+computing (the call once behind a running step, once with its inputs
+ready), and a trivial jit taking the same weight arrays.
+
+In the engine the host works while the previous step computes on every
+core, so its parts run slower there than alone; this measures both.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from jaxinfer import models, presets
+from jaxinfer.engine import Engine, EngineConfig, SamplingParams, runners, steps
+
+
+def _ms(samples) -> float:
+  return 1e3 * statistics.median(samples)
+
+
+def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tokens: int = 32,
+        repeats: int = 30) -> dict:
+  """-> {in_engine: {part: {wall_ms, cpu_ms}}, alone: {part: ms}, param_leaves}
+  (medians over the decode steps of two generate runs, then `repeats` calls)."""
+  cfg = presets.get(model)
+  eng = Engine(cfg, models.init_params(cfg, jax.random.key(0)), EngineConfig(
+      page_size=16, num_pages=batch * (-(-(prompt_len + new_tokens) // 16)) + 1,
+      max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
+      enable_prefix_caching=False, ignore_eos=True))
+  wall, cpu, last = {}, {}, {}
+  undo = []
+
+  def wrap(obj, name, label):
+    f = getattr(obj, name)
+
+    @functools.wraps(f)
+    def timed(*a, **k):
+      t0, c0 = time.perf_counter(), time.thread_time()
+      out = f(*a, **k)
+      wall.setdefault(label, []).append(time.perf_counter() - t0)
+      cpu.setdefault(label, []).append(time.thread_time() - c0)
+      last[label] = (a, k)
+      return out
+    setattr(obj, name, timed)
+    undo.append((obj, name, f))
+
+  wrap(eng._runner, "_dispatch", "dispatch")
+  wrap(steps, "step", "step call")
+  wrap(runners, "rank_batch", "rank_batch")
+  wrap(eng, "schedule_ranks", "schedule")
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    eng.generate(rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist(),
+                 SamplingParams(max_tokens=new_tokens))
+  for obj, name, f in undo:
+    setattr(obj, name, f)
+  in_engine = {k: dict(wall_ms=_ms(v[-new_tokens:]), cpu_ms=_ms(cpu[k][-new_tokens:]))
+               for k, v in wall.items()}
+  alone, leaves = _alone(eng, last, repeats)
+  return dict(in_engine=in_engine, alone=alone, param_leaves=leaves)
+
+
+def _time(fn, repeats: int) -> float:
+  t = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn()
+    t.append(time.perf_counter() - t0)
+  return _ms(t)
+
+
+def _alone(eng, last, repeats: int):
+  """The engine's last batch building and step call again, no step computing."""
+  alone = {"rank_batch": _time(lambda: runners.rank_batch(*last["rank_batch"][0]), repeats)}
+  a, k = last["step call"]
+  cfg_, params, _, batch_, prev = a[:5]
+  pool, load = eng.pool, eng._load
+
+  def call():
+    nonlocal pool, load
+    t0 = time.perf_counter()
+    out, pool, load = steps.step(cfg_, params, pool, batch_, prev, load, *a[6:], **k)
+    return time.perf_counter() - t0, out
+
+  for mode in ("inputs ready", "behind a running step"):
+    t = []
+    for _ in range(repeats):
+      dt, out = call()
+      t.append(dt)
+      if mode == "inputs ready":
+        out.block_until_ready()
+    out.block_until_ready()
+    alone[f"step call, {mode}"] = _ms(t)
+  eng.pool, eng._load = pool, load
+  trivial = jax.jit(lambda p: 0, keep_unused=True)
+  trivial(params)
+  alone["trivial jit of the same weights"] = _time(lambda: trivial(params), repeats)
+  return alone, len(jax.tree.leaves(params))
