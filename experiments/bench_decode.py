@@ -46,6 +46,7 @@ _SEED = flags.DEFINE_integer("seed", 0, "weights and prompts")
 _QUANT = flags.DEFINE_list("quant", [], "weight-only methods also run (int8, fp8, int4, ...)")
 _LAYOUT = flags.DEFINE_enum("weight_layout", "auto", ["auto", "in_out", "out_in"],
                             "the Engine's cpu_weight_layout")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "the Engine's decode_steps (multi-step decode)")
 _OUT = flags.DEFINE_string("out", None, "output prefix (.json, .png); default "
                            "experiments/results/bench_decode_<model>")
 
@@ -60,7 +61,7 @@ def main(argv):
                    new_tokens=_NEW_TOKENS.value, repeats=_REPEATS.value, peer=_PEER.value,
                    threads=_THREADS.value, bandwidth_bytes=_BANDWIDTH_BYTES.value,
                    seed=_SEED.value, quant=tuple(_QUANT.value),
-                   weight_layout=_LAYOUT.value, out=out)
+                   weight_layout=_LAYOUT.value, decode_steps=_DECODE_STEPS.value, out=out)
 
 
 if __name__ == "__main__":

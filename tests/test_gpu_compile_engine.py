@@ -158,6 +158,24 @@ def _abstract(model, w):
   return params, pool, mesh, "tp"
 
 
+@pytest.mark.parametrize("model", ["tiny_dense", "tiny_moe"])
+def test_multi_step_decode_compiles_for_one_h100(model):
+  # EngineConfig(decode_steps=4): four decode steps in one program (a loop
+  # over the step, pool and samples carried), with the paged Triton kernel.
+  params, pool, mesh, layout = _abstract(model, SMALL)
+  cfg = gpu_plan.gpu_config(presets.get(model), "bfloat16")
+  seqs = [(1, SMALL.context)] * SMALL.batch
+  lowered, shapes = gpu_plan.lower_decode_steps(cfg, params, pool, mesh, layout, seqs, SMALL, 4)
+  assert lowered.out_info[0].shape == (4, shapes.seqs) and shapes.max_q == 1  # [steps, S]
+  compiled = lowered.compile()
+  text = compiled.as_text()
+  assert gpu_plan.TRITON_CALL in text and "while" in text
+  memory = gpu_compile.MemoryReport.of(compiled)
+  pool_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(pool))
+  assert memory.alias_bytes >= pool_bytes  # the donated pool is updated in place
+  assert 0 < memory.peak_bytes < 80e9
+
+
 def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   # The Engine's image step: `steps.step` with visual rows (`images.step_visual`:
   # MRoPE [3, T], embeddings [T, D] where mask [T], DeepStack [k, T, D]) for a

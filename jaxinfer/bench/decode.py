@@ -169,7 +169,8 @@ def count_xla_compiles():
 
 
 def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_tokens: int,
-                 repeats: int, seed: int = 0, weight_layout: str = "auto") -> dict:
+                 repeats: int, seed: int = 0, weight_layout: str = "auto",
+                 decode_steps: int = 1) -> dict:
   """`batch` random prompts of `prompt_len` tokens, submitted together through
   one `Engine`, greedy, each run to exactly `new_tokens` (ignore_eos).
 
@@ -181,15 +182,16 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
   (XLA backend compiles while timed) 0.
   -> {prefill: spread, decode: spread | None, compiles_warm, compiles_after,
       xla_compiles_timed, host_ms_per_step (`Engine.stats`), param_leaves
-      (arrays the step takes as weights)}. weight_layout:
-  `EngineConfig.cpu_weight_layout`.
+      (arrays the step takes as weights)}. weight_layout, decode_steps:
+  `EngineConfig.cpu_weight_layout`, `EngineConfig.decode_steps`.
   """
   ps = 16
   per_seq = -(-(prompt_len + new_tokens) // ps)
   ec = EngineConfig(page_size=ps, num_pages=batch * per_seq + 1,  # + the reserved null page
                     max_num_seqs=batch,
                     max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False,
-                    ignore_eos=True, cpu_weight_layout=weight_layout)
+                    ignore_eos=True, cpu_weight_layout=weight_layout,
+                    decode_steps=decode_steps)
   engine = Engine(cfg, params, ec)
   rng = np.random.default_rng(seed)
   sampling = SamplingParams(max_tokens=new_tokens)
@@ -376,7 +378,7 @@ def quantized(cfg: ModelConfig, params, method: str):
 
 
 def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, repeats,
-             seed, quant=(), weight_layout="auto") -> list:
+             seed, quant=(), weight_layout="auto", decode_steps=1) -> list:
   """Ours (and HF's, when hf is not None; ours with weights quantized by each
   `quant` method) decode per batch, then prefill at batch 1.
   -> [(phase, side, batch, prompt_len, new_tokens, result, cfg)]."""
@@ -390,18 +392,21 @@ def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, r
   for b in batches:
     cell("decode", "jaxinfer", b, prompt_len, new_tokens,
          bench_engine(cfg, params, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                      repeats=repeats, seed=seed, weight_layout=weight_layout))
+                      repeats=repeats, seed=seed, weight_layout=weight_layout,
+                      decode_steps=decode_steps))
     for m, (qcfg, qparams) in qmodels.items():
       cell("decode", f"jaxinfer {m}", b, prompt_len, new_tokens,
            bench_engine(qcfg, qparams, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                        repeats=repeats, seed=seed, weight_layout=weight_layout), qcfg)
+                        repeats=repeats, seed=seed, weight_layout=weight_layout,
+                      decode_steps=decode_steps), qcfg)
     if hf is not None:
       cell("decode", "hf", b, prompt_len, new_tokens,
            bench_hf(hf, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
                     seed=seed))
   cell("prefill", "jaxinfer", 1, prefill_len, 1,
        bench_engine(cfg, params, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats,
-                    seed=seed, weight_layout=weight_layout))
+                    seed=seed, weight_layout=weight_layout,
+                      decode_steps=decode_steps))
   if hf is not None:
     cell("prefill", "hf", 1, prefill_len, 1,
          bench_hf(hf, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats, seed=seed))
@@ -435,14 +440,14 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
                      prefill_len: int = 512, new_tokens: int = 64, repeats: int = 5,
                      peer: str = "hf", threads: int | None = None,
                      bandwidth_bytes: int = 1 << 30, seed: int = 0, quant=(),
-                     weight_layout: str = "auto", out: str | None = None,
+                     weight_layout: str = "auto", decode_steps: int = 1, out: str | None = None,
                      command: str | None = None) -> dict:
   """Bandwidth, then per batch ours and HF's decode, then prefill at
   `prefill_len` (batch 1), then bandwidth again (the roofline takes the
   higher); prints a table and writes out.json / out.png.
   -> the written JSON object. peer: "hf" or "none"; quant: weight-only
   methods ("int8", "fp8", ...) whose decode runs beside ours in float;
-  weight_layout: the Engine's `cpu_weight_layout`."""
+  weight_layout, decode_steps: the Engine's `cpu_weight_layout`, `decode_steps`."""
   if peer not in ("hf", "none"):
     raise ValueError(f"peer must be 'hf' or 'none', got {peer!r}")
   if new_tokens < 2 or repeats < 1 or min(batches) < 1:
@@ -456,7 +461,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
   meta = dict(model=model, params=models.count_params(cfg), dtype=dtype.name,
               batches=list(batches), prompt_len=prompt_len, prefill_len=prefill_len,
               new_tokens=new_tokens, repeats=repeats, peer=peer, torch_threads=threads,
-              quant=list(quant), weight_layout=weight_layout,
+              quant=list(quant), weight_layout=weight_layout, decode_steps=decode_steps,
               seed=seed, conventions=CONVENTIONS)
   hf = None
   if peer == "hf":
@@ -468,7 +473,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
 
   cells = _measure(cfg, params, hf, batches=batches, prompt_len=prompt_len,
                    prefill_len=prefill_len, new_tokens=new_tokens, repeats=repeats, seed=seed,
-                   quant=tuple(quant), weight_layout=weight_layout)
+                   quant=tuple(quant), weight_layout=weight_layout, decode_steps=decode_steps)
   del params, hf
   bw_end = _bandwidth(bandwidth_bytes, "end")
   # The roofline is a ceiling: the higher of the two measurements (a shared

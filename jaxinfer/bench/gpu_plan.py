@@ -184,6 +184,18 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   return lowered, shapes
 
 
+def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload,
+                       num_steps: int):
+  """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
+  lowered for decode-only `seqs` -> (Lowered, StepShapes)."""
+  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
+  prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
+  lowered = steps.decode_steps.lower(
+      cfg, params, pool, _replicated(mesh, batch), _replicated(mesh, prev), _load(cfg, mesh),
+      num_steps=num_steps, ep=plan_from_params(params), greedy=w.greedy, **_heads(mesh, layout))
+  return lowered, shapes
+
+
 def lower_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
   """`steps.step_ranked` (attention DP): every rank runs `seqs`; batch fields
   [n, ...] split over the DP axes as the ranked context's `shard_map` reads them."""

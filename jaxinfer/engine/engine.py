@@ -56,8 +56,8 @@ class EngineConfig:
   tokens of bf16 / f32 pages in the same bytes. The comments on the
   remaining fields say what they switch: async_scheduling,
   record_expert_load, fixed_step_shapes, speculative (an `MTPConfig`),
-  unroll_layers, cpu_weight_layout, and the attention-DP step budget (dp_balance,
-  dp_min_step_tokens).
+  unroll_layers, cpu_weight_layout, decode_steps, and the attention-DP step
+  budget (dp_balance, dp_min_step_tokens).
   """
 
   page_size: int = 16
@@ -106,6 +106,13 @@ class EngineConfig:
   # (short prompts' TTFT down, long ones' up), too close to call with
   # step-shape compiles in every timed run, so "none" stays the default.
   dp_balance: str = "none"
+  # Multi-step decode: a step whose chunks are all lone decode tokens runs
+  # this many decode steps in one program (`steps.decode_steps`), so the
+  # host dispatches once per decode_steps tokens per sequence. Tokens past a
+  # stop or max_tokens are computed and dropped; waiting requests are
+  # admitted at the next dispatch. Plain decoding without attention DP
+  # (other engines run one step per dispatch).
+  decode_steps: int = 1
   dp_min_step_tokens: int = 32
   kv_cache_dtype: str | None = None  # None | "fp8" | "int8"
   # Requests with images (vision models): the image processor (None: the
@@ -115,7 +122,7 @@ class EngineConfig:
   encoder_cache_tokens: int = 1 << 16
 
   def __post_init__(self):
-    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens"):
+    for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig: {name} must be >= 1, got {getattr(self, name)}")
     for name in ("num_pages", "kv_cache_bytes", "prefill_chunk_size", "max_model_len"):
@@ -125,6 +132,9 @@ class EngineConfig:
     if self.speculative is not None and not isinstance(self.speculative, speculative.MTPConfig):
       raise TypeError(f"EngineConfig: speculative must be an MTPConfig or None, "
                       f"got {type(self.speculative).__name__}")
+    if self.decode_steps > 1 and self.speculative is not None:
+      raise ValueError("EngineConfig: decode_steps > 1 is for plain decoding; speculative "
+                       "decoding pipelines its own steps (leave decode_steps at 1)")
     if self.dp_balance not in DP_BALANCE:
       raise ValueError(f"EngineConfig: dp_balance must be one of {DP_BALANCE}, "
                        f"got {self.dp_balance!r}")
@@ -434,8 +444,8 @@ class Engine(EngineCore):
     programs), kv_pages_{total,used,cached,free}, preemptions, prompt and
     cached prompt tokens, running, waiting, overlapped_steps (dispatched
     before the previous step was read), host_ms_per_step (host time to
-    build and dispatch a step of a compiled program: the floor of a step's
-    time when the device keeps up), dp_ranks, requests_per_rank; with
+    build and dispatch a compiled program, per model step it runs: the
+    step time's floor when the device keeps up), dp_ranks, requests_per_rank; with
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
     spec_acceptance_per_position and spec_drafted_per_position."""

@@ -33,7 +33,8 @@ class StepCounts:
   dispatched before the previous one was read, the distinct programs, and
   the host seconds spent dispatching steps whose program was compiled
   already (building the batch and the call; not the first call of a
-  program, which compiles it)."""
+  program, which compiles it) over the model steps they ran (a multi-step
+  decode runs `decode_steps` in one dispatch)."""
   steps: int = 0
   tokens: int = 0
   overlapped: int = 0
@@ -41,10 +42,11 @@ class StepCounts:
   host_s: float = 0.0
   host_steps: int = 0
 
-  def record(self, program, num_tokens: int, overlapped: bool, host_s: float) -> None:
+  def record(self, program, num_tokens: int, overlapped: bool, host_s: float,
+             model_steps: int = 1) -> None:
     if program in self.programs:
       self.host_s += host_s
-      self.host_steps += 1
+      self.host_steps += model_steps
     self.programs.add(program)
     self.steps += 1
     self.tokens += num_tokens
@@ -100,9 +102,11 @@ def rank_batch(scheduled: list[Scheduled], shapes: steps.StepShapes):
 @dataclasses.dataclass(frozen=True)
 class PlainInFlight:
   """A dispatched plain step: each rank's chunks and the samples on device,
-  [S] ([n, S] under attention DP; row b: chunk b)."""
+  [S] ([n, S] under attention DP; [steps, S] for a multi-step decode; row b:
+  chunk b)."""
   per_rank: list[list[Scheduled]]
   sampled: jax.Array
+  steps: int = 1
 
 
 class PlainRunner:
@@ -120,11 +124,30 @@ class PlainRunner:
     per_rank = eng.schedule_ranks([0] * eng.num_ranks)
     scheduled = any(per_rank)
     if scheduled:
-      self._dispatch(eng, per_rank)
+      t0 = time.perf_counter()
+      n = eng.config.decode_steps
+      multi = None if eng._dp_axes else eng.schedulers[0].extend_decode(per_rank[0], n)
+      if multi is not None:
+        self._dispatch_multi(eng, multi, n, t0)
+      else:
+        self._dispatch(eng, per_rank, t0)
     return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
 
-  def _dispatch(self, eng, per_rank) -> None:
-    t0 = time.perf_counter()
+  def _dispatch_multi(self, eng, scheduled, n: int, t0: float) -> None:
+    """n decode steps of `scheduled` in one program (`steps.decode_steps`)."""
+    shapes = eng.step_shapes([scheduled], 1)
+    batch, num_tokens = rank_batch(scheduled, shapes)
+    greedy, k_cap = sampler_mode([scheduled])
+    sampled, eng.pool, eng._load = steps.decode_steps(
+        eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load,
+        num_steps=n, ep=eng._ep, greedy=greedy, k_cap=k_cap, **eng._heads)
+    self._prev_sampled = sampled[-1]
+    eng.schedulers[0].on_dispatch(scheduled)
+    self.counts.record((shapes, greedy, k_cap, n), num_tokens * n, bool(self.in_flight),
+                       time.perf_counter() - t0, n)
+    self.in_flight.append(PlainInFlight([scheduled], sampled, n))
+
+  def _dispatch(self, eng, per_rank, t0: float) -> None:
     busy = [sch for sch in per_rank if sch]
     shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
@@ -152,7 +175,9 @@ class PlainRunner:
     events = []
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
-      sampled = np.asarray(done.sampled).reshape(eng.num_ranks, -1)  # the one device-to-host read
+      sampled = np.asarray(done.sampled)  # the one device-to-host read
+      # -> [ranks, S] tokens, or [1, S, steps] for a multi-step decode
+      sampled = sampled.T[None] if done.steps > 1 else sampled.reshape(eng.num_ranks, -1)
       for sch, rank_done, rank_sampled in zip(eng.schedulers, done.per_rank, sampled):
         events += sch.apply(rank_done, rank_sampled[:len(rank_done)])
     return events

@@ -30,6 +30,8 @@ import collections
 import dataclasses
 import time
 
+import numpy as np
+
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.kv_cache import PageAllocator, hash_page, page_extra
 
@@ -120,6 +122,9 @@ class Scheduled:
   # Speculative pipelining: the block's last token and positions come from the
   # device (the previous step is still in flight); `start` is an upper bound.
   from_state: bool = False
+  # Multi-step decode (`EngineConfig.decode_steps`): a one-token sampling
+  # chunk decoded this many times in one program, sampling as many tokens.
+  steps: int = 1
 
 
 class Scheduler:
@@ -294,14 +299,33 @@ class Scheduler:
       r.pages += self.alloc.allocate(n) if n else []
     return [Scheduled(r, K + 1, r.num_computed, True, K, from_state=True) for r, _ in plan]
 
+  def extend_decode(self, scheduled: list[Scheduled], n: int) -> list[Scheduled] | None:
+    """Multi-step decode: `scheduled` (just scheduled, not dispatched) as n
+    decode steps in one program, with pages for the n positions each request
+    writes. None when it is not possible now, taking nothing: when requests
+    wait for a free slot, when a chunk is not a lone sampling token (a
+    prefill, a draft), when a request would pass the context, or when pages
+    run short (multi-step never preempts). Tokens sampled past a request's
+    stop or max_tokens are dropped when the step is applied."""
+    if (n < 2 or not scheduled or (self.waiting and len(self.running) < self.max_num_seqs)
+        or any(s.num_tokens != 1 or not s.samples or s.num_draft or s.from_state
+               or s.start + 1 + n > self.max_model_len for s in scheduled)):
+      return None
+    need = [max(0, self._pages_needed(s.request, n)) for s in scheduled]
+    if sum(need) > self.alloc.num_available():
+      return None
+    for s, k in zip(scheduled, need):
+      s.request.pages += self.alloc.allocate(k) if k else []
+    return [dataclasses.replace(s, steps=n) for s in scheduled]
+
   def on_dispatch(self, scheduled: list[Scheduled]) -> None:
     """The step holding `scheduled` was dispatched to the device."""
     for row, s in enumerate(scheduled):
       req = s.request
-      req.num_computed = s.start + s.num_tokens
+      req.num_computed = s.start + s.num_tokens + s.steps - 1
       req.prefill_computed += max(0, min(s.start + s.num_tokens, len(req.prompt)) - s.start)
       if s.samples:
-        req.pending += 1
+        req.pending += s.steps
         req.pending_row = row
       if s.from_state:
         req.spec_ahead += s.num_tokens
@@ -309,18 +333,19 @@ class Scheduler:
   # ------------------------------------------------------------ results
 
   def apply(self, scheduled: list[Scheduled], sampled) -> list[tuple[int, list[int], bool]]:
-    """Takes a finished step's samples (row i: scheduled[i]).
+    """Takes a finished step's samples (row i: scheduled[i]; a token, or
+    the `steps` tokens of a multi-step decode).
     -> events (request id, new tokens, finished)."""
     now = time.perf_counter()
     events = []
-    for s, token in zip(scheduled, sampled):
+    for s, tokens in zip(scheduled, sampled):
       req = s.request
       if req.finished:
         continue  # aborted, or stopped on the previous step's token
       if s.samples:
-        req.pending -= 1
-        self._append(req, [token], now)
-        events.append((req.id, [int(token)], req.finished))
+        req.pending -= s.steps
+        events.append((req.id, self._append(req, np.atleast_1d(tokens)[:s.steps], now),
+                       req.finished))
       if not req.finished:
         self._register_full_pages(req)
     return events

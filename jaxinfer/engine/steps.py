@@ -146,6 +146,13 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   shard_map; None: no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
   rope [3, T] MRoPE positions, embeds [T, D] where mask [T] (visual tokens),
   deepstack [k, T, D]; None: text (RoPE at batch.rope_positions)."""
+  return _step(cfg, params, pool, batch, prev_sampled, load, visual, max_q=max_q, ep=ep,
+               greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
+
+
+def _step(cfg, params, pool, batch, prev_sampled, load, visual, *, max_q, ep, greedy, k_cap, mesh,
+          head_axis):
+  """`step`'s program, to trace inside another (`decode_steps`)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
@@ -161,6 +168,38 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   sampled = _sample(logits, batch, greedy, k_cap)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
           _add_load(load, counts))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "ep", "greedy", "k_cap", "mesh",
+                                              "head_axis"),
+                   donate_argnames=("pool", "load"))
+def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
+                 num_steps: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
+                 head_axis=None):
+  """num_steps plain decode steps in one program (`EngineConfig.decode_steps`):
+  batch is a decode-only `step` batch (one token per sequence, sequence b at
+  row b), and step j > 0 decodes the tokens step j - 1 sampled, one position
+  further, sampling token sample_idx + j of each request (so seeded sampling
+  draws what single steps would). The host dispatches once for num_steps
+  tokens per sequence. The caller provides pages for all num_steps positions.
+  -> (sampled [num_steps, S] int32, new pool, new load)."""
+  live = batch.valid.astype(jnp.int32)  # [T]; padding rows stay where they are
+  seq_live = (batch.kv_lens > 0).astype(jnp.int32)  # [B]
+  follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: row b's own last sample
+
+  def one(carry, j):
+    pool, load, prev = carry
+    b = dataclasses.replace(
+        batch, from_prev=jnp.where(j > 0, follow, batch.from_prev),
+        positions=batch.positions + j * live, rope_positions=batch.rope_positions + j * live,
+        kv_lens=batch.kv_lens + j * seq_live, sample_idx=batch.sample_idx + j)
+    prev, pool, load = _step(cfg, params, pool, b, prev, load, None, max_q=1, ep=ep,
+                             greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
+    return (pool, load, prev), prev
+
+  (pool, load, _), sampled = jax.lax.scan(one, (pool, load, prev_sampled),
+                                          jnp.arange(num_steps, dtype=jnp.int32))
+  return sampled, pool, load
 
 
 def _visual_inputs(cfg: ModelConfig, params, tokens, visual) -> VisualInputs | None:
