@@ -26,14 +26,17 @@ def _ms(samples) -> float:
 
 
 def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tokens: int = 32,
-        repeats: int = 30) -> dict:
+        repeats: int = 30, decode_steps: int = 1) -> dict:
   """-> {in_engine: {part: {wall_ms, cpu_ms}}, alone: {part: ms}, param_leaves}
-  (medians over the decode steps of two generate runs, then `repeats` calls)."""
+  (medians over the decode dispatches of the second of two generate runs,
+  then `repeats` calls). decode_steps: `EngineConfig.decode_steps`; above 1
+  the dispatch and the step call are the multi-step ones (`steps.decode_steps`),
+  each running decode_steps model steps."""
   cfg = presets.get(model)
   eng = Engine(cfg, models.init_params(cfg, jax.random.key(0)), EngineConfig(
       page_size=16, num_pages=batch * (-(-(prompt_len + new_tokens) // 16)) + 1,
       max_num_seqs=batch, max_num_batched_tokens=batch * prompt_len,
-      enable_prefix_caching=False, ignore_eos=True))
+      enable_prefix_caching=False, ignore_eos=True, decode_steps=decode_steps))
   wall, cpu, last = {}, {}, {}
   undo = []
 
@@ -51,8 +54,9 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
     setattr(obj, name, timed)
     undo.append((obj, name, f))
 
-  wrap(eng._runner, "_dispatch", "dispatch")
-  wrap(steps, "step", "step call")
+  multi = decode_steps > 1
+  wrap(eng._runner, "_dispatch_multi" if multi else "_dispatch", "dispatch")
+  wrap(steps, "decode_steps" if multi else "step", "step call")
   wrap(runners, "rank_batch", "rank_batch")
   wrap(eng, "schedule_ranks", "schedule")
   rng = np.random.default_rng(0)
@@ -61,9 +65,10 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
                  SamplingParams(max_tokens=new_tokens))
   for obj, name, f in undo:
     setattr(obj, name, f)
-  in_engine = {k: dict(wall_ms=_ms(v[-new_tokens:]), cpu_ms=_ms(cpu[k][-new_tokens:]))
+  decodes = -(-(new_tokens - 1) // decode_steps)  # dispatches after the prefill
+  in_engine = {k: dict(wall_ms=_ms(v[-decodes:]), cpu_ms=_ms(cpu[k][-decodes:]))
                for k, v in wall.items()}
-  alone, leaves = _alone(eng, last, repeats)
+  alone, leaves = _alone(eng, last, repeats, steps.decode_steps if multi else steps.step)
   return dict(in_engine=in_engine, alone=alone, param_leaves=leaves)
 
 
@@ -76,8 +81,9 @@ def _time(fn, repeats: int) -> float:
   return _ms(t)
 
 
-def _alone(eng, last, repeats: int):
-  """The engine's last batch building and step call again, no step computing."""
+def _alone(eng, last, repeats: int, step_fn):
+  """The engine's last batch building and step call (step_fn) again, no step
+  computing."""
   alone = {"rank_batch": _time(lambda: runners.rank_batch(*last["rank_batch"][0]), repeats)}
   a, k = last["step call"]
   cfg_, params, _, batch_, prev = a[:5]
@@ -86,7 +92,7 @@ def _alone(eng, last, repeats: int):
   def call():
     nonlocal pool, load
     t0 = time.perf_counter()
-    out, pool, load = steps.step(cfg_, params, pool, batch_, prev, load, *a[6:], **k)
+    out, pool, load = step_fn(cfg_, params, pool, batch_, prev, load, *a[6:], **k)
     return time.perf_counter() - t0, out
 
   for mode in ("inputs ready", "behind a running step"):
