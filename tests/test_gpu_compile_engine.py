@@ -176,6 +176,22 @@ def test_multi_step_decode_compiles_for_one_h100(model):
   assert 0 < memory.peak_bytes < 80e9
 
 
+def test_multi_step_decode_under_attention_dp_compiles_for_eight_h100s():
+  # decode_steps=4 with dp_attn_ep: the ranked shard_map step in the loop,
+  # routed rows moved with ragged all-to-alls as in the single step.
+  mesh = gpu_compile.mesh({"data": 2, "expert": 4})
+  cfg = gpu_plan.gpu_config(presets.get("tiny_moe"), "bfloat16")
+  params = gpu_plan.abstract_params(cfg, mesh, "dp_attn_ep")
+  pool = gpu_plan.abstract_pool(cfg, mesh, "dp_attn_ep", SMALL.pool_pages(), SMALL.page_size)
+  seqs = [(1, SMALL.context)] * SMALL.batch
+  lowered, shapes = gpu_plan.lower_decode_steps(cfg, params, pool, mesh, "dp_attn_ep", seqs,
+                                                SMALL, 4)
+  assert lowered.out_info[0].shape == (4, 8, shapes.seqs)  # [steps, ranks, S]
+  text = lowered.compile().as_text()
+  assert gpu_plan.TRITON_CALL in text and "while" in text
+  assert any(kind == "ragged-all-to-all" for kind, _ in gpu_plan.collective_ops(text))
+
+
 def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   # The Engine's image step: `steps.step` with visual rows (`images.step_visual`:
   # MRoPE [3, T], embeddings [T, D] where mask [T], DeepStack [k, T, D]) for a

@@ -10,7 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, engine, models, presets
+from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, engine, models, presets,
+                      sharding)
+from jaxinfer.engine.runners import multi_step
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.kv_cache import PageAllocator
 
@@ -42,6 +44,21 @@ def test_greedy_matches_repeated_full_forward_in_fewer_dispatches(name, async_sc
   assert all(o.finish_reason == "length" for o in outs)
   # One prefill step, then blocks of 4 (the last one's extra tokens dropped).
   assert eng.stats()["steps"] == 1 + 3
+  _no_leak(eng)
+
+
+@pytest.mark.parametrize("name,layout,axes", [
+    ("tiny_moe", "dp_attn_ep", {"data": 4, "expert": 2}),  # every DP rank in one program
+    ("tiny_dense", "tp", {"data": 4, "tensor": 2}),
+])
+def test_on_a_mesh_matches_repeated_full_forward(name, layout, axes):
+  cfg, params = _model(name)
+  prompts = _prompts(cfg, [3, 17, 9, 30, 5], seed=6)
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, decode_steps=4),
+               mesh=sharding.make_mesh(axes), layout=layout)
+  outs = eng.generate(prompts, SamplingParams(max_tokens=11))
+  assert [o.token_ids for o in outs] == engine.greedy_reference(cfg, params, prompts, 11)
+  assert eng.stats()["steps"] <= 5  # single steps take 11 or more
   _no_leak(eng)
 
 
@@ -116,7 +133,12 @@ def test_context_limit_waiting_requests_and_preemption_match(async_scheduling):
   _no_leak(eng)
 
 
-def test_extend_decode_takes_pages_for_every_position_or_nothing():
+def _extend(sch, scheduled, n):
+  out = multi_step([sch], [scheduled], n)
+  return None if out is None else out[0]
+
+
+def test_multi_step_takes_pages_for_every_position_or_nothing():
   alloc = PageAllocator(8, 4)  # 7 usable pages of 4 tokens
   sch = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk_size=64,
                   max_model_len=40)
@@ -128,7 +150,7 @@ def test_extend_decode_takes_pages_for_every_position_or_nothing():
   sch.apply([s], [1])
   (s,) = sch.schedule()  # the decode of token 10 at position 10
   assert (s.num_tokens, s.start, len(req.pages), alloc.num_available()) == (1, 10, 3, 4)
-  (m,) = sch.extend_decode([s], 6)  # positions 10..15: one more page
+  (m,) = _extend(sch, [s], 6)  # positions 10..15: one more page
   assert m.steps == 6 and len(req.pages) == 4 and alloc.num_available() == 3
   sch.on_dispatch([m])
   assert req.pending == 6 and req.num_computed == 16 and req.total_len == 17
@@ -136,12 +158,12 @@ def test_extend_decode_takes_pages_for_every_position_or_nothing():
   assert events == [(0, list(range(20, 26)), False)] and req.pending == 0
   (s,) = sch.schedule()  # position 16: a fifth page, two left
   assert alloc.num_available() == 2
-  assert sch.extend_decode([dataclasses.replace(s, num_tokens=2)], 4) is None  # not a decode
-  assert sch.extend_decode([s], 24) is None  # 16 + 1 + 24 tokens pass the context of 40
-  assert sch.extend_decode([s], 16) is None  # positions to 31 need 3 more pages
-  assert sch.extend_decode([s], 1) is None
+  assert _extend(sch, [dataclasses.replace(s, num_tokens=2)], 4) is None  # not a decode
+  assert _extend(sch, [s], 24) is None  # 16 + 1 + 24 tokens pass the context of 40
+  assert _extend(sch, [s], 16) is None  # positions to 31 need 3 more pages
+  assert _extend(sch, [s], 1) is None
   assert alloc.num_available() == 2  # nothing taken
-  assert sch.extend_decode([s], 12)[0].steps == 12 and alloc.num_available() == 0
+  assert _extend(sch, [s], 12)[0].steps == 12 and alloc.num_available() == 0
 
 
 def test_bad_decode_steps_raise():

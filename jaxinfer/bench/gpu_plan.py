@@ -187,12 +187,23 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
 def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload,
                        num_steps: int):
   """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
-  lowered for decode-only `seqs` -> (Lowered, StepShapes)."""
+  lowered for decode-only `seqs` (on every rank under attention DP, as
+  `lower_ranked`) -> (Lowered, StepShapes)."""
   batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
-  prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
-  lowered = steps.decode_steps.lower(
-      cfg, params, pool, _replicated(mesh, batch), _replicated(mesh, prev), _load(cfg, mesh),
-      num_steps=num_steps, ep=plan_from_params(params), greedy=w.greedy, **_heads(mesh, layout))
+  axes = sharding.dp_axes(mesh, layout)
+  if axes:
+    n = math.prod(mesh.shape[a] for a in axes)
+    split = NamedSharding(mesh, P(axes))
+    batch = gpu_compile.abstract(steps.stack_batches([batch] * n), split)
+    prev = gpu_compile.abstract(jax.ShapeDtypeStruct((n, shapes.seqs), jnp.int32), split)
+    where = dict(mesh=mesh, axes=axes)
+  else:
+    batch = _replicated(mesh, batch)
+    prev = _replicated(mesh, jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32))
+    where = _heads(mesh, layout)
+  lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
+                                     num_steps=num_steps, ep=plan_from_params(params),
+                                     greedy=w.greedy, **where)
   return lowered, shapes
 
 

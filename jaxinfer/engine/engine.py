@@ -110,8 +110,8 @@ class EngineConfig:
   # this many decode steps in one program (`steps.decode_steps`), so the
   # host dispatches once per decode_steps tokens per sequence. Tokens past a
   # stop or max_tokens are computed and dropped; waiting requests are
-  # admitted at the next dispatch. Plain decoding without attention DP
-  # (other engines run one step per dispatch).
+  # admitted at the next dispatch. Plain decoding (every attention-DP rank
+  # together); a speculative engine pipelines its own steps.
   decode_steps: int = 1
   dp_min_step_tokens: int = 32
   kv_cache_dtype: str | None = None  # None | "fp8" | "int8"

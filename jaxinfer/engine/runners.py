@@ -99,11 +99,23 @@ def rank_batch(scheduled: list[Scheduled], shapes: steps.StepShapes):
       rope_positions=images.step_rope(scheduled)), len(tokens)
 
 
+def multi_step(schedulers, per_rank, n: int):
+  """Every rank's chunks as n-step decodes (`Scheduler.plan_decode`, then
+  `take_decode` once every rank can: an idle rank is all padding), or None."""
+  if n < 2:
+    return None
+  plans = [sch.plan_decode(scheduled, n) for sch, scheduled in zip(schedulers, per_rank)]
+  if any(p is None for p in plans):
+    return None
+  return [sch.take_decode(scheduled, p, n)
+          for sch, scheduled, p in zip(schedulers, per_rank, plans)]
+
+
 @dataclasses.dataclass(frozen=True)
 class PlainInFlight:
   """A dispatched plain step: each rank's chunks and the samples on device,
-  [S] ([n, S] under attention DP; [steps, S] for a multi-step decode; row b:
-  chunk b)."""
+  [S] ([n, S] under attention DP; [steps, S] or [steps, n, S] for a
+  multi-step decode; row b: chunk b)."""
   per_rank: list[list[Scheduled]]
   sampled: jax.Array
   steps: int = 1
@@ -125,27 +137,33 @@ class PlainRunner:
     scheduled = any(per_rank)
     if scheduled:
       t0 = time.perf_counter()
-      n = eng.config.decode_steps
-      multi = None if eng._dp_axes else eng.schedulers[0].extend_decode(per_rank[0], n)
+      multi = multi_step(eng.schedulers, per_rank, eng.config.decode_steps)
       if multi is not None:
-        self._dispatch_multi(eng, multi, n, t0)
+        self._dispatch_multi(eng, multi, eng.config.decode_steps, t0)
       else:
         self._dispatch(eng, per_rank, t0)
     return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
 
-  def _dispatch_multi(self, eng, scheduled, n: int, t0: float) -> None:
-    """n decode steps of `scheduled` in one program (`steps.decode_steps`)."""
-    shapes = eng.step_shapes([scheduled], 1)
-    batch, num_tokens = rank_batch(scheduled, shapes)
-    greedy, k_cap = sampler_mode([scheduled])
+  def _dispatch_multi(self, eng, per_rank, n: int, t0: float) -> None:
+    """n decode steps of every rank's chunks in one program (`steps.decode_steps`)."""
+    busy = [sch for sch in per_rank if sch]
+    shapes = eng.step_shapes(busy, 1)
+    batches = [rank_batch(sch, shapes) for sch in per_rank]
+    greedy, k_cap = sampler_mode(busy)
+    if eng._dp_axes:
+      batch, where = steps.stack_batches([b for b, _ in batches]), dict(mesh=eng.mesh,
+                                                                         axes=eng._dp_axes)
+    else:
+      batch, where = batches[0][0], eng._heads
     sampled, eng.pool, eng._load = steps.decode_steps(
         eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load,
-        num_steps=n, ep=eng._ep, greedy=greedy, k_cap=k_cap, **eng._heads)
+        num_steps=n, ep=eng._ep, greedy=greedy, k_cap=k_cap, **where)
     self._prev_sampled = sampled[-1]
-    eng.schedulers[0].on_dispatch(scheduled)
-    self.counts.record((shapes, greedy, k_cap, n), num_tokens * n, bool(self.in_flight),
-                       time.perf_counter() - t0, n)
-    self.in_flight.append(PlainInFlight([scheduled], sampled, n))
+    for sch, rank_scheduled in zip(eng.schedulers, per_rank):
+      sch.on_dispatch(rank_scheduled)
+    self.counts.record((shapes, greedy, k_cap, n), n * sum(k for _, k in batches),
+                       bool(self.in_flight), time.perf_counter() - t0, n)
+    self.in_flight.append(PlainInFlight(per_rank, sampled, n))
 
   def _dispatch(self, eng, per_rank, t0: float) -> None:
     busy = [sch for sch in per_rank if sch]
@@ -176,8 +194,8 @@ class PlainRunner:
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
       sampled = np.asarray(done.sampled)  # the one device-to-host read
-      # -> [ranks, S] tokens, or [1, S, steps] for a multi-step decode
-      sampled = sampled.T[None] if done.steps > 1 else sampled.reshape(eng.num_ranks, -1)
+      # -> [ranks, S, steps]: row b's tokens (one unless a multi-step decode)
+      sampled = np.moveaxis(sampled.reshape(done.steps, eng.num_ranks, -1), 0, -1)
       for sch, rank_done, rank_sampled in zip(eng.schedulers, done.per_rank, sampled):
         events += sch.apply(rank_done, rank_sampled[:len(rank_done)])
     return events

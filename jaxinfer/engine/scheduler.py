@@ -299,21 +299,25 @@ class Scheduler:
       r.pages += self.alloc.allocate(n) if n else []
     return [Scheduled(r, K + 1, r.num_computed, True, K, from_state=True) for r, _ in plan]
 
-  def extend_decode(self, scheduled: list[Scheduled], n: int) -> list[Scheduled] | None:
-    """Multi-step decode: `scheduled` (just scheduled, not dispatched) as n
-    decode steps in one program, with pages for the n positions each request
-    writes. None when it is not possible now, taking nothing: when requests
-    wait for a free slot, when a chunk is not a lone sampling token (a
-    prefill, a draft), when a request would pass the context, or when pages
-    run short (multi-step never preempts). Tokens sampled past a request's
-    stop or max_tokens are dropped when the step is applied."""
-    if (n < 2 or not scheduled or (self.waiting and len(self.running) < self.max_num_seqs)
+  def plan_decode(self, scheduled: list[Scheduled], n: int) -> list[int] | None:
+    """Multi-step decode (`runners.multi_step`): can `scheduled` (just
+    scheduled, not dispatched) run as n decode steps in one program? Taking
+    nothing: the pages each chunk needs for its n positions, or None when
+    it is not possible now: when requests wait for a free slot, when a
+    chunk is not a lone sampling token (a prefill, a draft), when a request
+    would pass the context, or when pages run short (multi-step never
+    preempts). Attention-DP ranks check all their
+    schedulers before any takes pages. Tokens sampled past a request's stop
+    or max_tokens are dropped when the step is applied."""
+    if (n < 2 or (self.waiting and len(self.running) < self.max_num_seqs)
         or any(s.num_tokens != 1 or not s.samples or s.num_draft or s.from_state
                or s.start + 1 + n > self.max_model_len for s in scheduled)):
       return None
     need = [max(0, self._pages_needed(s.request, n)) for s in scheduled]
-    if sum(need) > self.alloc.num_available():
-      return None
+    return need if sum(need) <= self.alloc.num_available() else None
+
+  def take_decode(self, scheduled: list[Scheduled], need: list[int], n: int) -> list[Scheduled]:
+    """Takes a `plan_decode` plan's pages -> the chunks as n-step decodes."""
     for s, k in zip(scheduled, need):
       s.request.pages += self.alloc.allocate(k) if k else []
     return [dataclasses.replace(s, steps=n) for s in scheduled]

@@ -171,21 +171,25 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, *, max_q, ep, gr
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis"),
+                                              "head_axis", "axes"),
                    donate_argnames=("pool", "load"))
 def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
                  num_steps: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-                 head_axis=None):
+                 head_axis=None, axes=None):
   """num_steps plain decode steps in one program (`EngineConfig.decode_steps`):
-  batch is a decode-only `step` batch (one token per sequence, sequence b at
-  row b), and step j > 0 decodes the tokens step j - 1 sampled, one position
-  further, sampling token sample_idx + j of each request (so seeded sampling
-  draws what single steps would). The host dispatches once for num_steps
-  tokens per sequence. The caller provides pages for all num_steps positions.
-  -> (sampled [num_steps, S] int32, new pool, new load)."""
-  live = batch.valid.astype(jnp.int32)  # [T]; padding rows stay where they are
-  seq_live = (batch.kv_lens > 0).astype(jnp.int32)  # [B]
-  follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: row b's own last sample
+  batch is a decode-only `step` batch (one token per sequence), and step
+  j > 0 decodes the tokens step j - 1 sampled, one position further,
+  sampling token sample_idx + j of each request (so seeded sampling draws
+  what single steps would). The host dispatches once for num_steps tokens
+  per sequence. The caller provides pages for all num_steps positions.
+  axes (static): attention DP as `step_ranked` (batch fields [n, ...],
+  prev_sampled [n, S]); None: as `step`.
+  -> (sampled [num_steps, S] ([num_steps, n, S]) int32, new pool, new load)."""
+  live = batch.valid.astype(jnp.int32)  # padding rows stay where they are
+  seq_live = (batch.kv_lens > 0).astype(jnp.int32)
+  follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: each row's own last sample
+  one_step = (functools.partial(_step_ranked, mesh=mesh, axes=axes) if axes else
+              functools.partial(_step, max_q=1, mesh=mesh, head_axis=head_axis))
 
   def one(carry, j):
     pool, load, prev = carry
@@ -193,8 +197,8 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
         batch, from_prev=jnp.where(j > 0, follow, batch.from_prev),
         positions=batch.positions + j * live, rope_positions=batch.rope_positions + j * live,
         kv_lens=batch.kv_lens + j * seq_live, sample_idx=batch.sample_idx + j)
-    prev, pool, load = _step(cfg, params, pool, b, prev, load, None, max_q=1, ep=ep,
-                             greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
+    prev, pool, load = one_step(cfg, params, pool, b, prev, load, None, ep=ep, greedy=greedy,
+                                k_cap=k_cap)
     return (pool, load, prev), prev
 
   (pool, load, _), sampled = jax.lax.scan(one, (pool, load, prev_sampled),
@@ -229,6 +233,13 @@ def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, 
   and pages on rank r. -> (sampled [n, S] int32, new pool, new load).
   visual: `step`'s visual rows per rank, [n, ...] (`Images.ranked_visual`:
   a rank without visual tokens has its text rows), or None."""
+  return _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, max_q=max_q, ep=ep,
+                      mesh=mesh, axes=axes, greedy=greedy, k_cap=k_cap)
+
+
+def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, *, ep, mesh, axes, greedy,
+                 k_cap, max_q=1):
+  """`step_ranked`'s program, to trace inside another (`decode_steps`)."""
   n, B = batch.kv_lens.shape
   prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
   tokens = jnp.where(batch.from_prev >= 0, prev, batch.tokens)  # [n, T]
