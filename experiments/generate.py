@@ -32,6 +32,8 @@ _PROMPT_IDS = flags.DEFINE_list("prompt_ids", None, "one prompt as token ids (an
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 96, "tokens to generate per prompt")
 _DRAFT = flags.DEFINE_integer("num_draft_tokens", 3, "MTP speculative drafts per step "
                               "(0 = off; models without MTP modules decode plainly)")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "decode steps per dispatch when not "
+                                     "speculating (EngineConfig.decode_steps)")
 _TEMPERATURE = flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 _TOP_K = flags.DEFINE_integer("top_k", 0, "0 = off")
 _TOP_P = flags.DEFINE_float("top_p", 1.0, "1 = off")
@@ -116,7 +118,8 @@ def main(argv):
     spec = MTPConfig(num_draft_tokens=_DRAFT.value)
   engine_config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=_NUM_PAGES.value,
                                max_num_seqs=_MAX_SEQS.value,
-                               max_num_batched_tokens=_TOKEN_BUDGET.value, speculative=spec)
+                               max_num_batched_tokens=_TOKEN_BUDGET.value, speculative=spec,
+                               decode_steps=1 if spec else _DECODE_STEPS.value)
   res = run.run_engine(cfg, params, prompts=prompts, sampling=sampling,
                        engine_config=engine_config, mesh=mesh,
                        layout=_LAYOUT.value if mesh is not None else None)
