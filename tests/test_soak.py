@@ -1,8 +1,10 @@
 """The serving soak's CI version (`jaxinfer.serving.soak`; the 10-minute run
 is `experiments/soak.py`): random arrivals, aborts, a worker stopped and
 replaced, stalled transfers and a bounded queue over a prefill + decode +
-mixed cluster of the default model, plain and speculative, with every
-serving invariant checked after every step."""
+mixed cluster of the default model, plain, multi-step and speculative,
+with every serving invariant checked after every step."""
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,9 +18,12 @@ def default_model():
   return jaxinfer.load_default_model()
 
 
-@pytest.mark.parametrize("speculative", [0, 2])
-def test_short_soak_keeps_every_invariant(default_model, speculative, optimized):
-  config = soak.SoakConfig(steps=32, seed=speculative, speculative=speculative,
+@pytest.mark.parametrize("speculative,decode_steps,seed", [(0, 1, 0), (2, 1, 2), (0, 4, 4)])
+def test_short_soak_keeps_every_invariant(default_model, speculative, decode_steps, seed,
+                                          optimized):
+  engine = dataclasses.replace(soak.SoakConfig().engine, decode_steps=decode_steps)
+  config = soak.SoakConfig(steps=32, seed=seed, speculative=speculative,
+                           engine=engine,
                            restart_every_steps=15, arrivals_per_step=1.0, abort_prob=0.3,
                            stall_prob=0.1, max_queue=6, max_tokens=12, pool_size=12)
   report = soak.soak(*default_model, config)

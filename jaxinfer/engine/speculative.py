@@ -373,8 +373,7 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_loa
       continue
     q = _probs(draft_logits, batch.temperature, batch.top_k, batch.top_p, k_cap)
     key_k = jax.vmap(lambda kk: jax.random.fold_in(kk, k))(k_draft)
-    drafts.append(jnp.where(batch.temperature > 0, _draw(key_k, q),
-                            argmax(q)).astype(jnp.int32))
+    drafts.append(jnp.where(batch.temperature > 0, _draw(key_k, q), argmax(q)))  # int32
     qs.append(q)
   return drafts, qs, mtp_pool, load
 
