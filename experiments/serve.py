@@ -51,6 +51,8 @@ _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step
 _TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "engine: tokens per step")
 _KV_MB = flags.DEFINE_integer("kv_cache_mb", 256, "engine: KV cache size in MiB")
 _DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per step (0: off)")
+_DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "engine: decode steps per dispatch when "
+                                     "not speculating (EngineConfig.decode_steps)")
 _FIXED_SHAPES = flags.DEFINE_bool("fixed_step_shapes", False, "engine: pad every step to the "
                                    "budgets, so the warm-up compiles (nearly) every program")
 _IMAGE_ROOT = flags.DEFINE_string("image_root", None, "vision models: the directory chat image "
@@ -101,7 +103,8 @@ def main(argv):
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
   config = EngineConfig(max_num_seqs=_MAX_SEQS.value, max_num_batched_tokens=_TOKEN_BUDGET.value,
                         kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
-                        fixed_step_shapes=_FIXED_SHAPES.value)
+                        fixed_step_shapes=_FIXED_SHAPES.value,
+                        decode_steps=1 if spec else _DECODE_STEPS.value)
   if _BACKEND.value == "ray":
     del params  # each worker process loads its own
     backend = ray_cluster(config)

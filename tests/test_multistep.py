@@ -32,13 +32,16 @@ def _no_leak(eng):
   assert eng.stats()["kv_pages_used"] == 0
 
 
-@pytest.mark.parametrize("name,async_scheduling", [
-    ("tiny_dense", True), ("tiny_dense", False), ("tiny_moe", True)])
-def test_greedy_matches_repeated_full_forward_in_fewer_dispatches(name, async_scheduling):
+@pytest.mark.parametrize("name,async_scheduling,fixed", [
+    ("tiny_dense", True, False), ("tiny_dense", False, False), ("tiny_moe", True, False),
+    ("tiny_dense", True, True)])
+def test_greedy_matches_repeated_full_forward_in_fewer_dispatches(name, async_scheduling, fixed):
   cfg, params = _model(name)
   prompts = _prompts(cfg, [3, 17, 9, 30])
+  # fixed: every step padded to the token budget (padding rows stay put).
   eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=128, decode_steps=4,
-                                         async_scheduling=async_scheduling))
+                                         async_scheduling=async_scheduling,
+                                         fixed_step_shapes=fixed, max_num_batched_tokens=64))
   outs = eng.generate(prompts, SamplingParams(max_tokens=11))  # 1 + 10: not a multiple of 4
   assert [o.token_ids for o in outs] == engine.greedy_reference(cfg, params, prompts, 11)
   assert all(o.finish_reason == "length" for o in outs)
