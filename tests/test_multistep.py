@@ -172,5 +172,9 @@ def test_multi_step_takes_pages_for_every_position_or_nothing():
 def test_bad_decode_steps_raise():
   with pytest.raises(ValueError, match="decode_steps must be >= 1"):
     EngineConfig(decode_steps=0)
+  with pytest.raises(TypeError, match="decode_steps must be an int"):
+    EngineConfig(decode_steps=2.5)
+  with pytest.raises(TypeError, match="decode_steps must be an int"):
+    EngineConfig(decode_steps="4")
   with pytest.raises(ValueError, match="decode_steps > 1 is for plain decoding"):
     EngineConfig(decode_steps=2, speculative=MTPConfig(num_draft_tokens=2))

@@ -95,6 +95,14 @@ class EngineConfig:
   # transposed ("out_in"); "auto" times both on this machine
   # (`engine.weight_layout`: which is faster differs by CPU, up to 1.4x).
   cpu_weight_layout: str = "auto"
+  # Multi-step decode: a step whose chunks are all lone decode tokens runs
+  # this many decode steps in one program (`steps.decode_steps`), so the
+  # host dispatches once per decode_steps tokens per sequence. Tokens past a
+  # stop or max_tokens are computed (and counted in the expert load) and
+  # dropped; waiting requests are admitted at the next dispatch. Plain
+  # decoding (every attention-DP rank together); a speculative engine
+  # pipelines its own steps.
+  decode_steps: int = 1
   # Attention DP: every rank's step is as long as the longest (the ranks pad
   # to the same token count), so one rank's prefill chunk stalls the others.
   # "split": when most ranks have little to run, the step's token budget
@@ -106,13 +114,6 @@ class EngineConfig:
   # (short prompts' TTFT down, long ones' up), too close to call with
   # step-shape compiles in every timed run, so "none" stays the default.
   dp_balance: str = "none"
-  # Multi-step decode: a step whose chunks are all lone decode tokens runs
-  # this many decode steps in one program (`steps.decode_steps`), so the
-  # host dispatches once per decode_steps tokens per sequence. Tokens past a
-  # stop or max_tokens are computed and dropped; waiting requests are
-  # admitted at the next dispatch. Plain decoding (every attention-DP rank
-  # together); a speculative engine pipelines its own steps.
-  decode_steps: int = 1
   dp_min_step_tokens: int = 32
   kv_cache_dtype: str | None = None  # None | "fp8" | "int8"
   # Requests with images (vision models): the image processor (None: the
@@ -122,6 +123,8 @@ class EngineConfig:
   encoder_cache_tokens: int = 1 << 16
 
   def __post_init__(self):
+    if type(self.decode_steps) is not int:
+      raise TypeError(f"EngineConfig: decode_steps must be an int, got {self.decode_steps!r}")
     for name in ("page_size", "max_num_seqs", "max_num_batched_tokens", "decode_steps"):
       if getattr(self, name) < 1:
         raise ValueError(f"EngineConfig: {name} must be >= 1, got {getattr(self, name)}")
