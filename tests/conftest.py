@@ -50,6 +50,31 @@ HF_FIXTURES = ["llama", "llama_sharded", "mixtral", "qwen3_moe", "deepseek_v3",
                "deepseek_v2lite", "gpt_oss"]
 
 
+def float32_model(name: str, seed: int = 0):
+  """A preset (`jaxinfer.presets`) in float32 with random weights -> (cfg, params)."""
+  import dataclasses
+  from jaxinfer import models, presets
+  cfg = dataclasses.replace(presets.get(name), dtype="float32")
+  return cfg, models.init_params(cfg, jax.random.key(seed))
+
+
+def random_prompts(cfg, lengths, seed: int = 0) -> list[list[int]]:
+  """Random token-id prompts of the given lengths."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+
+
+def assert_no_leak(eng) -> None:
+  """Every rank's allocator is consistent and no page is held."""
+  for a in eng.allocators:
+    a.check_consistency()
+  stats = eng.stats()
+  assert stats["kv_pages_used"] == 0
+  assert stats["kv_pages_free"] + stats["kv_pages_cached"] == sum(
+      a.usable_pages for a in eng.allocators)
+
+
 def subprocess_env(drop=("XLA_FLAGS",), **extra) -> dict:
   """This process's environment for a test subprocess: the `drop` keys removed
   (the 8 simulated devices, so the child runs on one CPU device as users do),

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, assert_no_leak as _no_leak, random_prompts as _prompts
 from jaxinfer import Engine, EngineConfig, ModelConfig, SamplingParams, engine, models, presets
 from jaxinfer.engine import steps
 from jaxinfer.engine.runners import StepCounts
@@ -28,17 +28,6 @@ LENGTHS = [1, 9, 40, 200]
 def _model(name, seed=0):
   cfg = dataclasses.replace(ARCHS[name], dtype="float32")
   return cfg, models.init_params(cfg, jax.random.key(seed))
-
-
-def _prompts(cfg, lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
-
-
-def _no_leak(eng):
-  eng.allocator.check_consistency()
-  assert eng.stats()["kv_pages_used"] == 0
-  assert eng.stats()["kv_pages_free"] + eng.stats()["kv_pages_cached"] == eng.allocator.usable_pages
 
 
 @pytest.mark.parametrize("name", sorted(ARCHS))

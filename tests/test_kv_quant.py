@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import float32_model as _model, random_prompts
 from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, kv_cache, kv_scales,
                       models, presets, run, sharding)
 from jaxinfer.bench import kv_quant
@@ -23,14 +24,8 @@ from jaxinfer.serving.worker import Worker
 FP8, INT8 = jnp.float8_e4m3fn, jnp.int8
 
 
-def _model(name, seed=0):
-  cfg = dataclasses.replace(presets.get(name), dtype="float32")
-  return cfg, models.init_params(cfg, jax.random.key(seed))
-
-
 def _prompts(cfg, lengths, seed=1):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
+  return random_prompts(cfg, lengths, seed)
 
 
 def _generate(cfg, params, prompts, max_tokens=6, mesh=None, layout=None, **config):

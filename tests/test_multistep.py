@@ -6,30 +6,14 @@ cannot run (prefill, the context limit, short pages)."""
 
 import dataclasses
 
-import jax
 import numpy as np
 import pytest
 
-from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, engine, models, presets,
-                      sharding)
+from conftest import assert_no_leak as _no_leak, float32_model as _model, random_prompts as _prompts
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, engine, sharding
 from jaxinfer.engine.runners import multi_step
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.kv_cache import PageAllocator
-
-
-def _model(name, seed=0):
-  cfg = dataclasses.replace(presets.get(name), dtype="float32")
-  return cfg, models.init_params(cfg, jax.random.key(seed))
-
-
-def _prompts(cfg, lengths, seed=0):
-  rng = np.random.default_rng(seed)
-  return [rng.integers(0, cfg.vocab_size, n).tolist() for n in lengths]
-
-
-def _no_leak(eng):
-  eng.allocator.check_consistency()
-  assert eng.stats()["kv_pages_used"] == 0
 
 
 @pytest.mark.parametrize("name,async_scheduling,fixed", [
