@@ -37,7 +37,8 @@ def main(argv):
                 None, model=_MODEL.value, batch=_BATCH.value, param_leaves=r["param_leaves"],
                 decode_steps=n, dispatch_ms_per_model_step=per_step,
                 machine=machine_info(),
-                note="medians: in_engine over the last decode steps (thread CPU time too); "
+                note="medians: in_engine over the second run's decode dispatches (thread CPU "
+                     "time too; a dispatch runs decode_steps model steps); "
                      "alone over repeated calls with no step computing, except the step call "
                      "'behind a running step'")
 

@@ -169,8 +169,7 @@ def count_xla_compiles():
 
 
 def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_tokens: int,
-                 repeats: int, seed: int = 0, weight_layout: str = "auto",
-                 decode_steps: int = 1) -> dict:
+                 repeats: int, seed: int = 0, engine_options: dict | None = None) -> dict:
   """`batch` random prompts of `prompt_len` tokens, submitted together through
   one `Engine`, greedy, each run to exactly `new_tokens` (ignore_eos).
 
@@ -182,16 +181,15 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
   (XLA backend compiles while timed) 0.
   -> {prefill: spread, decode: spread | None, compiles_warm, compiles_after,
       xla_compiles_timed, host_ms_per_step (`Engine.stats`), param_leaves
-      (arrays the step takes as weights)}. weight_layout, decode_steps:
-  `EngineConfig.cpu_weight_layout`, `EngineConfig.decode_steps`.
+      (arrays the step takes as weights)}. engine_options: more `EngineConfig`
+  fields (cpu_weight_layout, decode_steps, ...).
   """
   ps = 16
   per_seq = -(-(prompt_len + new_tokens) // ps)
   ec = EngineConfig(page_size=ps, num_pages=batch * per_seq + 1,  # + the reserved null page
                     max_num_seqs=batch,
                     max_num_batched_tokens=batch * prompt_len, enable_prefix_caching=False,
-                    ignore_eos=True, cpu_weight_layout=weight_layout,
-                    decode_steps=decode_steps)
+                    ignore_eos=True, **(engine_options or {}))
   engine = Engine(cfg, params, ec)
   rng = np.random.default_rng(seed)
   sampling = SamplingParams(max_tokens=new_tokens)
@@ -378,7 +376,7 @@ def quantized(cfg: ModelConfig, params, method: str):
 
 
 def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, repeats,
-             seed, quant=(), weight_layout="auto", decode_steps=1) -> list:
+             seed, quant=(), engine_options=None) -> list:
   """Ours (and HF's, when hf is not None; ours with weights quantized by each
   `quant` method) decode per batch, then prefill at batch 1.
   -> [(phase, side, batch, prompt_len, new_tokens, result, cfg)]."""
@@ -392,21 +390,18 @@ def _measure(cfg, params, hf, *, batches, prompt_len, prefill_len, new_tokens, r
   for b in batches:
     cell("decode", "jaxinfer", b, prompt_len, new_tokens,
          bench_engine(cfg, params, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                      repeats=repeats, seed=seed, weight_layout=weight_layout,
-                      decode_steps=decode_steps))
+                      repeats=repeats, seed=seed, engine_options=engine_options))
     for m, (qcfg, qparams) in qmodels.items():
       cell("decode", f"jaxinfer {m}", b, prompt_len, new_tokens,
            bench_engine(qcfg, qparams, batch=b, prompt_len=prompt_len, new_tokens=new_tokens,
-                        repeats=repeats, seed=seed, weight_layout=weight_layout,
-                      decode_steps=decode_steps), qcfg)
+                        repeats=repeats, seed=seed, engine_options=engine_options), qcfg)
     if hf is not None:
       cell("decode", "hf", b, prompt_len, new_tokens,
            bench_hf(hf, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, repeats=repeats,
                     seed=seed))
   cell("prefill", "jaxinfer", 1, prefill_len, 1,
        bench_engine(cfg, params, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats,
-                    seed=seed, weight_layout=weight_layout,
-                      decode_steps=decode_steps))
+                    seed=seed, engine_options=engine_options))
   if hf is not None:
     cell("prefill", "hf", 1, prefill_len, 1,
          bench_hf(hf, batch=1, prompt_len=prefill_len, new_tokens=1, repeats=repeats, seed=seed))
@@ -448,6 +443,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
   -> the written JSON object. peer: "hf" or "none"; quant: weight-only
   methods ("int8", "fp8", ...) whose decode runs beside ours in float;
   weight_layout, decode_steps: the Engine's `cpu_weight_layout`, `decode_steps`."""
+  engine_options = dict(cpu_weight_layout=weight_layout, decode_steps=decode_steps)
   if peer not in ("hf", "none"):
     raise ValueError(f"peer must be 'hf' or 'none', got {peer!r}")
   if new_tokens < 2 or repeats < 1 or min(batches) < 1:
@@ -473,7 +469,7 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
 
   cells = _measure(cfg, params, hf, batches=batches, prompt_len=prompt_len,
                    prefill_len=prefill_len, new_tokens=new_tokens, repeats=repeats, seed=seed,
-                   quant=tuple(quant), weight_layout=weight_layout, decode_steps=decode_steps)
+                   quant=tuple(quant), engine_options=engine_options)
   del params, hf
   bw_end = _bandwidth(bandwidth_bytes, "end")
   # The roofline is a ceiling: the higher of the two measurements (a shared

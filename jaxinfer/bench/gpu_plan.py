@@ -173,14 +173,31 @@ def _load(cfg: ModelConfig, mesh):
   return _replicated(mesh, jax.ShapeDtypeStruct((moe_layers, cfg.num_experts), jnp.int32))
 
 
+def _step_inputs(mesh, layout: str, seqs, w: Workload, ranked: bool):
+  """A step's abstract inputs as the Engine passes them -> (batch, previous
+  samples, placement kwargs, StepShapes). ranked (attention DP): every rank
+  runs `seqs`, batch fields [n, ...] split over the DP axes as the ranked
+  context's `shard_map` reads them; else replicated, attention per head
+  shard where the layout splits heads."""
+  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
+  if not ranked:
+    prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
+    return _replicated(mesh, batch), _replicated(mesh, prev), _heads(mesh, layout), shapes
+  axes = sharding.dp_axes(mesh, layout)
+  n = math.prod(mesh.shape[a] for a in axes)
+  split = NamedSharding(mesh, P(axes))
+  prev = jax.ShapeDtypeStruct((n, shapes.seqs), jnp.int32)
+  return (gpu_compile.abstract(steps.stack_batches([batch] * n), split),
+          gpu_compile.abstract(prev, split), dict(mesh=mesh, axes=axes), shapes)
+
+
 def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
   """`steps.step` lowered for one (unranked) batch -> (Lowered, StepShapes);
   attention per head shard (shard_map) where the layout splits heads, as the Engine runs it."""
-  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
-  prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
-  lowered = steps.step.lower(cfg, params, pool, _replicated(mesh, batch), _replicated(mesh, prev),
-                             _load(cfg, mesh), max_q=shapes.max_q, ep=plan_from_params(params),
-                             greedy=w.greedy, **_heads(mesh, layout))
+  batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked=False)
+  lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
+                             max_q=shapes.max_q, ep=plan_from_params(params), greedy=w.greedy,
+                             **where)
   return lowered, shapes
 
 
@@ -189,18 +206,8 @@ def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, 
   """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
   lowered for decode-only `seqs` (on every rank under attention DP, as
   `lower_ranked`) -> (Lowered, StepShapes)."""
-  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
-  axes = sharding.dp_axes(mesh, layout)
-  if axes:
-    n = math.prod(mesh.shape[a] for a in axes)
-    split = NamedSharding(mesh, P(axes))
-    batch = gpu_compile.abstract(steps.stack_batches([batch] * n), split)
-    prev = gpu_compile.abstract(jax.ShapeDtypeStruct((n, shapes.seqs), jnp.int32), split)
-    where = dict(mesh=mesh, axes=axes)
-  else:
-    batch = _replicated(mesh, batch)
-    prev = _replicated(mesh, jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32))
-    where = _heads(mesh, layout)
+  ranked = bool(sharding.dp_axes(mesh, layout))
+  batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked)
   lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
                                      num_steps=num_steps, ep=plan_from_params(params),
                                      greedy=w.greedy, **where)
@@ -210,16 +217,10 @@ def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, 
 def lower_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
   """`steps.step_ranked` (attention DP): every rank runs `seqs`; batch fields
   [n, ...] split over the DP axes as the ranked context's `shard_map` reads them."""
-  axes = sharding.dp_axes(mesh, layout)
-  n = math.prod(mesh.shape[a] for a in axes)
-  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
-  ranked = steps.stack_batches([batch] * n)
-  split = NamedSharding(mesh, P(axes))
-  prev = jax.ShapeDtypeStruct((n, shapes.seqs), jnp.int32)
-  lowered = steps.step_ranked.lower(
-      cfg, params, pool, gpu_compile.abstract(ranked, split), gpu_compile.abstract(prev, split),
-      _load(cfg, mesh), max_q=shapes.max_q, ep=plan_from_params(params), mesh=mesh, axes=axes,
-      greedy=w.greedy)
+  batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked=True)
+  lowered = steps.step_ranked.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
+                                    max_q=shapes.max_q, ep=plan_from_params(params),
+                                    greedy=w.greedy, **where)
   return lowered, shapes
 
 

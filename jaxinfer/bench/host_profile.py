@@ -55,7 +55,7 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
     undo.append((obj, name, f))
 
   multi = decode_steps > 1
-  wrap(eng._runner, "_dispatch_multi" if multi else "_dispatch", "dispatch")
+  wrap(eng._runner, "_dispatch", "dispatch")
   wrap(steps, "decode_steps" if multi else "step", "step call")
   wrap(runners, "rank_batch", "rank_batch")
   wrap(eng, "schedule_ranks", "schedule")

@@ -138,55 +138,38 @@ class PlainRunner:
     if scheduled:
       t0 = time.perf_counter()
       multi = multi_step(eng.schedulers, per_rank, eng.config.decode_steps)
-      if multi is not None:
-        self._dispatch_multi(eng, multi, eng.config.decode_steps, t0)
-      else:
+      if multi is None:
         self._dispatch(eng, per_rank, t0)
+      else:
+        self._dispatch(eng, multi, t0, eng.config.decode_steps)
     return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
 
-  def _dispatch_multi(self, eng, per_rank, n: int, t0: float) -> None:
-    """n decode steps of every rank's chunks in one program (`steps.decode_steps`)."""
+  def _dispatch(self, eng, per_rank, t0: float, n: int = 1) -> None:
+    """One program over every rank's chunks: a step, or n decode steps
+    (`steps.decode_steps`) of `multi_step`'s chunks."""
     busy = [sch for sch in per_rank if sch]
-    shapes = eng.step_shapes(busy, 1)
+    shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
     greedy, k_cap = sampler_mode(busy)
-    if eng._dp_axes:
-      batch, where = steps.stack_batches([b for b, _ in batches]), dict(mesh=eng.mesh,
-                                                                         axes=eng._dp_axes)
+    ranked = bool(eng._dp_axes)
+    batch = steps.stack_batches([b for b, _ in batches]) if ranked else batches[0][0]
+    args = (eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load)
+    kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap,
+              **(dict(mesh=eng.mesh, axes=eng._dp_axes) if ranked else eng._heads))
+    if n > 1:
+      sampled, eng.pool, eng._load = steps.decode_steps(*args, num_steps=n, **kw)
+      self._prev_sampled = sampled[-1]
     else:
-      batch, where = batches[0][0], eng._heads
-    sampled, eng.pool, eng._load = steps.decode_steps(
-        eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load,
-        num_steps=n, ep=eng._ep, greedy=greedy, k_cap=k_cap, **where)
-    self._prev_sampled = sampled[-1]
+      visual = (eng.images.ranked_visual(per_rank, shapes.tokens) if ranked
+                else eng.images.step_visual(per_rank[0], shapes.tokens))
+      step = steps.step_ranked if ranked else steps.step
+      sampled, eng.pool, eng._load = step(*args, visual, max_q=shapes.max_q, **kw)
+      self._prev_sampled = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
     self.counts.record((shapes, greedy, k_cap, n), n * sum(k for _, k in batches),
                        bool(self.in_flight), time.perf_counter() - t0, n)
     self.in_flight.append(PlainInFlight(per_rank, sampled, n))
-
-  def _dispatch(self, eng, per_rank, t0: float) -> None:
-    busy = [sch for sch in per_rank if sch]
-    shapes = eng.step_shapes(busy, eng._chunk)
-    batches = [rank_batch(sch, shapes) for sch in per_rank]
-    greedy, k_cap = sampler_mode(busy)
-    if eng._dp_axes:
-      sampled, eng.pool, eng._load = steps.step_ranked(
-          eng.cfg, eng._step_params, eng.pool, steps.stack_batches([b for b, _ in batches]),
-          self._prev_sampled, eng._load, eng.images.ranked_visual(per_rank, shapes.tokens),
-          max_q=shapes.max_q, ep=eng._ep, mesh=eng.mesh,
-          axes=eng._dp_axes, greedy=greedy, k_cap=k_cap)
-    else:
-      visual = eng.images.step_visual(per_rank[0], shapes.tokens)
-      sampled, eng.pool, eng._load = steps.step(
-          eng.cfg, eng._step_params, eng.pool, batches[0][0], self._prev_sampled, eng._load,
-          visual, max_q=shapes.max_q, ep=eng._ep, greedy=greedy, k_cap=k_cap, **eng._heads)
-    self._prev_sampled = sampled
-    for sch, rank_scheduled in zip(eng.schedulers, per_rank):
-      sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, greedy, k_cap), sum(n for _, n in batches), bool(self.in_flight),
-                       time.perf_counter() - t0)
-    self.in_flight.append(PlainInFlight(per_rank, sampled))
 
   def _read(self, eng, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""

@@ -306,9 +306,9 @@ class Scheduler:
     it is not possible now: when requests wait for a free slot, when a
     chunk is not a lone sampling token (a prefill, a draft), when a request
     would pass the context, or when pages run short (multi-step never
-    preempts). Attention-DP ranks check all their
-    schedulers before any takes pages. Tokens sampled past a request's stop
-    or max_tokens are dropped when the step is applied."""
+    preempts). Attention-DP ranks check all their schedulers before any
+    takes pages. Tokens sampled past a request's stop or max_tokens are
+    dropped when the step is applied."""
     if (n < 2 or (self.waiting and len(self.running) < self.max_num_seqs)
         or any(s.num_tokens != 1 or not s.samples or s.num_draft or s.from_state
                or s.start + 1 + n > self.max_model_len for s in scheduled)):

@@ -40,12 +40,14 @@ PROBE_ROWS = (1, 8, 32)
 def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:
   """EngineConfig.cpu_weight_layout -> "in_out" or "out_in" for this model
   and machine ("auto": `measure` at the widest dense projection, d_model x
-  2 ffn_dim, the fused gate-up). With a mesh the step keeps the loaded
-  layout whatever this says: "out_in", nothing timed."""
+  2 ffn_dim, the fused gate-up). With a mesh nothing is timed: the
+  sharded step keeps the loaded layout whatever this returns."""
   if layout not in LAYOUTS:
     raise ValueError(f"cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
-  if layout != "auto" or mesh is not None:
-    return layout if layout != "auto" else "out_in"
+  if layout != "auto":
+    return layout
+  if mesh is not None:
+    return "out_in"  # unused (see above)
   d_in, d_out = cfg.d_model, 2 * max(cfg.ffn_dim, cfg.moe_ffn_dim or 0)
   if d_in * d_out * 4 < MIN_PROBE_BYTES:
     return "in_out"
