@@ -167,7 +167,7 @@ class PlainRunner:
       self._prev_sampled = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, greedy, k_cap, n), n * sum(k for _, k in batches),
+    self.counts.record((shapes, n, greedy, k_cap), n * sum(k for _, k in batches),
                        bool(self.in_flight), time.perf_counter() - t0, n)
     self.in_flight.append(PlainInFlight(per_rank, sampled, n))
 
