@@ -14,11 +14,12 @@ import os
 
 from absl import app, flags
 
-from jaxinfer.bench.kernels import KERNELS, run_kernel_bench
+from jaxinfer.bench.kernels import KERNELS, SHAPES, run_kernel_bench
 
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"subset of {','.join(KERNELS)}")
-_SHAPES = flags.DEFINE_enum("shapes", "default", ["default", "tiny"],
-                            "default: the full sweep; tiny: a few small shapes (CPU smoke test)")
+_SHAPES = flags.DEFINE_enum("shapes", "default", list(SHAPES),
+                            "default: the full sweep; gpu_day: fewer shapes, most telling first; "
+                            "tiny: a few small shapes (CPU smoke test)")
 _DTYPE = flags.DEFINE_string("dtype", None, "input dtype (default: bfloat16 on GPU, else float32)")
 _INTERPRET = flags.DEFINE_bool("interpret", None,
                                "Pallas interpret mode (default: on iff not on a GPU)")

@@ -22,4 +22,5 @@ from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
 from pallas_kernels.quantized_grouped_matmul import (quantized_grouped_matmul,
                                                      quantized_grouped_matmul_reference)
-from pallas_kernels.quantized_matmul import quantized_matmul, quantized_matmul_reference
+from pallas_kernels.quantized_matmul import (dequantize_reference, quantized_matmul,
+                                             quantized_matmul_reference)

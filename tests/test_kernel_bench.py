@@ -2,9 +2,11 @@
 
 import json
 import math
+import time
 
 import pytest
 
+from jaxinfer.bench import kernels
 from jaxinfer.bench.kernels import KERNELS, run_kernel_bench
 
 
@@ -42,7 +44,24 @@ def test_tiny_run_writes_json_with_every_kernel(tmp_path):
         assert rec["status"] in ("ok", "skipped", "error"), (name, rec)
   # GPU-only peers are recorded as skipped, not silently dropped.
   flash = data["results"]["flash"][0]["impls"]
-  assert flash["cudnn"]["status"] == "skipped" and flash["jax_pallas_mha"]["status"] == "skipped"
+  for peer in ("cudnn", "jax_pallas_mha", "torch_sdpa"):
+    assert flash[peer]["status"] == "skipped", (peer, flash[peer])
+  qmm = data["results"]["qmatmul"][0]["impls"]
+  assert qmm["xla_dequant_dot"]["numerics_ok"] and qmm["bf16_weight_dot"]["numerics_ok"]
+
+
+def test_deadline_skips_what_would_start_past_it():
+  """A sweep whose deadline has passed measures the roofline and records every
+  case as skipped by the time box; none is silently dropped."""
+  env, dev = kernels.bench_env(dtype="float32", interpret=True)
+  result = kernels.new_result(env, dev, kernels=["paged", "qmatmul"], shapes="tiny", repeats=1,
+                              warmup=0)
+  saves = []
+  kernels.sweep(result, env, shapes="tiny", repeats=1, warmup=0,
+                save=lambda: saves.append(1), deadline=time.monotonic() - 1)
+  assert result["roofline"]["hbm_gbps"] > 0 and saves
+  assert result["results"] == {"paged": [], "qmatmul": []}
+  assert len(result["skipped"]) == 4 and all("time box" in s for s in result["skipped"])
 
 
 def test_rejects_unknown_kernel(tmp_path):

@@ -10,6 +10,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import jaxinfer
+from conftest import ON_GPU
 from jaxinfer import models, ops, sharding
 from jaxinfer.config import QuantConfig
 from jaxinfer.models import quant
@@ -17,6 +18,12 @@ from pallas_kernels.quantized_grouped_matmul import (quantized_grouped_matmul,
                                                      quantized_grouped_matmul_reference)
 from pallas_kernels.quantized_matmul import (BlockSizes, dequantize_reference, fit,
                                              quantized_matmul, quantized_matmul_reference)
+
+
+# Interpret mode everywhere; compiled ("Gpu" in the test id) where this process
+# has a GPU (experiments/gpu_day.py selects those with -k Gpu).
+MODES = pytest.mark.parametrize("interpret", [True] + ([False] if ON_GPU else []),
+                                ids=lambda i: "interpret" if i else "Gpu")
 
 
 def _kernel_args(w, method, block):
@@ -39,11 +46,12 @@ def _kernel_args(w, method, block):
     (17, 64, 320, (0, 0), "nvfp4"),       # packed e2m1, e4m3 per 16 inputs, scale2
     (4, 80, 192, (1, 0), "int4"),         # packed int4 per channel
     (9, 128, 256, (64, 64), "int4")])     # packed int4 in 64-blocks
-def test_kernel_matches_reference(M, N, K, block, method):
+@MODES
+def test_kernel_matches_reference(M, N, K, block, method, interpret):
   rng = np.random.default_rng(M + N)
   codes, scale, kw = _kernel_args(rng.normal(0, .05, (N, K)).astype(np.float32), method, block)
   x = jnp.asarray(rng.normal(size=(M, K)).astype(np.float32))
-  got = quantized_matmul(x, codes, scale, **kw, interpret=True)
+  got = quantized_matmul(x, codes, scale, **kw, interpret=interpret)
   want = quantized_matmul_reference(x, codes, scale, **kw)
   assert got.shape == (M, N) and got.dtype == x.dtype
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * float(jnp.abs(want).max()))
@@ -63,12 +71,14 @@ def test_reference_dequantizes_like_the_model():
                                rtol=3e-7, atol=0, err_msg=method)
 
 
-def test_bf16_activations():
+@MODES
+def test_bf16_activations(interpret):
   rng = np.random.default_rng(3)
   codes, scale, _ = quant.quantize_matrix(rng.normal(0, .05, (128, 256)).astype(np.float32), "fp8",
                                           (128, 128))
   x = jnp.asarray(rng.normal(size=(8, 256)), jnp.bfloat16)
-  got = quantized_matmul(x, jnp.asarray(codes), jnp.asarray(scale), block=(128, 128), interpret=True)
+  got = quantized_matmul(x, jnp.asarray(codes), jnp.asarray(scale), block=(128, 128),
+                         interpret=interpret)
   want = quantized_matmul_reference(x, jnp.asarray(codes), jnp.asarray(scale), block=(128, 128))
   assert got.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=2e-2,
@@ -204,13 +214,14 @@ def test_kernel_compiles_for_h100_at_serving_shapes(M, N, K, block, method):
     (12, [5, 0, 7], (0, 0), "mxfp4"),       # GPT-OSS's format
     (20, [2, 9, 9], (0, 0), "nvfp4"),       # a per-expert scale2
     (9, [4, 5], (16, 0), "int4")])
-def test_grouped_kernel_matches_ragged_dot_reference(R, sizes, block, method):
+@MODES
+def test_grouped_kernel_matches_ragged_dot_reference(R, sizes, block, method, interpret):
   rng = np.random.default_rng(R)
   E, N, K = len(sizes), 48, 64
   codes, scale, kw = _kernel_args(rng.normal(0, .05, (E, N, K)).astype(np.float32), method, block)
   x = jnp.asarray(rng.normal(size=(R, K)).astype(np.float32))
   args = (x, codes, scale, jnp.asarray(sizes, jnp.int32))
-  got = quantized_grouped_matmul(*args, **kw, interpret=True)
+  got = quantized_grouped_matmul(*args, **kw, interpret=interpret)
   want = quantized_grouped_matmul_reference(*args, **kw)
   np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5 * max(float(jnp.abs(want).max()), 1))
   assert not np.any(np.asarray(got)[sum(sizes):])

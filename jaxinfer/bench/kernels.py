@@ -5,12 +5,15 @@ that can run here, and a float32 reference used only to check every output:
 
   flash   prefill, T = S: jax.nn.dot_product_attention (xla, cudnn), tokamax
           (mosaic, triton), jax's Pallas GPU `mha` (no GQA: K/V are repeated to
-          N heads outside the timed call)
+          N heads outside the timed call), torch's scaled_dot_product_attention
+          where torch with CUDA is installed (same inputs, through DLPack)
   paged   decode / verify over the page pool: `paged_attention_reference` (the
           XLA baseline), jax's Pallas GPU `paged_attention` (Q = 1 only)
   mla     absorbed MLA decode over the latent pool: `mla_paged_attention_reference`
   ragged  one engine step's mixed prefill-chunk + decode batch:
           `ragged_paged_attention_reference`
+  qmatmul weight-only quantized matmul (fp8 / int4 / MXFP4 codes): the XLA
+          form that dequantizes W and then dots, and a bf16 W dot
 
 The decode kernels also run as "ours_split": the same kernel with split-K
 (`num_splits`) sized to give the GPU about two programs per SM.
@@ -22,6 +25,11 @@ median of `repeats` samples. On GPU the calls rotate over enough input sets
 (256 MiB in all, at most 512 sets) that repeated calls do not run out of the L2
 cache. Inputs are
 random normal, never zeros.
+
+Shape sets: "default" (the full sweep), "gpu_day" (the same kernels and
+peers, fewer shapes, most telling first, for a time-boxed run) and "tiny"
+(a CPU smoke test). With a `deadline`, cases and implementations that would
+start past it are recorded as skipped ("time box").
 """
 
 from __future__ import annotations
@@ -43,18 +51,20 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from jaxinfer.models import quant
 
-KERNELS = ("flash", "paged", "mla", "ragged")
+KERNELS = ("flash", "paged", "mla", "ragged", "qmatmul")
+SHAPES = ("default", "gpu_day", "tiny")
 CONTEXTS = (512, 2048, 8192, 32768)
-PRIMARY = {"flash": "tflops", "paged": "gbps", "mla": "gbps", "ragged": "gbps"}
+PRIMARY = {"flash": "tflops", "paged": "gbps", "mla": "gbps", "ragged": "gbps", "qmatmul": "gbps"}
 CONVENTIONS = {
     "time_s": "median over `repeats` samples of (wall time of `inner` back-to-back jitted calls, "
               "block_until_ready at the end) / inner; first_call_s: the first call, compilation "
               "included unless an identical program was already compiled (the reference check)",
-    "flops": "flash: 4*B*T*S*N*H, halved when causal (T == S). paged/mla/ragged: "
+    "flops": "qmatmul: 2*M*N*K. flash: 4*B*T*S*N*H, halved when causal (T == S). paged/mla/ragged: "
              "2*(D + Dv)*N per (query row, visible key) pair, counted exactly (MLA: D = R + Hr, "
              "Dv = R). Every implementation is credited the same logical work.",
-    "bytes": "flash: q + k + v + out, each once. paged/ragged: K and V pages actually read "
+    "bytes": "qmatmul: codes + scales + x + out. flash: q + k + v + out, each once. paged/ragged: K and V pages actually read "
              "(ceil(length / page_size) whole pages per sequence, once per KV head) + q + out; "
              "mla: latent pages read (once for all heads) + q_latent + q_rope + out.",
     "tflops": "flops / time_s / 1e12", "gbps": "bytes / time_s / 1e9",
@@ -74,12 +84,17 @@ _ROTATE_BYTES, _MAX_SETS = 256 * _MiB, 512  # GPU input rotation (L2 is ~50 MB)
 class Impl:
   """fn(*args) is jitted and timed. prep(*args) -> args runs once per input set,
   untimed (layout adapters). temp_bytes: memory it needs beyond its inputs; past
-  the run's budget it is skipped. skip: a reason not to run it at all."""
+  the run's budget it is skipped. skip: a reason not to run it at all.
+  A peer outside jax (torch) sets `sync(out)`, which waits for its outputs:
+  fn is then called as it is, not jitted; `post(out)` turns its output into a
+  jax array [in the reference's layout] for the error check."""
   fn: Callable
   prep: Callable | None = None
   temp_bytes: float = 0.0
   note: str = ""
   skip: str = ""
+  sync: Callable | None = None
+  post: Callable | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +192,7 @@ def _flash_case(env, *, B, T, N, K, H, causal):
     impls["jax_pallas_mha"] = Impl(
         lambda q, k, v: mha.mha(q, k, v, None, scale, causal), prep=repeat, skip=why,
         note="K/V repeated to N heads outside the timed call" if N != K else "")
+    impls["torch_sdpa"] = _torch_sdpa(env, causal=causal, gqa=N != K)
   reference = Impl(functools.partial(pk.flash_attention_reference, causal=causal),
                    temp_bytes=4 * logits)
   return Case(
@@ -188,10 +204,35 @@ def _flash_case(env, *, B, T, N, K, H, causal):
       reference=reference)
 
 
+def _torch_sdpa(env, *, causal, gqa):
+  """torch.nn.functional.scaled_dot_product_attention on the same GPU (its own
+  kernel choice: flash / cuDNN / memory-efficient), fed the jax inputs through
+  DLPack and transposed to [B, N, T, H] outside the timed call."""
+  torch, why = _gpu_peer(env, "torch")
+  if torch is not None and not torch.cuda.is_available():
+    torch, why = None, "torch has no CUDA device"
+  if torch is None:
+    return Impl(None, skip=why)
+  sdpa = torch.nn.functional.scaled_dot_product_attention
+
+  def prep(q, k, v):
+    return tuple(torch.from_dlpack(a).transpose(1, 2).contiguous() for a in (q, k, v))
+
+  def post(out):  # [B, N, T, H] torch -> [B, T, N, H] jax, through the host
+    return jnp.asarray(out.transpose(1, 2).float().cpu().numpy())
+
+  return Impl(lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=gqa), prep=prep,
+              sync=lambda out: torch.cuda.synchronize(), post=post,
+              note=f"torch {torch.__version__}; inputs via DLPack, transposed untimed")
+
+
 def _flash_cases(env, shapes):
   if shapes == "tiny":
     specs = [dict(B=1, T=64, N=4, K=2, H=32, causal=True),
              dict(B=2, T=48, N=2, K=2, H=64, causal=False)]
+  elif shapes == "gpu_day":  # Llama-3 GQA at three lengths, then MLA prefill's 192 heads
+    specs = [dict(B=16384 // T, T=T, N=32, K=8, H=128, causal=True) for T in (2048, 8192, 1024)]
+    specs.append(dict(B=4, T=4096, N=16, K=16, H=192, causal=True))
   else:  # B * T = 16k tokens per call; head configs of Llama-3 (GQA 4), MHA 64, MLA prefill
     specs = [dict(B=max(1, 16384 // T), T=T, N=N, K=K, H=H, causal=True)
              for N, K, H in ((32, 8, 128), (32, 32, 64), (16, 16, 192)) for T in CONTEXTS]
@@ -248,6 +289,12 @@ def _paged_cases(env, shapes):
   if shapes == "tiny":
     specs = [dict(B=2, S=64, ps=16, Q=1, N=4, K=2, D=32),
              dict(B=2, S=40, ps=16, Q=2, N=4, K=2, D=32)]
+  elif shapes == "gpu_day":  # batch 1 / 8 / 64 at 1k / 8k / 32k, page sizes 16 and 64, MTP verify
+    specs = [dict(B=B, S=S, ps=ps, Q=1, N=32, K=8, D=128)
+             for B, S in ((8, 8192), (64, 1024), (1, 32768)) for ps in (16, 64)]
+    specs += [dict(B=8, S=8192, ps=16, Q=4, N=32, K=8, D=128),
+              dict(B=64, S=8192, ps=16, Q=1, N=32, K=8, D=128),
+              dict(B=1, S=1024, ps=16, Q=1, N=32, K=8, D=128)]
   else:  # Llama-3-8B/70B attention: 32 query heads over 8 KV heads of 128
     specs = [dict(B=B, S=S, ps=ps, Q=1, N=32, K=8, D=128)
              for ps in (16, 64) for B in (1, 8, 64) for S in CONTEXTS]
@@ -292,8 +339,12 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
 def _mla_cases(env, shapes):
   if shapes == "tiny":
     specs = [dict(B=2, S=64, ps=16, N=8, R=64, Hr=16)]
-  else:  # DeepSeek-V3: kv_lora_rank 512, rope 64, 128 heads, page size 64
-    specs = [dict(B=B, S=S, ps=64, N=128, R=512, Hr=64) for B in (1, 8, 64) for S in CONTEXTS]
+  elif shapes == "gpu_day":
+    specs = [dict(B=B, S=S, ps=ps, N=128, R=512, Hr=64)
+             for B, S in ((8, 8192), (64, 1024), (1, 32768)) for ps in (64, 16)]
+  else:  # DeepSeek-V3: kv_lora_rank 512, rope 64, 128 heads, page sizes 64 and 16
+    specs = [dict(B=B, S=S, ps=ps, N=128, R=512, Hr=64)
+             for ps in (64, 16) for B in (1, 8, 64) for S in CONTEXTS]
   return [_mla_case(env, **s) for s in specs]
 
 
@@ -343,6 +394,9 @@ def _geometric(lo, hi, n):
 def _ragged_cases(env, shapes):
   if shapes == "tiny":
     mixes = [("tiny", [(8, 32), (1, 48), (1, 64), (3, 20)])]
+  elif shapes == "gpu_day":
+    mixes = [("mix32", [(128, n) for n in (1024, 2048, 4096, 8192)]
+              + [(1, n) for n in _geometric(512, 8192, 28)])]
   else:  # prefill chunks of 128 tokens (at the end of their KV) among decodes
     mixes = [("mix32", [(128, n) for n in (1024, 2048, 4096, 8192)]
               + [(1, n) for n in _geometric(512, 8192, 28)]),
@@ -352,8 +406,84 @@ def _ragged_cases(env, shapes):
   return [_ragged_case(env, name=name, seqs=seqs, **dims) for name, seqs in mixes]
 
 
+# ----------------------------------------------------------------------------- qmatmul
+
+
+def _random_codes(key, shape, dtype):
+  """Random stored codes of one format: every byte pattern for packed uint8,
+  normal values for fp8, the int8 range."""
+  if dtype == jnp.uint8:
+    return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
+  if dtype == jnp.int8:
+    return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(jnp.int8)
+  return _normal(key, shape, dtype)
+
+
+def _random_scales(key, shape, dtype):
+  """Positive block scales: E8M0 exponents 2^-9..2^-4, else uniform 0.25..1."""
+  if dtype == jnp.uint8:
+    return jax.random.randint(key, shape, 118, 124, jnp.int32).astype(jnp.uint8)
+  return jax.random.uniform(key, shape, jnp.float32, 0.25, 1.0).astype(dtype)
+
+
+def _qmatmul_case(env, *, M, N, K, method, block):
+  block = quant.FIXED_BLOCKS.get(method, block)
+  bo, bi = block[0] or N, block[1] or K
+  code_dt, scale_dt = jnp.dtype(quant.VALUE_DTYPES[method]), jnp.dtype(quant.SCALE_DTYPES[method])
+  codes_shape, scale_shape = (N, quant.stored_in(method, K)), (-(-N // bo), -(-K // bi))
+  kw = dict(block=block, packed=quant.PACKING.get(method))
+  item = jnp.dtype(env.dtype).itemsize
+
+  def make_args(key):
+    kx, kc, ks = jax.random.split(key, 3)
+    args = (_normal(kx, (M, K), env.dtype), _random_codes(kc, codes_shape, code_dt),
+            _random_scales(ks, scale_shape, scale_dt))
+    return args + (jnp.asarray(0.02, jnp.float32),) if method == "nvfp4" else args
+
+  def dequantized(codes, scale, s2, dtype):
+    return pk.dequantize_reference(codes, scale, scale2=s2, **kw).astype(dtype)
+
+  impls = {"ours": Impl(lambda x, c, s, s2=None: pk.quantized_matmul(
+      x, c, s, scale2=s2, interpret=env.interpret, **kw))}
+  if env.peers:
+    impls["xla_dequant_dot"] = Impl(
+        lambda x, c, s, s2=None: jnp.dot(x, dequantized(c, s, s2, x.dtype).T),
+        temp_bytes=6.0 * N * K, note="dequantize (table lookup, block repeat) then dot, in XLA")
+    impls["bf16_weight_dot"] = Impl(
+        lambda x, w: jnp.dot(x, w.T),
+        prep=lambda x, c, s, s2=None: (x, dequantized(c, s, s2, x.dtype)),
+        note="x @ W^T with W already dequantized to the activations' dtype (untimed)")
+  reference = Impl(lambda x, c, s, s2=None: pk.quantized_matmul_reference(x, c, s, scale2=s2, **kw),
+                   temp_bytes=8.0 * N * K)
+  code_bytes = math.prod(codes_shape) * code_dt.itemsize
+  return Case(
+      kernel="qmatmul", label=f"M{M} N{N} K{K} {method} {block[0]}x{block[1]}",
+      series=f"{method} N{N} K{K}", context=M,
+      shape=dict(M=M, N=N, K=K, method=method, block=list(block)),
+      flops=2.0 * M * N * K,
+      bytes=code_bytes + math.prod(scale_shape) * scale_dt.itemsize + item * M * (K + N),
+      make_args=make_args, impls=impls, reference=reference)
+
+
+def _qmatmul_cases(env, shapes):
+  if shapes == "tiny":
+    specs = [dict(M=4, N=64, K=128, method="fp8", block=(32, 32)),
+             dict(M=3, N=64, K=64, method="mxfp4", block=(0, 0))]
+  elif shapes == "gpu_day":  # Llama-3-8B's gate (fp8 128-blocks, int4 per channel), GPT-OSS MXFP4
+    specs = [dict(M=8, N=14336, K=4096, method="fp8", block=(128, 128)),
+             dict(M=8, N=14336, K=4096, method="int4", block=(1, 0)),
+             dict(M=8, N=5760, K=2880, method="mxfp4", block=(0, 0)),
+             dict(M=256, N=14336, K=4096, method="fp8", block=(128, 128)),
+             dict(M=1, N=14336, K=4096, method="fp8", block=(128, 128))]
+  else:
+    specs = [dict(M=M, N=14336, K=4096, method=m, block=b)
+             for m, b in (("fp8", (128, 128)), ("int4", (1, 0)), ("mxfp4", (0, 0)),
+                          ("nvfp4", (0, 0))) for M in (1, 8, 64, 256)]
+  return [_qmatmul_case(env, **s) for s in specs]
+
+
 _BUILDERS = {"flash": _flash_cases, "paged": _paged_cases, "mla": _mla_cases,
-             "ragged": _ragged_cases}
+             "ragged": _ragged_cases, "qmatmul": _qmatmul_cases}
 
 
 # ----------------------------------------------------------------------------- timing
@@ -363,19 +493,27 @@ def _nbytes(tree):
   return sum(x.nbytes for x in jax.tree.leaves(tree) if hasattr(x, "nbytes"))
 
 
-def _time_calls(fn, arg_sets, *, warmup, repeats):
+def _block(out, sync=None):
+  """Waits for `out` (jax arrays, or a peer's outputs through its `sync`)."""
+  if sync is None:
+    return jax.block_until_ready(out)
+  sync(out)
+  return out
+
+
+def _time_calls(fn, arg_sets, *, warmup, repeats, sync=None):
   """-> (first output, first_call_s, inner, per-call samples in seconds)."""
   n = len(arg_sets)
   t0 = time.perf_counter()
-  first = jax.block_until_ready(fn(*arg_sets[0]))
+  first = _block(fn(*arg_sets[0]), sync)
   first_s = time.perf_counter() - t0
   for i in range(warmup):
-    jax.block_until_ready(fn(*arg_sets[(i + 1) % n]))
+    _block(fn(*arg_sets[(i + 1) % n]), sync)
   t0 = time.perf_counter()
-  jax.block_until_ready(fn(*arg_sets[1 % n]))
+  _block(fn(*arg_sets[1 % n]), sync)
   one = time.perf_counter() - t0
   inner = max(1, min(_MAX_INNER, math.ceil(_TARGET_SAMPLE_S / max(one, 1e-7))))
-  keep_all = inner * _nbytes(first) <= 256 * _MiB  # else block on the last (in-order stream)
+  keep_all = sync is None and inner * _nbytes(first) <= 256 * _MiB  # else block on the last
   samples = []
   for r in range(repeats):
     outs = []
@@ -383,7 +521,7 @@ def _time_calls(fn, arg_sets, *, warmup, repeats):
     for i in range(inner):
       out = fn(*arg_sets[(r * inner + i) % n])
       outs = outs + [out] if keep_all else [out]
-    jax.block_until_ready(outs)
+    _block(outs, sync)
     samples.append((time.perf_counter() - t0) / inner)
   return first, first_s, inner, samples
 
@@ -429,8 +567,13 @@ def _short(e):
   return (text[0] if text else type(e).__name__)[:300]
 
 
-def _run_case(case, env, roof, *, warmup, repeats):
-  """-> the case's JSON entry; an implementation's failure is recorded, never raised."""
+def _past(deadline, margin=0.0):
+  return deadline is not None and time.monotonic() + margin > deadline
+
+
+def _run_case(case, env, roof, *, warmup, repeats, deadline=None):
+  """-> the case's JSON entry; an implementation's failure is recorded, never raised.
+  Implementations that would start past `deadline` (time.monotonic()) are skipped."""
   key = jax.random.key(zlib.crc32(case.label.encode()))
   sets = [case.make_args(key)]
   # Rotate over enough sets that the calls, taken together, do not fit the L2 cache.
@@ -443,8 +586,8 @@ def _run_case(case, env, roof, *, warmup, repeats):
   if case.reference.temp_bytes > env.budget:
     why_no_ref = f"reference needs ~{case.reference.temp_bytes / _GiB:.1f} GiB"
   else:
-    up = jax.tree.map(lambda a: a.astype(jnp.float32)
-                      if jnp.issubdtype(a.dtype, jnp.floating) else a, sets[0])
+    # The activations / q / k / v (env.dtype) go up to float32; stored codes and scales stay.
+    up = jax.tree.map(lambda a: a.astype(jnp.float32) if a.dtype == env.dtype else a, sets[0])
     try:
       ref = jax.block_until_ready(jax.jit(case.reference.fn)(*up)).astype(jnp.float32)
     except Exception as e:  # noqa: BLE001
@@ -456,15 +599,19 @@ def _run_case(case, env, roof, *, warmup, repeats):
   for name, impl in case.impls.items():
     rec = dict(note=impl.note) if impl.note else {}
     entry["impls"][name] = rec
-    if impl.skip or impl.temp_bytes > env.budget:
-      rec.update(status="skipped", reason=impl.skip or
-                 f"needs ~{impl.temp_bytes / _GiB:.1f} GiB beyond its inputs")
+    if impl.skip or impl.temp_bytes > env.budget or _past(deadline):
+      rec.update(status="skipped", reason=impl.skip or (
+          "time box" if _past(deadline) else
+          f"needs ~{impl.temp_bytes / _GiB:.1f} GiB beyond its inputs"))
       continue
     try:
       args = [impl.prep(*s) for s in sets] if impl.prep else sets
-      out, first_s, inner, t = _time_calls(jax.jit(impl.fn), args, warmup=warmup,
-                                             repeats=repeats)
+      fn = impl.fn if impl.sync else jax.jit(impl.fn)
+      out, first_s, inner, t = _time_calls(fn, args, warmup=warmup, repeats=repeats,
+                                             sync=impl.sync)
       del args
+      if impl.post:
+        out = impl.post(out)
     except Exception as e:  # noqa: BLE001
       rec.update(status="error", error=_short(e))
       continue
@@ -475,6 +622,8 @@ def _run_case(case, env, roof, *, warmup, repeats):
       rec["rel_err"] = _rel_err(out, ref)
       rec["numerics_ok"] = bool(rec["rel_err"] <= tol)
     del out
+    if impl.sync:
+      _release_torch_cache()
   ours = entry["impls"]["ours"]
   for name, rec in entry["impls"].items():
     if name != "ours" and rec.get("status") == "ok" and ours.get("status") == "ok":
@@ -482,10 +631,18 @@ def _run_case(case, env, roof, *, warmup, repeats):
   return entry
 
 
+def _release_torch_cache():
+  """Hands torch's cached blocks back to the device, so jax can use them."""
+  import sys  # noqa: PLC0415
+  torch = sys.modules.get("torch")
+  if torch is not None and torch.cuda.is_available():
+    torch.cuda.empty_cache()
+
+
 # ----------------------------------------------------------------------------- output
 
 
-def _device_slug(kind):
+def device_slug(kind):
   return re.sub(r"[^a-z0-9]+", "_", kind.lower()).strip("_") or "device"
 
 
@@ -521,9 +678,35 @@ def format_table(result):
   return "\n".join(lines)
 
 
+def plot_panel(ax, result, kernel):
+  """One kernel's throughput vs context on `ax`: colour = series, line style = impl."""
+  import matplotlib.pyplot as plt  # noqa: PLC0415  (optional dependency)
+  styles = ["-o", "--s", ":^", "-.v", "--D", ":x", "-.*"]
+  metric, entries = PRIMARY[kernel], result["results"][kernel]
+  series = list(dict.fromkeys(e["series"] for e in entries))
+  names = list(dict.fromkeys(n for e in entries for n in e["impls"]))
+  colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+  for si, s in enumerate(series):
+    for ni, name in enumerate(names):
+      pts = sorted((e["context"], e["impls"][name][metric]) for e in entries
+                   if e["series"] == s and e["impls"].get(name, {}).get("status") == "ok")
+      if pts:
+        ax.plot(*zip(*pts), styles[ni % len(styles)], color=colours[si % len(colours)],
+                label=f"{name} | {s}", markersize=4)
+  peak = result["roofline"]["matmul_tflops" if metric == "tflops" else "hbm_gbps"]
+  ax.axhline(peak, color="grey", lw=0.8, ls=":", label="measured peak")
+  ax.set_xscale("log", base=2)
+  ax.set_yscale("log")
+  ax.set_xlabel("tokens M" if kernel == "qmatmul" else
+                "context (keys per sequence; ragged: longest)")
+  ax.set_ylabel("TFLOP/s" if metric == "tflops" else "GB/s")
+  ax.set_title(kernel)
+  ax.legend(fontsize=6, ncol=2)
+
+
 def _plot(result, path):
-  """Throughput vs context, one panel per kernel: colour = series, line style = impl.
-  -> the path, or None when matplotlib is not installed."""
+  """Throughput vs context, one panel per kernel -> the path, or None when
+  matplotlib is not installed."""
   try:
     import matplotlib  # noqa: PLC0415  (optional dependency)
     matplotlib.use("Agg")
@@ -536,27 +719,8 @@ def _plot(result, path):
   fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5.5 * rows), squeeze=False)
   for ax in axes.flat[len(kernels):]:
     ax.set_visible(False)
-  styles = ["-o", "--s", ":^", "-.v", "--D", ":x", "-.*"]
   for ax, kernel in zip(axes.flat, kernels):
-    metric, entries = PRIMARY[kernel], result["results"][kernel]
-    series = list(dict.fromkeys(e["series"] for e in entries))
-    names = list(dict.fromkeys(n for e in entries for n in e["impls"]))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for si, s in enumerate(series):
-      for ni, name in enumerate(names):
-        pts = sorted((e["context"], e["impls"][name][metric]) for e in entries
-                     if e["series"] == s and e["impls"].get(name, {}).get("status") == "ok")
-        if pts:
-          ax.plot(*zip(*pts), styles[ni % len(styles)], color=colours[si % len(colours)],
-                  label=f"{name} | {s}", markersize=4)
-    peak = result["roofline"]["matmul_tflops" if metric == "tflops" else "hbm_gbps"]
-    ax.axhline(peak, color="grey", lw=0.8, ls=":", label="measured peak")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("context (keys per sequence; ragged: longest)")
-    ax.set_ylabel("TFLOP/s" if metric == "tflops" else "GB/s")
-    ax.set_title(kernel)
-    ax.legend(fontsize=6, ncol=2)
+    plot_panel(ax, result, kernel)
   fig.suptitle(f"{result['meta']['device_kind']}, {result['meta']['dtype']}")
   fig.tight_layout()
   fig.savefig(path, dpi=120)
@@ -569,29 +733,84 @@ def _check_args(kernels, shapes, repeats, warmup) -> list[str]:
   unknown = sorted(set(kernels) - set(KERNELS))
   if unknown or not kernels:
     raise ValueError(f"kernels must be a non-empty subset of {KERNELS}, got {kernels}")
-  if shapes not in ("default", "tiny"):
-    raise ValueError(f"shapes must be 'default' or 'tiny', got {shapes!r}")
+  if shapes not in SHAPES:
+    raise ValueError(f"shapes must be one of {SHAPES}, got {shapes!r}")
   if repeats < 1 or warmup < 0:
     raise ValueError(f"need repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
   return kernels
 
 
-def _sweep(result: dict, env: "_Env", kernels, shapes, *, warmup, repeats, save) -> None:
-  """The roofline, then every case of every kernel into `result` (saved after each)."""
+def _sweep(result: dict, env: "_Env", kernels, shapes, *, warmup, repeats, save,
+           deadline=None) -> None:
+  """The roofline, then every case of every kernel into `result` (saved after each).
+  Cases that would start past `deadline` are listed in result["skipped"]."""
   result["roofline"] = roof = measure_roofline(gpu=env.gpu, dtype=env.dtype, warmup=warmup,
                                                repeats=repeats)
+  save()
   print(f"roofline: {roof['hbm_gbps']:.1f} GB/s copy, "
         f"{roof['matmul_tflops']:.2f} TFLOP/s matmul ({env.dtype.name})", flush=True)
-  for kernel in kernels:
-    for case in _BUILDERS[kernel](env, shapes):
-      t0 = time.perf_counter()
-      entry = _run_case(case, env, roof, warmup=warmup, repeats=repeats)
-      result["results"][kernel].append(entry)
+  # Round robin over the kernels (each one's cases most telling first), so a
+  # deadline cuts every kernel's tail rather than the last kernels whole.
+  queues = [[(kernel, c) for c in _BUILDERS[kernel](env, shapes)] for kernel in kernels]
+  order = [q[i] for i in range(max(map(len, queues))) for q in queues if i < len(q)]
+  for kernel, case in order:
+    if _past(deadline, margin=5.0):
+      result.setdefault("skipped", []).append(f"{kernel}: {case.label} (time box)")
       save()
-      o = entry["impls"]["ours"]
-      took = f"{time.perf_counter() - t0:.1f}s"
-      print(f"[{kernel}] {case.label}: " + (f"ours {o['time_s'] * 1e3:.3f} ms" if "time_s" in o
-                                          else f"ours {o['status']}") + f" ({took})", flush=True)
+      continue
+    t0 = time.perf_counter()
+    entry = _run_case(case, env, roof, warmup=warmup, repeats=repeats, deadline=deadline)
+    result["results"][kernel].append(entry)
+    save()
+    o = entry["impls"]["ours"]
+    took = f"{time.perf_counter() - t0:.1f}s"
+    print(f"[{kernel}] {case.label}: " + (f"ours {o['time_s'] * 1e3:.3f} ms" if "time_s" in o
+                                        else f"ours {o['status']}") + f" ({took})", flush=True)
+
+
+def bench_env(*, dtype=None, interpret=None, peers=True):
+  """-> (_Env, device) for this process's first device: dtype None = bfloat16
+  on GPU, float32 elsewhere; interpret None = True iff not on GPU."""
+  dev = jax.devices()[0]
+  gpu = dev.platform == "gpu"
+  dtype = jnp.dtype(dtype or ("bfloat16" if gpu else "float32"))
+  interpret = (not gpu) if interpret is None else bool(interpret)
+  limit = (dev.memory_stats() or {}).get("bytes_limit")
+  env = _Env(gpu=gpu, dtype=dtype, interpret=interpret, peers=peers,
+             budget=0.3 * limit if limit else 4.0 * _GiB, sms=getattr(dev, "core_count", 8))
+  return env, dev
+
+
+def new_result(env, dev, *, kernels, shapes, repeats, warmup) -> dict:
+  """The result skeleton run_kernel_bench and sweep fill."""
+  return dict(
+      meta=dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__,
+                time=datetime.datetime.now().isoformat(timespec="seconds"),
+                dtype=env.dtype.name, interpret=env.interpret, shapes=shapes,
+                kernels=list(kernels), repeats=repeats, warmup=warmup, peers=env.peers,
+                memory_budget_bytes=env.budget, sms=env.sms),
+      conventions=CONVENTIONS, roofline={}, results={k: [] for k in kernels},
+      json_path=None, plot_path=None)
+
+
+def sweep(result: dict, env, *, shapes, repeats, warmup, save, deadline=None) -> dict:
+  """Fills `result` (from new_result) with the roofline and every case, calling
+  save() after each; cases past `deadline` (time.monotonic()) are skipped."""
+  kernels = _check_args(result["results"], shapes, repeats, warmup)
+  t_run = time.perf_counter()
+  _sweep(result, env, kernels, shapes, warmup=warmup, repeats=repeats, save=save,
+         deadline=deadline)
+  result["meta"]["wall_s"] = time.perf_counter() - t_run
+  save()
+  return result
+
+
+def plot(result, path):
+  """The throughput plot of a result -> (path or None, why there is none)."""
+  try:
+    return _plot(result, path), "matplotlib is not installed"
+  except Exception as e:  # noqa: BLE001  (the plot is optional; the JSON is already written)
+    return None, f"plotting failed: {_short(e)}"
 
 
 def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret=None,
@@ -606,40 +825,21 @@ def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret
   what it measured. Paths land in result["json_path"] / result["plot_path"].
   """
   kernels = _check_args(kernels, shapes, repeats, warmup)
-  dev = jax.devices()[0]
-  gpu = dev.platform == "gpu"
-  dtype = jnp.dtype(dtype or ("bfloat16" if gpu else "float32"))
-  interpret = (not gpu) if interpret is None else bool(interpret)
-  limit = (dev.memory_stats() or {}).get("bytes_limit")
-  env = _Env(gpu=gpu, dtype=dtype, interpret=interpret, peers=peers,
-             budget=0.3 * limit if limit else 4.0 * _GiB, sms=getattr(dev, "core_count", 8))
-
-  stamp = datetime.datetime.now()
+  env, dev = bench_env(dtype=dtype, interpret=interpret, peers=peers)
   os.makedirs(out_dir, exist_ok=True)
   # A run over a subset of the kernels names them, so it does not overwrite a full run.
   subset = "" if set(kernels) == set(KERNELS) else "_" + "-".join(kernels)
-  base = os.path.join(out_dir, f"kernel_bench_{_device_slug(dev.device_kind)}_"
-                               f"{stamp:%Y-%m-%d}{subset}")
-  result = dict(
-      meta=dict(device_kind=dev.device_kind, platform=dev.platform, jax=jax.__version__,
-                time=stamp.isoformat(timespec="seconds"), dtype=dtype.name, interpret=interpret,
-                shapes=shapes, kernels=kernels, repeats=repeats, warmup=warmup, peers=peers,
-                memory_budget_bytes=env.budget, sms=env.sms),
-      conventions=CONVENTIONS, roofline={}, results={k: [] for k in kernels},
-      json_path=base + ".json", plot_path=None)
+  base = os.path.join(out_dir, f"kernel_bench_{device_slug(dev.device_kind)}_"
+                               f"{datetime.date.today():%Y-%m-%d}{subset}")
+  result = new_result(env, dev, kernels=kernels, shapes=shapes, repeats=repeats, warmup=warmup)
+  result["json_path"] = base + ".json"
 
   def save():
     with open(result["json_path"], "w") as f:
       json.dump(result, f, indent=1)
 
-  t_run = time.perf_counter()
-  _sweep(result, env, kernels, shapes, warmup=warmup, repeats=repeats, save=save)
-  result["meta"]["wall_s"] = time.perf_counter() - t_run
-  try:
-    result["plot_path"] = _plot(result, base + ".png")
-    why_no_plot = "matplotlib is not installed"
-  except Exception as e:  # noqa: BLE001  (the plot is optional; the JSON is already written)
-    why_no_plot = f"plotting failed: {_short(e)}"
+  sweep(result, env, shapes=shapes, repeats=repeats, warmup=warmup, save=save)
+  result["plot_path"], why_no_plot = plot(result, base + ".png")
   save()
   print("\n" + format_table(result))
   print(f"\nwrote {result['json_path']}" + (

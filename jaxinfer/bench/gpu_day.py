@@ -1,0 +1,263 @@
+"""The GPU day: one time-boxed run that checks and measures the GPU path on a
+lent GPU, with the jax that machine has (no install step).
+
+Parts, in order, each in a process of its own (a crash or hang in one part
+cannot take the others with it) and each with its share of the time budget
+(what a part leaves unused passes to the next):
+
+  tests    the kernel tests' GPU subclasses (compiled kernels against their
+           references, every kernel and dtype) under pytest
+  kernels  `kernels.sweep` at the "gpu_day" shapes: every kernel against its
+           peers and the roofline (copy bandwidth, matmul rate) measured in
+           the same run
+  engine   `gpu_engine.run_engine_bench`: the Engine at real widths with
+           random weights
+
+Each part writes its own JSON after every measurement, and the run's JSON
+(all parts so far) is rewritten after every part, so a run cut short keeps
+what it measured. At the end: one plot. `dry_run` runs the same code on CPU
+at tiny shapes, interpreted (tests/test_gpu_day.py runs it in CI).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+PARTS = ("tests", "kernels", "engine")
+SHARES = {"tests": 0.22, "kernels": 0.40, "engine": 0.38}  # of the budget, before carry-over
+_GRACE_S = 25.0  # a part's process past its deadline by this much is killed
+_PLOT_RESERVE_S = 10.0
+
+# pytest selections: on a GPU the GPU subclasses of every kernel test file;
+# the dry run takes a few interpret-mode cases of the same files.
+TEST_FILES = ("tests/test_kernels_flash.py", "tests/test_kernels_paged.py",
+              "tests/test_kernels_quantized_matmul.py")
+GPU_SELECTION = "Gpu"
+DRY_SELECTION = "not Gpu and (bf16_causal_window or lengths_edge_cases or test_bf16_activations)"
+_RESULT_LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (tests/\S+::\S+?)(?: - (.*))?$")
+
+
+def file_base(out_dir: str, device_kind: str, day: datetime.date) -> str:
+  """<out_dir>/gpu_day_<device>_<YYYY-MM-DD>: the run's files share this stem."""
+  slug = re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") or "device"
+  return os.path.join(out_dir, f"gpu_day_{slug}_{day:%Y-%m-%d}")
+
+
+def write_json(path: str, data) -> None:
+  """Written whole to a temporary file, then renamed: a reader (or a kill) never
+  sees half a file."""
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(data, f, indent=1)
+  os.replace(tmp, path)
+
+
+def read_json(path: str):
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
+# ----------------------------------------------------------------------------- tests part
+
+
+def parse_pytest_log(text: str) -> dict:
+  """Counts and failures from `pytest -v -rfE` output, complete or cut short."""
+  outcomes = {}
+  for line in text.splitlines():
+    m = _RESULT_LINE.match(line.strip())
+    if m:
+      outcomes[m.group(1)] = m.group(2).lower()
+  failures = {}
+  for line in text.splitlines():
+    m = _SUMMARY_LINE.match(line.strip())
+    if m:
+      failures[m.group(2)] = (m.group(3) or "")[:300]
+  counts = {}
+  for status in outcomes.values():
+    counts[status] = counts.get(status, 0) + 1
+  failed = sorted(t for t, s in outcomes.items() if s in ("failed", "error"))
+  return dict(counts=counts, ran=len(outcomes),
+              failed=[dict(test=t, error=failures.get(t, "")) for t in failed],
+              passed=sorted(t for t, s in outcomes.items() if s == "passed"))
+
+
+def run_tests_part(record: dict, save, *, deadline: float, dry_run: bool, repo_root: str,
+                   log_path: str) -> None:
+  """pytest over the kernel test files (GPU subclasses, or the dry run's
+  interpret-mode selection), its output streamed to `log_path`, killed at
+  `deadline` (time.monotonic()); `record` gets the counts and failures."""
+  selection = DRY_SELECTION if dry_run else GPU_SELECTION
+  cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-rfE", "--tb=short",
+         "-p", "no:cacheprovider", "-k", selection, *TEST_FILES]
+  env = dict(os.environ, JAX_PLATFORMS="cpu" if dry_run else "cuda")
+  record.update(command=" ".join(cmd), selection=selection, status="running")
+  save()
+  t0 = time.monotonic()
+  with open(log_path, "w") as log:
+    proc = subprocess.Popen(cmd, cwd=repo_root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+      rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0))
+      timed_out = False
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      rc, timed_out = proc.wait(), True
+  with open(log_path) as f:
+    parsed = parse_pytest_log(f.read())
+  record.update(parsed, returncode=rc, timed_out=timed_out, wall_s=time.monotonic() - t0)
+  if timed_out:
+    record["status"] = "time box"
+  elif parsed["ran"] == 0:
+    record["status"] = "error"
+    record["error"] = f"pytest ran no test (exit {rc}): is a GPU visible to jax? see {log_path}"
+  else:
+    record["status"] = "ok" if rc == 0 else "failed"
+  save()
+
+
+# ----------------------------------------------------------------------------- kernels part
+
+
+def run_kernels_part(record: dict, save, *, deadline: float, dry_run: bool) -> None:
+  """The kernel sweep into `record` (kernels.sweep's result layout)."""
+  from jaxinfer.bench import kernels  # noqa: PLC0415  (imports jax: child processes only)
+  env, dev = kernels.bench_env()
+  shapes, repeats, warmup = ("tiny", 2, 1) if dry_run else ("gpu_day", 10, 2)
+  record.update(kernels.new_result(env, dev, kernels=kernels.KERNELS, shapes=shapes,
+                                   repeats=repeats, warmup=warmup))
+  kernels.sweep(record, env, shapes=shapes, repeats=repeats, warmup=warmup, save=save,
+                deadline=deadline)
+  record["table"] = kernels.format_table(record).splitlines()
+  record["status"] = "ok"
+  save()
+
+
+def run_engine_part(record: dict, save, *, deadline: float, dry_run: bool,
+                    roofline: dict | None) -> None:
+  from jaxinfer.bench import gpu_engine  # noqa: PLC0415
+  gpu_engine.run_engine_bench(record, save, deadline=deadline, dry_run=dry_run,
+                              roofline=roofline or None)
+  record.setdefault("status", "ok")
+  save()
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def part_deadline(part: str, *, parts, start: float, budget_s: float) -> float:
+  """The time (on start's clock) by which `part` must end: the budget's end
+  less the shares of the parts of `parts` after it (shares renormalised over
+  `parts`). Parts run in order, so what one leaves unused passes to the next,
+  and the last part gets all that is left."""
+  parts = [p for p in PARTS if p in parts]
+  later = parts[parts.index(part) + 1:]
+  total = sum(SHARES[p] for p in parts)
+  usable = budget_s - _PLOT_RESERVE_S
+  return start + usable - sum(SHARES[p] for p in later) / total * usable
+
+
+def environment() -> dict:
+  """What ran: python, jax and jaxlib, the device, torch when importable."""
+  import jax  # noqa: PLC0415
+  dev = jax.devices()[0]
+  env = dict(python=platform.python_version(), jax=jax.__version__,
+             jaxlib=getattr(jax.lib, "__version__", None) or _version("jaxlib"),
+             platform=dev.platform, device_kind=dev.device_kind, device_count=jax.device_count(),
+             host=platform.node(), cpu_count=os.cpu_count())
+  for name in ("jax_cuda13_plugin", "jax_cuda12_plugin", "torch", "triton"):
+    v = _version(name.replace("_", "-"))
+    if v:
+      env[name] = v
+  return env
+
+
+def _version(dist: str) -> str | None:
+  from importlib import metadata  # noqa: PLC0415
+  try:
+    return metadata.version(dist)
+  except metadata.PackageNotFoundError:
+    return None
+
+
+# ----------------------------------------------------------------------------- plot, summary
+
+
+def engine_points(record, path=()):
+  """(label, entry) for every engine measurement with a roofline fraction,
+  wherever run_engine_bench put it in its record."""
+  if isinstance(record, dict):
+    if isinstance(record.get("roofline_frac"), (int, float)):
+      yield " / ".join(map(str, path)), record
+    for k, v in record.items():
+      yield from engine_points(v, path + (k,))
+  elif isinstance(record, list):
+    for i, v in enumerate(record):
+      yield from engine_points(v, path + (i,))
+
+
+def plot(run: dict, path: str):
+  """One figure: a panel per kernel measured, one for the engine's roofline
+  fractions -> (path or None, why there is none)."""
+  try:
+    import matplotlib  # noqa: PLC0415  (optional dependency)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    from jaxinfer.bench import kernels  # noqa: PLC0415
+  except ImportError as e:
+    return None, f"not importable: {e}"
+  try:
+    kres = run.get("kernels") or {}
+    panels = [k for k, v in (kres.get("results") or {}).items() if v and kres.get("roofline")]
+    points = list(engine_points(run.get("engine") or {}))
+    n = len(panels) + (1 if points else 0)
+    if not n:
+      return None, "nothing measured to plot"
+    cols = min(3, n)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(7 * cols, 5 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+      ax.set_visible(False)
+    for ax, kernel in zip(axes.flat, panels):
+      kernels.plot_panel(ax, kres, kernel)
+    if points:
+      ax = axes.flat[len(panels)]
+      ax.barh([p[0] for p in points], [p[1]["roofline_frac"] for p in points])
+      ax.set_xlabel("fraction of the roofline measured in this run")
+      ax.set_title("engine")
+      ax.tick_params(axis="y", labelsize=6)
+    meta = run["meta"]
+    fig.suptitle(f"{meta['device_kind']}, jax {meta['jax']}, {meta['started'][:10]}"
+                 + (" (dry run, CPU)" if meta.get("dry_run") else ""))
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path, ""
+  except Exception as e:  # noqa: BLE001  (the plot is optional; the JSON is already written)
+    return None, f"plotting failed: {type(e).__name__}: {e}"
+
+
+def summary(run: dict) -> str:
+  """The run in a few lines: tests, the kernel table, engine roofline fractions."""
+  meta = run["meta"]
+  lines = [f"gpu_day {meta['device_kind']} jax {meta['jax']} wall {meta.get('wall_s')} s"]
+  for t in run["timeline"]:
+    lines.append(f"  {t['part']:<8} {t['process']:<26} status {t['part_status']}  {t['wall_s']} s")
+  tests = run.get("tests")
+  if tests:
+    lines.append(f"tests: {tests.get('counts')} ({tests.get('status')})")
+    lines += [f"  FAILED {f['test']}: {f['error']}" for f in tests.get("failed", [])[:20]]
+  lines += (run.get("kernels") or {}).get("table", [])
+  for label, e in engine_points(run.get("engine") or {}):
+    lines.append(f"engine {label}: {e['roofline_frac']:.1%} of the roofline")
+  lines.append(f"files: {run['files']}")
+  return "\n".join(lines)
