@@ -81,12 +81,15 @@ def _flash_kernel(*refs, sm_scale, causal, window, T, S, block_q, block_k, has_s
   # A mask is needed only where some (row, key) pair can be invisible.
   needs_mask = causal or window > 0 or has_segments or S % block_k != 0
 
+  # float32 inputs get float32 dots (Triton's default for them is TF32); bf16 stays bf16.
+  exact = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
   def body(kb, carry):
     acc, m_prev, l_prev = carry
     k_slice = pl.ds(kb * block_k, block_k)
     k = k_ref[k_slice, :]
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                        preferred_element_type=jnp.float32) * sm_scale  # [block_q, block_k]
+    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                        precision=exact) * sm_scale  # [block_q, block_k]
     if needs_mask:
       k_pos = kb * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
       mask = k_pos < S
@@ -106,7 +109,8 @@ def _flash_kernel(*refs, sm_scale, causal, window, T, S, block_q, block_k, has_s
     l_next = alpha * l_prev + jnp.sum(p, axis=1)
     v = v_ref[k_slice, :]
     acc = alpha[:, None] * acc + lax.dot_general(
-        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32,
+        precision=exact)
     return acc, m_next, l_next
 
   # Key blocks that no row of this query block can see are never visited: under

@@ -150,8 +150,11 @@ def _tile_product(xs, codes, s, t: Tiling):
     ws = tuple(w.astype(jnp.float32) * s for w in ws)
   dn = (((1,), (1,)), ((), ()))
   part = None
+  # float32 activations get float32 dots (Triton's default for them is TF32).
+  exact = lax.Precision.HIGHEST if xs[0].dtype == jnp.float32 else None
   for x, w in zip(xs, ws):
-    p = lax.dot_general(x, w.astype(x.dtype), dn, preferred_element_type=jnp.float32)
+    p = lax.dot_general(x, w.astype(x.dtype), dn, preferred_element_type=jnp.float32,
+                        precision=exact)
     part = p if part is None else part + p
   return part if t.groups else part * s.reshape(1, -1)
 

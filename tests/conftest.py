@@ -116,6 +116,28 @@ def fixtures_dir():
   return FIXTURES
 
 
+@pytest.fixture
+def exact_xla_matmuls():
+  """float32 XLA matmuls at full precision (XLA:GPU's default is TF32): the
+  kernel tests' GPU subclasses compare against float32 math done in XLA."""
+  with jax.default_matmul_precision("highest"):
+    yield
+
+
+def _stream_failure(report) -> None:
+  """With JAXINFER_FAILURE_LOG set (experiments/gpu_day.py sets it), each failed
+  test's id and error lines go to that file as they happen, so a run cut
+  short still says why its tests failed."""
+  path = os.environ.get("JAXINFER_FAILURE_LOG")
+  if not path or not report.failed:
+    return
+  lines = [ln for ln in str(report.longrepr).splitlines() if ln.startswith("E ")][:6]
+  import json
+  with open(path, "a") as f:
+    f.write(json.dumps(dict(test=report.nodeid, when=report.when, error=" | ".join(lines)[:600]))
+            + "\n")
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
   """The suite never skips: a skipped test (a missing tool, a skip mark) fails the run."""
@@ -124,3 +146,4 @@ def pytest_runtest_makereport(item, call):
   if report.skipped and not hasattr(report, "wasxfail"):
     report.outcome = "failed"
     report.longrepr = f"skipped, and this suite never skips: {report.longrepr}"
+  _stream_failure(report)

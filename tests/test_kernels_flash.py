@@ -203,6 +203,7 @@ def test_block_sizes_are_validated_and_fit_short_sequences():
 
 
 if ON_GPU:
+  @pytest.mark.usefixtures("exact_xla_matmuls")
   class TestFlashAttentionGpu(TestFlashAttention):
     """The same tests, compiled for the GPU this process runs on."""
 

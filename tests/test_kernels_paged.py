@@ -49,12 +49,30 @@ CASES = [  # B, Q, N, K, D, ps, pps, extra
 ]
 
 
+def refused_on_gpu(D, page_size, ppcb=1, Dv=None):
+  """The compiled kernel's tiling rule, restated: it needs >= 16 keys per step
+  (page_size x pages_per_compute_block) and head dims that split into
+  power-of-two parts of >= 16 (multiples of 16). jaxinfer.ops sends other
+  shapes to XLA."""
+  return page_size * ppcb < 16 or D % 16 != 0 or (Dv or D) % 16 != 0
+
+
 class TestPagedKernels:
   """Paged, MLA and ragged kernels against their references, in interpret mode
   on CPU; `TestPagedKernelsGpu` (collected only where a GPU is present) runs
   the same tests compiled."""
 
   interpret = True
+
+  def run(self, kernel, *args, tile, **kw):
+    """kernel(*args, **kw), interpreted or compiled. Compiled, shapes the GPU
+    kernel cannot tile (tile = (D, page_size, ppcb[, Dv]); `refused_on_gpu`)
+    must raise its named error -> None then."""
+    if not self.interpret and refused_on_gpu(*tile):
+      with pytest.raises(ValueError, match="cannot tile"):
+        kernel(*args, interpret=False, **kw)
+      return None
+    return kernel(*args, interpret=self.interpret, **kw)
 
   @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2)])
   @pytest.mark.parametrize("case", range(len(CASES)))
@@ -66,8 +84,10 @@ class TestPagedKernels:
     extra = dict(extra)
     sinks = jnp.asarray(rng.normal(size=N), jnp.float32) if extra.pop("sinks", False) else None
     window = extra.pop("window", 0)
-    out = pk.paged_attention(q, kp, vp, lengths, tables, window=window, sinks=sinks,
-                             interpret=self.interpret, **extra)
+    out = self.run(pk.paged_attention, q, kp, vp, lengths, tables, window=window, sinks=sinks,
+                   tile=(D, ps, extra.get("pages_per_compute_block", 1)), **extra)
+    if out is None:
+      return
     ref = pk.paged_attention_reference(q.astype(jnp.float32), kp.astype(jnp.float32),
                                        vp.astype(jnp.float32), lengths, tables, window=window,
                                        sinks=sinks)
@@ -92,7 +112,7 @@ class TestPagedKernels:
                                out_shape=jax.ShapeDtypeStruct((4,), jnp.float32))()
     assert np.isnan(np.asarray(unwritten)).all()
     rng = np.random.default_rng(8)
-    q, kp, vp, lengths, tables = _inputs(rng, B=2, Q=2, N=4, K=2, D=64, ps=8, P=10, pps=3,
+    q, kp, vp, lengths, tables = _inputs(rng, B=2, Q=2, N=4, K=2, D=64, ps=16, P=10, pps=3,
                                          dtype=jnp.float32)
     out = pk.paged_attention(q, kp, vp, lengths, tables, num_splits=2, interpret=self.interpret)
     ref = pk.paged_attention_reference(q, kp, vp, lengths, tables)
@@ -125,7 +145,7 @@ class TestPagedKernels:
   @pytest.mark.parametrize("mla", [False, True])
   def test_ragged_paged_attention_mixed_batch(self, mla):
     rng = np.random.default_rng(11)
-    ps, P, pps = 8, 40, 6
+    ps, P, pps = 16, 40, 6
     q_lens = [5, 1, 1, 8, 0, 0]  # prefill chunks, decodes, and 2 padded sequences
     kv_lens = [20, 9, 44, 8, 0, 0]
     B = len(q_lens)
@@ -138,9 +158,10 @@ class TestPagedKernels:
     tables[4:] = 0  # padded sequences point at the null page
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     kw = dict(max_q=8, v_head_dim=32 if mla else None, window=0 if mla else 6)
-    out = pk.ragged_paged_attention(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
-                                    jnp.asarray(tables, jnp.int32), cu, interpret=self.interpret,
-                                    **kw)
+    out = self.run(pk.ragged_paged_attention, q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
+                   jnp.asarray(tables, jnp.int32), cu, tile=(D, ps, 1, kw["v_head_dim"]), **kw)
+    if out is None:
+      return
     ref = pk.ragged_paged_attention_reference(q, kp, vp, jnp.asarray(kv_lens, jnp.int32),
                                               jnp.asarray(tables, jnp.int32), cu, **kw)
     assert out.shape == (T, N, 32 if mla else D)
@@ -161,7 +182,10 @@ class TestPagedKernels:
     extra = dict(extra)
     sinks = jnp.asarray(rng.normal(size=N), jnp.float32) if extra.pop("sinks", False) else None
     kw = dict(window=extra.pop("window", 0), sinks=sinks, k_scale=k_scale, v_scale=v_scale)
-    out = pk.paged_attention(q, kq, vq, lengths, tables, interpret=self.interpret, **extra, **kw)
+    out = self.run(pk.paged_attention, q, kq, vq, lengths, tables,
+                   tile=(D, ps, extra.get("pages_per_compute_block", 1)), **extra, **kw)
+    if out is None:
+      return
     ref = pk.paged_attention_reference(q.astype(jnp.float32), kq, vq, lengths, tables, **kw)
     assert _rel(out, ref) <= tol
     # The quantized cache stays close to the full-precision one (fp8: 3 mantissa bits).
@@ -223,7 +247,7 @@ class TestPagedKernels:
   ])
   def test_ragged_items_tile_chunks_and_rows(self, N, K, D, dv, q_lens, max_q):
     rng = np.random.default_rng(sum(q_lens) + N)
-    ps, P = 8, 64
+    ps, P = 16, 64
     B = len(q_lens)
     kv_lens = [q + int(rng.integers(0, 30)) for q in q_lens]
     pps = max(-(-k // ps) for k in kv_lens)
@@ -235,7 +259,9 @@ class TestPagedKernels:
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
     args = (q, kp, vp, jnp.asarray(kv_lens, jnp.int32), tables, cu)
     kw = dict(max_q=max_q, v_head_dim=dv, window=0 if dv else 11)
-    out = pk.ragged_paged_attention(*args, interpret=self.interpret, num_splits=2, **kw)
+    out = self.run(pk.ragged_paged_attention, *args, num_splits=2, tile=(D, ps, 1, dv), **kw)
+    if out is None:
+      return
     ref = pk.ragged_paged_attention_reference(*args, **kw)
     assert _rel(out, ref) <= 1e-5
     assert np.all(np.asarray(out[sum(q_lens):]) == 0)
@@ -286,7 +312,9 @@ def test_untileable_gpu_shapes_get_a_named_error(D, ps, ppcb, match):
   assert _rel(out, pk.paged_attention_reference(q, kp, vp, lengths, tables)) <= 1e-5
 
 if ON_GPU:
+  @pytest.mark.usefixtures("exact_xla_matmuls")
   class TestPagedKernelsGpu(TestPagedKernels):
-    """The same tests, compiled for the GPU this process runs on."""
+    """The same tests, compiled for the GPU this process runs on. Shapes the
+    GPU kernel cannot tile (see `refused_on_gpu`) must raise its named error."""
 
     interpret = False

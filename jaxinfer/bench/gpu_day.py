@@ -42,6 +42,10 @@ TEST_FILES = ("tests/test_kernels_flash.py", "tests/test_kernels_paged.py",
 GPU_SELECTION = "Gpu"
 DRY_SELECTION = "not Gpu and (bf16_causal_window or lengths_edge_cases or test_bf16_activations)"
 _RESULT_LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+# pytest-xdist's -v lines: "[gw0] [ 12%] PASSED tests/...::name"
+_XDIST_LINE = re.compile(r"^\[gw\d+\]\s+\[\s*\d+%\]\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)"
+                         r"\s+(tests/\S+::\S+)")
+GPU_WORKERS = 4  # pytest-xdist processes sharing the GPU: compiling kernels is CPU-bound
 _SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (tests/\S+::\S+?)(?: - (.*))?$")
 
 
@@ -71,18 +75,27 @@ def read_json(path: str):
 # ----------------------------------------------------------------------------- tests part
 
 
-def parse_pytest_log(text: str) -> dict:
-  """Counts and failures from `pytest -v -rfE` output, complete or cut short."""
-  outcomes = {}
+def parse_pytest_log(text: str, failure_log: str = "") -> dict:
+  """Counts and failures from `pytest -v -rfE` output (with or without xdist),
+  complete or cut short; `failure_log`: the JSON lines tests/conftest.py
+  writes for each failure as it happens (JAXINFER_FAILURE_LOG)."""
+  outcomes, failures = {}, {}
   for line in text.splitlines():
-    m = _RESULT_LINE.match(line.strip())
+    line = line.strip()
+    m, x = _RESULT_LINE.match(line), _XDIST_LINE.match(line)
     if m:
       outcomes[m.group(1)] = m.group(2).lower()
-  failures = {}
-  for line in text.splitlines():
-    m = _SUMMARY_LINE.match(line.strip())
-    if m:
-      failures[m.group(2)] = (m.group(3) or "")[:300]
+    elif x:
+      outcomes[x.group(2)] = x.group(1).lower()
+    s = _SUMMARY_LINE.match(line)
+    if s:
+      failures[s.group(2)] = (s.group(3) or "")[:300]
+  for line in failure_log.splitlines():
+    try:
+      f = json.loads(line)
+    except ValueError:
+      continue
+    failures.setdefault(f["test"], f.get("error", ""))
   counts = {}
   for status in outcomes.values():
     counts[status] = counts.get(status, 0) + 1
@@ -100,7 +113,13 @@ def run_tests_part(record: dict, save, *, deadline: float, dry_run: bool, repo_r
   selection = DRY_SELECTION if dry_run else GPU_SELECTION
   cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-v", "-rfE", "--tb=short",
          "-p", "no:cacheprovider", "-k", selection, *TEST_FILES]
-  env = dict(os.environ, JAX_PLATFORMS="cpu" if dry_run else "cuda")
+  if not dry_run:
+    cmd[3:3] = ["-n", str(GPU_WORKERS)]
+  failure_log = log_path + ".failures"
+  if os.path.exists(failure_log):
+    os.remove(failure_log)
+  env = dict(os.environ, JAX_PLATFORMS="cpu" if dry_run else "cuda",
+             JAXINFER_FAILURE_LOG=failure_log)
   record.update(command=" ".join(cmd), selection=selection, status="running")
   save()
   t0 = time.monotonic()
@@ -113,7 +132,12 @@ def run_tests_part(record: dict, save, *, deadline: float, dry_run: bool, repo_r
       proc.kill()
       rc, timed_out = proc.wait(), True
   with open(log_path) as f:
-    parsed = parse_pytest_log(f.read())
+    text = f.read()
+  failures = ""
+  if os.path.exists(failure_log):
+    with open(failure_log) as f:
+      failures = f.read()
+  parsed = parse_pytest_log(text, failures)
   record.update(parsed, returncode=rc, timed_out=timed_out, wall_s=time.monotonic() - t0)
   if timed_out:
     record["status"] = "time box"
