@@ -42,7 +42,7 @@ import pytest  # noqa: E402
 
 # Kernel test classes run in interpret mode everywhere; their GPU subclasses
 # (compiled kernels) are defined only where this process has a GPU, e.g.
-# `JAX_PLATFORMS=cuda python -m pytest tests/test_kernels_*.py` (experiments/gpu_day.sh).
+# `JAX_PLATFORMS=cuda python -m pytest -k Gpu tests/test_kernels_*.py` (experiments/gpu_day.py).
 ON_GPU = jax.default_backend() == "gpu"
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

@@ -216,12 +216,17 @@ def _version(dist: str) -> str | None:
 # ----------------------------------------------------------------------------- plot, summary
 
 
+FRACTION_KEYS = ("fraction_of_roofline", "roofline_frac")
+
+
 def engine_points(record, path=()):
-  """(label, entry) for every engine measurement with a roofline fraction,
-  wherever run_engine_bench put it in its record."""
+  """(label, fraction of the roofline) for every engine measurement that has
+  one, wherever run_engine_bench put it in its record."""
   if isinstance(record, dict):
-    if isinstance(record.get("roofline_frac"), (int, float)):
-      yield " / ".join(map(str, path)), record
+    frac = next((record[k] for k in FRACTION_KEYS if isinstance(record.get(k), (int, float))),
+                None)
+    if frac is not None:
+      yield " / ".join(map(str, path)), frac
     for k, v in record.items():
       yield from engine_points(v, path + (k,))
   elif isinstance(record, list):
@@ -255,7 +260,7 @@ def plot(run: dict, path: str):
       kernels.plot_panel(ax, kres, kernel)
     if points:
       ax = axes.flat[len(panels)]
-      ax.barh([p[0] for p in points], [p[1]["roofline_frac"] for p in points])
+      ax.barh([p[0] for p in points], [p[1] for p in points])
       ax.set_xlabel("fraction of the roofline measured in this run")
       ax.set_title("engine")
       ax.tick_params(axis="y", labelsize=6)
@@ -281,7 +286,7 @@ def summary(run: dict) -> str:
     lines.append(f"tests: {tests.get('counts')} ({tests.get('status')})")
     lines += [f"  FAILED {f['test']}: {f['error']}" for f in tests.get("failed", [])[:20]]
   lines += (run.get("kernels") or {}).get("table", [])
-  for label, e in engine_points(run.get("engine") or {}):
-    lines.append(f"engine {label}: {e['roofline_frac']:.1%} of the roofline")
+  for label, frac in engine_points(run.get("engine") or {}):
+    lines.append(f"engine {label}: {frac:.1%} of the roofline")
   lines.append(f"files: {run['files']}")
   return "\n".join(lines)
