@@ -1,0 +1,182 @@
+"""The GPU engine bench (`bench.gpu_engine`) in its dry run: the same code on
+CPU at tiny shapes (Pallas interpreted), so the GPU day's engine part cannot
+rot. Checks what it measured and how it records, not timings."""
+
+import json
+import math
+import time
+
+import pytest
+
+from jaxinfer import models, presets
+from jaxinfer.bench import gpu_engine
+
+ROOF = dict(hbm_gbps=20.0, matmul_tflops=0.2)  # as bench.kernels.measure_roofline gives it
+
+
+def _entries(record):
+  """{path: entry} of every sub-measurement (a dict with a status) under the models."""
+  out = {}
+
+  def walk(node, path):
+    if isinstance(node, dict):
+      if "status" in node and path:
+        out[path] = node
+        return
+      for k, v in node.items():
+        walk(v, f"{path}/{k}" if path else k)
+
+  for role in ("dense", "moe"):
+    if role in record:
+      walk(record[role], role)
+  return out
+
+
+@pytest.fixture(scope="module")
+def dry(tmp_path_factory):
+  path = tmp_path_factory.mktemp("gpu_engine") / "engine.json"
+  record, saves = {}, []
+
+  def save():
+    saves.append(len(_entries(record)))
+    path.write_text(json.dumps(record, indent=1))
+
+  t0 = time.monotonic()
+  gpu_engine.run_engine_bench(record, save, deadline=time.monotonic() + 600, dry_run=True,
+                              roofline=ROOF)
+  return record, path, saves, time.monotonic() - t0
+
+
+def test_every_measurement_ran(dry):
+  record, _, _, _ = dry
+  entries = _entries(record)
+  plan = {role: shapes for role, _, shapes in gpu_engine.plan(dry_run=True)}
+  expected = {f"{role}/{k}" for role in plan for k in ("init", "pallas_vs_xla")}
+  expected |= {f"{role}/decode/batch_{b}" for role, s in plan.items() for b in s.batches}
+  expected |= {"dense/prefill"} | {f"moe/mtp/k_{k}" for k in (1, 2, 3)}
+  assert set(entries) == expected
+  bad = {p: e for p, e in entries.items() if e["status"] != "ok"}
+  assert not bad
+  assert record["meta"]["platform"] == "cpu" and record["meta"]["dry_run"] is True
+  assert record["meta"]["jax"] and record["meta"]["device_kind"]
+  assert record["roofline"]["source"] == "given"
+
+
+def test_decode_against_the_roofline(dry):
+  record, _, _, _ = dry
+  for role in ("dense", "moe"):
+    for key, e in record[role]["decode"].items():
+      assert e["tokens_per_s"] > 0 and e["step_s"] > 0 and e["first_call_s"] > 0, key
+      assert e["decode_steps"] >= 1 and e["tpot_s"] > 0
+      assert e["roofline_tokens_per_s"] == pytest.approx(
+          e["batch"] * ROOF["hbm_gbps"] * 1e9 / e["bytes_per_step"]["total"])
+      assert e["fraction_of_roofline"] == pytest.approx(
+          e["tokens_per_s"] / e["roofline_tokens_per_s"])
+      # Compiled once per shape: the timed run compiled nothing.
+      assert e["xla_compiles_timed"] == 0 and e["compiles_after"] == e["compiles_warm"], key
+  moe = record["moe"]["decode"]["batch_8"]
+  # Routed experts: fewer than all are counted, and reading all would cost more.
+  assert moe["experts_touched_per_layer"] < record["moe"]["config"]["num_experts"]
+  assert moe["bytes_per_step_all_experts"] > moe["bytes_per_step"]["total"]
+
+
+def test_prefill_against_the_compute_roofline(dry):
+  record, _, _, _ = dry
+  e = record["dense"]["prefill"]
+  cfg = presets.get("tiny_dense", num_layers=2)
+  assert e["flops"] == gpu_engine.prefill_flops(cfg, e["batch"], e["prompt_len"])
+  assert e["prefill_tokens_per_s"] > 0 and e["tflops"] > 0
+  assert e["fraction_of_roofline"] == pytest.approx(e["tflops"] / ROOF["matmul_tflops"])
+
+
+def test_prefill_flops_hand_count():
+  cfg = presets.get("tiny_dense")  # V 256, D 128, L 4, N 4, K 2, H 32, F 384
+  V, D, L, N, K, H, F = 256, 128, 4, 4, 2, 32, 384
+  B, T = 2, 10
+  per_token = 2 * L * (D * N * H + 2 * D * K * H + N * H * D + 3 * D * F)
+  attn = L * B * 2 * N * (H + H) * T * (T + 1) / 2
+  assert gpu_engine.prefill_flops(cfg, B, T) == per_token * B * T + 2 * D * V * B + attn
+
+
+def test_pallas_matches_xla_on_float32(dry):
+  record, _, _, _ = dry
+  for role in ("dense", "moe"):
+    e = record[role]["pallas_vs_xla"]
+    assert e["identical"] is True and e["match_fraction"] == 1.0, role
+    assert e["first_divergence"] is None and e["identical_requests"] == e["requests"] == 8
+    assert e["xla"]["tokens_per_s"] > 0
+
+
+def test_mtp_k_1_to_3(dry):
+  record, _, _, _ = dry
+  for k in (1, 2, 3):
+    e = record["moe"]["mtp"][f"k_{k}"]
+    assert e["K"] == k and e["tokens_per_s"] > 0 and e["step_s"] > 0
+    assert 1.0 <= e["mean_accepted_length"] <= k + 1
+    assert len(e["acceptance_per_position"]) == k
+    # Greedy speculation is lossless: the tokens of plain greedy decoding.
+    assert e["same_tokens_as_plain"] == 1.0
+    assert e["speedup_vs_plain"] > 0
+
+
+def test_saved_after_every_measurement(dry):
+  record, path, saves, took = dry
+  assert json.loads(path.read_text()) == json.loads(json.dumps(record))
+  # One save per measurement at least: the entry count grows by at most one per save.
+  assert saves[-1] == len(_entries(record))
+  assert all(b - a <= 1 for a, b in zip(saves, saves[1:]))
+  assert math.isfinite(record["meta"]["wall_s"]) and record["meta"]["wall_s"] <= took
+
+
+def test_past_deadline_skips_without_errors(tmp_path):
+  record, path = {}, tmp_path / "engine.json"
+  save = lambda: path.write_text(json.dumps(record))
+  gpu_engine.run_engine_bench(record, save, deadline=time.monotonic() - 1, dry_run=True,
+                              roofline=ROOF)
+  entries = _entries(record)
+  assert entries and "dense/decode/batch_1" in entries and "moe/mtp/k_3" in entries
+  for p, e in entries.items():
+    assert e["status"] == "skipped", p
+  assert record["dense"]["init"]["reason"] == "time box"
+  assert record["moe"]["decode"]["batch_8"]["reason"] == "init skipped"
+  assert json.loads(path.read_text())["moe"]["pallas_vs_xla"]["status"] == "skipped"
+  # Without a roofline it measures one itself, which the time box skips too.
+  record.clear()
+  gpu_engine.run_engine_bench(record, save, deadline=time.monotonic() - 1, dry_run=True)
+  assert record["roofline"]["status"] == "skipped"
+  assert record["dense"]["status"] == record["moe"]["status"] == "skipped"
+  assert all(e["status"] != "error" for e in _entries(record).values())
+
+
+def test_gpu_plan_shapes():
+  """The real run's shapes: llama3_8b and the DeepSeek-V3 slice at full width,
+  each decode within one page bucket (one decode program per batch)."""
+  from jaxinfer.engine import steps
+  plan = {role: (cfg, s) for role, cfg, s in gpu_engine.plan(dry_run=False)}
+  (dense, ds), (moe, ms) = plan["dense"], plan["moe"]
+  assert dense.d_model == 4096 and dense.num_layers == 32 and ds.batches == (1, 8, 64)
+  assert moe.d_model == 7168 and moe.num_experts == 256 and moe.router == "sigmoid_grouped"
+  assert [seg[0] for seg in moe.segments()] == [False, True] and moe.num_mtp_layers == 1
+  assert ms.mtp_ks == (1, 2, 3) and moe.attention == "mla"
+  assert gpu_engine.param_bytes(dense) == 2 * models.count_params(dense)  # bf16
+  assert 8.0e9 < models.count_params(dense) < 8.1e9  # Llama-3.1-8B
+  assert 50e9 < gpu_engine.param_bytes(moe) < 60e9  # two routed-expert blocks of ~22.5 GB
+  for s in (ds, ms):
+    extra = max(s.mtp_ks, default=-1) + 1
+    pages = lambda n: -(-n // s.page_size)
+    cap = 1 << 20
+    assert steps.page_bucket(pages(s.prompt_len), cap) == steps.page_bucket(
+        pages(s.prompt_len + s.new_tokens + extra), cap)
+
+
+def test_fit_memory_makes_the_mtp_block_dense_when_short():
+  plan = {role: (cfg, s) for role, cfg, s in gpu_engine.plan(dry_run=False)}
+  cfg, s = plan["moe"]
+  assert gpu_engine.fit_memory(cfg, s, None) == (cfg, "")
+  same, note = gpu_engine.fit_memory(cfg, s, 130 << 30)  # an H200
+  assert same == cfg and note.startswith("fits")
+  lite, note = gpu_engine.fit_memory(cfg, s, 59 << 30)  # an H100 at jax's default 75%
+  assert lite.dense_layers == (0, 2) and note.startswith("MTP block made dense")
+  assert gpu_engine.param_bytes(lite) < gpu_engine.param_bytes(cfg) - (20 << 30)
+  dense = plan["dense"][0]
+  assert gpu_engine.fit_memory(dense, plan["dense"][1], 1 << 30) == (dense, "")
