@@ -65,6 +65,8 @@ def _spawn(part, part_json, deadline, roofline_json):
     cmd.append(f"--roofline_json={roofline_json}")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+  if part == "engine":  # alone on the GPU by then: the DeepSeek slice wants ~55 GB
+    env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
   try:
     rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0) + gpu_day._GRACE_S)

@@ -20,7 +20,8 @@ def test_dry_run_writes_every_part(tmp_path):
                          f"--out_dir={tmp_path}", "--budget_s=900"], cwd=ROOT, env=env,
                         capture_output=True, text=True, timeout=1200)
   assert proc.returncode == 0, proc.stderr[-3000:]
-  [path] = tmp_path.glob("gpu_day_cpu_*.json")
+  [path] = [p for p in tmp_path.glob("gpu_day_cpu_*.json")
+            if re.fullmatch(r"gpu_day_cpu_\d{4}-\d\d-\d\d\.json", p.name)]
   run = json.loads(path.read_text())
   assert run["meta"]["dry_run"] and run["meta"]["platform"] == "cpu"
   assert [t["part"] for t in run["timeline"]] == list(gpu_day.PARTS)
