@@ -6,10 +6,13 @@ GPU executables on a machine without a GPU: `jax.experimental.topologies`
 describes the devices from a `GpuTargetConfig` (the text protos in
 `jaxinfer/gpu_targets/`), and programs lowered for a mesh of them compile
 into the same code a GPU process would run, with `memory_analysis()`.
+Lower inside `lowering(mesh)`, so Pallas Triton kernels target the mesh's GPU.
 
   gpu = gpu_compile.target("h100")                 # device facts + roofline numbers
   mesh = gpu_compile.mesh({"data": 2, "expert": 4}, gpu="h100")
-  compiled = jax.jit(f).lower(*abstract_args_on(mesh)).compile()
+  with gpu_compile.lowering(mesh):
+    lowered = jax.jit(f).lower(*abstract_args_on(mesh))
+  compiled = lowered.compile()
 
 Multi-host topologies (e.g. 4 hosts x 8 GPUs) come from `hosts=`; the mesh
 then spans every host's devices, as under `jax.distributed` on a cluster.
@@ -17,6 +20,7 @@ then spans every host's devices, as under `jax.distributed` on a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -106,6 +110,25 @@ def mesh(axes: Mapping[str, int], *, gpu: str = "h100", hosts: int = 1) -> jax.s
   if n % hosts:
     raise ValueError(f"mesh {dict(axes)} has {n} devices, not divisible by hosts={hosts}")
   return sharding.make_mesh(axes, devices(gpu, hosts=hosts, devices_per_host=n // hosts))
+
+
+def lowering(mesh: jax.sharding.Mesh):
+  """A context to `.lower(...)` programs for `mesh`'s devices in.
+
+  From jax 0.11 the Pallas Triton lowering no longer assumes an sm90 GPU when
+  none is present: it reads the target from the current abstract mesh's
+  `AbstractDevice` and raises "No supported GPU devices found" without one.
+  `mesh.abstract_mesh` carries that device, built from the compile-only
+  devices: device_kind from the target proto ("NVIDIA H100 80GB HBM3",
+  "NVIDIA A100-SXM4-80GB", so each target keeps its own compute capability),
+  num_cores, platform "gpu". Its axes keep the mesh's types (Auto), so
+  sharding semantics do not change. jax 0.10's lowering ignores the context
+  (it assumes sm90 without a GPU); a jax without abstract devices gets no context.
+  """
+  abstract_mesh = getattr(mesh, "abstract_mesh", None)
+  if getattr(abstract_mesh, "abstract_device", None) is None:
+    return contextlib.nullcontext()
+  return jax.sharding.use_abstract_mesh(abstract_mesh)
 
 
 def abstract(tree, shardings):

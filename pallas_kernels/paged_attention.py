@@ -427,8 +427,8 @@ def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks,
     need(q.dtype == k_pages.dtype, f"q dtype {q.dtype} != k_pages dtype {k_pages.dtype} (pages "
          "in another dtype are quantized: pass k_scale / v_scale)", TypeError)
   for arg, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
-    need(scale is None or jnp.shape(scale) == (), f"{arg} must be a scalar, got shape "
-         f"{jnp.shape(scale)}")
+    if scale is not None:  # jnp.shape(None) is deprecated (jax 0.12): the message is eager
+      need(jnp.shape(scale) == (), f"{arg} must be a scalar, got shape {jnp.shape(scale)}")
   need(v_pages is None or (k_scale is None) == (v_scale is None),
        "pass k_scale and v_scale together (quantized k_pages and v_pages)")
   if v_pages is not None and k_scale is None:

@@ -41,7 +41,8 @@ def _ragged(page_size, target, implementation=None, D=64):
     return ops.ragged_paged_attention(q, kp, vp, kv_lens=kv_lens, page_table=table,
                                       cu_q_lens=cu, max_q=2, scale=0.125,
                                       implementation=implementation, target=target)
-  return jax.jit(fn).lower(*args).compile().as_text()
+  with gpu_compile.lowering(mesh):
+    return jax.jit(fn).lower(*args).compile().as_text()
 
 
 def test_gpu_target_compiles_the_kernel_in_a_cpu_process():
@@ -209,9 +210,10 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
                 mask=S((T,), jnp.bool_), deepstack=S((k, T, D), jnp.float32))
   compiled = {}
   for name, rows in (("text", None), ("image", visual)):
-    lowered = steps.step.lower(cfg, params, pool, gpu_compile.abstract(batch, rep),
-                               S((shapes.seqs,), jnp.int32), None, rows, max_q=shapes.max_q,
-                               greedy=True)
+    with gpu_compile.lowering(mesh):
+      lowered = steps.step.lower(cfg, params, pool, gpu_compile.abstract(batch, rep),
+                                 S((shapes.seqs,), jnp.int32), None, rows, max_q=shapes.max_q,
+                                 greedy=True)
     compiled[name] = lowered.compile()
   text, image = (gpu_compile.MemoryReport.of(compiled[n]) for n in ("text", "image"))
   assert gpu_plan.TRITON_CALL in compiled["image"].as_text()  # the paged kernel, not XLA
@@ -222,8 +224,9 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   rows_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in visual.values())
   assert image.argument_bytes - text.argument_bytes == rows_bytes - batch.rope_positions.nbytes
   vc, grid = cfg.vision, ((1, 4, 6),)  # 24 patches -> 6 visual tokens
-  encoder = vision.encode.lower(vc, params["vision"], S((24, vc.patch_dim), jnp.float32),
-                                grid).compile()
+  with gpu_compile.lowering(mesh):
+    encoder = vision.encode.lower(vc, params["vision"], S((24, vc.patch_dim), jnp.float32),
+                                  grid).compile()
   m = gpu_compile.MemoryReport.of(encoder)
   assert m.argument_bytes > 0 and 0 < m.peak_bytes < 80e9
   shapes_out = [o.shape for o in jax.tree.leaves(encoder.out_info)]
@@ -248,9 +251,11 @@ def test_qwen3_vl_moe_image_step_under_attention_dp_compiles_for_four_h100s():
   visual = dict(rope=S((3, T), jnp.int32), embeds=S((T, D), jnp.float32),
                 mask=S((T,), jnp.bool_), deepstack=S((k, T, D), jnp.float32))
   ranked = gpu_compile.abstract(steps.stack_batches([batch] * n), split)
-  compiled = steps.step_ranked.lower(
-      cfg, params, pool, ranked, S((shapes.seqs,), jnp.int32), None, visual, max_q=shapes.max_q,
-      ep=plan_from_params(params), mesh=mesh, axes=axes, greedy=True).compile()
+  with gpu_compile.lowering(mesh):
+    compiled = steps.step_ranked.lower(
+        cfg, params, pool, ranked, S((shapes.seqs,), jnp.int32), None, visual,
+        max_q=shapes.max_q, ep=plan_from_params(params), mesh=mesh, axes=axes,
+        greedy=True).compile()
   assert n == 4 and gpu_plan.TRITON_CALL in compiled.as_text()
   assert 0 < gpu_compile.MemoryReport.of(compiled).peak_bytes < 80e9
 

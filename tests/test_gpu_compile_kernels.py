@@ -25,12 +25,22 @@ def test_at_least_twenty_cases_cover_every_kernel():
   assert max(c.prefill_tokens for c in gpu_cases.CASES) >= 512
 
 
+@pytest.mark.parametrize("gpu,kind", [("h100", "NVIDIA H100"), ("a100", "NVIDIA A100")])
+def test_lowering_names_each_targets_gpu_model(gpu, kind):
+  # jax >= 0.11's Triton lowering takes the compute capability from this device.
+  mesh = gpu_compile.mesh({"data": 1}, gpu=gpu)
+  with gpu_compile.lowering(mesh):
+    device = jax.sharding.get_abstract_mesh().abstract_device
+  assert device.device_kind.startswith(kind) and device.platform == "gpu"
+
+
 @pytest.mark.parametrize("case", gpu_cases.CASES, ids=lambda c: c.name)
 def test_kernel_compiles_for_gpu(case):
   gpu = case.gpus[0]
   mesh = gpu_compile.mesh({"data": 1}, gpu=gpu)
   fn, args = gpu_cases.build(case, NamedSharding(mesh, P()))
-  compiled = jax.jit(fn).lower(*args).compile()
+  with gpu_compile.lowering(mesh):
+    compiled = jax.jit(fn).lower(*args).compile()
   text = compiled.as_text()
   assert "__gpu$xla.gpu.triton" in text  # the Pallas kernel, not an XLA fallback
   mem = gpu_compile.MemoryReport.of(compiled)

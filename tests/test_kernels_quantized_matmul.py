@@ -188,7 +188,8 @@ def test_kernel_compiles_for_h100_at_serving_shapes(M, N, K, block, method):
   import functools
   from jax.sharding import NamedSharding, PartitionSpec as P
   from jaxinfer import gpu_compile
-  sh = NamedSharding(gpu_compile.mesh({"data": 1}), P())
+  mesh = gpu_compile.mesh({"data": 1})
+  sh = NamedSharding(mesh, P())
   block = quant.FIXED_BLOCKS.get(method, block)
   bo, bi = block[0] or N, block[1] or K
   S = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=sh)
@@ -198,7 +199,8 @@ def test_kernel_compiles_for_h100_at_serving_shapes(M, N, K, block, method):
   if method == "nvfp4":
     args.append(S((), jnp.float32))
   fn = lambda x, c, s, s2=None: quantized_matmul(x, c, s, scale2=s2, **kw)
-  compiled = jax.jit(fn).lower(*args).compile()
+  with gpu_compile.lowering(mesh):
+    compiled = jax.jit(fn).lower(*args).compile()
   assert "__gpu$xla.gpu.triton" in compiled.as_text()
   mem = gpu_compile.MemoryReport.of(compiled)
   # Scratch is the activations padded to whole row tiles and the output: no
@@ -234,7 +236,8 @@ def test_grouped_kernel_matches_ragged_dot_reference(R, sizes, block, method, in
 def test_grouped_kernel_compiles_for_h100_at_expert_shapes(R, E, N, K, method):
   from jax.sharding import NamedSharding, PartitionSpec as P
   from jaxinfer import gpu_compile
-  sh = NamedSharding(gpu_compile.mesh({"data": 1}), P())
+  mesh = gpu_compile.mesh({"data": 1})
+  sh = NamedSharding(mesh, P())
   S = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=sh)
   block = quant.FIXED_BLOCKS.get(method, (128, 128))
   args = [S((R, K), jnp.bfloat16), S((E, N, quant.stored_in(method, K)), quant.VALUE_DTYPES[method]),
@@ -243,7 +246,8 @@ def test_grouped_kernel_compiles_for_h100_at_expert_shapes(R, E, N, K, method):
   if method == "nvfp4":
     args.append(S((E,), jnp.float32))
   fn = lambda x, c, s, g, s2=None: quantized_grouped_matmul(x, c, s, g, scale2=s2, **kw)
-  compiled = jax.jit(fn).lower(*args).compile()
+  with gpu_compile.lowering(mesh):
+    compiled = jax.jit(fn).lower(*args).compile()
   assert "__gpu$xla.gpu.triton" in compiled.as_text()
   mem = gpu_compile.MemoryReport.of(compiled)
   # Scratch is the rows gathered into work items (<= 64 rows of one expert)

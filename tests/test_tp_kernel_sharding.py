@@ -28,10 +28,11 @@ def _compiled_step(name, axes, layout, split_heads):
   batch, shapes = gpu_plan.host_batch([(1, 64)] * 4, 16, 4, 4)
   prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
   heads = dict(mesh=mesh, head_axis=sharding.head_axis(mesh, layout)) if split_heads else {}
-  lowered = steps.step.lower(cfg, params, pool, gpu_plan._replicated(mesh, batch),
-                             gpu_plan._replicated(mesh, prev), gpu_plan._load(cfg, mesh),
-                             max_q=shapes.max_q, ep=plan_from_params(params), greedy=True,
-                             **heads)
+  with gpu_compile.lowering(mesh):
+    lowered = steps.step.lower(cfg, params, pool, gpu_plan._replicated(mesh, batch),
+                               gpu_plan._replicated(mesh, prev), gpu_plan._load(cfg, mesh),
+                               max_q=shapes.max_q, ep=plan_from_params(params), greedy=True,
+                               **heads)
   return lowered.compile().as_text(), {a.shape for a in jax.tree.leaves(pool)}
 
 

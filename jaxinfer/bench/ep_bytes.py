@@ -100,7 +100,9 @@ def compile_layer(cfg: ModelConfig, mesh, tokens_per_rank: int, *, strategy: str
   def layer(mlp_p, x):
     return moe_lib.moe(cfg, jax.tree.map(lambda a: a[0], mlp_p), x, plan)[0]
 
-  return jax.jit(layer).lower(params["layers"][0]["mlp"], x).compile().as_text()
+  with gpu_compile.lowering(mesh):
+    lowered = jax.jit(layer).lower(params["layers"][0]["mlp"], x)
+  return lowered.compile().as_text()
 
 
 def report(cfg: ModelConfig, mesh, tokens_per_rank=(1, 2, 4, 8, 16, 32, 64), *,

@@ -195,9 +195,10 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   """`steps.step` lowered for one (unranked) batch -> (Lowered, StepShapes);
   attention per head shard (shard_map) where the layout splits heads, as the Engine runs it."""
   batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked=False)
-  lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                             max_q=shapes.max_q, ep=plan_from_params(params), greedy=w.greedy,
-                             **where)
+  with gpu_compile.lowering(mesh):
+    lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
+                               max_q=shapes.max_q, ep=plan_from_params(params), greedy=w.greedy,
+                               **where)
   return lowered, shapes
 
 
@@ -208,9 +209,10 @@ def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, 
   `lower_ranked`) -> (Lowered, StepShapes)."""
   ranked = bool(sharding.dp_axes(mesh, layout))
   batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked)
-  lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                                     num_steps=num_steps, ep=plan_from_params(params),
-                                     greedy=w.greedy, **where)
+  with gpu_compile.lowering(mesh):
+    lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
+                                       num_steps=num_steps, ep=plan_from_params(params),
+                                       greedy=w.greedy, **where)
   return lowered, shapes
 
 
@@ -218,9 +220,10 @@ def lower_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Wor
   """`steps.step_ranked` (attention DP): every rank runs `seqs`; batch fields
   [n, ...] split over the DP axes as the ranked context's `shard_map` reads them."""
   batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked=True)
-  lowered = steps.step_ranked.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                                    max_q=shapes.max_q, ep=plan_from_params(params),
-                                    greedy=w.greedy, **where)
+  with gpu_compile.lowering(mesh):
+    lowered = steps.step_ranked.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
+                                      max_q=shapes.max_q, ep=plan_from_params(params),
+                                      greedy=w.greedy, **where)
   return lowered, shapes
 
 
@@ -235,10 +238,11 @@ def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   K = w.num_draft_tokens
   packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
   state = jax.eval_shape(lambda: speculative.init_state(cfg, shapes.seqs, K))
-  lowered = speculative.spec_step.lower(
-      cfg, params, pool, _replicated(mesh, packed), _replicated(mesh, state), _load(cfg, mesh),
-      max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
-      **_heads(mesh, layout))
+  with gpu_compile.lowering(mesh):
+    lowered = speculative.spec_step.lower(
+        cfg, params, pool, _replicated(mesh, packed), _replicated(mesh, state), _load(cfg, mesh),
+        max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
+        **_heads(mesh, layout))
   return lowered, shapes
 
 
@@ -393,10 +397,11 @@ def lower_spec_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w
   split = NamedSharding(mesh, P(axes))
   ranked = tuple(np.stack([a] * n) for a in packed)
   state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
-  lowered = speculative.spec_step_ranked.lower(
-      cfg, params, pool, gpu_compile.abstract(ranked, split), gpu_compile.abstract(state, split),
-      _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
-      mesh=mesh, axes=axes, param_specs=speculative.param_specs(params, mesh))
+  with gpu_compile.lowering(mesh):
+    lowered = speculative.spec_step_ranked.lower(
+        cfg, params, pool, gpu_compile.abstract(ranked, split), gpu_compile.abstract(state, split),
+        _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
+        mesh=mesh, axes=axes, param_specs=speculative.param_specs(params, mesh))
   return lowered, shapes
 
 

@@ -67,7 +67,9 @@ def compile_case(case: gpu_cases.KernelCase, dump_dir: str | None = None):
   mesh = gpu_compile.mesh({"data": 1}, gpu=gpu)
   fn, args = gpu_cases.build(case, NamedSharding(mesh, P()))
   options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "^$"} if dump_dir else None
-  return jax.jit(fn).lower(*args).compile(compiler_options=options)
+  with gpu_compile.lowering(mesh):
+    lowered = jax.jit(fn).lower(*args)
+  return lowered.compile(compiler_options=options)
 
 
 def executable_facts(compiled, kernel_name: str, *, gpu: str, dump_dir: str | None) -> dict:
