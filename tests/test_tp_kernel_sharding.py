@@ -53,7 +53,7 @@ CASES = [("tiny_dense", {"data": 2, "tensor": 2}, "tp"),  # GQA: pool split over
 def test_tp_step_runs_the_kernel_without_gathering_the_pool(name, axes, layout):
   hlo, pool_shapes = _compiled_step(name, axes, layout, split_heads=True)
   assert gpu_plan.TRITON_CALL in hlo
-  assert gpu_plan.kernel_gathers(hlo) == 0
+  assert gpu_plan.kernel_gathers(hlo, pool_shapes) == 0
   assert _pool_gathers(hlo, pool_shapes) == 0
 
 
@@ -61,7 +61,7 @@ def test_without_the_head_split_xla_gathers_the_pool():
   # The check above sees the gather this change removes.
   hlo, pool_shapes = _compiled_step("tiny_dense", {"data": 2, "tensor": 2}, "tp",
                                     split_heads=False)
-  assert gpu_plan.kernel_gathers(hlo) > 0 and _pool_gathers(hlo, pool_shapes) > 0
+  assert gpu_plan.kernel_gathers(hlo, pool_shapes) > 0 and _pool_gathers(hlo, pool_shapes) > 0
 
 
 def test_head_axis_follows_the_layout():

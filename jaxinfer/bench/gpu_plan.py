@@ -335,12 +335,17 @@ def fit_verdict(params_bytes: int, kv_bytes: int, hbm_bytes: float) -> dict:
               f"<= {gb(hbm_bytes)}")
 
 
-def kernel_gathers(hlo: str) -> int:
+def kernel_gathers(hlo: str, pool_shapes=()) -> int:
   """All-gathers XLA placed around the Pallas kernels in compiled HLO text:
   GSPMD cannot split a custom call, so outside `shard_map` (tp layouts) it
-  gathers the kernel's sharded operands (the page pool) whole on every device."""
+  gathers the kernel's sharded operands (the page pool) whole on every device.
+  Counted: gathers tagged with the kernel (jax 0.10's XLA), and gathers that
+  produce a whole pool of `pool_shapes` (newer XLA gathers the pool where the
+  step writes it, one combined gather tagged with the scatter)."""
+  dims = ["[" + ",".join(map(str, s)) + "]" for s in pool_shapes]
   return sum(1 for line in hlo.splitlines()
-             if "all-gather-start(" in line and "pallas_call" in line)
+             if ("all-gather-start(" in line or " all-gather(" in line)
+             and ("pallas_call" in line or any(d in line for d in dims)))
 
 
 _COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")
@@ -372,10 +377,11 @@ def collectives(hlo: str) -> dict:
   return counts
 
 
-def compile_program(lowered, hbm_bytes: float) -> dict:
+def compile_program(lowered, hbm_bytes: float, pool=None) -> dict:
   """Compiles a Lowered step -> memory_analysis per device, peak vs HBM,
   whether the Pallas kernels are in it (`TRITON_CALL`), `kernel_gathers`
-  and the `collectives`."""
+  (of `pool`, the step's abstract page pool) and the `collectives`."""
+  pool_shapes = {a.shape for a in jax.tree.leaves(pool)} if pool is not None else ()
   compiled = lowered.compile()
   mem = gpu_compile.MemoryReport.of(compiled)
   hlo = compiled.as_text()
@@ -383,7 +389,7 @@ def compile_program(lowered, hbm_bytes: float) -> dict:
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
               quantized_grouped_kernel="jit(_quantized_grouped_matmul)" in hlo,
-              kernel_all_gathers=kernel_gathers(hlo), quantized_gathers=quantized_gathers(hlo),
+              kernel_all_gathers=kernel_gathers(hlo, pool_shapes), quantized_gathers=quantized_gathers(hlo),
               collectives=collectives(hlo))
 
 
@@ -464,7 +470,7 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
   for name, seqs, ranks, draft, lower in specs:
     lowered, shapes = lower(params, pools)
     entry = dict(name=name, shapes=dataclasses.asdict(shapes), ranks=ranks,
-                 **compile_program(lowered, target.hbm_bytes))
+                 **compile_program(lowered, target.hbm_bytes, pools[1] if draft else pools[0]))
     entry["cost"] = step_cost(cfg, mesh, layout, seqs, pb, ranks=ranks, draft=draft)
     entry["roofline"] = roofline(entry["cost"], gpu)
     report["programs"].append(entry)
