@@ -99,6 +99,9 @@ def test_elf_and_snappy_readers_reject_garbage():
   assert gpu_executable.snappy_decompress(b"\x05\x10hello") == b"hello"
   # a back-reference copying its own output: "ab" then 4 more bytes from offset 2.
   assert gpu_executable.snappy_decompress(b"\x06\x04ab\x01\x02") == b"ababab"
+  # an IFRT header of 1 byte, then neither a Riegeli file nor a proto holding one.
+  with pytest.raises(gpu_executable.ExecutableFormatError, match="Riegeli"):
+    gpu_executable.executable_records(b"\x01\x00\x0a\x03abc")
 
 
 def _report(ratio):

@@ -5,9 +5,19 @@ Where each number comes from (jax 0.10 + the CUDA 12 PJRT plugin; found by
 reading a compile-only H100 executable, not from a spec):
 
   `compiled._executable._unloaded_executable.xla_executable.serialize()`
-      = varint-prefixed IFRT header, then a proto whose field 1 is a Riegeli
-        file: 64 KiB blocks with 24-byte block headers, chunks of 40-byte
-        headers; one simple chunk ('r') of snappy-compressed records.
+      = varint-prefixed IFRT header, then
+        jax 0.10: a proto whose field 1 is a Riegeli file: 64 KiB blocks with
+          24-byte block headers, chunks of 40-byte headers; one simple chunk
+          ('r') of snappy-compressed records.
+        jax 0.12: the Riegeli file itself (no proto around it; parsing it as
+          one fails with "wire type 3"), one uncompressed record per chunk: a
+          metadata record naming `xla.ExecutableAndOptionsProto`, the
+          executable as a nested Riegeli file laid out as in jax 0.10, and the
+          compile options.
+        Every Riegeli file opens with the same 64-byte signature, so the reader
+        detects the layout: the body if it is a Riegeli file, else field 1 of
+        the body; records that are Riegeli files are expanded in place.
+        Neither: `ExecutableFormatError`.
   records  the GpuExecutableProto split into pieces; the one holding field 13
         (`repeated ThunkProto thunks`) carries every kernel launch.
   ThunkProto.custom_kernel_thunk (36) -> CustomKernelProto: name (1),
@@ -25,7 +35,9 @@ reading a compile-only H100 executable, not from a spec):
 
 The cubin does not record ptxas's spill-store / spill-load byte counts; those
 come from `ptxas -v` over the kernel's PTX (`ptxas_spills`), which needs an XLA
-dump of the PTX and the ptxas binary of the `gpu-compile` extra.
+dump of the PTX (jax 0.12 writes it only for emitters matching
+`xla_dump_emitter_re`, which `kernel_report.compile_case` sets) and the ptxas
+binary of the `gpu-compile` extra.
 """
 
 from __future__ import annotations
@@ -38,6 +50,12 @@ import subprocess
 import tempfile
 
 _BLOCK = 1 << 16  # Riegeli block size
+# The first block header and the signature chunk ('s', no data) of every
+# Riegeli file (riegeli/records/README: "file signature").
+_RIEGELI_SIGNATURE = bytes.fromhex(
+    "83af70d10d884a3f" "0000000000000000" "4000000000000000"
+    "91bac23c9287e1a9" "0000000000000000" "e19f13c0e9b1c372" "7300000000000000"
+    "0000000000000000")
 _BLOCK_HEADER = 24
 _CHUNK_HEADER = 40
 _THUNKS_FIELD = 13  # GpuExecutableProto.thunks
@@ -181,13 +199,38 @@ def executable_bytes(compiled) -> bytes:
   return compiled._executable._unloaded_executable.xla_executable.serialize()
 
 
-def _executable_proto_records(serialized: bytes) -> list[bytes]:
+class ExecutableFormatError(ValueError):
+  """The serialized executable has neither known layout (module docstring)."""
+
+
+def is_riegeli(b: bytes) -> bool:
+  """Whether `b` starts with a Riegeli file signature."""
+  return b[:len(_RIEGELI_SIGNATURE)] == _RIEGELI_SIGNATURE
+
+
+def _flat_records(f: bytes) -> list[bytes]:
+  """Records of a Riegeli file, nested Riegeli files replaced by their records."""
+  out = []
+  for record in riegeli_records(f):
+    out.extend(_flat_records(record) if is_riegeli(record) else [record])
+  return out
+
+
+def executable_records(serialized: bytes) -> list[bytes]:
+  """Records of the GpuExecutableProto: the body after the IFRT header is the
+  Riegeli file (jax 0.12) or a proto holding it in field 1 (jax 0.10)."""
   header_len, i = _varint(serialized, 0)
-  body = proto_fields(serialized[i + header_len:])
-  riegeli = _field(body, 1)
-  if not isinstance(riegeli, bytes):
-    raise ValueError("no Riegeli payload in field 1 after the IFRT header")
-  return riegeli_records(riegeli)
+  body = serialized[i + header_len:]
+  if not is_riegeli(body):
+    try:
+      body = _field(proto_fields(body), 1, b"")
+    except ValueError:
+      body = b""
+  if not isinstance(body, bytes) or not is_riegeli(body):
+    raise ExecutableFormatError(
+        "serialized executable: after the IFRT header neither a Riegeli file "
+        "nor a proto whose field 1 is one")
+  return _flat_records(body)
 
 
 def _dim3(message: bytes, coordinates_field: int) -> tuple[int, int, int]:
@@ -237,7 +280,7 @@ def kernel_launches(compiled) -> list[KernelLaunch]:
   """Every custom-kernel launch (Pallas/Triton kernels) of a compiled GPU
   program, in thunk order, read from its serialized executable."""
   launches = []
-  for record in _executable_proto_records(executable_bytes(compiled)):
+  for record in executable_records(executable_bytes(compiled)):
     try:
       fields = proto_fields(record)
     except ValueError:

@@ -66,7 +66,10 @@ def compile_case(case: gpu_cases.KernelCase, dump_dir: str | None = None):
   gpu = case.gpus[0]
   mesh = gpu_compile.mesh({"data": 1}, gpu=gpu)
   fn, args = gpu_cases.build(case, NamedSharding(mesh, P()))
-  options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "^$"} if dump_dir else None
+  # Newer XLA (jax 0.12) dumps the kernels' PTX only for emitters matching
+  # xla_dump_emitter_re; jax 0.10 accepts the option and dumps the PTX anyway.
+  options = {"xla_dump_to": dump_dir, "xla_dump_hlo_pass_re": "^$",
+             "xla_dump_emitter_re": ".*"} if dump_dir else None
   with gpu_compile.lowering(mesh):
     lowered = jax.jit(fn).lower(*args)
   return lowered.compile(compiler_options=options)
