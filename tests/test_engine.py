@@ -196,6 +196,12 @@ def test_bad_requests_raise_and_others_keep_running(prompt, sampling, exc, match
 @pytest.mark.parametrize("kwargs,match", [
     (dict(max_tokens=0), "max_tokens"), (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.01), "top_p"), (dict(top_k=-1), "top_k"),
+    # Values the step's int32 / float32 / uint32 arrays cannot hold, and booleans.
+    (dict(max_tokens=2**31), "max_tokens"), (dict(max_tokens=True), "max_tokens"),
+    (dict(top_k=2**31), "top_k"), (dict(temperature=1e308), "temperature"),
+    (dict(temperature=float("nan")), "temperature"), (dict(temperature=True), "temperature"),
+    (dict(seed=2**32), "seed"), (dict(seed=-1), "seed"), (dict(seed=1.5), "seed"),
+    (dict(top_p=float("nan")), "top_p"), (dict(stop_token_ids=(2**40,)), "stop_token_ids"),
 ])
 def test_impossible_sampling_params(kwargs, match):
   with pytest.raises(ValueError, match=match):

@@ -211,6 +211,44 @@ def test_bad_request_gets_a_400_json_error(default, case):
   assert (err["param"] or "").startswith(param) and (code is None or err["code"] == code), err
 
 
+# Values no step array holds (int32 counts, float32 values, uint32 seeds),
+# booleans as numbers, and numbers as strings: each a 400 naming its field.
+HOSTILE = {
+    "max_tokens": [2**31, 2**63, -1, 0, True, 1.5, "4"],
+    "temperature": [1e308, -1e308, True, "1", float("inf"), float("nan")],
+    "top_p": [1e308, True, float("nan")],
+    "top_k": [2**31, 2**63, -2, True],
+    "seed": [2**64, -2**63 - 1, True, 1.5],
+    "n": [2**63, 0, True],
+    "frequency_penalty": [1e308, True], "presence_penalty": [1e308, "0"],
+    "logprobs": [2**63], "best_of": [2**63, 0],
+    "prompt": [[[False]], [True], [-1], [2**31], [[2**40]]],
+    "echo": [1, "yes"],
+}
+
+
+def test_hostile_values_get_400s_and_the_engine_keeps_serving(default):
+  server, _, _ = default
+  for field, values in HOSTILE.items():
+    for v in values:
+      body = dict(model="default", prompt="def f():", max_tokens=4)
+      body[field] = v
+      r = httpx.post(server.url + "/v1/completions", content=json.dumps(body), timeout=30,
+                     headers={"Content-Type": "application/json"})
+      assert r.status_code == 400, (field, v, r.text)
+      assert (r.json()["error"]["param"] or "").startswith(field), (field, v, r.json())
+  chat = dict(model="default", messages=[{"role": "user", "content": "hi"}],
+              max_completion_tokens=2**63)
+  r = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=30)
+  assert r.status_code == 400 and r.json()["error"]["param"].startswith("max_completion_tokens")
+  # In range and served: the widest seed, top_k and vLLM's top_k=-1 (off).
+  for extra in (dict(seed=2**64 - 1, top_k=2**31 - 1), dict(seed=-2**63, top_k=-1)):
+    r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+        model="default", prompt="def f():", max_tokens=4, temperature=0.7, **extra))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
+  assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+
 @pytest.mark.parametrize("raw,code", [(b'{"model": "default", "prompt": ', "invalid_json"),
                                       (b"[1, 2]", None),
                                       (json.dumps(dict(model="default", prompt="x" * BODY_LIMIT))

@@ -5,6 +5,7 @@ never recompile."""
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -23,14 +24,35 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
 
   def __post_init__(self):
-    if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-      raise ValueError(f"SamplingParams: max_tokens must be an int >= 1, got {self.max_tokens!r}")
-    if not self.temperature >= 0:
-      raise ValueError(f"SamplingParams: temperature must be >= 0, got {self.temperature}")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"SamplingParams: top_k must be an int >= 0 (0: off), got {self.top_k!r}")
+    # Each value must fit the step's arrays: int32 counts, float32 temperatures,
+    # uint32 seeds. Booleans are not numbers here.
+    _check_int("max_tokens", self.max_tokens, 1, INT32_MAX)
+    _check_real("temperature", self.temperature)
+    if not 0 <= self.temperature <= FLOAT32_MAX:
+      raise ValueError(f"SamplingParams: temperature must be in [0, {FLOAT32_MAX:.4g}] "
+                       f"(finite in float32), got {self.temperature}")
+    _check_int("top_k", self.top_k, 0, INT32_MAX, "(0: off)")
+    _check_real("top_p", self.top_p)
     if not 0 < self.top_p <= 1:
       raise ValueError(f"SamplingParams: top_p must be in (0, 1], got {self.top_p}")
+    _check_int("seed", self.seed, 0, UINT32_MAX)
+    for t in self.stop_token_ids:
+      _check_int("stop_token_ids", t, 0, INT32_MAX)
+
+
+INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
+def _check_int(name, v, lo, hi, note=""):
+  if not isinstance(v, numbers.Integral) or isinstance(v, bool) or not lo <= v <= hi:
+    raise ValueError(f"SamplingParams: {name} must be an int in [{lo}, {hi}]"
+                     f"{' ' + note if note else ''}, got {v!r}")
+
+
+def _check_real(name, v):
+  if isinstance(v, bool) or not isinstance(v, numbers.Real):
+    raise ValueError(f"SamplingParams: {name} must be a number, got {v!r}")
 
 
 def request_keys(seeds, indices):

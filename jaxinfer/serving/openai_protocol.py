@@ -12,11 +12,11 @@ import json
 import os
 import random
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pydantic
 
-from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.sampling import FLOAT32_MAX, SamplingParams
 from jaxinfer.tokenizer import HFTokenizer
 
 # The default model's template (byte tokenizer, no special tokens): one
@@ -38,19 +38,38 @@ class ApiError(Exception):
                       "code": self.code}}
 
 
+def _number(v):
+  """JSON numbers only: true / false and strings such as "inf" are refused."""
+  if isinstance(v, bool) or not isinstance(v, (int, float)):
+    raise ValueError(f"must be a number, got {type(v).__name__}")
+  return v
+
+
+# Numeric fields hold what the step's arrays hold (int32 counts, float32
+# values): anything else is a 400 naming the field, never an overflow in the
+# engine. Booleans are not integers.
+Int32 = Annotated[pydantic.StrictInt, pydantic.Field(ge=-2**31, le=2**31 - 1)]
+Count = Annotated[pydantic.StrictInt, pydantic.Field(ge=1, le=2**31 - 1)]
+TokenId = Annotated[pydantic.StrictInt, pydantic.Field(ge=0, le=2**31 - 1)]
+Real = Annotated[float, pydantic.BeforeValidator(_number),
+                 pydantic.Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+# vLLM's seeds span int64; the step's are uint32 (the low 32 bits are used).
+Seed = Annotated[pydantic.StrictInt, pydantic.Field(ge=-2**63, le=2**64 - 1)]
+
+
 class _Request(pydantic.BaseModel):
   """Fields shared by completions and chat; unknown fields are refused."""
 
   model_config = pydantic.ConfigDict(extra="forbid")
 
   model: str
-  max_tokens: int | None = None
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0  # an extension (vLLM's): 0 is off
-  seed: int | None = None
+  max_tokens: Count | None = None
+  temperature: Real = 1.0
+  top_p: Real = 1.0
+  top_k: Int32 = 0  # an extension (vLLM's): 0 or -1 is off
+  seed: Seed | None = None
   stop: str | list[str] | None = None
-  n: int = 1
+  n: Count = 1
   stream: bool = False
   stream_options: dict | None = None  # {"include_usage": bool}
   user: str | None = None
@@ -58,15 +77,15 @@ class _Request(pydantic.BaseModel):
   return_token_ids: bool = False
   # Not implemented: accepted at their neutral values only, so clients that
   # send the defaults work and others hear why not.
-  frequency_penalty: float = 0.0
-  presence_penalty: float = 0.0
-  logprobs: bool | int | None = None
-  best_of: int | None = None
+  frequency_penalty: Real = 0.0
+  presence_penalty: Real = 0.0
+  logprobs: pydantic.StrictBool | Int32 | None = None
+  best_of: Count | None = None
 
 
 class CompletionRequest(_Request):
-  prompt: str | list[int] | list[str] | list[list[int]]
-  echo: bool = False
+  prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
+  echo: pydantic.StrictBool = False
 
 
 class ChatMessage(pydantic.BaseModel):
@@ -95,7 +114,7 @@ class ChatMessage(pydantic.BaseModel):
 
 class ChatRequest(_Request):
   messages: list[ChatMessage]
-  max_completion_tokens: int | None = None
+  max_completion_tokens: Count | None = None
 
 
 def parse(model: type[pydantic.BaseModel], body: bytes):
@@ -148,10 +167,10 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
     raise ApiError(400, f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens "
                    f"({max_tokens}) is over the model's context of {max_model_len} tokens",
                    param="max_tokens", code="context_length_exceeded")
-  seed = req.seed if req.seed is not None else random.getrandbits(31)
+  seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(31)
   try:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=req.top_k, seed=seed)
+                          top_k=0 if req.top_k == -1 else req.top_k, seed=seed)
   except ValueError as e:
     m = re.match(r"SamplingParams: (\w+)", str(e))
     raise ApiError(400, str(e), param=m.group(1) if m else None) from None
