@@ -14,8 +14,9 @@ unknown model, prompt + max_tokens over the context or max_tokens over
 max_tokens_cap, bad sampling values, n != 1, numbers the step's arrays
 cannot hold (int32 counts and token ids, float32 values) or booleans given
 as numbers, malformed JSON, a body over max_body_bytes. When max_queue
-requests are held, or a Cluster's queue is full, a request gets 429 at once. With api_key, /v1/ routes need
-`Authorization: Bearer <api_key>` (else 401). A client that disconnects
+requests are held, or a Cluster's queue is full, a request gets 429 at
+once. With api_key, /v1/ routes need `Authorization: Bearer <api_key>`
+(else 401). A client that disconnects
 aborts its request, freeing its KV pages.
 
 Vision models (an `Engine` whose cfg has a vision tower): chat messages may
