@@ -30,6 +30,8 @@ import subprocess
 import sys
 import time
 
+from jaxinfer.bench import gpu_engine, kernels
+
 PARTS = ("tests", "kernels", "engine")
 SHARES = {"tests": 0.22, "kernels": 0.40, "engine": 0.38}  # of the budget, before carry-over
 _GRACE_S = 25.0  # a part's process past its deadline by this much is killed
@@ -154,7 +156,6 @@ def run_tests_part(record: dict, save, *, deadline: float, dry_run: bool, repo_r
 
 def run_kernels_part(record: dict, save, *, deadline: float, dry_run: bool) -> None:
   """The kernel sweep into `record` (kernels.sweep's result layout)."""
-  from jaxinfer.bench import kernels  # noqa: PLC0415  (imports jax: child processes only)
   env, dev = kernels.bench_env()
   shapes, repeats, warmup = ("tiny", 2, 1) if dry_run else ("gpu_day", 10, 2)
   record.update(kernels.new_result(env, dev, kernels=kernels.KERNELS, shapes=shapes,
@@ -168,7 +169,6 @@ def run_kernels_part(record: dict, save, *, deadline: float, dry_run: bool) -> N
 
 def run_engine_part(record: dict, save, *, deadline: float, dry_run: bool,
                     roofline: dict | None) -> None:
-  from jaxinfer.bench import gpu_engine  # noqa: PLC0415
   gpu_engine.run_engine_bench(record, save, deadline=deadline, dry_run=dry_run,
                               roofline=roofline or None)
   record.setdefault("status", "ok")
@@ -241,7 +241,6 @@ def plot(run: dict, path: str):
     import matplotlib  # noqa: PLC0415  (optional dependency)
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt  # noqa: PLC0415
-    from jaxinfer.bench import kernels  # noqa: PLC0415
   except ImportError as e:
     return None, f"not importable: {e}"
   try:
