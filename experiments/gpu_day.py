@@ -69,7 +69,7 @@ def _spawn(part, part_json, deadline, roofline_json):
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)
   try:
-    rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0) + gpu_day._GRACE_S)
+    rc = proc.wait(timeout=max(deadline - time.monotonic(), 1.0) + gpu_day.GRACE_S)
     return ("ok" if rc == 0 else "crashed"), rc
   except subprocess.TimeoutExpired:
     proc.kill()

@@ -34,7 +34,7 @@ from jaxinfer.bench import gpu_engine, kernels
 
 PARTS = ("tests", "kernels", "engine")
 SHARES = {"tests": 0.22, "kernels": 0.40, "engine": 0.38}  # of the budget, before carry-over
-_GRACE_S = 25.0  # a part's process past its deadline by this much is killed
+GRACE_S = 25.0  # a part's process past its deadline by this much is killed
 _PLOT_RESERVE_S = 10.0
 
 # pytest selections: on a GPU the GPU subclasses of every kernel test file;
@@ -53,8 +53,7 @@ _SUMMARY_LINE = re.compile(r"^(FAILED|ERROR) (tests/\S+::\S+?)(?: - (.*))?$")
 
 def file_base(out_dir: str, device_kind: str, day: datetime.date) -> str:
   """<out_dir>/gpu_day_<device>_<YYYY-MM-DD>: the run's files share this stem."""
-  slug = re.sub(r"[^a-z0-9]+", "_", device_kind.lower()).strip("_") or "device"
-  return os.path.join(out_dir, f"gpu_day_{slug}_{day:%Y-%m-%d}")
+  return os.path.join(out_dir, f"gpu_day_{kernels.device_slug(device_kind)}_{day:%Y-%m-%d}")
 
 
 def write_json(path: str, data) -> None:
@@ -271,7 +270,7 @@ def plot(run: dict, path: str):
     plt.close(fig)
     return path, ""
   except Exception as e:  # noqa: BLE001  (the plot is optional; the JSON is already written)
-    return None, f"plotting failed: {type(e).__name__}: {e}"
+    return None, f"plotting failed: {kernels.short_error(e)}"
 
 
 def summary(run: dict) -> str:

@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxinfer import models, presets
 from jaxinfer.bench.decode import count_xla_compiles, decode_bytes_per_step, expected_experts
-from jaxinfer.bench.kernels import measure_roofline
+from jaxinfer.bench.kernels import measure_roofline, short_error
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.engine.speculative import MTPConfig
@@ -128,11 +128,6 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
 # ----------------------------------------------------------------------------- time box
 
 
-def _short(e: BaseException) -> str:
-  lines = str(e).strip().splitlines()
-  return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
-
-
 def _json_safe(x):
   """NaN / inf (an acceptance with nothing drafted) -> None, so the JSON is strict."""
   if isinstance(x, float) and not math.isfinite(x):
@@ -175,7 +170,7 @@ class _Box:
       try:
         entry = _json_safe(dict(status="ok", **fn()))
       except Exception as e:  # noqa: BLE001  (recorded; the next measurement runs)
-        entry = dict(status="error", error=_short(e))
+        entry = dict(status="error", error=short_error(e))
       entry["wall_s"] = self.walls[kind] = time.monotonic() - t0
       print(f"[engine bench] {key}: {entry['status']} ({entry['wall_s']:.1f}s)"
             + (f" {entry['error']}" if "error" in entry else ""), flush=True)

@@ -134,7 +134,7 @@ def _gpu_peer(env, module):
   try:
     return importlib.import_module(module), ""
   except Exception as e:  # noqa: BLE001  (any import failure means "not available")
-    return None, f"not importable: {_short(e)}"
+    return None, f"not importable: {short_error(e)}"
 
 
 def _split_count(env, programs, pages_per_seq):
@@ -562,7 +562,8 @@ def _metrics(case, t, roof):
               frac_peak_bw=gbps / roof["hbm_gbps"], roofline_frac=floor)
 
 
-def _short(e):
+def short_error(e):
+  """An exception as one line: 'Type: first line of the message' (<= 300 chars)."""
   text = f"{type(e).__name__}: {e}".strip().splitlines()
   return (text[0] if text else type(e).__name__)[:300]
 
@@ -591,7 +592,7 @@ def _run_case(case, env, roof, *, warmup, repeats, deadline=None):
     try:
       ref = jax.block_until_ready(jax.jit(case.reference.fn)(*up)).astype(jnp.float32)
     except Exception as e:  # noqa: BLE001
-      why_no_ref = f"reference failed: {_short(e)}"
+      why_no_ref = f"reference failed: {short_error(e)}"
     del up
   tol = 5e-3 if jnp.dtype(env.dtype) == jnp.float32 else 2e-2
   entry.update(rel_err_tol=tol, reference_note=why_no_ref)
@@ -613,7 +614,7 @@ def _run_case(case, env, roof, *, warmup, repeats, deadline=None):
       if impl.post:
         out = impl.post(out)
     except Exception as e:  # noqa: BLE001
-      rec.update(status="error", error=_short(e))
+      rec.update(status="error", error=short_error(e))
       continue
     time_s = statistics.median(t)
     rec.update(status="ok", time_s=time_s, time_min_s=min(t), time_max_s=max(t),
@@ -810,7 +811,7 @@ def plot(result, path):
   try:
     return _plot(result, path), "matplotlib is not installed"
   except Exception as e:  # noqa: BLE001  (the plot is optional; the JSON is already written)
-    return None, f"plotting failed: {_short(e)}"
+    return None, f"plotting failed: {short_error(e)}"
 
 
 def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret=None,
