@@ -205,6 +205,14 @@ class PageAllocator:
     self.hash_page[h] = page
     self.events.append(("stored", h))
 
+  def forget_cached(self) -> None:
+    """Empties the prefix cache (the pool's contents were lost): evictable
+    pages become free, referenced ones stay their holders'."""
+    for page in list(self.page_hash):
+      self._forget(page)
+    self.free.extend(self.lru)
+    self.lru.clear()
+
   def _forget(self, page: int) -> None:
     h = self.page_hash.pop(page, None)
     if h is not None:

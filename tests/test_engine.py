@@ -171,6 +171,24 @@ def test_abort_frees_pages_and_others_finish(async_scheduling):
     eng.abort(99)
 
 
+def test_recover_after_a_failed_step_ends_its_requests_and_rebuilds_the_pool():
+  cfg, params = _model("tiny_dense")
+  prompts = _prompts(cfg, [30, 30], seed=3)
+  eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64))
+  eng.generate([prompts[0]], SamplingParams(max_tokens=2))  # its pages enter the prefix cache
+  assert eng.stats()["kv_pages_cached"] > 0
+  ids = [eng.submit(p, SamplingParams(max_tokens=8)) for p in prompts]
+  eng.step()
+  jax.tree.map(lambda a: a.delete(), eng.pool)  # a step that failed after taking the pool
+  assert sorted(eng.recover()) == ids
+  assert {eng.output(i).finish_reason for i in ids} == {"error"}
+  assert not eng.has_unfinished() and eng.stats()["kv_pages_cached"] == 0
+  _no_leak(eng)
+  # The rebuilt pool serves as a fresh engine does (no stale prefix-cache hit).
+  assert ([o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=4))]
+          == engine.greedy_reference(cfg, params, prompts, 4))
+
+
 @pytest.mark.parametrize("prompt,sampling,exc,match", [
     ([], None, ValueError, "prompt must be a non-empty"),
     ([1, 256], None, ValueError, r"prompt token ids must be in \[0, 256\)"),

@@ -246,7 +246,7 @@ def test_hostile_values_get_400s_and_the_engine_keeps_serving(default):
     r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
         model="default", prompt="def f():", max_tokens=4, temperature=0.7, **extra))
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4, r.text
-  assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+  assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
 @pytest.mark.parametrize("raw,code", [(b'{"model": "default", "prompt": ', "invalid_json"),
@@ -267,7 +267,7 @@ def test_models_health_metrics(default):
   server, _, _ = default
   models_ = _client(server).models.list()
   assert [m.id for m in models_.data] == ["default"]
-  assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+  assert httpx.get(server.url + "/health").json()["status"] == "ok"
   assert _metric(server, "jaxinfer_time_to_first_token_seconds_count") > 0
   assert _metric(server, "jaxinfer_time_per_output_token_seconds_count") > 0
   assert _metric(server, "jaxinfer_kv_pages_total") == 255
@@ -306,21 +306,56 @@ def test_full_queue_gets_a_429_at_once(cluster_server):
   assert r.usage.completion_tokens == 2  # the place is free again
 
 
-def test_a_failed_engine_answers_500_then_503():
+def _failing_server(fail_steps: int):
+  """A tiny engine whose next fail_steps steps run, then consume the page
+  pool (as a device error after donation would) and raise."""
   cfg = dataclasses.replace(presets.get("tiny_dense", num_layers=1), dtype="float32")
   engine = Engine(cfg, models.init_params(cfg, jax.random.key(0)),
-                  EngineConfig(page_size=8, num_pages=16))
+                  EngineConfig(page_size=8, num_pages=16, max_num_seqs=4))
+  real_step, left = engine.step, [fail_steps]
   def step():
+    if left[0] <= 0:
+      return real_step()
+    left[0] -= 1
+    real_step()
+    jax.tree.map(lambda a: a.delete(), engine.pool)
     raise RuntimeError("device lost")
-  engine.step = step  # the next step fails, as a device error would
-  server = _Server(make_app(engine, ByteTokenizer(), "tiny"))
+  engine.step = step
+  return engine, _Server(make_app(engine, ByteTokenizer(), "tiny"))
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_serves_on():
+  engine, server = _failing_server(fail_steps=1)
   try:
-    body = dict(model="tiny", prompt="ab", max_tokens=2)
+    body = dict(model="tiny", prompt="ab", max_tokens=3, temperature=0)
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text
+    health = httpx.get(server.url + "/health").json()
+    assert health["status"] == "degraded" and health["step_failures"] == 1, health
+    assert "device lost" in health["last_error"]
+    r = httpx.post(server.url + "/v1/completions", json=dict(body, return_token_ids=True),
+                   timeout=30)  # served on the rebuilt pool, as a fresh engine would
+    assert r.status_code == 200, r.text
+    fresh = Engine(engine.cfg, engine.params, EngineConfig(page_size=8, num_pages=16))
+    ref = fresh.generate([list(b"ab")], SamplingParams(max_tokens=3))[0].token_ids
+    assert r.json()["choices"][0]["token_ids"] == ref
+    assert _metric(server, "jaxinfer_requests_total", '{finish_reason="error"}') == 1
+    assert _metric(server, "jaxinfer_kv_pages_used") == 0
+  finally:
+    server.close()
+
+
+def test_an_engine_failing_every_step_is_dead_then_503():
+  _, server = _failing_server(fail_steps=10**6)
+  try:
+    body = dict(model="tiny", prompt="ab", max_tokens=2)
+    for _ in range(3):  # MAX_CONSECUTIVE_FAILURES
+      r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+      assert r.status_code == 500 and "device lost" in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 503 and "device lost" in r.json()["error"]["message"], r.text
-    assert httpx.get(server.url + "/health").status_code == 503
+    health = httpx.get(server.url + "/health")
+    assert health.status_code == 503 and health.json()["status"] == "dead"
     assert "jaxinfer_requests_total" in httpx.get(server.url + "/metrics", timeout=10).text
   finally:
     server.close()

@@ -136,6 +136,14 @@ class EngineCore:
       self.schedulers[req.rank].finish(req, "abort")
     return self.output(request_id)
 
+  def _fail_unfinished(self) -> list[int]:
+    """Ends every queued or running request with finish_reason "error"
+    (a step failed), freeing its pages. -> their ids."""
+    ended = [r for s in self.schedulers for r in (*s.running, *s.waiting)]
+    for req in ended:
+      self.schedulers[req.rank].finish(req, "error")
+    return [r.id for r in ended]
+
   def has_unfinished(self) -> bool:
     """Whether any request is queued or running."""
     return any(s.has_work() for s in self.schedulers)

@@ -277,9 +277,13 @@ class Engine(EngineCore):
     if kind is not None:
       scales, self.kv_scales_source = kv_scales.resolve(self.cfg, params, found_scales,
                                                         kind, mtp_too=mtp)
+    self._pool_scales = None if scales is None else jax.tree.map(np.asarray, scales)
+    return self._zero_pool(num_pages)
+
+  def _zero_pool(self, num_pages: int):
     return kv_cache.init_pool(self.cfg, num_pages, self.config.page_size, self.kv_dtype,
                               sharding=self._pool_sharding() if self.mesh is not None else None,
-                              mtp=mtp, scales=scales)
+                              mtp=self._spec is not None, scales=self._pool_scales)
 
   @property
   def kv_scales(self) -> list[dict] | None:
@@ -346,6 +350,25 @@ class Engine(EngineCore):
     rank steps together, an idle one on an all-padding batch."""
     self._check_not_released()
     return self._runner.step(self)
+
+  def recover(self) -> list[int]:
+    """After `step` raised: ends every queued and running request with
+    finish_reason "error" (their pages freed, none published to the prefix
+    cache), drops the steps in flight, and rebuilds the device state the
+    failed step may have consumed (a donated page pool is rebuilt zeroed and
+    the prefix cache emptied; the expert load restarts). Requests submitted
+    afterwards run as on a fresh engine. -> the ids of the requests it ended."""
+    self._check_not_released()
+    ended = self._fail_unfinished()
+    counts, self._runner = self._runner.counts, type(self._runner)(self)
+    self._runner.counts = counts
+    if any(a.is_deleted() for a in jax.tree.leaves(self.pool)):
+      self.pool = self._zero_pool(self.allocator.num_pages * self.num_ranks)
+      for a in self.allocators:
+        a.forget_cached()
+    if self._load is not None and self._load.is_deleted():
+      self._load = self._zero_load()
+    return ended
 
   def release(self) -> None:
     """Frees this engine's device memory for good: the KV pool, its weights,

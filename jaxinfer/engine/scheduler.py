@@ -421,7 +421,8 @@ class Scheduler:
     elif req in self.waiting:
       self.waiting.remove(req)
     if req.pages:
-      self._register_full_pages(req)
+      if reason != "error":  # a failed step's pages may hold anything: never publish them
+        self._register_full_pages(req)
       if not (req.hold_pages and reason != "abort"):
         self.alloc.release(req.pages)
         req.pages = []

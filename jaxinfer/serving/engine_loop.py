@@ -12,17 +12,31 @@ Nothing but the loop's thread touches the backend. A request ends with
 exactly one "done" (a `Result`) or "error" (an `ApiError`); `submit` refuses
 at once (429) when `max_queue` requests are already held, and so does a
 Cluster whose own queue is full.
+
+A step that raises is logged with its traceback; a backend with `recover`
+(an `Engine`) then ends the requests it held with finish_reason "error" and
+the reason, and goes on serving (`health` says "degraded" for
+DEGRADED_WINDOW_S after). The engine is "dead" (every request a 503) when
+recovery fails, when MAX_CONSECUTIVE_FAILURES steps fail in a row, or when
+the backend cannot recover (a Cluster).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import queue
 import threading
+import time
 
 from jaxinfer.serving.flow import Flow, QueueFull
 from jaxinfer.serving.openai_protocol import ApiError
+
+log = logging.getLogger("jaxinfer.serving")
+
+MAX_CONSECUTIVE_FAILURES = 3
+DEGRADED_WINDOW_S = 300.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +97,10 @@ class EngineLoop:
     self._lock = threading.Lock()
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._run, daemon=True, name="engine-loop")
-    self.error: BaseException | None = None
+    self.error: BaseException | None = None  # the engine is dead
+    self.step_failures = 0
+    self._failed_in_a_row = 0
+    self._last_failure: tuple[float, str] | None = None  # (monotonic time, error)
 
   # ------------------------------------------------------------ event loop side
 
@@ -116,6 +133,19 @@ class EngineLoop:
     if not stream.closed:
       self._inbox.put(("abort", stream, reason))
 
+  def health(self) -> dict:
+    """{"status": "ok" | "degraded" | "dead", "step_failures": n, and when
+    one happened "last_error" and "last_failure_s_ago"}."""
+    out = dict(status="ok", step_failures=self.step_failures)
+    if self._last_failure is not None:
+      at, why = self._last_failure
+      out.update(last_error=why, last_failure_s_ago=round(time.monotonic() - at, 3))
+      if time.monotonic() - at < DEGRADED_WINDOW_S:
+        out["status"] = "degraded"
+    if self.error is not None:
+      out.update(status="dead", error=repr(self.error))
+    return out
+
   async def stats(self) -> dict:
     """A snapshot of the backend's counters, taken on the engine thread."""
     loop = asyncio.get_running_loop()
@@ -133,13 +163,40 @@ class EngineLoop:
         busy = self.backend.has_unfinished()
         self._drain(block=not busy)
         if self.backend.has_unfinished():
-          self._dispatch(self.backend.step())
+          self._step()
     except BaseException as e:  # noqa: BLE001 - every held request is told
+      log.critical("the engine loop failed; every request now gets a 503", exc_info=e)
       self.error = e
       for stream in list(self._live.values()):
         self._end(stream, error=ApiError(500, f"the engine failed: {e!r}", kind="server_error"))
       while not self._stop.is_set():  # from now on every request gets a 503, never silence
         self._drain(block=True)
+
+  def _step(self) -> None:
+    try:
+      events = self.backend.step()
+    except Exception as e:  # noqa: BLE001 - its requests fail, the others go on
+      self._step_failed(e)
+      return
+    self._failed_in_a_row = 0
+    self._dispatch(events)
+
+  def _step_failed(self, e: Exception) -> None:
+    """Ends the failed step's requests with the reason; raises (the engine
+    is dead) when the backend cannot recover."""
+    why = f"the engine step failed: {type(e).__name__}: {e}"
+    self.step_failures += 1
+    self._failed_in_a_row += 1
+    self._last_failure = (time.monotonic(), why)
+    log.error("%s (requests held: %d; failure %d in a row)", why, len(self._live),
+              self._failed_in_a_row, exc_info=e)
+    recover = getattr(self.backend, "recover", None)
+    if recover is None or self._failed_in_a_row >= MAX_CONSECUTIVE_FAILURES:
+      raise RuntimeError(f"{why} ({self._failed_in_a_row} in a row; no recovery)") from e
+    recover()
+    for rid, stream in list(self._live.items()):  # every request it held ended
+      result = result_of(self.backend, rid)
+      self._end(stream, result=dataclasses.replace(result, finish_reason="error", error=why))
 
   def _drain(self, block: bool) -> None:
     while True:

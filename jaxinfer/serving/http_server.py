@@ -165,9 +165,10 @@ class _Handlers:
                                         "max_model_len": self.loop.max_model_len}]}
 
   async def health(self):
-    if self.loop.error is not None:
-      return JSONResponse({"status": "error", "error": repr(self.loop.error)}, status_code=503)
-    return {"status": "ok"}
+    """200 while the engine serves ("ok", or "degraded" after a recent step
+    failure); 503 once it is dead (`EngineLoop.health`)."""
+    health = self.loop.health()
+    return JSONResponse(health, status_code=503 if health["status"] == "dead" else 200)
 
   async def metrics_text(self):
     return Response(self.metrics.render(await self.loop.stats()), media_type=CONTENT_TYPE)
