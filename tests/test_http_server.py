@@ -190,7 +190,9 @@ BAD = {
     "max_tokens over the context": (dict(max_tokens=2047), "max_tokens", "context_length_exceeded"),
     "temperature": (dict(temperature=-1.0), "temperature", None),
     "top_p": (dict(top_p=0.0), "top_p", None),
-    "n": (dict(n=2), "n", None),
+    "n over its cap": (dict(n=129), "n", None),
+    "n x prompts over the cap": (dict(n=100, prompt=["a", "b", "c"]), "n", None),
+    "top_logprobs over 20": (dict(logprobs=21), "logprobs", None),
     "empty prompt": (dict(prompt=""), "prompt", None),
     "token id type": (dict(prompt=[1, "x"]), "prompt", None),
     "token id out of the vocabulary": (dict(prompt=[1, 300]), "", None),  # the engine's check
@@ -221,7 +223,7 @@ HOSTILE = {
     "seed": [2**64, -2**63 - 1, True, 1.5],
     "n": [2**63, 0, True],
     "frequency_penalty": [1e308, True], "presence_penalty": [1e308, "0"],
-    "logprobs": [2**63], "best_of": [2**63, 0],
+    "logprobs": [2**63, -1, 21, True], "prompt_logprobs": [21, False], "best_of": [2**63, 0],
     "prompt": [[[False]], [True], [-1], [2**31], [[2**40]]],
     "echo": [1, "yes"],
 }

@@ -32,6 +32,7 @@ class RequestMetrics:
   computed_prompt_tokens: int  # prompt tokens computed (more than uncached after a preemption)
   generated_tokens: int
   preemptions: int
+  queue_s: float | None = None  # submit -> first scheduled (None: not yet, or prefilled elsewhere)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,9 @@ class EngineCore:
     metrics = RequestMetrics(ttft_s=ttft, tpot_s=tpot, prompt_tokens=len(req.prompt),
                              cached_prompt_tokens=req.cached_prompt_tokens,
                              computed_prompt_tokens=req.prefill_computed,
-                             generated_tokens=len(req.output), preemptions=req.preemptions)
+                             generated_tokens=len(req.output), preemptions=req.preemptions,
+                             queue_s=(None if req.admitted_s is None
+                                      else req.admitted_s - req.arrival_s))
     return RequestOutput(request_id=req.id, prompt_token_ids=list(req.prompt),
                          token_ids=list(req.output), finish_reason=req.finish_reason,
                          metrics=metrics)

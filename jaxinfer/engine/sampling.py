@@ -41,6 +41,7 @@ class SamplingParams:
 
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
+MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 FLOAT32_MAX = 3.4028234663852886e38
 
 

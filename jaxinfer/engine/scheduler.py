@@ -67,6 +67,7 @@ class Request:
   page_hashes: list[bytes] = dataclasses.field(default_factory=list)
   finish_reason: str | None = None
   arrival_s: float = dataclasses.field(default_factory=time.perf_counter)
+  admitted_s: float | None = None  # first scheduled
   first_token_s: float | None = None
   finish_s: float | None = None
   cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
@@ -255,7 +256,7 @@ class Scheduler:
         break
       req.pages += self.alloc.allocate(need) if need > 0 else []
       if not req.admitted:
-        req.admitted = True
+        req.admitted, req.admitted_s = True, time.perf_counter()
         req.cached_prompt_tokens = min(req.num_computed, len(req.prompt))
       self.waiting.popleft()
       self.running.append(req)

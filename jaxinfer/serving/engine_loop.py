@@ -4,7 +4,7 @@ queue and reads each request's tokens from its own asyncio queue.
 
   loop = EngineLoop(engine, max_queue=64); loop.start()
   stream = loop.submit(prompt_ids, sampling)       # on the event loop
-  kind, payload = await stream.get()               # ("accepted", None), then ("tokens", ids)...
+  kind, payload = await stream.get()               # ("accepted", None), then ("tokens", Tokens)...
                                                    # and ("done", Result) or ("error", ApiError)
   loop.abort(stream, reason="abort")               # e.g. the client went away
 
@@ -41,20 +41,38 @@ DEGRADED_WINDOW_S = 300.0
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-  """How a request ended, in the backend's terms."""
+  """How a request ended, in the backend's terms (an `Engine`'s
+  `RequestOutput`, a Cluster's `ServeOutput`), and its time in the server."""
   token_ids: list[int]
   prompt_tokens: int
   finish_reason: str  # "stop" | "length" | "abort" | "error"
   error: str | None
   ttft_s: float | None
   tpot_s: float | None
+  queue_s: float | None = None  # submitted -> first scheduled (an Engine)
+  cached_prompt_tokens: int = 0
+  logprobs: list | None = None  # `TokenLogprobs` per token (sampling.logprobs set)
+  prompt_logprobs: list | None = None  # per prompt token, the first None
+  e2e_s: float | None = None  # handed to the engine thread -> ended
+
+
+@dataclasses.dataclass(frozen=True)
+class Tokens:
+  """New tokens of a request, with their `TokenLogprobs` when it asked;
+  its first also brings the prompt's logprobs when it asked for those."""
+  ids: list[int]
+  logprobs: list | None = None
+  prompt_logprobs: list | None = None
 
 
 class Stream:
   """One request's channel from the engine thread to its handler."""
 
-  def __init__(self, loop: asyncio.AbstractEventLoop):
+  def __init__(self, loop: asyncio.AbstractEventLoop, sampling=None):
     self._loop, self._queue = loop, asyncio.Queue()
+    self.t0 = time.monotonic()
+    self.logprobs = sampling is not None and (getattr(sampling, "logprobs", None) is not None or
+                                              getattr(sampling, "prompt_logprobs", None) is not None)
     self.rid: int | None = None
     self.first_token = False
     self.closed = False  # "done" / "error" delivered, or aborted
@@ -75,11 +93,13 @@ def _engines(backend):
 
 def result_of(backend, rid: int) -> Result:
   out = backend.output(rid)
-  m = getattr(out, "metrics", None)  # Engine: RequestOutput.metrics; Cluster: ServeOutput
+  m = getattr(out, "metrics", out)  # Engine: RequestOutput.metrics; Cluster: ServeOutput
   return Result(token_ids=list(out.token_ids), prompt_tokens=len(out.prompt_token_ids),
                 finish_reason=out.finish_reason, error=getattr(out, "error", None),
-                ttft_s=m.ttft_s if m is not None else out.ttft_s,
-                tpot_s=m.tpot_s if m is not None else out.tpot_s)
+                ttft_s=m.ttft_s, tpot_s=m.tpot_s, queue_s=getattr(m, "queue_s", None),
+                cached_prompt_tokens=m.cached_prompt_tokens,
+                logprobs=getattr(out, "logprobs", None),
+                prompt_logprobs=getattr(out, "prompt_logprobs", None))
 
 
 class EngineLoop:
@@ -124,7 +144,7 @@ class EngineLoop:
                        f"{self.max_queue}); retry later", code="queue_full",
                        kind="rate_limit_exceeded")
       self._held += 1
-    stream = Stream(asyncio.get_running_loop())
+    stream = Stream(asyncio.get_running_loop(), sampling)
     self._inbox.put(("submit", stream, prompt, sampling, images))
     return stream
 
@@ -242,13 +262,23 @@ class EngineLoop:
       if stream is None:
         continue
       if new:
+        stream.post(("tokens", self._tokens(stream, rid, new)))
         stream.first_token = True
-        stream.post(("tokens", [int(t) for t in new]))
       if finished:
         self._end(stream, result=result_of(self.backend, rid))
 
+  def _tokens(self, stream: Stream, rid: int, new) -> Tokens:
+    ids = [int(t) for t in new]
+    if not stream.logprobs:
+      return Tokens(ids)
+    out = self.backend.output(rid)
+    lps = out.logprobs[len(out.token_ids) - len(ids):] if out.logprobs is not None else None
+    return Tokens(ids, lps, None if stream.first_token else out.prompt_logprobs)
+
   def _end(self, stream: Stream, *, result: Result | None = None,
            error: ApiError | None = None) -> None:
+    if result is not None:
+      result = dataclasses.replace(result, e2e_s=time.monotonic() - stream.t0)
     stream.closed = True
     self._live.pop(stream.rid, None)
     with self._lock:
@@ -266,5 +296,7 @@ class EngineLoop:
     return dict(held=held, waiting=held - sum(s.first_token for s in self._live.values()),
                 running=total("running"), kv_pages_used=total("kv_pages_used"),
                 kv_pages_free=total("kv_pages_free"), kv_pages_total=total("kv_pages_total"),
-                kv_pages_cached=total("kv_pages_cached"),
+                kv_pages_cached=total("kv_pages_cached"), preemptions=total("preemptions"),
+                prompt_tokens=total("prompt_tokens"),
+                cached_prompt_tokens=total("cached_prompt_tokens"), compiles=total("compiles"),
                 spec_mean_accepted_length=sum(spec) / len(spec) if spec else None)

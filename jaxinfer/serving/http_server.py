@@ -6,14 +6,25 @@
 
 Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with
 "stream": true: `data: {chunk}` events, then `data: [DONE]`), GET
-/v1/models, /health and /metrics (Prometheus text). One thread owns the
-backend (`EngineLoop`); handlers hand it requests and read their tokens.
+/v1/models, /health (ok, degraded or dead: `EngineLoop.health`) and
+/metrics (Prometheus text), and vLLM's tokenizer routes GET /tokenizer_info,
+POST /tokenize and /detokenize. /openapi.json has every request body's
+schema. One thread owns the backend (`EngineLoop`); handlers hand it
+requests and read their tokens (`http_generate`).
+
+Completions take a prompt or a list of them (strings or token ids), n
+copies of each; logprobs (top 0-20 alternatives) and echo (the prompt,
+with its logprobs when logprobs are asked: lm-eval's loglikelihood), and
+vLLM's prompt_logprobs, return_token_ids and return_tokens_as_token_ids.
+Chat takes n, logprobs and top_logprobs.
 
 A bad request gets a 400 with an OpenAI error body naming the field: an
 unknown model, prompt + max_tokens over the context or max_tokens over
-max_tokens_cap, bad sampling values, n != 1, numbers the step's arrays
+max_tokens_cap, bad sampling values, n or prompts over their caps, numbers the step's arrays
 cannot hold (int32 counts and token ids, float32 values) or booleans given
-as numbers, malformed JSON, a body over max_body_bytes. When max_queue
+as numbers, malformed JSON, a body over max_body_bytes, logprobs from a
+Cluster backend (its workers keep them). Unknown paths and methods get
+OpenAI error bodies too (404, 405). When max_queue
 requests are held, or a Cluster's queue is full, a request gets 429 at
 once. With api_key, /v1/ routes need `Authorization: Bearer <api_key>`
 (else 401). A client that disconnects
@@ -28,19 +39,24 @@ images get a 400).
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import secrets
-import time
-import uuid
 
 import fastapi
+import fastapi.openapi.utils
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxinfer.serving import chat_images
 from jaxinfer.serving import openai_protocol as proto
 from jaxinfer.serving.engine_loop import EngineLoop
+from jaxinfer.serving.flow import Flow
+from jaxinfer.serving.http_generate import Choice, Generation, Shape, collect, sse
 from jaxinfer.serving.http_metrics import CONTENT_TYPE, HttpMetrics
+from jaxinfer.serving.openai_logprobs import CompletionLogprobs, TokenText
 from jaxinfer.serving.openai_protocol import ApiError
+
+log = logging.getLogger("jaxinfer.serving")
 
 __all__ = ["make_app"]
 
@@ -70,12 +86,44 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
   app = fastapi.FastAPI(title="jaxinfer", lifespan=lifespan)
   app.state.engine_loop = h.loop
   app.add_exception_handler(ApiError, h.api_error)
-  app.add_api_route("/v1/completions", h.completions, methods=["POST"])
-  app.add_api_route("/v1/chat/completions", h.chat_completions, methods=["POST"])
+  app.add_exception_handler(StarletteHTTPException, h.http_error)  # unknown paths, methods
+  app.add_exception_handler(Exception, h.internal_error)
+  for path, route, body in (("/v1/completions", h.completions, proto.CompletionRequest),
+                            ("/v1/chat/completions", h.chat_completions, proto.ChatRequest),
+                            ("/tokenize", h.tokenize, proto.TokenizeRequest),
+                            ("/detokenize", h.detokenize, proto.DetokenizeRequest)):
+    app.add_api_route(path, route, methods=["POST"], openapi_extra=_request_body(body))
   app.add_api_route("/v1/models", h.models, methods=["GET"])
+  app.add_api_route("/tokenizer_info", h.tokenizer_info, methods=["GET"])
   app.add_api_route("/health", h.health, methods=["GET"])
   app.add_api_route("/metrics", h.metrics_text, methods=["GET"])
+  app.openapi = lambda: _openapi(app)
   return app
+
+
+_BODIES = (proto.CompletionRequest, proto.ChatRequest, proto.TokenizeRequest,
+           proto.DetokenizeRequest)
+
+
+def _request_body(model) -> dict:
+  """A route's OpenAPI request body: the protocol model's schema (the
+  handlers read the raw body themselves, to bound its size)."""
+  return {"requestBody": {"required": True, "content": {"application/json": {
+      "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi(app: fastapi.FastAPI) -> dict:
+  """FastAPI's schema with the protocol models (and what they use) as components."""
+  if app.openapi_schema is None:
+    schema = fastapi.openapi.utils.get_openapi(title=app.title, version=app.version,
+                                               routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for model in _BODIES:
+      body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+      components.update(body.pop("$defs", {}))
+      components[model.__name__] = body
+    app.openapi_schema = schema
+  return app.openapi_schema
 
 
 class _Handlers:
@@ -92,6 +140,7 @@ class _Handlers:
       raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
     if not isinstance(chat_template, proto.ChatTemplate):
       chat_template = proto.ChatTemplate(chat_template or proto.BUILTIN_CHAT_TEMPLATE)
+    self.special_tokens = chat_template.special_tokens
     self.tokenizer, self.model_name, self.chat_template = tokenizer, model_name, chat_template
     self.max_body_bytes, self.api_key = max_body_bytes, api_key
 
@@ -99,7 +148,21 @@ class _Handlers:
     self.metrics.refused.labels(str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status)
 
-  async def _body(self, request: fastapi.Request, model: type) -> proto._Request:
+  async def http_error(self, request, e: StarletteHTTPException):
+    """Starlette's own errors (404 unknown path, 405 method) in OpenAI's body."""
+    kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "api_error")
+    return await self.api_error(request, ApiError(
+        e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind,
+        code=str(e.status_code)))
+
+  async def internal_error(self, request, e: Exception):
+    """A bug (never a bad request): logged with its traceback, a 500 body."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=e)
+    return await self.api_error(request, ApiError(
+        500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
+
+  async def _body(self, request: fastapi.Request, model: type, *,
+                  check_model: bool = True) -> proto._Request:
     if self.api_key is not None:
       got = request.headers.get("authorization", "")
       if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
@@ -115,20 +178,41 @@ class _Handlers:
       if len(data) > self.max_body_bytes:
         raise too_big
     req = proto.parse(model, bytes(data))
-    if req.model != self.model_name:
+    if check_model and req.model != self.model_name:
       raise ApiError(400, f"model: unknown model {req.model!r}; this server serves "
                      f"{self.model_name!r}", param="model", code="model_not_found")
     return req
 
-  def _sampling(self, req, prompt, default_max_tokens):
-    return proto.sampling_params(req, prompt_len=len(prompt),
+  def _choices(self, req, prompts, default_max_tokens, *, echo: bool = False) -> list:
+    """prompts x n `Choice`s, each prompt's sampling checked against its length."""
+    counts = proto.logprob_counts(req)
+    if isinstance(self.loop.backend, Flow) and any(v is not None for v in counts.values()):
+      raise ApiError(400, "logprobs: not served by a cluster backend; serve an Engine",
+                     param="logprobs")
+    stops = proto.stop_strings(req)
+    choices = []
+    for prompt in prompts:
+      sp = proto.sampling_params(req, prompt_len=len(prompt),
                                  max_model_len=self.loop.max_model_len, max_tokens_cap=self.cap,
                                  default_max_tokens=default_max_tokens)
+      for copy in proto.copies(sp, req.n):
+        lp = None if req.chat else (None if counts["logprobs"] is None else
+                                    CompletionLogprobs(self._text(req), counts["logprobs"]))
+        choices.append(Choice(
+            index=len(choices), prompt=prompt, sampling=copy,
+            detok=proto.Detokenizer(self.tokenizer, stops), lp=lp,
+            echo=self.tokenizer.decode(prompt) if echo else "",
+            chat_top=counts["logprobs"] if req.chat else None))
+    return choices
+
+  def _text(self, req) -> TokenText:
+    return TokenText(self.tokenizer, req.return_tokens_as_token_ids)
 
   async def completions(self, request: fastapi.Request):
     req = await self._body(request, proto.CompletionRequest)
-    prompt = proto.completion_prompt(req, self.tokenizer)
-    return await self._serve(request, req, prompt, self._sampling(req, prompt, 16), chat=False)
+    prompts = proto.completion_prompts(req, self.tokenizer)
+    choices = self._choices(req, prompts, 16, echo=req.echo)
+    return await self._serve(request, req, choices, chat=False)
 
   async def chat_completions(self, request: fastapi.Request):
     req = await self._body(request, proto.ChatRequest)
@@ -139,25 +223,45 @@ class _Handlers:
               proto.encode(self.tokenizer, text, special=False))
     if not prompt:
       raise ApiError(400, "messages: the rendered chat prompt is empty", param="messages")
-    return await self._serve(request, req, prompt, self._sampling(req, prompt, None), chat=True,
+    return await self._serve(request, req, self._choices(req, [prompt], None), chat=True,
                              images=images)
 
-  async def _serve(self, request, req, prompt, sp, *, chat: bool, images=None):
-    detok = proto.Detokenizer(self.tokenizer, proto.stop_strings(req))
-    stream = self.loop.submit(prompt, sp, images)
-    kind, payload = await stream.get()  # "accepted", or the backend refused it
-    if kind == "error":
-      raise payload
-    events = _events(self.loop, request, stream, detok)
-    shape = _Shape(chat=chat, model=self.model_name, prompt_tokens=len(prompt), detok=detok,
-                   token_ids=req.return_token_ids)
-    if req.stream:
-      include_usage = bool((req.stream_options or {}).get("include_usage"))
-      return StreamingResponse(_sse(shape, events, include_usage), media_type="text/event-stream")
-    text, finish = [], None
-    async for delta, finish, _ in events:
-      text.append(delta)
-    return shape.whole("".join(text), finish)
+  async def _serve(self, request, req, choices, *, chat: bool, images=None):
+    gen = Generation(self.loop, request, choices, req.n, images)
+    shape = Shape(chat=chat, model=self.model_name, choices=choices, text=self._text(req),
+                  token_ids=req.return_token_ids, prompt_logprobs=req.prompt_logprobs is not None)
+    if not req.stream:
+      return await collect(gen, shape)
+    await gen.start()  # refusals (429, 400 from the backend) before the headers
+    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    return StreamingResponse(sse(gen, shape, include_usage), media_type="text/event-stream")
+
+  # ---------------------------------------------------------------- tokenizer (vLLM's routes)
+
+  async def tokenizer_info(self):
+    """vLLM's GET /tokenizer_info: what a client needs to tokenize as we do."""
+    tokens = self.special_tokens
+    return {"tokenizer_class": type(self.tokenizer).__name__,
+            "vocab_size": getattr(self.tokenizer, "vocab_size", None),
+            "eos_token": tokens.get("eos_token") or None,
+            "bos_token": tokens.get("bos_token") or None, "pad_token": None,
+            "chat_template": self.chat_template.source,
+            "model_max_length": self.loop.max_model_len}
+
+  async def tokenize(self, request: fastapi.Request):
+    req = await self._body(request, proto.TokenizeRequest, check_model=False)
+    if req.prompt is not None:
+      ids = proto.encode(self.tokenizer, req.prompt, special=req.add_special_tokens)
+    else:
+      ids = proto.encode(self.tokenizer, self.chat_template.render(req.messages), special=False)
+    return {"tokens": ids, "count": len(ids), "max_model_len": self.loop.max_model_len}
+
+  async def detokenize(self, request: fastapi.Request):
+    req = await self._body(request, proto.DetokenizeRequest, check_model=False)
+    vocab = getattr(self.tokenizer, "vocab_size", None)
+    if vocab is not None and any(t >= vocab for t in req.tokens):
+      raise ApiError(400, f"tokens: token ids must be in [0, {vocab})", param="tokens")
+    return {"prompt": self.tokenizer.decode(req.tokens)}
 
   async def models(self):
     return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -172,86 +276,3 @@ class _Handlers:
 
   async def metrics_text(self):
     return Response(self.metrics.render(await self.loop.stats()), media_type=CONTENT_TYPE)
-
-
-async def _events(loop: EngineLoop, request, stream, detok):
-  """-> (text delta, finish reason or None, new token ids) until the
-  request ends; a client that went away, or a stop string, aborts it in
-  the engine."""
-  try:
-    while True:
-      kind, payload = await stream.get()
-      if kind == "error":
-        raise payload
-      if kind == "done":
-        if payload.finish_reason == "error":
-          raise ApiError(500, f"the request failed: {payload.error}", kind="server_error")
-        yield detok.add([], final=True), payload.finish_reason, []
-        return
-      delta = detok.add(payload)
-      if detok.stopped:
-        loop.abort(stream, reason="stop")
-        yield delta, "stop", payload
-        return
-      yield delta, None, payload
-      if await request.is_disconnected():
-        return
-  finally:
-    loop.abort(stream)  # a no-op once it ended
-
-
-class _Shape:
-  """OpenAI response and chunk objects of one request."""
-
-  def __init__(self, *, chat: bool, model: str, prompt_tokens: int, detok, token_ids: bool):
-    self.chat, self.model, self.prompt_tokens, self.detok = chat, model, prompt_tokens, detok
-    self.token_ids = token_ids
-    self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    self.created = int(time.time())
-
-  def _head(self, obj: str) -> dict:
-    return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-  def usage(self) -> dict:
-    n = len(self.detok.ids)
-    return {"prompt_tokens": self.prompt_tokens, "completion_tokens": n,
-            "total_tokens": self.prompt_tokens + n}
-
-  def whole(self, text: str, finish: str) -> dict:
-    choice = ({"message": {"role": "assistant", "content": text}} if self.chat else
-              {"text": text, "logprobs": None})
-    if self.token_ids:
-      choice["token_ids"] = list(self.detok.ids)
-    return {**self._head("chat.completion" if self.chat else "text_completion"),
-            "choices": [{"index": 0, **choice, "finish_reason": finish}], "usage": self.usage()}
-
-  def chunk(self, delta: str | None, finish: str | None, ids=(), *, role: bool = False) -> dict:
-    if self.chat:
-      d = {} if delta is None and not role else {"content": delta or ""}
-      choice = {"delta": {"role": "assistant", **d} if role else d}
-    else:
-      choice = {"text": delta or "", "logprobs": None}
-    if self.token_ids:
-      choice["token_ids"] = list(ids)
-    return {**self._head("chat.completion.chunk" if self.chat else "text_completion"),
-            "choices": [{"index": 0, **choice, "finish_reason": finish}]}
-
-
-def _data(obj) -> str:
-  return f"data: {json.dumps(obj)}\n\n"
-
-
-async def _sse(shape: _Shape, events, include_usage: bool):
-  if shape.chat:
-    yield _data(shape.chunk("", None, role=True))
-  try:
-    async for delta, finish, ids in events:
-      if delta or finish or (shape.token_ids and ids):
-        yield _data(shape.chunk(delta if not (shape.chat and finish and not delta) else None,
-                                finish, ids))
-  except ApiError as e:  # after the headers went out: an error event ends the stream
-    yield _data(e.body())
-  if include_usage:
-    yield _data({**shape._head("chat.completion.chunk" if shape.chat else "text_completion"),
-                 "choices": [], "usage": shape.usage()})
-  yield "data: [DONE]\n\n"

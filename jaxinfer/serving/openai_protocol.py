@@ -8,15 +8,16 @@ message naming the field and what it allows.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic
 
-from jaxinfer.engine.sampling import FLOAT32_MAX, SamplingParams
+from jaxinfer.engine.sampling import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams
 from jaxinfer.tokenizer import HFTokenizer
 
 # The default model's template (byte tokenizer, no special tokens): one
@@ -54,7 +55,13 @@ TokenId = Annotated[pydantic.StrictInt, pydantic.Field(ge=0, le=2**31 - 1)]
 Real = Annotated[float, pydantic.BeforeValidator(_number),
                  pydantic.Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 # vLLM's seeds span int64; the step's are uint32 (the low 32 bits are used).
+# n > 1 copies seed + i.
 Seed = Annotated[pydantic.StrictInt, pydantic.Field(ge=-2**63, le=2**64 - 1)]
+MAX_N = 128  # completions per prompt (each one an engine request)
+MAX_PROMPTS = 256  # prompts in one completions request
+
+
+TopLogprobs = Annotated[pydantic.StrictInt, pydantic.Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class _Request(pydantic.BaseModel):
@@ -69,23 +76,28 @@ class _Request(pydantic.BaseModel):
   top_k: Int32 = 0  # an extension (vLLM's): 0 or -1 is off
   seed: Seed | None = None
   stop: str | list[str] | None = None
-  n: Count = 1
+  n: Annotated[pydantic.StrictInt, pydantic.Field(ge=1, le=MAX_N)] = 1
   stream: bool = False
   stream_options: dict | None = None  # {"include_usage": bool}
   user: str | None = None
-  # An extension (vLLM's): the generated token ids, per chunk when streaming.
+  # Extensions (vLLM's): the generated token ids, per chunk when streaming;
+  # the prompt tokens' logprobs (top-k alternatives each); tokens in logprobs
+  # as "token_id:<id>" (a token's text need not be unique nor valid UTF-8).
   return_token_ids: bool = False
+  prompt_logprobs: TopLogprobs | None = None
+  return_tokens_as_token_ids: bool = False
   # Not implemented: accepted at their neutral values only, so clients that
   # send the defaults work and others hear why not.
   frequency_penalty: Real = 0.0
   presence_penalty: Real = 0.0
-  logprobs: pydantic.StrictBool | Int32 | None = None
   best_of: Count | None = None
 
 
 class CompletionRequest(_Request):
+  chat: ClassVar[bool] = False
   prompt: str | list[TokenId] | list[str] | list[list[TokenId]]
   echo: pydantic.StrictBool = False
+  logprobs: TopLogprobs | None = None  # per token: its logprob and the top `logprobs`
 
 
 class ChatMessage(pydantic.BaseModel):
@@ -113,8 +125,34 @@ class ChatMessage(pydantic.BaseModel):
 
 
 class ChatRequest(_Request):
+  chat: ClassVar[bool] = True
   messages: list[ChatMessage]
   max_completion_tokens: Count | None = None
+  logprobs: pydantic.StrictBool = False
+  top_logprobs: TopLogprobs | None = None  # needs logprobs: true
+
+
+class TokenizeRequest(pydantic.BaseModel):
+  """vLLM's POST /tokenize: a prompt, or chat messages (rendered by the
+  server's template)."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  model: str | None = None
+  prompt: str | None = None
+  messages: list[ChatMessage] | None = None
+  add_special_tokens: bool = True
+
+  @pydantic.model_validator(mode="after")
+  def _one_of(self):
+    if (self.prompt is None) == (self.messages is None):
+      raise ValueError("give exactly one of prompt and messages")
+    return self
+
+
+class DetokenizeRequest(pydantic.BaseModel):
+  """vLLM's POST /detokenize."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  model: str | None = None
+  tokens: list[TokenId]
 
 
 def parse(model: type[pydantic.BaseModel], body: bytes):
@@ -143,12 +181,11 @@ def stop_strings(req: _Request) -> list[str]:
 
 def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_tokens_cap: int,
                     default_max_tokens: int | None) -> SamplingParams:
-  """The request's sampling fields -> SamplingParams; max_tokens must fit the
-  context (prompt + max_tokens <= max_model_len) and the server's cap."""
-  if req.n != 1:
-    raise ApiError(400, f"n: only n=1 is supported, got {req.n}", param="n")
+  """The request's sampling fields -> SamplingParams (of its first copy;
+  `copies` gives the n); max_tokens must fit the context (prompt +
+  max_tokens <= max_model_len) and the server's cap."""
   for name, neutral in (("frequency_penalty", (0,)), ("presence_penalty", (0,)),
-                        ("logprobs", (None, False, 0)), ("best_of", (None, 1))):
+                        ("best_of", (None, 1))):
     if getattr(req, name) not in neutral:
       raise ApiError(400, f"{name}: not supported by this server (only {neutral[0]!r}), got "
                      f"{getattr(req, name)!r}", param=name)
@@ -168,29 +205,52 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
                    f"({max_tokens}) is over the model's context of {max_model_len} tokens",
                    param="max_tokens", code="context_length_exceeded")
   seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(31)
+  extra = {k: v for k, v in logprob_counts(req).items() if v is not None}
   try:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                          top_k=0 if req.top_k == -1 else req.top_k, seed=seed)
+                          top_k=0 if req.top_k == -1 else req.top_k, seed=seed, **extra)
   except ValueError as e:
     m = re.match(r"SamplingParams: (\w+)", str(e))
     raise ApiError(400, str(e), param=m.group(1) if m else None) from None
 
 
-def completion_prompt(req: CompletionRequest, tokenizer) -> list[int]:
-  """One prompt (a string or a list of token ids) -> token ids."""
+def logprob_counts(req: _Request) -> dict:
+  """{"logprobs": top-k per generated token, "prompt_logprobs": per prompt
+  token} (None: not asked). echo with logprobs asks the prompt's too."""
+  if isinstance(req, ChatRequest):
+    if req.top_logprobs is not None and not req.logprobs:
+      raise ApiError(400, "top_logprobs: needs logprobs: true", param="top_logprobs")
+    gen = (req.top_logprobs or 0) if req.logprobs else None
+    return dict(logprobs=gen, prompt_logprobs=req.prompt_logprobs)
+  prompt = req.prompt_logprobs
+  if req.echo and req.logprobs is not None:
+    prompt = max(prompt or 0, req.logprobs)
+  return dict(logprobs=req.logprobs, prompt_logprobs=prompt)
+
+
+def copies(sampling: SamplingParams, n: int) -> list[SamplingParams]:
+  """n completions of one prompt: seeds seed, seed + 1, ... (mod 2**32)."""
+  return [dataclasses.replace(sampling, seed=(sampling.seed + i) % 2**32) for i in range(n)]
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[list[int]]:
+  """The request's prompts (a string, a list of token ids, or a list of
+  either) -> token ids per prompt."""
   p = req.prompt
-  if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-    p = p[0]  # a batch of one
-  if isinstance(p, str):
-    ids = encode(tokenizer, p, special=True)
-  elif isinstance(p, list) and all(isinstance(t, int) for t in p):
-    ids = list(p)
-  else:
-    raise ApiError(400, "prompt: one prompt per request (a string or a list of token ids)",
+  batch = p if isinstance(p, list) and p and isinstance(p[0], (str, list)) else [p]
+  if len(batch) > MAX_PROMPTS:
+    raise ApiError(400, f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(batch)}",
                    param="prompt")
-  if not ids:
-    raise ApiError(400, "prompt: the prompt is empty", param="prompt")
-  return ids
+  if len(batch) * req.n > MAX_PROMPTS:
+    raise ApiError(400, f"n: {len(batch)} prompts x n={req.n} is over {MAX_PROMPTS} completions "
+                   "per request", param="n")
+  out = []
+  for i, one in enumerate(batch):
+    ids = encode(tokenizer, one, special=True) if isinstance(one, str) else list(one)
+    if not ids:
+      raise ApiError(400, f"prompt: prompt {i} is empty", param="prompt")
+    out.append(ids)
+  return out
 
 
 def encode(tokenizer, text: str, *, special: bool) -> list[int]:
@@ -234,14 +294,15 @@ class ChatTemplate:
                      param="messages")
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
+    self.source = source
     self._template = env.from_string(source)
-    self._tokens = dict(special_tokens or {})
+    self.special_tokens = dict(special_tokens or {})
 
   def render(self, messages: list[ChatMessage], image_marker: str | None = None) -> str:
     msgs = [{"role": m.role, "content": m.text(image_marker)} for m in messages]
     if not msgs:
       raise ApiError(400, "messages: give at least one message", param="messages")
-    return self._template.render(messages=msgs, add_generation_prompt=True, **self._tokens)
+    return self._template.render(messages=msgs, add_generation_prompt=True, **self.special_tokens)
 
 
 class Detokenizer:
