@@ -86,9 +86,8 @@ def image_urls(messages) -> list:
   urls = []
   for m in messages:
     for part in m.content if isinstance(m.content, list) else ():
-      if part.get("type") == "image_url":
-        url = part.get("image_url")
-        urls.append(url.get("url") if isinstance(url, dict) else url)
+      if part.type == "image_url":
+        urls.append(part.url)
   return urls
 
 

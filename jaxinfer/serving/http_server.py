@@ -97,7 +97,7 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
   app.add_api_route("/tokenizer_info", h.tokenizer_info, methods=["GET"])
   app.add_api_route("/health", h.health, methods=["GET"])
   app.add_api_route("/metrics", h.metrics_text, methods=["GET"])
-  app.openapi = lambda: _openapi(app)
+  app.openapi = lambda: _openapi(app, model_name)
   return app
 
 
@@ -112,8 +112,9 @@ def _request_body(model) -> dict:
       "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
 
 
-def _openapi(app: fastapi.FastAPI) -> dict:
-  """FastAPI's schema with the protocol models (and what they use) as components."""
+def _openapi(app: fastapi.FastAPI, model_name: str) -> dict:
+  """FastAPI's schema with the protocol models (and what they use) as
+  components; "model" is the one this server serves."""
   if app.openapi_schema is None:
     schema = fastapi.openapi.utils.get_openapi(title=app.title, version=app.version,
                                                routes=app.routes)
@@ -121,6 +122,8 @@ def _openapi(app: fastapi.FastAPI) -> dict:
     for model in _BODIES:
       body = model.model_json_schema(ref_template="#/components/schemas/{model}")
       components.update(body.pop("$defs", {}))
+      if "model" in body.get("required", ()):
+        body["properties"]["model"] = {"type": "string", "enum": [model_name]}
       components[model.__name__] = body
     app.openapi_schema = schema
   return app.openapi_schema

@@ -100,9 +100,31 @@ class CompletionRequest(_Request):
   logprobs: TopLogprobs | None = None  # per token: its logprob and the top `logprobs`
 
 
+class TextPart(pydantic.BaseModel):
+  type: Literal["text"]
+  text: str
+
+
+class ImageUrl(pydantic.BaseModel):
+  url: str
+  detail: str | None = None
+
+
+class ImagePart(pydantic.BaseModel):
+  type: Literal["image_url"]
+  image_url: ImageUrl | str
+
+  @property
+  def url(self) -> str:
+    return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+ContentPart = Annotated[TextPart | ImagePart, pydantic.Field(discriminator="type")]
+
+
 class ChatMessage(pydantic.BaseModel):
   role: Literal["system", "user", "assistant", "tool", "developer"]
-  content: str | list[dict[str, Any]]
+  content: str | list[ContentPart]
 
   def text(self, image_marker: str | None = None) -> str:
     """The content as text; image_url parts as image_marker (None: refused,
@@ -111,16 +133,13 @@ class ChatMessage(pydantic.BaseModel):
       return self.content
     out = []
     for p in self.content:
-      if p.get("type") == "image_url" and image_marker is not None:
-        out.append(image_marker)
-      elif p.get("type") == "image_url":
+      if isinstance(p, TextPart):
+        out.append(p.text)
+      elif image_marker is None:
         raise ApiError(400, "messages: image_url content parts need a vision model; this one "
                        "takes text only", param="messages", code="invalid_image")
-      elif p.get("type") != "text" or not isinstance(p.get("text"), str):
-        raise ApiError(400, "messages: content parts must be text or image_url, got "
-                       f"{p.get('type')!r}", param="messages")
       else:
-        out.append(p["text"])
+        out.append(image_marker)
     return "".join(out)
 
 
