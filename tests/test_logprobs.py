@@ -162,16 +162,22 @@ def _near_bigram(cfg, params, scale=0.3):
   return params
 
 
-def test_speculative_logprobs_equal_plain_decoding(model):
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_speculative_logprobs_equal_plain_decoding(model, ranks):
   # The accepted drafts' logprobs come from the verify logits: the full
   # forward's, as plain decoding gives them (greedy tokens equal its argmax).
+  # ranks 2: attention DP (`spec_step_ranked`).
   cfg, params = model
   params = _near_bigram(cfg, params)
-  prompts = random_prompts(cfg, [13, 5], seed=4)
+  prompts = random_prompts(cfg, [13, 5, 9], seed=4)
   sp = [SamplingParams(max_tokens=12, logprobs=3, prompt_logprobs=2),
-        SamplingParams(max_tokens=9, logprobs=MAX_LOGPROBS)]
+        SamplingParams(max_tokens=9, logprobs=MAX_LOGPROBS),
+        SamplingParams(max_tokens=5, temperature=0.9, logprobs=1, prompt_logprobs=0)]
+  mesh = dict(mesh=sharding.make_mesh({"data": 2}, jax.devices()[:2]),
+              layout="dp_attn_ep") if ranks > 1 else {}
   eng = Engine(cfg, params, EngineConfig(**CONFIG, speculative=MTPConfig(num_draft_tokens=2,
-                                                                         batch_schedule=())))
+                                                                         batch_schedule=())),
+               **mesh)
   outs = eng.generate(prompts, sp)
   accepted = eng.stats()["spec_acceptance_per_position"]
   assert 0 < accepted[0] < 1, accepted  # drafts accepted and rejected
