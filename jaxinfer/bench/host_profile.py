@@ -92,7 +92,7 @@ def _alone(eng, last, repeats: int, step_fn):
   def call():
     nonlocal pool, load
     t0 = time.perf_counter()
-    out, pool, load = step_fn(cfg_, params, pool, batch_, prev, load, *a[6:], **k)
+    out, pool, load, _ = step_fn(cfg_, params, pool, batch_, prev, load, *a[6:], **k)
     return time.perf_counter() - t0, out
 
   for mode in ("inputs ready", "behind a running step"):

@@ -16,7 +16,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxinfer.engine import steps
-from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.sampling import SamplingParams, TokenLogprobs
 from jaxinfer.engine.scheduler import Request, Scheduler, capacity_error
 from jaxinfer.kv_cache import PageAllocator
 
@@ -37,13 +37,17 @@ class RequestMetrics:
 
 @dataclasses.dataclass(frozen=True)
 class RequestOutput:
-  """What a request produced so far: its tokens, why it stopped, its metrics."""
+  """What a request produced so far: its tokens, why it stopped, its metrics;
+  with `SamplingParams.logprobs`, one `TokenLogprobs` per token; with
+  `prompt_logprobs`, one per prompt token (None for the first)."""
 
   request_id: int
   prompt_token_ids: list[int]
   token_ids: list[int]
   finish_reason: str | None  # "stop" | "length" | "abort"; None while running
   metrics: RequestMetrics
+  logprobs: list[TokenLogprobs] | None = None
+  prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class EngineCore:
@@ -115,6 +119,8 @@ class EngineCore:
     rid = self._next_id
     self._next_id += 1
     fields.setdefault("rank", self._pick_rank())
+    fields.setdefault("logprobs", None if sampling.logprobs is None else [])
+    fields.setdefault("prompt_logprobs", None if sampling.prompt_logprobs is None else [None])
     req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop), **fields)
     self._requests[rid] = req
     return req
@@ -162,9 +168,11 @@ class EngineCore:
                              generated_tokens=len(req.output), preemptions=req.preemptions,
                              queue_s=(None if req.admitted_s is None
                                       else req.admitted_s - req.arrival_s))
+    copy = lambda entries: None if entries is None else list(entries)
     return RequestOutput(request_id=req.id, prompt_token_ids=list(req.prompt),
                          token_ids=list(req.output), finish_reason=req.finish_reason,
-                         metrics=metrics)
+                         metrics=metrics, logprobs=copy(req.logprobs),
+                         prompt_logprobs=copy(req.prompt_logprobs))
 
   # ------------------------------------------------------------ step shapes
 
@@ -242,12 +250,15 @@ class EngineCore:
   def submit_prefilled(self, prompt: Sequence[int], first_token: int,
                        sampling: SamplingParams | None, rank: int, pages: list[int], *,
                        arrival_s: float | None = None, first_token_s: float | None = None,
-                       drafts=None) -> int:
+                       drafts=None, first_logprobs: TokenLogprobs | None = None) -> int:
     """Queues a request whose prompt K/V is already in `pages` (reserved on
     `rank`, then written) and whose first token was sampled elsewhere; it
     decodes from there. The pages become the request's. drafts: the prefill
     side's `take_drafts`, placed here (speculation: the first step verifies
-    them); ignored without speculation."""
+    them); ignored without speculation. Logprobs are not carried over: with
+    `sampling.logprobs` the first token's entry is first_logprobs (the
+    prefill side's `RequestOutput.logprobs[0]`; None if not given), and
+    `prompt_logprobs` are None here (the prompt was computed elsewhere)."""
     tokens, sampling = self._validate(prompt, sampling)
     if not 0 <= int(first_token) < self.vocab_size:
       raise ValueError(f"submit_prefilled: first_token {first_token} is out of the vocabulary "
@@ -262,7 +273,9 @@ class EngineCore:
     req = self._new_request(tokens, sampling, rank=rank, pages=list(pages),
                             num_computed=len(tokens), output=[int(first_token)], admitted=True,
                             arrival_s=now if arrival_s is None else arrival_s,
-                            first_token_s=now if first_token_s is None else first_token_s)
+                            first_token_s=now if first_token_s is None else first_token_s,
+                            logprobs=None if sampling.logprobs is None else [first_logprobs],
+                            prompt_logprobs=None)
     if drafts is not None and self._spec is not None:
       req.drafts, req.num_drafts = drafts, int(drafts["drafts"].shape[0])
     self.schedulers[rank].add(req)

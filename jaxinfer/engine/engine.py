@@ -8,7 +8,8 @@
 
 Every request is validated on submit (ValueError naming the parameter) before
 any device work, so a bad request never disturbs the running ones. The only
-device-to-host read per step is the sampled tokens.
+device-to-host read per step is the sampled tokens (with their logprobs, in
+the same read, in steps whose requests ask for them).
 """
 
 from __future__ import annotations

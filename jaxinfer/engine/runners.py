@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine import images, sampling, steps
+from jaxinfer.engine import images, logprobs, sampling, steps
 from jaxinfer.engine.scheduler import Scheduled
 
 Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
@@ -115,10 +115,11 @@ def multi_step(schedulers, per_rank, n: int):
 class PlainInFlight:
   """A dispatched plain step: each rank's chunks and the samples on device,
   [S] ([n, S] under attention DP; [steps, S] or [steps, n, S] for a
-  multi-step decode; row b: chunk b)."""
+  multi-step decode; row b: chunk b), and their logprobs if computed."""
   per_rank: list[list[Scheduled]]
   sampled: jax.Array
   steps: int = 1
+  logprobs: dict | None = None
 
 
 class PlainRunner:
@@ -151,36 +152,41 @@ class PlainRunner:
     shapes = eng.step_shapes(busy, eng._chunk)
     batches = [rank_batch(sch, shapes) for sch in per_rank]
     greedy, k_cap = sampler_mode(busy)
+    want = logprobs.wanted([s for scheduled in busy for s in scheduled])
     ranked = bool(eng._dp_axes)
     batch = steps.stack_batches([b for b, _ in batches]) if ranked else batches[0][0]
     args = (eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load)
-    kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap,
+    kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0],
               **(dict(mesh=eng.mesh, axes=eng._dp_axes) if ranked else eng._heads))
-    if n > 1:
-      sampled, eng.pool, eng._load = steps.decode_steps(*args, num_steps=n, **kw)
+    if n > 1:  # decode rows only: no prompt rows to score
+      sampled, eng.pool, eng._load, lp = steps.decode_steps(*args, num_steps=n, **kw)
       self._prev_sampled = sampled[-1]
     else:
       visual = (eng.images.ranked_visual(per_rank, shapes.tokens) if ranked
                 else eng.images.step_visual(per_rank[0], shapes.tokens))
+      targets = logprobs.step_targets(per_rank, shapes.tokens, ranked) if want[1] else None
       step = steps.step_ranked if ranked else steps.step
-      sampled, eng.pool, eng._load = step(*args, visual, max_q=shapes.max_q, **kw)
+      sampled, eng.pool, eng._load, lp = step(*args, visual, targets, max_q=shapes.max_q, **kw)
       self._prev_sampled = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, n, greedy, k_cap), n * sum(k for _, k in batches),
+    self.counts.record((shapes, n, greedy, want, k_cap), n * sum(k for _, k in batches),
                        bool(self.in_flight), time.perf_counter() - t0, n)
-    self.in_flight.append(PlainInFlight(per_rank, sampled, n))
+    self.in_flight.append(PlainInFlight(per_rank, sampled, n, lp))
 
   def _read(self, eng, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
     events = []
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
-      sampled = np.asarray(done.sampled)  # the one device-to-host read
+      # The one device-to-host read: the tokens, and their logprobs if computed.
+      sampled, lp = jax.device_get((done.sampled, done.logprobs))
       # -> [ranks, S, steps]: row b's tokens (one unless a multi-step decode)
-      sampled = np.moveaxis(sampled.reshape(done.steps, eng.num_ranks, -1), 0, -1)
-      for sch, rank_done, rank_sampled in zip(eng.schedulers, done.per_rank, sampled):
-        events += sch.apply(rank_done, rank_sampled[:len(rank_done)])
+      sampled = np.moveaxis(np.asarray(sampled).reshape(done.steps, eng.num_ranks, -1), 0, -1)
+      for sch, rank_done, rank_sampled, rank_lp in zip(
+          eng.schedulers, done.per_rank, sampled,
+          logprobs.split_ranks(lp, eng.num_ranks, done.steps)):
+        events += logprobs.applied(rank_lp, sch.apply, rank_done, rank_sampled[:len(rank_done)])
     return events
 
   def stats(self) -> dict:

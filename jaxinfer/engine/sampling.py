@@ -14,7 +14,13 @@ import jax.numpy as jnp
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams:
   """Per-request sampling settings. temperature 0 is greedy; top_k 0 and
-  top_p 1 disable those filters."""
+  top_p 1 disable those filters.
+
+  logprobs: for each generated token, its logprob and those of the
+  `logprobs` most likely tokens (0..MAX_LOGPROBS; 0: the token's alone);
+  prompt_logprobs: the same for each prompt token after the first. None:
+  not computed. Logprobs are of the model's raw distribution (log_softmax
+  of the float32 logits, before temperature / top-k / top-p)."""
 
   max_tokens: int = 16
   temperature: float = 0.0
@@ -22,6 +28,8 @@ class SamplingParams:
   top_p: float = 1.0
   seed: int = 0
   stop_token_ids: tuple[int, ...] = ()
+  logprobs: int | None = None
+  prompt_logprobs: int | None = None
 
   def __post_init__(self):
     # Each value must fit the step's arrays: int32 counts, float32 temperatures,
@@ -38,11 +46,24 @@ class SamplingParams:
     _check_int("seed", self.seed, 0, UINT32_MAX)
     for t in self.stop_token_ids:
       _check_int("stop_token_ids", t, 0, INT32_MAX)
+    for name in ("logprobs", "prompt_logprobs"):
+      if getattr(self, name) is not None:
+        _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, "or None")
 
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
-MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's top_logprobs limit)
 FLOAT32_MAX = 3.4028234663852886e38
+MAX_LOGPROBS = 20  # most likely alternatives per token at most (OpenAI's top_logprobs limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+  """One token's logprob under the model's raw distribution, and the k most
+  likely tokens there as (token id, logprob), most likely first."""
+
+  token_id: int
+  logprob: float
+  top: tuple[tuple[int, float], ...]
 
 
 def _check_int(name, v, lo, hi, note=""):

@@ -88,6 +88,11 @@ class Request:
   # tokens' features and MRoPE positions; its images' spans enter the page
   # hashes, so the same text with another image never hits the prefix cache.
   mm: object = None
+  # `SamplingParams.logprobs`: one `TokenLogprobs` per output token;
+  # `prompt_logprobs`: one per prompt token recorded so far, entry 0 None.
+  # None when not asked.
+  logprobs: list | None = None
+  prompt_logprobs: list | None = None
 
   @property
   def spans(self) -> tuple:
@@ -103,6 +108,16 @@ class Request:
   def num_known(self) -> int:
     """len(tokens), without building the list."""
     return len(self.prompt) + len(self.output)
+
+  @property
+  def reusable_prefix(self) -> int:
+    """Known tokens a prefix-cache hit may cover on admission: all but the
+    last (one token is computed to sample from), and none from the first
+    prompt row whose logprob is still to record (`prompt_logprobs`: the row
+    at position p scores prompt token p + 1)."""
+    if self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt):
+      return len(self.prompt_logprobs) - 1
+    return self.num_known - 1
 
   @property
   def total_len(self) -> int:
@@ -244,8 +259,8 @@ class Scheduler:
         break  # preempted while its last sample is in flight: admit once it lands
       tokens = req.tokens
       if not req.pages:
-        # Reuse cached full pages, leaving at least one token to compute.
-        max_pages = (len(tokens) - 1) // self.alloc.page_size
+        # Reuse cached full pages (`Request.reusable_prefix`).
+        max_pages = req.reusable_prefix // self.alloc.page_size
         req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages, req.spans)
         req.num_computed = len(req.pages) * self.alloc.page_size
       n, samples, d = self._chunk(req, budget, spec_k)

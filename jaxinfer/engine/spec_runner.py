@@ -20,7 +20,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxinfer.engine import speculative, steps
+from jaxinfer.engine import logprobs, speculative, steps
 from jaxinfer.engine.runners import Events, StepCounts, sampler_mode, sampling_fields
 from jaxinfer.engine.scheduler import Scheduled
 
@@ -28,11 +28,12 @@ from jaxinfer.engine.scheduler import Scheduled
 @dataclasses.dataclass(frozen=True)
 class SpecInFlight:
   """A dispatched speculative step: each rank's chunks, emitted on device
-  (`spec_step`'s output, [B, K + 3]; [n, B, K + 3] under attention DP) and
-  its draft budget K."""
+  (`spec_step`'s output, [B, K + 3]; [n, B, K + 3] under attention DP), its
+  draft budget K and the emitted tokens' logprobs if computed."""
   per_rank: list[list[Scheduled]]
   emitted: jax.Array
   K: int
+  logprobs: dict | None = None
 
 
 class DraftSlots:
@@ -179,24 +180,27 @@ class SpecRunner:
                         max_model_len=eng.max_model_len)
              for scheduled, slots in zip(per_rank, self._slots)]
     greedy, k_cap = sampler_mode(busy)
-    kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, k_cap=k_cap)
+    want = logprobs.wanted([s for scheduled in busy for s in scheduled])
+    kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0])
+    targets = (logprobs.step_targets(per_rank, shapes.tokens, self._ranked is not None)
+               if want[1] else None)
     if self._ranked is not None:
       packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
       if self._specs_of[0] is not eng._step_params:  # new params (EPLB rebalance)
         self._specs_of = (eng._step_params,
                           speculative.param_specs(eng._step_params, eng.mesh))
-      emitted, eng.pool, self._state, eng._load = speculative.spec_step_ranked(
-          eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, **kw,
+      emitted, eng.pool, self._state, eng._load, lp = speculative.spec_step_ranked(
+          eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, targets, **kw,
           param_specs=self._specs_of[1], **self._ranked)
     else:
-      emitted, eng.pool, self._state, eng._load = speculative.spec_step(
+      emitted, eng.pool, self._state, eng._load, lp = speculative.spec_step(
           eng.cfg, eng._step_params, eng.pool, built[0][0].pack(), self._state, eng._load,
-          **kw, **eng._heads)
+          targets, **kw, **eng._heads)
     for sch, scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(scheduled)
-    self.counts.record((shapes, K, greedy, k_cap), sum(n for _, n in built), bool(self.in_flight),
-                       time.perf_counter() - t0)
-    self.in_flight.append(SpecInFlight(per_rank, emitted, K))
+    self.counts.record((shapes, K, greedy, want, k_cap), sum(n for _, n in built),
+                       bool(self.in_flight), time.perf_counter() - t0)
+    self.in_flight.append(SpecInFlight(per_rank, emitted, K, lp))
 
   def _read(self, eng, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
@@ -204,15 +208,17 @@ class SpecRunner:
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
       K = done.K
-      emitted = np.asarray(done.emitted).reshape(eng.num_ranks, -1, K + 3)  # the one read
-      for sch, scheduled, rank_emitted in zip(eng.schedulers, done.per_rank, emitted):
+      emitted, lp = jax.device_get((done.emitted, done.logprobs))  # the one read
+      emitted = np.asarray(emitted).reshape(eng.num_ranks, -1, K + 3)
+      for sch, scheduled, rank_emitted, rank_lp in zip(eng.schedulers, done.per_rank, emitted,
+                                                       logprobs.split_ranks(lp, eng.num_ranks)):
         out, n_emit, n_verified = (rank_emitted[:, :K + 1], rank_emitted[:, K + 1],
                                    rank_emitted[:, K + 2])
         for s, n, d in zip(scheduled, n_emit, n_verified):
           self.counts.tokens -= s.num_draft - int(d)  # drafts cut on device at max_len
           if s.samples and s.num_draft and not s.request.finished:
             self._acceptance.record(int(d), int(n))
-        events += sch.apply_speculative(scheduled, out, n_emit, K)
+        events += logprobs.applied(rank_lp, sch.apply_speculative, scheduled, out, n_emit, K)
         self._keep_handover_drafts(eng, scheduled)
     return events
 

@@ -46,6 +46,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
 from jaxinfer.models import mtp
 from jaxinfer.models.context import PagedContext
@@ -292,7 +293,7 @@ def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy
             k_cap: int):
   """Target logits at each block's K + 1 rows (the last known token and its
   drafts: one forward, the kernels' Q > 1 path), then `accept`.
-  -> (tokens [B, K + 1], accepted [B], draft keys [B] or None)."""
+  -> (tokens [B, K + 1], accepted [B], draft keys [B] or None, the logits)."""
   T = x.shape[0]
   idx = jnp.clip(rows.base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
   logits = head(cfg, params, x[idx])  # [B, K + 1, V]
@@ -307,7 +308,7 @@ def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy
     q_in = state["q"][batch.slot, :K]
   out, n_acc = accept(logits, drafts_in, q_in, rows.num_draft, batch.temperature, batch.top_k,
                       batch.top_p, k_acc, greedy, k_cap)
-  return out, n_acc, k_draft
+  return out, n_acc, k_draft, logits
 
 
 def _add_mtp_load(cfg, mtp_load, load, m: int, counts):
@@ -396,11 +397,12 @@ def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis"),
+                                              "head_axis", "logprobs"),
                    donate_argnames=("pool", "state", "load"))
-def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int, K: int,
-              ep=None, greedy: bool = False, k_cap: int = 0, mesh=None, head_axis=None):
-  """-> (emitted [B, K + 3] int32, new pool, new state, new load): row b emitted
+def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, targets=None, *,
+              max_q: int, K: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
+              head_axis=None, logprobs: bool = False):
+  """-> (emitted [B, K + 3] int32, new pool, new state, new load, logprobs): row b emitted
   emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
   not sample), after verifying emitted[b, K + 2] drafts (fewer than the
   batch's num_draft where a pipelined block reached max_len). packed:
@@ -412,9 +414,13 @@ def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q
   everywhere; the draft distributions are not kept). k_cap (static): the
   top-k bound of the sampled rows (`sampling.top_k_cap`; 0: sort).
   mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
+  logprobs (static), targets: as `steps.step`'s; the emitted tokens' are
+  scored by the verify logits, as plain decoding scores them ([B, K + 1,
+  1 + MAX_LOGPROBS] arrays: entry j is emitted token j's).
   """
-  return _spec_body(cfg, params, pool, packed, state, load, max_q=max_q, K=K, ep=ep,
-                    greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
+  return _spec_body(cfg, params, pool, packed, state, load, targets, max_q=max_q, K=K, ep=ep,
+                    greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis,
+                    logprobs=logprobs)
 
 
 def param_specs(params, mesh) -> tuple:
@@ -432,38 +438,40 @@ def param_specs(params, mesh) -> tuple:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
-                                              "axes", "param_specs"),
+                                              "axes", "param_specs", "logprobs"),
                    donate_argnames=("pool", "state", "load"))
-def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, *, max_q: int,
-                     K: int, ep, greedy: bool = False, k_cap: int = 0, mesh, axes, param_specs):
+def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, targets=None, *,
+                     max_q: int, K: int, ep, greedy: bool = False, k_cap: int = 0, mesh, axes,
+                     param_specs, logprobs: bool = False):
   """Attention data parallelism: `spec_step` run whole on each rank of
   `axes` in one `shard_map`, each on its own batch (packed fields [n, ...]),
   its own slice of the pool's pages and its own rows of the draft state
   ([n * slots, ...]). The routed experts stay expert-parallel inside it
   (`moe_ep.InRankExpertParallel`: the ranks exchange tokens by collectives).
   param_specs (static): (treedef, PartitionSpecs) of params, as placed.
-  -> (emitted [n, B, K + 3], new pool, new state, new load)."""
+  targets [n, T] or None, logprobs (static): `spec_step`'s, per rank.
+  -> (emitted [n, B, K + 3], new pool, new state, new load, logprobs [n, ...])."""
   treedef, leaves = param_specs
   rank = P(axes)
   pool_specs = pool.spec(pages=axes)
   in_rank = ep.in_rank() if ep is not None else None
 
-  def body(params, pool, packed, state, load):
-    packed = jax.tree.map(lambda a: a[0], packed)
-    emitted, pool, state, load = _spec_body(cfg, params, pool, packed, state, load, max_q=max_q,
-                                            K=K, ep=in_rank, greedy=greedy, k_cap=k_cap,
-                                            mesh=None, head_axis=None)
-    return emitted[None], pool, state, load
+  def body(params, pool, packed, state, load, targets):
+    packed, targets = jax.tree.map(lambda a: a[0], (packed, targets))
+    emitted, pool, state, load, lp = _spec_body(
+        cfg, params, pool, packed, state, load, targets, max_q=max_q, K=K, ep=in_rank,
+        greedy=greedy, k_cap=k_cap, mesh=None, head_axis=None, logprobs=logprobs)
+    return emitted[None], pool, state, load, jax.tree.map(lambda a: a[None], lp)
 
   return jax.shard_map(
       body, mesh=mesh,
-      in_specs=(jax.tree.unflatten(treedef, leaves), pool_specs, rank, rank, P()),
-      out_specs=(rank, pool_specs, rank, P()), check_vma=False,
-  )(params, pool, packed, state, load)
+      in_specs=(jax.tree.unflatten(treedef, leaves), pool_specs, rank, rank, P(), rank),
+      out_specs=(rank, pool_specs, rank, P(), rank), check_vma=False,
+  )(params, pool, packed, state, load, targets)
 
 
-def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, k_cap, mesh,
-               head_axis):
+def _spec_body(cfg, params, pool, packed, state, load, targets, *, max_q, K, ep, greedy, k_cap,
+               mesh, head_axis, logprobs):
   """`spec_step`'s program (traced inside jit, or per rank inside shard_map)."""
   batch = SpecBatch.unpack(packed)
   rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
@@ -474,7 +482,7 @@ def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, 
   mtp_load = load is not None and load.shape[0] > counts.shape[0]
   load = load if load is None else load.at[:counts.shape[0]].add(counts)
   x = x[0]  # [T, D]
-  out, n_acc, k_draft = _verify(cfg, params, x, rows, batch, state, K, greedy, k_cap)
+  out, n_acc, k_draft, logits = _verify(cfg, params, x, rows, batch, state, K, greedy, k_cap)
   h, mtp_pool, load = _catch_up(cfg, params, x, rows, batch, out, mtp_pool, ep,
                                 load if mtp_load else None, load)
   frontier = jnp.clip(rows.base + n_acc, 0, x.shape[0] - 1)  # each block's last accepted row
@@ -485,4 +493,5 @@ def _spec_body(cfg, params, pool, packed, state, load, *, max_q, K, ep, greedy, 
   state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
   emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)
-  return emitted, pool.with_segments(main_pool, mtp_pool), state, load
+  return (emitted, pool.with_segments(main_pool, mtp_pool), state, load,
+          step_logprobs(cfg, params, logits, out, x, targets, logprobs))

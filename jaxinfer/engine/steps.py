@@ -6,6 +6,7 @@ lengths after the step, page tables ([B, pages], padded to a bucket). One
 program runs the model over the page pool (writing the new K/V into the
 pages), picks each sequence's last token, and samples it with that request's
 temperature / top-k / top-p / seed as traced arrays. The pool is donated.
+Steps whose requests ask for logprobs also return them (`engine.logprobs`).
 
 Bucketed dims, and so the compiled programs: (T, B, pages per sequence, max
 query tokens of one sequence). `StepShapes` names one program.
@@ -21,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.sampling import argmax, request_keys, sample
 from jaxinfer.models.context import PagedContext, RankedPagedContext
 from jaxinfer.models.moe_core import ExpertCount
@@ -129,13 +131,13 @@ def _sample(logits, batch, greedy, k_cap):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis"),
+                                              "head_axis", "logprobs"),
                    donate_argnames=("pool", "load"))
 def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, visual=None,
-         *, max_q: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-         head_axis=None):
+         targets=None, *, max_q: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
+         head_axis=None, logprobs: bool = False):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
-  fixed size), new pool, new load). prev_sampled [S]: the previous step's
+  fixed size), new pool, new load, logprobs). prev_sampled [S]: the previous step's
   output, from which tokens not yet read back by the host are taken (async
   scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
   statistics, padding rows excluded), or None to record nothing. greedy
@@ -145,13 +147,16 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   the pool over (`sharding.head_axis`), so attention runs per device in
   shard_map; None: no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
   rope [3, T] MRoPE positions, embeds [T, D] where mask [T] (visual tokens),
-  deepstack [k, T, D]; None: text (RoPE at batch.rope_positions)."""
-  return _step(cfg, params, pool, batch, prev_sampled, load, visual, max_q=max_q, ep=ep,
-               greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
+  deepstack [k, T, D]; None: text (RoPE at batch.rope_positions).
+  logprobs (static) and targets [T] int32 (each row's next prompt token, or
+  None): `logprobs.step_logprobs` of the sampled rows ([B, 1 + MAX_LOGPROBS])
+  and of every row against targets ([T, ...]), None when neither."""
+  return _step(cfg, params, pool, batch, prev_sampled, load, visual, targets, max_q=max_q, ep=ep,
+               greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis, logprobs=logprobs)
 
 
-def _step(cfg, params, pool, batch, prev_sampled, load, visual, *, max_q, ep, greedy, k_cap, mesh,
-          head_axis):
+def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, max_q, ep,
+          greedy, k_cap, mesh, head_axis, logprobs=False):
   """`step`'s program, to trace inside another (`decode_steps`)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
@@ -167,15 +172,16 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, *, max_q, ep, gr
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
   sampled = _sample(logits, batch, greedy, k_cap)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
-          _add_load(load, counts))
+          _add_load(load, counts), step_logprobs(cfg, params, logits, sampled, x[0], targets,
+                                                 logprobs))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "axes"),
+                                              "head_axis", "axes", "logprobs"),
                    donate_argnames=("pool", "load"))
 def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
                  num_steps: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-                 head_axis=None, axes=None):
+                 head_axis=None, axes=None, logprobs: bool = False):
   """num_steps plain decode steps in one program (`EngineConfig.decode_steps`):
   batch is a decode-only `step` batch (one token per sequence), and step
   j > 0 decodes the tokens step j - 1 sampled, one position further,
@@ -184,7 +190,9 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
   per sequence. The caller provides pages for all num_steps positions.
   axes (static): attention DP as `step_ranked` (batch fields [n, ...],
   prev_sampled [n, S]); None: as `step`.
-  -> (sampled [num_steps, S] ([num_steps, n, S]) int32, new pool, new load)."""
+  logprobs (static): each step's sampled rows' (`step`), stacked.
+  -> (sampled [num_steps, S] ([num_steps, n, S]) int32, new pool, new load,
+  logprobs [num_steps, (n,) B, 1 + MAX_LOGPROBS] or None)."""
   live = batch.valid.astype(jnp.int32)  # padding rows stay where they are
   seq_live = (batch.kv_lens > 0).astype(jnp.int32)
   follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: each row's own last sample
@@ -197,13 +205,13 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
         batch, from_prev=jnp.where(j > 0, follow, batch.from_prev),
         positions=batch.positions + j * live, rope_positions=batch.rope_positions + j * live,
         kv_lens=batch.kv_lens + j * seq_live, sample_idx=batch.sample_idx + j)
-    prev, pool, load = one_step(cfg, params, pool, b, prev, load, None, ep=ep, greedy=greedy,
-                                k_cap=k_cap)
-    return (pool, load, prev), prev
+    prev, pool, load, lp = one_step(cfg, params, pool, b, prev, load, None, ep=ep,
+                                    greedy=greedy, k_cap=k_cap, logprobs=logprobs)
+    return (pool, load, prev), (prev, lp)
 
-  (pool, load, _), sampled = jax.lax.scan(one, (pool, load, prev_sampled),
-                                          jnp.arange(num_steps, dtype=jnp.int32))
-  return sampled, pool, load
+  (pool, load, _), (sampled, lp) = jax.lax.scan(one, (pool, load, prev_sampled),
+                                                jnp.arange(num_steps, dtype=jnp.int32))
+  return sampled, pool, load, lp
 
 
 def _visual_inputs(cfg: ModelConfig, params, tokens, visual) -> VisualInputs | None:
@@ -224,21 +232,22 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes", "greedy",
-                                              "k_cap"),
+                                              "k_cap", "logprobs"),
                    donate_argnames=("pool", "load"))
 def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None,
-                visual=None, *, max_q: int, ep, mesh, axes, greedy: bool = False,
-                k_cap: int = 0):
+                visual=None, targets=None, *, max_q: int, ep, mesh, axes, greedy: bool = False,
+                k_cap: int = 0, logprobs: bool = False):
   """Attention-data-parallel step: batch fields [n, ...], rank r's requests
-  and pages on rank r. -> (sampled [n, S] int32, new pool, new load).
-  visual: `step`'s visual rows per rank, [n, ...] (`Images.ranked_visual`:
-  a rank without visual tokens has its text rows), or None."""
-  return _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, max_q=max_q, ep=ep,
-                      mesh=mesh, axes=axes, greedy=greedy, k_cap=k_cap)
+  and pages on rank r. -> (sampled [n, S] int32, new pool, new load,
+  logprobs as `step`'s, per rank [n, ...]). visual, targets: `step`'s per
+  rank, [n, ...] (`Images.ranked_visual`: a rank without visual tokens has
+  its text rows), or None."""
+  return _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets, max_q=max_q,
+                      ep=ep, mesh=mesh, axes=axes, greedy=greedy, k_cap=k_cap, logprobs=logprobs)
 
 
-def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, *, ep, mesh, axes, greedy,
-                 k_cap, max_q=1):
+def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, ep, mesh,
+                 axes, greedy, k_cap, max_q=1, logprobs=False):
   """`step_ranked`'s program, to trace inside another (`decode_steps`)."""
   n, B = batch.kv_lens.shape
   prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
@@ -252,6 +261,6 @@ def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, *, ep, me
   pool = pool.with_segments(caches)
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)
-  sampled = _sample(logits, batch, greedy, k_cap)
-  return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled.reshape(n, B)), pool,
-          _add_load(load, counts))
+  sampled = _sample(logits, batch, greedy, k_cap).reshape(n, B)
+  return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled), pool, _add_load(load, counts),
+          step_logprobs(cfg, params, logits.reshape(n, B, -1), sampled, x, targets, logprobs))
