@@ -121,24 +121,32 @@ def _entry(ids, lps, k: int) -> TokenLogprobs:
 def applied(lp, apply, scheduled, *args):
   """apply(scheduled, *args) (the scheduler taking a read step's tokens)
   with the step's logprobs (this rank's `split_ranks` entry) recorded: the
-  prompt rows' before (a request may finish in apply), then one entry per
+  prompt rows' first (a request may finish in apply), then one entry per
   token apply appended. Finished (aborted) requests record nothing."""
-  if lp is None:
-    return apply(scheduled, *args)
-  if "prompt" in lp:
-    ids, lps = lp["prompt"]
-    row = 0
-    for s in scheduled:
-      req = s.request
-      for p in _prompt_rows(s) if not req.finished else ():
-        req.prompt_logprobs.append(_entry(ids[row + p - s.start], lps[row + p - s.start],
-                                          req.sampling.prompt_logprobs))
-      row += s.num_tokens
+  if lp is not None and "prompt" in lp:
+    _record_prompt(scheduled, *lp["prompt"])
   before = [len(s.request.output) for s in scheduled]
   events = apply(scheduled, *args)
-  if "sampled" in lp:
-    for s, n, ids, lps in zip(scheduled, before, *lp["sampled"]):
-      req = s.request
-      for j in range(len(req.output) - n if req.logprobs is not None else 0):
-        req.logprobs.append(_entry(ids[j], lps[j], req.sampling.logprobs))
+  if lp is not None and "sampled" in lp:
+    _record_sampled(scheduled, before, *lp["sampled"])
   return events
+
+
+def _record_prompt(scheduled, ids, lps) -> None:
+  """Rows [T, 1 + K] -> the prompt entries each chunk still lacks."""
+  row = 0
+  for s in scheduled:
+    req = s.request
+    for p in () if req.finished else _prompt_rows(s):
+      r = row + p - s.start
+      req.prompt_logprobs.append(_entry(ids[r], lps[r], req.sampling.prompt_logprobs))
+    row += s.num_tokens
+
+
+def _record_sampled(scheduled, before, ids, lps) -> None:
+  """Rows [B, J, 1 + K] -> an entry for each token appended to an output
+  since it had `before` tokens (none past a stop or max_tokens)."""
+  for s, n, row_ids, row_lps in zip(scheduled, before, ids, lps):
+    req = s.request
+    for j in range(len(req.output) - n if req.logprobs is not None else 0):
+      req.logprobs.append(_entry(row_ids[j], row_lps[j], req.sampling.logprobs))
