@@ -174,6 +174,26 @@ class EngineCore:
                          metrics=metrics, logprobs=copy(req.logprobs),
                          prompt_logprobs=copy(req.prompt_logprobs))
 
+  def _core_stats(self, counts) -> dict:
+    """The host's counters (`Engine.stats`); counts: the runner's `StepCounts`."""
+    allocs, reqs = self.allocators, self._requests.values()
+    return dict(
+        steps=counts.steps,
+        tokens_per_step=counts.tokens / max(counts.steps, 1),
+        compiles=len(counts.programs),
+        kv_pages_total=sum(a.usable_pages for a in allocs),
+        kv_pages_used=sum(a.num_used() for a in allocs),
+        kv_pages_cached=sum(a.num_cached() for a in allocs),
+        kv_pages_free=sum(len(a.free) for a in allocs),
+        preemptions=sum(s.num_preemptions for s in self.schedulers),
+        prompt_tokens=sum(len(r.prompt) for r in reqs),
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in reqs),
+        running=sum(len(s.running) for s in self.schedulers),
+        waiting=sum(len(s.waiting) for s in self.schedulers),
+        overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
+        host_ms_per_step=1e3 * counts.host_s / max(counts.host_steps, 1),
+        requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)])
+
   # ------------------------------------------------------------ step shapes
 
   def schedule_ranks(self, ks) -> list:

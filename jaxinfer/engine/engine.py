@@ -173,6 +173,22 @@ def _stacked_params(engine: "Engine"):
   return sharding.shard_params(engine.cfg, params, engine.mesh, engine.layout)
 
 
+def _pool_pages(cfg: ModelConfig, c: EngineConfig, max_pages_per_seq: int, dtype) -> int:
+  """Pages per rank for EngineConfig.num_pages=None: from kv_cache_bytes, else
+  the memory fraction of the device's free memory (the host's, on CPU)."""
+  # Never more than max_num_seqs full-length sequences can use (+ the null page).
+  cap = c.max_num_seqs * max_pages_per_seq + 1
+  device = jax.local_devices()[0]
+  budget = c.kv_cache_bytes
+  if budget is None and device.platform == "cpu":
+    avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    budget = int(avail * c.kv_cache_memory_fraction)
+  n = kv_cache.num_pages_for(cfg, c.page_size, dtype, kv_cache_bytes=budget,
+                             memory_fraction=c.kv_cache_memory_fraction, device=device,
+                             mtp=c.speculative is not None)
+  return min(n, cap)
+
+
 class Engine(EngineCore):
   """Serves requests on one model: a paged KV cache, a scheduler and jitted steps.
 
@@ -225,7 +241,8 @@ class Engine(EngineCore):
         raise ValueError("EngineConfig.speculative needs a model with MTP modules "
                          f"(cfg.num_mtp_layers={cfg.num_mtp_layers}, params "
                          f"{'have' if 'mtp' in params else 'lack'} 'mtp')")
-    num_pages = config.num_pages or self._size_pool(self.kv_dtype)  # per rank
+    num_pages = config.num_pages or _pool_pages(cfg, config, self.max_pages_per_seq,
+                                                   self.kv_dtype)  # per rank
     self._init_core(config, num_ranks=self.num_ranks, num_pages=num_pages,
                     max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
                     eos_ids=cfg.eos_token_ids)
@@ -297,20 +314,6 @@ class Engine(EngineCore):
   def _pool_sharding(self):
     return jax.sharding.NamedSharding(self.mesh,
                                       sharding.kv_pool_spec(self.cfg, self.mesh, self.layout))
-
-  def _size_pool(self, dtype) -> int:
-    c = self.config
-    # Never more than max_num_seqs full-length sequences can use (+ the null page).
-    cap = c.max_num_seqs * self.max_pages_per_seq + 1
-    device = jax.local_devices()[0]
-    budget = c.kv_cache_bytes
-    if budget is None and device.platform == "cpu":
-      avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-      budget = int(avail * c.kv_cache_memory_fraction)
-    n = kv_cache.num_pages_for(self.cfg, c.page_size, dtype, kv_cache_bytes=budget,
-                               memory_fraction=c.kv_cache_memory_fraction, device=device,
-                               mtp=c.speculative is not None)
-    return min(n, cap)
 
   # ------------------------------------------------------------ requests
 
@@ -476,23 +479,5 @@ class Engine(EngineCore):
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
     spec_acceptance_per_position and spec_drafted_per_position."""
-    allocs, reqs, counts = self.allocators, self._requests.values(), self._runner.counts
-    return dict(
-        steps=counts.steps,
-        tokens_per_step=counts.tokens / max(counts.steps, 1),
-        compiles=len(counts.programs),
-        kv_pages_total=sum(a.usable_pages for a in allocs),
-        kv_pages_used=sum(a.num_used() for a in allocs),
-        kv_pages_cached=sum(a.num_cached() for a in allocs),
-        kv_pages_free=sum(len(a.free) for a in allocs),
-        preemptions=sum(s.num_preemptions for s in self.schedulers),
-        prompt_tokens=sum(len(r.prompt) for r in reqs),
-        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in reqs),
-        running=sum(len(s.running) for s in self.schedulers),
-        waiting=sum(len(s.waiting) for s in self.schedulers),
-        overlapped_steps=counts.overlapped, dp_ranks=self.num_ranks,
-        host_ms_per_step=1e3 * counts.host_s / max(counts.host_steps, 1),
-        kv_cache_dtype=self.kv_dtype.name,
-        requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)],
-        **self.images.stats(),
-        **self._runner.stats())
+    return dict(**self._core_stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
+                **self.images.stats(), **self._runner.stats())
