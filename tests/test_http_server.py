@@ -196,7 +196,11 @@ BAD = {
     "empty prompt": (dict(prompt=""), "prompt", None),
     "token id type": (dict(prompt=[1, "x"]), "prompt", None),
     "token id out of the vocabulary": (dict(prompt=[1, 300]), "", None),  # the engine's check
-    "presence_penalty": (dict(presence_penalty=0.5), "presence_penalty", None),
+    "presence_penalty over 2": (dict(presence_penalty=3.0), "presence_penalty", None),
+    "repetition_penalty 0": (dict(repetition_penalty=0.0), "repetition_penalty", None),
+    "logit_bias key": (dict(logit_bias={"x": 1.0}), "logit_bias", None),
+    "logit_bias over 100": (dict(logit_bias={"7": 101.0}), "logit_bias", None),
+    "best_of": (dict(best_of=2), "best_of", None),
     "unknown field": (dict(best_of_everything=3), "best_of_everything", None),
 }
 
@@ -226,6 +230,9 @@ HOSTILE = {
     "logprobs": [2**63, -1, 21, True], "prompt_logprobs": [21, False], "best_of": [2**63, 0],
     "prompt": [[[False]], [True], [-1], [2**31], [[2**40]]],
     "echo": [1, "yes"],
+    "logit_bias": [{"1": 1e308}, {"1": True}, {"300": 1.0}, {"99999999999": 1.0}],
+    "min_tokens": [-1, 2**31, True], "repetition_penalty": [1e308, -1.0, True],
+    "ignore_eos": [1, "true"], "stop_token_ids": [[-1], [2**31], [True]],
 }
 
 

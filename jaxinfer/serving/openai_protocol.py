@@ -86,10 +86,17 @@ class _Request(pydantic.BaseModel):
   return_token_ids: bool = False
   prompt_logprobs: TopLogprobs | None = None
   return_tokens_as_token_ids: bool = False
-  # Not implemented: accepted at their neutral values only, so clients that
-  # send the defaults work and others hear why not.
+  # Penalties and biases (OpenAI's, and vLLM's extensions), applied in the
+  # step: ranges are SamplingParams' (a 400 naming the field).
   frequency_penalty: Real = 0.0
   presence_penalty: Real = 0.0
+  repetition_penalty: Real = 1.0
+  logit_bias: dict[str, Real] | None = None  # token id (as a string) -> bias
+  ignore_eos: pydantic.StrictBool = False
+  min_tokens: Annotated[pydantic.StrictInt, pydantic.Field(ge=0, le=2**31 - 1)] = 0
+  stop_token_ids: list[TokenId] | None = None
+  # Not implemented: accepted at its neutral value only, so clients that
+  # send the default work and others hear why not.
   best_of: Count | None = None
 
 
@@ -203,11 +210,9 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
   """The request's sampling fields -> SamplingParams (of its first copy;
   `copies` gives the n); max_tokens must fit the context (prompt +
   max_tokens <= max_model_len) and the server's cap."""
-  for name, neutral in (("frequency_penalty", (0,)), ("presence_penalty", (0,)),
-                        ("best_of", (None, 1))):
-    if getattr(req, name) not in neutral:
-      raise ApiError(400, f"{name}: not supported by this server (only {neutral[0]!r}), got "
-                     f"{getattr(req, name)!r}", param=name)
+  if req.best_of not in (None, 1):
+    raise ApiError(400, f"best_of: not supported by this server (only 1), got {req.best_of!r}",
+                   param="best_of")
   max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
   room = max_model_len - prompt_len
   if room < 1:
@@ -225,12 +230,32 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
                    param="max_tokens", code="context_length_exceeded")
   seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(31)
   extra = {k: v for k, v in logprob_counts(req).items() if v is not None}
+  extra.update(_processors(req))
   try:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=0 if req.top_k == -1 else req.top_k, seed=seed, **extra)
   except ValueError as e:
     m = re.match(r"SamplingParams: (\w+)", str(e))
     raise ApiError(400, str(e), param=m.group(1) if m else None) from None
+
+
+def _processors(req: _Request) -> dict:
+  """The request's penalties, biases, min_tokens, ignore_eos and stop ids as
+  SamplingParams fields (only those it sets)."""
+  out = {}
+  for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0),
+                        ("repetition_penalty", 1), ("min_tokens", 0), ("ignore_eos", False)):
+    if getattr(req, name) != neutral:
+      out[name] = getattr(req, name)
+  if req.stop_token_ids:
+    out["stop_token_ids"] = tuple(req.stop_token_ids)
+  if req.logit_bias:
+    try:
+      out["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
+    except ValueError:
+      raise ApiError(400, "logit_bias: keys must be token ids (integers as strings), got "
+                     f"{list(req.logit_bias)[:5]!r}", param="logit_bias") from None
+  return out
 
 
 def logprob_counts(req: _Request) -> dict:
