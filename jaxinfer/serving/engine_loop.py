@@ -111,6 +111,7 @@ class EngineLoop:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     self.backend, self.max_queue, self.on_finish = backend, max_queue, on_finish
     self.max_model_len = min(e.max_model_len for e in _engines(backend))
+    self.vocab_size = min(e.vocab_size for e in _engines(backend))
     self._inbox: queue.Queue = queue.Queue()
     self._live: dict[int, Stream] = {}  # backend rid -> stream (engine thread only)
     self._held = 0  # requests accepted and not yet ended

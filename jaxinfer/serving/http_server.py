@@ -197,7 +197,8 @@ class _Handlers:
     for prompt in prompts:
       sp = proto.sampling_params(req, prompt_len=len(prompt),
                                  max_model_len=self.loop.max_model_len, max_tokens_cap=self.cap,
-                                 default_max_tokens=default_max_tokens)
+                                 default_max_tokens=default_max_tokens,
+                                 vocab_size=self.loop.vocab_size)
       for copy in proto.copies(sp, req.n):
         lp = None if req.chat else (None if counts["logprobs"] is None else
                                     CompletionLogprobs(self._text(req), counts["logprobs"]))

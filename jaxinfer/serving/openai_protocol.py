@@ -206,7 +206,7 @@ def stop_strings(req: _Request) -> list[str]:
 
 
 def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_tokens_cap: int,
-                    default_max_tokens: int | None) -> SamplingParams:
+                    default_max_tokens: int | None, vocab_size: int) -> SamplingParams:
   """The request's sampling fields -> SamplingParams (of its first copy;
   `copies` gives the n); max_tokens must fit the context (prompt +
   max_tokens <= max_model_len) and the server's cap."""
@@ -230,7 +230,7 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
                    param="max_tokens", code="context_length_exceeded")
   seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(31)
   extra = {k: v for k, v in logprob_counts(req).items() if v is not None}
-  extra.update(_processors(req))
+  extra.update(_processors(req, vocab_size))
   try:
     return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                           top_k=0 if req.top_k == -1 else req.top_k, seed=seed, **extra)
@@ -239,9 +239,9 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
     raise ApiError(400, str(e), param=m.group(1) if m else None) from None
 
 
-def _processors(req: _Request) -> dict:
+def _processors(req: _Request, vocab_size: int) -> dict:
   """The request's penalties, biases, min_tokens, ignore_eos and stop ids as
-  SamplingParams fields (only those it sets)."""
+  SamplingParams fields (only those it sets); token ids within the vocabulary."""
   out = {}
   for name, neutral in (("frequency_penalty", 0), ("presence_penalty", 0),
                         ("repetition_penalty", 1), ("min_tokens", 0), ("ignore_eos", False)):
@@ -255,6 +255,12 @@ def _processors(req: _Request) -> dict:
     except ValueError:
       raise ApiError(400, "logit_bias: keys must be token ids (integers as strings), got "
                      f"{list(req.logit_bias)[:5]!r}", param="logit_bias") from None
+  for name, ids in (("logit_bias", [t for t, _ in out.get("logit_bias", ())]),
+                    ("stop_token_ids", out.get("stop_token_ids", ()))):
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+      raise ApiError(400, f"{name}: token ids must be in [0, {vocab_size}), got {bad[:5]}",
+                     param=name)
   return out
 
 
