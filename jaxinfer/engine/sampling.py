@@ -24,19 +24,21 @@ class SamplingParams:
   not computed. Logprobs are of the model's raw distribution (log_softmax
   of the float32 logits, before temperature / top-k / top-p / the extras).
 
-  vLLM's extras (`engine.sampling_extras`), applied in the step to the raw
-  logits in vLLM's order before temperature / top-k / top-p (greedy rows
-  take the argmax of the result): min_tokens: the request's stop tokens
-  (stop_token_ids, and EOS unless ignored) are masked (-inf) until it has
-  min_tokens output tokens (<= max_tokens); logit_bias: (token id, bias in
-  [-100, 100]) pairs added (a dict is taken too; at most MAX_LOGIT_BIAS,
-  ids in the vocabulary); repetition_penalty (> 0): a token in the prompt
-  or the output so far has its logit divided by it if positive, else
-  multiplied; presence_penalty, frequency_penalty (in [-2, 2]): a token
-  that occurs c > 0 times in the output so far loses presence + frequency
-  * c. ignore_eos: do not stop at the model's EOS ids (the engine's
-  `EngineConfig.ignore_eos` does so for every request). Speculative
-  engines refuse all but ignore_eos."""
+  vLLM's extras, applied in the step (`engine.sampling_extras`) to the
+  raw logits before temperature / top-k / top-p, in vLLM's order (greedy
+  rows take the argmax of the result):
+  min_tokens (<= max_tokens): the request's stop tokens (stop_token_ids,
+    and EOS unless ignored) are masked (-inf) until it has min_tokens
+    output tokens;
+  logit_bias: (token id, bias in [-100, 100]) pairs, or a dict, added; at
+    most MAX_LOGIT_BIAS, ids in the vocabulary;
+  repetition_penalty (> 0): the logit of a token in the prompt or the
+    output so far is divided by it if positive, else multiplied;
+  presence_penalty, frequency_penalty (in [-2, 2]): a token that occurs
+    c > 0 times in the output so far loses presence + frequency * c;
+  ignore_eos: do not stop at the model's EOS ids (`EngineConfig.ignore_eos`
+    does so for every request).
+  Speculative engines refuse all but ignore_eos."""
 
   max_tokens: int = 16
   temperature: float = 0.0

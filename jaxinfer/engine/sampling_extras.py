@@ -41,7 +41,7 @@ import numpy as np
 from jaxinfer.engine.sampling import INT32_MAX
 
 NONE = INT32_MAX  # an id past any vocabulary: its scatter is dropped
-MIN_BIAS_ENTRIES, MIN_HISTORY = 8, 16  # the smallest buckets
+MIN_BIAS_ENTRIES, MIN_HISTORY = 8, 64  # the smallest buckets (few programs; small arrays)
 
 
 @jax.tree_util.register_dataclass
