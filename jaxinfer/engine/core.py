@@ -92,12 +92,30 @@ class EngineCore:
     lo, hi = int(arr.min()), int(arr.max())
     if lo < 0 or hi >= self.vocab_size:
       raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got min {lo}, max {hi}")
+    self._check_extras(sampling)
     why = capacity_error(arr.size, sampling.max_tokens, max_model_len=self.max_model_len,
                          page_size=self.config.page_size,
                          usable_pages=self.allocator.usable_pages)
     if why:
       raise ValueError(why)
     return arr.astype(np.int64).tolist(), sampling
+
+  def _check_extras(self, sampling: SamplingParams) -> None:
+    """The request's extras against this engine: logit_bias ids in the
+    vocabulary; none but ignore_eos under speculation (its verify and draft
+    steps do not process logits)."""
+    bad = [t for t, _ in sampling.logit_bias if t >= self.vocab_size]
+    if bad:
+      raise ValueError(f"SamplingParams: logit_bias token ids must be in [0, {self.vocab_size}), "
+                       f"got {bad[0]}")
+    if self._spec is not None and sampling.uses_extras:
+      named = [n for n, on in (("min_tokens", sampling.min_tokens),
+                               ("logit_bias", sampling.logit_bias),
+                               ("repetition_penalty", sampling.repetition_penalty != 1),
+                               ("presence_penalty", sampling.presence_penalty),
+                               ("frequency_penalty", sampling.frequency_penalty)) if on]
+      raise ValueError(f"SamplingParams: {', '.join(named)} not supported with speculative "
+                       f"decoding (EngineConfig.speculative); ignore_eos is")
 
   def check_request(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
     """Validates a request without queueing it -> (token ids, sampling)."""
@@ -114,7 +132,7 @@ class EngineCore:
 
   def _new_request(self, tokens: list[int], sampling: SamplingParams, **fields) -> Request:
     stop = set(sampling.stop_token_ids)
-    if not self.config.ignore_eos:
+    if not (self.config.ignore_eos or sampling.ignore_eos):
       stop |= self._eos_ids
     rid = self._next_id
     self._next_id += 1

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.engine import images, logprobs, sampling, steps
+from jaxinfer.engine import images, logprobs, sampling, sampling_extras, steps
 from jaxinfer.engine.scheduler import Scheduled
 
 Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
@@ -132,6 +132,9 @@ class PlainRunner:
     self.in_flight: collections.deque[PlainInFlight] = collections.deque()
     S = eng.config.max_num_seqs
     self._prev_sampled = jnp.zeros((eng.num_ranks, S) if eng._dp_axes else (S,), jnp.int32)
+    # The last dispatch's samples, every decode step of a multi-step one:
+    # where penalties find the tokens still in flight (`sampling_extras`).
+    self._prev_out = self._prev_sampled
 
   def step(self, eng) -> Events:
     per_rank = eng.schedule_ranks([0] * eng.num_ranks)
@@ -153,10 +156,12 @@ class PlainRunner:
     batches = [rank_batch(sch, shapes) for sch in per_rank]
     greedy, k_cap = sampler_mode(busy)
     want = logprobs.wanted([s for scheduled in busy for s in scheduled])
+    extras = sampling_extras.step_extras(per_rank, shapes.seqs, eng.config.max_num_seqs,
+                                         self._prev_out)
     ranked = bool(eng._dp_axes)
     batch = steps.stack_batches([b for b, _ in batches]) if ranked else batches[0][0]
     args = (eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load)
-    kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0],
+    kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
               **(dict(mesh=eng.mesh, axes=eng._dp_axes) if ranked else eng._heads))
     if n > 1:  # decode rows only: no prompt rows to score
       sampled, eng.pool, eng._load, lp = steps.decode_steps(*args, num_steps=n, **kw)
@@ -168,9 +173,11 @@ class PlainRunner:
       step = steps.step_ranked if ranked else steps.step
       sampled, eng.pool, eng._load, lp = step(*args, visual, targets, max_q=shapes.max_q, **kw)
       self._prev_sampled = sampled
+    self._prev_out = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, n, greedy, want, k_cap), n * sum(k for _, k in batches),
+    self.counts.record((shapes, n, greedy, want, sampling_extras.program_key(extras), k_cap),
+                       n * sum(k for _, k in batches),
                        bool(self.in_flight), time.perf_counter() - t0, n)
     self.in_flight.append(PlainInFlight(per_rank, sampled, n, lp))
 
@@ -195,4 +202,4 @@ class PlainRunner:
   def release(self) -> None:
     """Drops the device state (`Engine.release`)."""
     self.in_flight.clear()
-    self._prev_sampled = None
+    self._prev_sampled = self._prev_out = None

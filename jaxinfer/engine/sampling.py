@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -20,7 +22,23 @@ class SamplingParams:
   `logprobs` most likely tokens (0..MAX_LOGPROBS; 0: the token's alone);
   prompt_logprobs: the same for each prompt token after the first. None:
   not computed. Logprobs are of the model's raw distribution (log_softmax
-  of the float32 logits, before temperature / top-k / top-p)."""
+  of the float32 logits, before temperature / top-k / top-p / the extras).
+
+  vLLM's extras, applied in the step (`engine.sampling_extras`) to the
+  raw logits before temperature / top-k / top-p, in vLLM's order (greedy
+  rows take the argmax of the result):
+  min_tokens (<= max_tokens): the request's stop tokens (stop_token_ids,
+    and EOS unless ignored) are masked (-inf) until it has min_tokens
+    output tokens;
+  logit_bias: (token id, bias in [-100, 100]) pairs, or a dict, added; at
+    most MAX_LOGIT_BIAS, ids in the vocabulary;
+  repetition_penalty (> 0): the logit of a token in the prompt or the
+    output so far is divided by it if positive, else multiplied;
+  presence_penalty, frequency_penalty (in [-2, 2]): a token that occurs
+    c > 0 times in the output so far loses presence + frequency * c;
+  ignore_eos: do not stop at the model's EOS ids (`EngineConfig.ignore_eos`
+    does so for every request).
+  Speculative engines refuse all but ignore_eos."""
 
   max_tokens: int = 16
   temperature: float = 0.0
@@ -30,6 +48,12 @@ class SamplingParams:
   stop_token_ids: tuple[int, ...] = ()
   logprobs: int | None = None
   prompt_logprobs: int | None = None
+  ignore_eos: bool = False
+  min_tokens: int = 0
+  repetition_penalty: float = 1.0
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  logit_bias: tuple[tuple[int, float], ...] = ()
 
   def __post_init__(self):
     # Each value must fit the step's arrays: int32 counts, float32 temperatures,
@@ -49,11 +73,39 @@ class SamplingParams:
     for name in ("logprobs", "prompt_logprobs"):
       if getattr(self, name) is not None:
         _check_int(name, getattr(self, name), 0, MAX_LOGPROBS, "or None")
+    self._check_extras()
+
+  def _check_extras(self):
+    if not isinstance(self.ignore_eos, bool):
+      raise ValueError(f"SamplingParams: ignore_eos must be a bool, got {self.ignore_eos!r}")
+    _check_int("min_tokens", self.min_tokens, 0, self.max_tokens, "(max_tokens)")
+    _check_real("repetition_penalty", self.repetition_penalty)
+    # float32 in the step: a value that rounds to 0 there is refused too.
+    if not 0 < self.repetition_penalty <= FLOAT32_MAX or np.float32(self.repetition_penalty) == 0:
+      raise ValueError(f"SamplingParams: repetition_penalty must be > 0 and finite in "
+                       f"float32, got {self.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+      _check_real(name, getattr(self, name))
+      if not -2 <= getattr(self, name) <= 2:
+        raise ValueError(f"SamplingParams: {name} must be in [-2, 2], got {getattr(self, name)}")
+    object.__setattr__(self, "logit_bias", _normalized_bias(self.logit_bias))
+
+  @property
+  def uses_extras(self) -> bool:
+    """Whether the step must process this request's logits (min_tokens,
+    logit_bias or a penalty; ignore_eos is the host's)."""
+    return bool(self.min_tokens or self.logit_bias or self.has_penalties)
+
+  @property
+  def has_penalties(self) -> bool:
+    return (self.repetition_penalty != 1 or self.presence_penalty != 0
+            or self.frequency_penalty != 0)
 
 
 INT32_MAX, UINT32_MAX = 2**31 - 1, 2**32 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_LOGPROBS = 20  # most likely alternatives per token at most (OpenAI's top_logprobs limit)
+MAX_LOGIT_BIAS = 300  # (token, bias) pairs per request at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,6 +127,37 @@ def _check_int(name, v, lo, hi, note=""):
 def _check_real(name, v):
   if isinstance(v, bool) or not isinstance(v, numbers.Real):
     raise ValueError(f"SamplingParams: {name} must be a number, got {v!r}")
+
+
+def _normalized_bias(bias) -> tuple[tuple[int, float], ...]:
+  """logit_bias as a dict or (id, bias) pairs -> pairs sorted by id (one
+  hashable form); raises on a bad pair, a repeated id or too many."""
+  if isinstance(bias, (str, bytes)):
+    raise ValueError(f"SamplingParams: logit_bias must be a dict or (token id, bias) pairs, "
+                     f"got {bias!r}")
+  try:
+    pairs = list(bias.items() if isinstance(bias, Mapping) else bias)
+  except TypeError:
+    raise ValueError(f"SamplingParams: logit_bias must be a dict or (token id, bias) pairs, "
+                     f"got {bias!r}") from None
+  if len(pairs) > MAX_LOGIT_BIAS:
+    raise ValueError(f"SamplingParams: logit_bias takes at most {MAX_LOGIT_BIAS} tokens, "
+                     f"got {len(pairs)}")
+  out = {}
+  for pair in pairs:
+    if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
+      raise ValueError(f"SamplingParams: logit_bias entries must be (token id, bias) pairs, "
+                       f"got {pair!r}")
+    t, v = pair
+    _check_int("logit_bias token id", t, 0, INT32_MAX)
+    _check_real("logit_bias value", v)
+    if not -100 <= v <= 100:
+      raise ValueError(f"SamplingParams: logit_bias values must be in [-100, 100], got {v!r} "
+                       f"for token {t}")
+    if int(t) in out:
+      raise ValueError(f"SamplingParams: logit_bias names token {t} twice")
+    out[int(t)] = float(v)
+  return tuple(sorted(out.items()))
 
 
 def request_keys(seeds, indices):

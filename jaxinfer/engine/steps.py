@@ -6,7 +6,10 @@ lengths after the step, page tables ([B, pages], padded to a bucket). One
 program runs the model over the page pool (writing the new K/V into the
 pages), picks each sequence's last token, and samples it with that request's
 temperature / top-k / top-p / seed as traced arrays. The pool is donated.
-Steps whose requests ask for logprobs also return them (`engine.logprobs`).
+Steps whose requests ask for logprobs also return them (`engine.logprobs`);
+steps whose requests set min_tokens, logit_bias or penalties take an
+`extras` input that processes the logits before sampling
+(`engine.sampling_extras`).
 
 Bucketed dims, and so the compiled programs: (T, B, pages per sequence, max
 query tokens of one sequence). `StepShapes` names one program.
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import sampling_extras
 from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.sampling import argmax, request_keys, sample
 from jaxinfer.models.context import PagedContext, RankedPagedContext
@@ -122,7 +126,10 @@ def _add_load(load, counts):
   return load if load is None else load.at[:counts.shape[0]].add(counts)
 
 
-def _sample(logits, batch, greedy, k_cap):
+def _sample(logits, batch, greedy, k_cap, extras=None):
+  """The rows' tokens from their logits [B, V], processed first by the
+  step's extras (`sampling_extras.processed`; None: as they are)."""
+  logits = sampling_extras.processed(logits, extras, batch.sample_idx.reshape(-1))
   if greedy:  # every row has temperature 0: skip the filters' full-vocab sort
     return argmax(logits)
   keys = request_keys(batch.seeds.reshape(-1), batch.sample_idx.reshape(-1))
@@ -135,7 +142,7 @@ def _sample(logits, batch, greedy, k_cap):
                    donate_argnames=("pool", "load"))
 def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, visual=None,
          targets=None, *, max_q: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-         head_axis=None, logprobs: bool = False):
+         head_axis=None, logprobs: bool = False, extras=None):
   """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
   fixed size), new pool, new load, logprobs). prev_sampled [S]: the previous step's
   output, from which tokens not yet read back by the host are taken (async
@@ -150,13 +157,17 @@ def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=No
   deepstack [k, T, D]; None: text (RoPE at batch.rope_positions).
   logprobs (static) and targets [T] int32 (each row's next prompt token, or
   None): `logprobs.step_logprobs` of the sampled rows ([B, 1 + MAX_LOGPROBS])
-  and of every row against targets ([T, ...]), None when neither."""
+  and of every row against targets ([T, ...]), None when neither.
+  extras: a `sampling_extras.Extras` (rows [B]) processing the logits
+  before sampling, or None."""
+  extras = sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size)
   return _step(cfg, params, pool, batch, prev_sampled, load, visual, targets, max_q=max_q, ep=ep,
-               greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis, logprobs=logprobs)
+               greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis, logprobs=logprobs,
+               extras=extras)
 
 
 def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, max_q, ep,
-          greedy, k_cap, mesh, head_axis, logprobs=False):
+          greedy, k_cap, mesh, head_axis, logprobs=False, extras=None):
   """`step`'s program, to trace inside another (`decode_steps`)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
@@ -170,7 +181,7 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *,
                                                      jax.tree.map(lambda a: a[None], visual)))
   pool = pool.with_segments(caches)
   logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
-  sampled = _sample(logits, batch, greedy, k_cap)
+  sampled = _sample(logits, batch, greedy, k_cap, extras)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
           _add_load(load, counts), step_logprobs(cfg, params, logits, sampled, x[0], targets,
                                                  logprobs))
@@ -181,7 +192,7 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *,
                    donate_argnames=("pool", "load"))
 def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
                  num_steps: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-                 head_axis=None, axes=None, logprobs: bool = False):
+                 head_axis=None, axes=None, logprobs: bool = False, extras=None):
   """num_steps plain decode steps in one program (`EngineConfig.decode_steps`):
   batch is a decode-only `step` batch (one token per sequence), and step
   j > 0 decodes the tokens step j - 1 sampled, one position further,
@@ -191,6 +202,8 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
   axes (static): attention DP as `step_ranked` (batch fields [n, ...],
   prev_sampled [n, S]); None: as `step`.
   logprobs (static): each step's sampled rows' (`step`), stacked.
+  extras: as `step`'s (`step_ranked`'s under axes); each step's samples
+  count in the next steps' penalties.
   -> (sampled [num_steps, S] ([num_steps, n, S]) int32, new pool, new load,
   logprobs [num_steps, (n,) B, 1 + MAX_LOGPROBS] or None)."""
   live = batch.valid.astype(jnp.int32)  # padding rows stay where they are
@@ -199,18 +212,22 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
   one_step = (functools.partial(_step_ranked, mesh=mesh, axes=axes) if axes else
               functools.partial(_step, max_q=1, mesh=mesh, head_axis=head_axis))
 
+  B = batch.kv_lens.shape[-1]
+
   def one(carry, j):
-    pool, load, prev = carry
+    pool, load, prev, extras = carry
     b = dataclasses.replace(
         batch, from_prev=jnp.where(j > 0, follow, batch.from_prev),
         positions=batch.positions + j * live, rope_positions=batch.rope_positions + j * live,
         kv_lens=batch.kv_lens + j * seq_live, sample_idx=batch.sample_idx + j)
     prev, pool, load, lp = one_step(cfg, params, pool, b, prev, load, None, ep=ep,
-                                    greedy=greedy, k_cap=k_cap, logprobs=logprobs)
-    return (pool, load, prev), (prev, lp)
+                                    greedy=greedy, k_cap=k_cap, logprobs=logprobs, extras=extras)
+    extras = sampling_extras.advance(extras, prev[..., :B].reshape(-1))
+    return (pool, load, prev, extras), (prev, lp)
 
-  (pool, load, _), (sampled, lp) = jax.lax.scan(one, (pool, load, prev_sampled),
-                                                jnp.arange(num_steps, dtype=jnp.int32))
+  extras = sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size)
+  (pool, load, _, _), (sampled, lp) = jax.lax.scan(one, (pool, load, prev_sampled, extras),
+                                                   jnp.arange(num_steps, dtype=jnp.int32))
   return sampled, pool, load, lp
 
 
@@ -236,18 +253,20 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
                    donate_argnames=("pool", "load"))
 def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None,
                 visual=None, targets=None, *, max_q: int, ep, mesh, axes, greedy: bool = False,
-                k_cap: int = 0, logprobs: bool = False):
+                k_cap: int = 0, logprobs: bool = False, extras=None):
   """Attention-data-parallel step: batch fields [n, ...], rank r's requests
   and pages on rank r. -> (sampled [n, S] int32, new pool, new load,
   logprobs as `step`'s, per rank [n, ...]). visual, targets: `step`'s per
   rank, [n, ...] (`Images.ranked_visual`: a rank without visual tokens has
-  its text rows), or None."""
+  its text rows), or None. extras: `step`'s, rows [n * B] rank-major."""
+  extras = sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size)
   return _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets, max_q=max_q,
-                      ep=ep, mesh=mesh, axes=axes, greedy=greedy, k_cap=k_cap, logprobs=logprobs)
+                      ep=ep, mesh=mesh, axes=axes, greedy=greedy, k_cap=k_cap, logprobs=logprobs,
+                      extras=extras)
 
 
 def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, ep, mesh,
-                 axes, greedy, k_cap, max_q=1, logprobs=False):
+                 axes, greedy, k_cap, max_q=1, logprobs=False, extras=None):
   """`step_ranked`'s program, to trace inside another (`decode_steps`)."""
   n, B = batch.kv_lens.shape
   prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
@@ -261,6 +280,6 @@ def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets=N
   pool = pool.with_segments(caches)
   h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
   logits = head(cfg, params, h).reshape(n * B, -1)
-  sampled = _sample(logits, batch, greedy, k_cap).reshape(n, B)
+  sampled = _sample(logits, batch, greedy, k_cap, extras).reshape(n, B)
   return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled), pool, _add_load(load, counts),
           step_logprobs(cfg, params, logits.reshape(n, B, -1), sampled, x, targets, logprobs))
