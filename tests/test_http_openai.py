@@ -148,3 +148,23 @@ def test_metrics_under_vllm_names_and_no_nan(served):
   assert _metric(server, "vllm:e2e_request_latency_seconds_count") >= 1
   assert _metric(server, "vllm:request_success_total", '{finished_reason="length"}') >= 1
   assert json.loads(httpx.get(server.url + "/health").text)["status"] == "ok"
+
+
+def test_vllm_sampling_extras_equal_engine_generate(served):
+  """What guidellm and others send (ignore_eos, min_tokens, penalties,
+  logit_bias, stop_token_ids) gives Engine.generate's tokens for the same
+  SamplingParams."""
+  server, cfg, params, tok = served
+  extras = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4,
+                min_tokens=3, ignore_eos=True, stop_token_ids=[ord("\n")])
+  r = _client(server).completions.create(
+      model="default", prompt=PROMPT, max_tokens=10, temperature=0,
+      extra_body=dict(extras, logit_bias={str(ord("(")): 4.0}, return_token_ids=True))
+  sp = SamplingParams(max_tokens=10, logit_bias={ord("("): 4.0},
+                      **dict(extras, stop_token_ids=(ord("\n"),)))
+  ref = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64)).generate(
+      [tok.encode(PROMPT)], sp)[0]
+  plain = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64)).generate(
+      [tok.encode(PROMPT)], SamplingParams(max_tokens=10))[0]
+  assert r.choices[0].token_ids == ref.token_ids != plain.token_ids
+  assert r.choices[0].finish_reason == ref.finish_reason
