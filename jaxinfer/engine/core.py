@@ -242,7 +242,8 @@ class EngineCore:
     c = self.config
     pages = steps.page_bucket(max(len(s.request.pages) for sch in busy for s in sch),
                               self.max_pages_per_seq)
-    if c.fixed_step_shapes:
+    prefill = any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch)
+    if c.fixed_step_shapes or (c.fixed_prefill_shapes and prefill):
       return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
                               max_q=max_q_cap)
     return steps.StepShapes(

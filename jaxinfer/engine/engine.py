@@ -25,7 +25,7 @@ import numpy as np
 
 from jaxinfer import eplb, kv_cache, kv_scales, sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import speculative, weight_layout
+from jaxinfer.engine import speculative, warmup, weight_layout
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
 from jaxinfer.engine.images import Images, per_prompt
 from jaxinfer.engine.runners import PlainRunner
@@ -82,6 +82,11 @@ class EngineConfig:
   # sequence: a handful of compiles under any traffic (serving benchmarks),
   # at the cost of padding small steps.
   fixed_step_shapes: bool = False
+  # Only steps with a prompt chunk padded as fixed_step_shapes pads them;
+  # decode-only steps keep their bucketed sequences and pages. The programs
+  # are then few enough to compile before serving (`Engine.warmup`) while
+  # decode steps stay as small as their batch.
+  fixed_prefill_shapes: bool = False
   # Speculative decoding with the model's MTP modules (decode steps pipelined
   # like the plain ones when async_scheduling is on).
   speculative: speculative.MTPConfig | None = None
@@ -373,6 +378,11 @@ class Engine(EngineCore):
     if self._load is not None and self._load.is_deleted():
       self._load = self._zero_load()
     return ended
+
+  def warmup(self, *, sampled: bool = True, top_k: bool = False) -> dict:
+    """Compiles every step program traffic can need before serving, so no
+    request waits for a compile (`engine.warmup`). -> {"programs", "seconds"}."""
+    return warmup.warmup(self, sampled=sampled, top_k=top_k)
 
   def release(self) -> None:
     """Frees this engine's device memory for good: the KV pool, its weights,

@@ -148,13 +148,19 @@ class PlainRunner:
         self._dispatch(eng, multi, t0, eng.config.decode_steps)
     return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
 
-  def _dispatch(self, eng, per_rank, t0: float, n: int = 1) -> None:
+  def warm(self, eng, shapes: steps.StepShapes, n: int, greedy: bool, k_cap: int) -> None:
+    """Compiles one program (`engine.warmup`): runs it on all-padding batches."""
+    self._dispatch(eng, [[] for _ in range(eng.num_ranks)], time.perf_counter(), n,
+                   program=(shapes, greedy, k_cap))
+    self._read(eng, keep=0)
+
+  def _dispatch(self, eng, per_rank, t0: float, n: int = 1, program=None) -> None:
     """One program over every rank's chunks: a step, or n decode steps
-    (`steps.decode_steps`) of `multi_step`'s chunks."""
+    (`steps.decode_steps`) of `multi_step`'s chunks. program: (shapes,
+    greedy, k_cap) for chunks that do not say (`warm`'s empty ones)."""
     busy = [sch for sch in per_rank if sch]
-    shapes = eng.step_shapes(busy, eng._chunk)
+    shapes, greedy, k_cap = program or (eng.step_shapes(busy, eng._chunk), *sampler_mode(busy))
     batches = [rank_batch(sch, shapes) for sch in per_rank]
-    greedy, k_cap = sampler_mode(busy)
     want = logprobs.wanted([s for scheduled in busy for s in scheduled])
     extras = sampling_extras.step_extras(per_rank, shapes.seqs, eng.config.max_num_seqs,
                                          self._prev_out)

@@ -1,0 +1,75 @@
+"""Compiling before serving: every step program that plain traffic can
+reach, each run once on all-padding batches, so no request waits for XLA.
+
+The set is finite because step shapes are bucketed, and small when steps
+with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`,
+or `fixed_step_shapes`): then the programs are, per page bucket, one
+prompt-step shape and one decode shape per sequence bucket (a multi-step
+decode program too with `decode_steps`), times the sampler variants asked
+for: greedy, sampled (no top-k) and, with top_k, each top-k bucket.
+Requests asking for logprobs, penalties, logit_bias or min_tokens compile
+their variants on first use; so does a speculative engine, whose step
+shapes also follow its draft counts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxinfer.engine import sampling, steps
+
+
+def page_buckets(max_pages: int) -> list[int]:
+  """Every pages-per-sequence bucket a step can have (`steps.page_bucket`)."""
+  return sorted({steps.page_bucket(n, max_pages) for n in range(1, max_pages + 1)})
+
+
+def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
+  """The (StepShapes, decode steps, greedy, k_cap) of every plain program
+  traffic can reach; ValueError when prompt steps are bucketed (too many)."""
+  c = eng.config
+  if eng._spec is not None:
+    raise ValueError("warmup: plain decoding only (a speculative engine compiles its programs "
+                     "as traffic comes)")
+  if not (c.fixed_step_shapes or c.fixed_prefill_shapes):
+    raise ValueError("warmup: needs EngineConfig(fixed_prefill_shapes=True) or "
+                     "fixed_step_shapes=True (bucketed prompt steps reach too many programs "
+                     "to compile ahead)")
+  samplers = [(True, 0)] + [(False, 0)] * sampled
+  if top_k:
+    k = sampling.MIN_TOP_K_CAP
+    while k <= sampling.MAX_TOP_K_CAP:
+      samplers.append((False, k))
+      k *= 2
+  multi = sorted({1, c.decode_steps})
+  seqs = sorted({(steps.bucket(b, c.max_num_batched_tokens), steps.bucket(b, c.max_num_seqs))
+                 for b in range(1, c.max_num_seqs + 1)})
+  out = []
+  for pages in page_buckets(eng.max_pages_per_seq):
+    fixed = steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
+                             max_q=eng._chunk)
+    if c.fixed_step_shapes:  # decode steps have the prompt steps' shape
+      shapes = [(fixed, n) for n in multi]
+    else:
+      shapes = [(fixed, 1)] + [(steps.StepShapes(tokens=t, seqs=b, pages=pages, max_q=1), n)
+                               for t, b in seqs for n in multi]
+    out += [(s, n, greedy, k_cap) for s, n in shapes for greedy, k_cap in samplers]
+  return out
+
+
+def warmup(eng, *, sampled: bool = True, top_k: bool = False) -> dict:
+  """Compiles and runs each of `programs` once on all-padding batches (no
+  request sees them; the engine's counters other than its compiled
+  programs are left as they were). -> {"programs": compiled now,
+  "seconds": wall time}."""
+  todo = programs(eng, sampled=sampled, top_k=top_k)
+  runner = eng._runner
+  before = dataclasses.replace(runner.counts, programs=set())
+  known = len(runner.counts.programs)
+  start = time.perf_counter()
+  for shapes, n, greedy, k_cap in todo:
+    runner.warm(eng, shapes, n, greedy, k_cap)
+  compiled = runner.counts.programs
+  runner.counts = dataclasses.replace(before, programs=compiled)
+  return dict(programs=len(compiled) - known, seconds=time.perf_counter() - start)

@@ -1,0 +1,45 @@
+"""`Engine.warmup`: after it, plain traffic with new prompt lengths,
+concurrency up to past max_num_seqs, greedy and sampled, compiles nothing
+(the engine's own program count), and the tokens are those of an engine
+that never warmed up."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, models, presets
+from jaxinfer.engine import warmup
+
+CONFIG = dict(page_size=8, num_pages=64, max_num_seqs=2, max_num_batched_tokens=32,
+              max_model_len=24)
+
+
+def _model(**kw):
+  cfg = dataclasses.replace(presets.get("tiny_dense", num_layers=1), dtype="float32", **kw)
+  return cfg, models.init_params(cfg, jax.random.key(0))
+
+
+def test_after_warmup_plain_traffic_compiles_nothing():
+  cfg, params = _model()
+  eng = Engine(cfg, params, EngineConfig(**CONFIG, fixed_prefill_shapes=True, decode_steps=2))
+  report = eng.warmup()
+  assert report["programs"] == len(warmup.programs(eng)) == eng.stats()["compiles"]
+  assert eng.stats()["steps"] == 0  # the warm-up's padding steps are not counted as traffic
+  rng = np.random.default_rng(0)
+  prompts, sampling = [], []
+  for concurrency in (1, 2, 3, 2, 1):  # past max_num_seqs: some wait for a slot
+    batch = [rng.integers(0, 256, rng.integers(1, 17)).tolist() for _ in range(concurrency)]
+    batch_sampling = [SamplingParams(max_tokens=int(rng.integers(1, 25 - len(p))),
+                                     temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
+                      for i, p in enumerate(batch)]
+    outs = eng.generate(batch, batch_sampling)
+    prompts += batch
+    sampling += batch_sampling
+  assert eng.stats()["compiles"] == report["programs"]  # nothing new
+  # The same requests on an engine that never warmed up (bucketed prompt steps).
+  fresh = Engine(cfg, params, EngineConfig(**CONFIG))
+  want = [o.token_ids for o in fresh.generate(prompts, sampling)]
+  got = [eng.output(i).token_ids for i in range(len(prompts))]
+  assert got == want
