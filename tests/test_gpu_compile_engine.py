@@ -13,6 +13,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -20,7 +21,7 @@ from conftest import FIXTURES
 from jaxinfer import gpu_compile, ops, presets, sharding
 from jaxinfer.bench import gpu_plan, sharding_report
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import steps
+from jaxinfer.engine import sampling_extras, steps
 from jaxinfer.models import vision
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -175,6 +176,24 @@ def test_multi_step_decode_compiles_for_one_h100(model):
   pool_bytes = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(pool))
   assert memory.alias_bytes >= pool_bytes  # the donated pool is updated in place
   assert 0 < memory.peak_bytes < 80e9
+
+
+def test_multi_step_decode_with_sampling_extras_compiles_for_one_h100():
+  # Requests with penalties, logit_bias or min_tokens: the loop builds the
+  # token counts [B, V] once and adds each step's samples (`sampling_extras`).
+  params, pool, mesh, layout = _abstract("tiny_dense", SMALL)
+  cfg = gpu_plan.gpu_config(presets.get("tiny_dense"), "bfloat16")
+  B, ints, floats = SMALL.batch, np.zeros(SMALL.batch, np.int32), np.ones(SMALL.batch, np.float32)
+  extras = sampling_extras.Extras(
+      bias=sampling_extras.Bias(np.zeros((B, 8), np.int32), np.zeros((B, 8), np.float32),
+                                np.zeros((B, 8), np.int32)),
+      penalties=sampling_extras.Penalties(np.zeros((B, 64), np.int32), ints, ints, ints, floats,
+                                          floats, floats, in_flight=np.zeros((4, B), np.int32)))
+  lowered, shapes = gpu_plan.lower_decode_steps(cfg, params, pool, mesh, layout,
+                                                [(1, SMALL.context)] * B, SMALL, 4, extras)
+  assert shapes.seqs == B and lowered.out_info[0].shape == (4, B)
+  text = lowered.compile().as_text()
+  assert gpu_plan.TRITON_CALL in text and "while" in text
 
 
 def test_multi_step_decode_under_attention_dp_compiles_for_eight_h100s():

@@ -203,16 +203,18 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
 
 
 def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload,
-                       num_steps: int):
+                       num_steps: int, extras=None):
   """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
   lowered for decode-only `seqs` (on every rank under attention DP, as
-  `lower_ranked`) -> (Lowered, StepShapes)."""
+  `lower_ranked`) -> (Lowered, StepShapes). extras: a host
+  `sampling_extras.Extras` for the step's rows (replicated), or None."""
   ranked = bool(sharding.dp_axes(mesh, layout))
   batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked)
+  extras = None if extras is None else _replicated(mesh, extras)
   with gpu_compile.lowering(mesh):
     lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
                                        num_steps=num_steps, ep=plan_from_params(params),
-                                       greedy=w.greedy, **where)
+                                       greedy=w.greedy, extras=extras, **where)
   return lowered, shapes
 
 

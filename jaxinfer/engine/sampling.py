@@ -5,6 +5,7 @@ never recompile."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Mapping
 
@@ -90,7 +91,7 @@ class SamplingParams:
         raise ValueError(f"SamplingParams: {name} must be in [-2, 2], got {getattr(self, name)}")
     object.__setattr__(self, "logit_bias", _normalized_bias(self.logit_bias))
 
-  @property
+  @functools.cached_property  # read for every row of every step: computed once
   def uses_extras(self) -> bool:
     """Whether the step must process this request's logits (min_tokens,
     logit_bias or a penalty; ignore_eos is the host's)."""

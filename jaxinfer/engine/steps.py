@@ -209,10 +209,9 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
   live = batch.valid.astype(jnp.int32)  # padding rows stay where they are
   seq_live = (batch.kv_lens > 0).astype(jnp.int32)
   follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: each row's own last sample
+  B = batch.kv_lens.shape[-1]  # sequences (per rank)
   one_step = (functools.partial(_step_ranked, mesh=mesh, axes=axes) if axes else
               functools.partial(_step, max_q=1, mesh=mesh, head_axis=head_axis))
-
-  B = batch.kv_lens.shape[-1]
 
   def one(carry, j):
     pool, load, prev, extras = carry
