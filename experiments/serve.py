@@ -10,8 +10,11 @@
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "default", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
-The engine compiles its step programs on a warm-up request before the
-server accepts traffic (--warmup). /metrics serves Prometheus text.
+Before the server accepts traffic (--warmup) the engine compiles every step
+program plain requests can need (`Engine.warmup`, prompt steps in fixed
+shapes: --fixed_prefill_shapes), so no request waits for a compile; the
+programs go to jax's persistent compilation cache (--compilation_cache_dir),
+from which a second start reads them. /metrics serves Prometheus text.
 --backend=ray serves a `Cluster(backend="ray")` of --workers mixed workers,
 each a Ray actor in its own process with the same engine flags (a local
 Ray is started unless --ray_address names one); /metrics then sums the
@@ -22,8 +25,11 @@ processes sharing one tensor-parallel mesh (`serving.ray_group`).
 from __future__ import annotations
 
 import os
+import time
 
 from absl import app, flags, logging
+import jax
+import jax.monitoring
 import uvicorn
 
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run
@@ -54,10 +60,20 @@ _DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "engine: decode steps per dispatch when "
                                      "not speculating (EngineConfig.decode_steps)")
 _FIXED_SHAPES = flags.DEFINE_bool("fixed_step_shapes", False, "engine: pad every step to the "
-                                   "budgets, so the warm-up compiles (nearly) every program")
+                                   "budgets (decode steps too)")
+_FIXED_PREFILL = flags.DEFINE_bool("fixed_prefill_shapes", True, "engine: pad steps with a prompt "
+                                   "chunk to the budgets, so the warm-up can compile every "
+                                   "program plain traffic needs (EngineConfig)")
+_WARMUP_TOP_K = flags.DEFINE_bool("warmup_top_k", False, "the warm-up also compiles the top-k "
+                                  "sampler of each top_k bucket (7 more per shape)")
+_CACHE_DIR = flags.DEFINE_string("compilation_cache_dir",
+                                 os.path.expanduser("~/.cache/jaxinfer/xla"),
+                                 "jax's persistent compilation cache: a second start reads the "
+                                 "warm-up's programs back ('': off)")
 _IMAGE_ROOT = flags.DEFINE_string("image_root", None, "vision models: the directory chat image "
                                   "file paths may be read from (None: base64 data URLs only)")
-_WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving")
+_WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving "
+                            "(/health answers once it is done)")
 _BACKEND = flags.DEFINE_enum("backend", "engine", ["engine", "ray"], "engine: one Engine in "
                              "this process; ray: a Cluster of Ray worker processes")
 _WORKERS = flags.DEFINE_integer("workers", 2, "--backend=ray: worker processes")
@@ -97,6 +113,42 @@ def ray_cluster(config: EngineConfig):
   return Cluster(specs, backend="ray", router="kv")
 
 
+def compilation_cache() -> dict:
+  """Turns on jax's persistent compilation cache (--compilation_cache_dir);
+  -> its hit and miss counts, updated as programs compile."""
+  counts = dict(hits=0, misses=0)
+  if not _CACHE_DIR.value:
+    return counts
+  jax.config.update("jax_compilation_cache_dir", _CACHE_DIR.value)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  def count(event, **_):
+    for key in counts:
+      if event == f"/jax/compilation_cache/cache_{key}":
+        counts[key] += 1
+  jax.monitoring.register_event_listener(count)
+  return counts
+
+
+def warm_up(backend) -> None:
+  """Compiles before serving: every plain program (`Engine.warmup`) when the
+  shapes are bounded, else (speculation, bucketed prompt steps, a Ray
+  cluster) the programs of a few requests of assorted lengths."""
+  start, cache = time.perf_counter(), compilation_cache()
+  bounded = (_BACKEND.value == "engine" and not _DRAFT.value
+             and (_FIXED_PREFILL.value or _FIXED_SHAPES.value))
+  if bounded:
+    report = backend.warmup(top_k=_WARMUP_TOP_K.value)
+    what = f"{report['programs']} step programs"
+  else:
+    copies = _WORKERS.value if _BACKEND.value == "ray" else 1  # distinct: every worker gets some
+    backend.generate([[1 + k] * n for k in range(copies) for n in (8, 100, 400)],
+                     SamplingParams(max_tokens=16))
+    what = "the programs of a few requests"
+  logging.info("warm-up: compiled %s in %.1f s (persistent cache %s: %d hits, %d misses)", what,
+               time.perf_counter() - start, _CACHE_DIR.value or "off", cache["hits"],
+               cache["misses"])
+
+
 def main(argv):
   del argv
   cfg, params, tok, template, name = load(_MODEL_DIR.value)
@@ -104,6 +156,7 @@ def main(argv):
   config = EngineConfig(max_num_seqs=_MAX_SEQS.value, max_num_batched_tokens=_TOKEN_BUDGET.value,
                         kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
                         fixed_step_shapes=_FIXED_SHAPES.value,
+                        fixed_prefill_shapes=_FIXED_PREFILL.value,
                         decode_steps=1 if spec else _DECODE_STEPS.value)
   if _BACKEND.value == "ray":
     del params  # each worker process loads its own
@@ -111,10 +164,7 @@ def main(argv):
   else:
     backend = Engine(cfg, params, config)
   if _WARMUP.value:
-    logging.info("warming up (compiling the step programs)")
-    copies = _WORKERS.value if _BACKEND.value == "ray" else 1  # distinct: every worker gets some
-    backend.generate([[1 + k] * n for k in range(copies) for n in (8, 100, 400)],
-                     SamplingParams(max_tokens=16))
+    warm_up(backend)
   app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template,

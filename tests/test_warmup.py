@@ -34,7 +34,7 @@ def test_after_warmup_plain_traffic_compiles_nothing():
     batch_sampling = [SamplingParams(max_tokens=int(rng.integers(1, 25 - len(p))),
                                      temperature=0.0 if i % 2 == 0 else 0.8, seed=i)
                       for i, p in enumerate(batch)]
-    outs = eng.generate(batch, batch_sampling)
+    eng.generate(batch, batch_sampling)
     prompts += batch
     sampling += batch_sampling
   assert eng.stats()["compiles"] == report["programs"]  # nothing new
@@ -43,3 +43,16 @@ def test_after_warmup_plain_traffic_compiles_nothing():
   want = [o.token_ids for o in fresh.generate(prompts, sampling)]
   got = [eng.output(i).token_ids for i in range(len(prompts))]
   assert got == want
+
+
+def test_warmup_refuses_what_it_cannot_bound():
+  cfg, params = _model()
+  with pytest.raises(ValueError, match="fixed_prefill_shapes"):
+    Engine(cfg, params, EngineConfig(**CONFIG)).warmup()
+  with pytest.raises(ValueError, match="set one of them"):
+    EngineConfig(fixed_step_shapes=True, fixed_prefill_shapes=True)
+  cfg, params = _model(num_mtp_layers=1)
+  spec = Engine(cfg, params, EngineConfig(**CONFIG, fixed_prefill_shapes=True,
+                                          speculative=MTPConfig(num_draft_tokens=1)))
+  with pytest.raises(ValueError, match="speculative"):
+    spec.warmup()

@@ -238,12 +238,18 @@ class EngineCore:
         min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
 
   def step_shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
-    """The bucketed program shapes for the non-empty per-rank schedules."""
+    """The bucketed program shapes for the non-empty per-rank schedules.
+    With fixed_prefill_shapes a step with a prompt chunk takes the full
+    budgets and context (one shape), a decode-only step its sequences and
+    pages in powers of two (`engine.warmup` compiles them all)."""
     c = self.config
-    pages = steps.page_bucket(max(len(s.request.pages) for sch in busy for s in sch),
-                              self.max_pages_per_seq)
-    prefill = any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch)
-    if c.fixed_step_shapes or (c.fixed_prefill_shapes and prefill):
+    need = max(len(s.request.pages) for sch in busy for s in sch)
+    if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
+      return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
+                              pages=self.max_pages_per_seq, max_q=max_q_cap)
+    pages = (steps.bucket(need, self.max_pages_per_seq) if c.fixed_prefill_shapes else
+             steps.page_bucket(need, self.max_pages_per_seq))
+    if c.fixed_step_shapes:
       return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
                               max_q=max_q_cap)
     return steps.StepShapes(

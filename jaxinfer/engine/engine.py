@@ -144,6 +144,9 @@ class EngineConfig:
     if self.decode_steps > 1 and self.speculative is not None:
       raise ValueError("EngineConfig: decode_steps > 1 is for plain decoding; speculative "
                        "decoding pipelines its own steps (leave decode_steps at 1)")
+    if self.fixed_step_shapes and self.fixed_prefill_shapes:
+      raise ValueError("EngineConfig: fixed_step_shapes pads every step, fixed_prefill_shapes "
+                       "only prompt steps: set one of them")
     if self.dp_balance not in DP_BALANCE:
       raise ValueError(f"EngineConfig: dp_balance must be one of {DP_BALANCE}, "
                        f"got {self.dp_balance!r}")

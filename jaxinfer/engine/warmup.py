@@ -2,11 +2,15 @@
 reach, each run once on all-padding batches, so no request waits for XLA.
 
 The set is finite because step shapes are bucketed, and small when steps
-with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`,
-or `fixed_step_shapes`): then the programs are, per page bucket, one
-prompt-step shape and one decode shape per sequence bucket (a multi-step
-decode program too with `decode_steps`), times the sampler variants asked
-for: greedy, sampled (no top-k) and, with top_k, each top-k bucket.
+with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`:
+one prompt-step shape, and a decode shape per power-of-two sequences and
+pages; or `fixed_step_shapes`: one shape per page bucket), each also as a
+multi-step decode with `decode_steps`, times the sampler variants asked
+for: greedy, sampled (no top-k) and, with top_k, each top-k bucket. Few
+matters on CPU beyond compile time: each XLA:CPU program holds hundreds of
+memory maps, and a process past vm.max_map_count crashes
+(docs/known_issues.md); the bucketed prompt steps' thousands of shapes
+would get there under long enough traffic.
 Requests asking for logprobs, penalties, logit_bias or min_tokens compile
 their variants on first use; so does a speculative engine, whose step
 shapes also follow its draft counts.
@@ -20,9 +24,11 @@ import time
 from jaxinfer.engine import sampling, steps
 
 
-def page_buckets(max_pages: int) -> list[int]:
-  """Every pages-per-sequence bucket a step can have (`steps.page_bucket`)."""
-  return sorted({steps.page_bucket(n, max_pages) for n in range(1, max_pages + 1)})
+def page_buckets(max_pages: int, fixed_prefill: bool) -> list[int]:
+  """Every pages-per-sequence bucket a decode step can have
+  (`EngineCore.step_shapes`)."""
+  bucket = steps.bucket if fixed_prefill else steps.page_bucket
+  return sorted({bucket(n, max_pages) for n in range(1, max_pages + 1)})
 
 
 def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
@@ -45,17 +51,16 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   multi = sorted({1, c.decode_steps})
   seqs = sorted({(steps.bucket(b, c.max_num_batched_tokens), steps.bucket(b, c.max_num_seqs))
                  for b in range(1, c.max_num_seqs + 1)})
-  out = []
-  for pages in page_buckets(eng.max_pages_per_seq):
-    fixed = steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
-                             max_q=eng._chunk)
-    if c.fixed_step_shapes:  # decode steps have the prompt steps' shape
-      shapes = [(fixed, n) for n in multi]
-    else:
-      shapes = [(fixed, 1)] + [(steps.StepShapes(tokens=t, seqs=b, pages=pages, max_q=1), n)
-                               for t, b in seqs for n in multi]
-    out += [(s, n, greedy, k_cap) for s, n in shapes for greedy, k_cap in samplers]
-  return out
+  pages = page_buckets(eng.max_pages_per_seq, c.fixed_prefill_shapes)
+  if c.fixed_prefill_shapes:  # one prompt-step shape; decode steps bucketed
+    shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
+                                pages=eng.max_pages_per_seq, max_q=eng._chunk), 1)]
+    shapes += [(steps.StepShapes(tokens=t, seqs=b, pages=p, max_q=1), n)
+               for p in pages for t, b in seqs for n in multi]
+  else:  # every step has the prompt steps' shape
+    shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=p,
+                                max_q=eng._chunk), n) for p in pages for n in multi]
+  return [(s, n, greedy, k_cap) for s, n in shapes for greedy, k_cap in samplers]
 
 
 def warmup(eng, *, sampled: bool = True, top_k: bool = False) -> dict:
