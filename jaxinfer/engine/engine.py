@@ -56,9 +56,9 @@ class EngineConfig:
   k_scale / v_scale (MLA kv_scale), else calibrated at build), 2x / 4x the
   tokens of bf16 / f32 pages in the same bytes. The comments on the
   remaining fields say what they switch: async_scheduling,
-  record_expert_load, fixed_step_shapes, speculative (an `MTPConfig`),
-  unroll_layers, cpu_weight_layout, decode_steps, and the attention-DP step
-  budget (dp_balance, dp_min_step_tokens).
+  record_expert_load, fixed_step_shapes, fixed_prefill_shapes, speculative
+  (an `MTPConfig`), unroll_layers, cpu_weight_layout, decode_steps, and the
+  attention-DP step budget (dp_balance, dp_min_step_tokens).
   """
 
   page_size: int = 16
