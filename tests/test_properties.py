@@ -323,7 +323,7 @@ def test_http_request_validation_names_the_field_or_accepts(chat, data, prompt_l
     req = op.parse(op.ChatRequest if chat else op.CompletionRequest, body.encode())
     op.stop_strings(req)
     params = op.sampling_params(req, prompt_len=prompt_len, max_model_len=64, max_tokens_cap=32,
-                                default_max_tokens=None)
+                                default_max_tokens=None, vocab_size=256)
     if chat:
       [m.text() for m in req.messages]
   except op.ApiError as e:

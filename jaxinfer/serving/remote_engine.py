@@ -74,6 +74,7 @@ class RemoteEngine:
     "transfer_address" when pages travel by jax's transfer library."""
     self.actor, self.info, self.call_timeout_s = actor, info, call_timeout_s
     self.cfg, self.config, self.max_model_len = info["cfg"], info["config"], info["max_model_len"]
+    self.vocab_size = info["vocab_size"]
     self.pool = range(info["pool_segments"])  # its length is what `check_compatible` reads
     self._core = EngineCore()  # the engine's request checks, without its devices
     self._core._init_core(info["config"], num_ranks=info["num_ranks"],
