@@ -129,11 +129,12 @@ def compilation_cache() -> dict:
   return counts
 
 
-def warm_up(backend) -> None:
+def warm_up(backend, cache: dict) -> None:
   """Compiles before serving: every plain program (`Engine.warmup`) when the
   shapes are bounded, else (speculation, bucketed prompt steps, a Ray
-  cluster) the programs of a few requests of assorted lengths."""
-  start, cache = time.perf_counter(), compilation_cache()
+  cluster) the programs of a few requests of assorted lengths. cache: the
+  persistent cache's counts (`compilation_cache`)."""
+  start = time.perf_counter()
   bounded = (_BACKEND.value == "engine" and not _DRAFT.value
              and (_FIXED_PREFILL.value or _FIXED_SHAPES.value))
   if bounded:
@@ -151,6 +152,7 @@ def warm_up(backend) -> None:
 
 def main(argv):
   del argv
+  cache = compilation_cache()  # before anything compiles, warm-up or not
   cfg, params, tok, template, name = load(_MODEL_DIR.value)
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
   config = EngineConfig(max_num_seqs=_MAX_SEQS.value, max_num_batched_tokens=_TOKEN_BUDGET.value,
@@ -164,7 +166,7 @@ def main(argv):
   else:
     backend = Engine(cfg, params, config)
   if _WARMUP.value:
-    warm_up(backend)
+    warm_up(backend, cache)
   app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template,

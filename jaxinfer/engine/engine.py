@@ -82,10 +82,10 @@ class EngineConfig:
   # sequence: a handful of compiles under any traffic (serving benchmarks),
   # at the cost of padding small steps.
   fixed_step_shapes: bool = False
-  # Only steps with a prompt chunk padded as fixed_step_shapes pads them;
-  # decode-only steps keep their bucketed sequences and pages. The programs
-  # are then few enough to compile before serving (`Engine.warmup`) while
-  # decode steps stay as small as their batch.
+  # Steps with a prompt chunk padded to the budgets and the whole context
+  # (one shape); decode-only steps bucketed in powers of two (sequences,
+  # pages). The programs are then few enough to compile before serving
+  # (`Engine.warmup`) while decode steps stay near the size of their batch.
   fixed_prefill_shapes: bool = False
   # Speculative decoding with the model's MTP modules (decode steps pipelined
   # like the plain ones when async_scheduling is on).
