@@ -173,7 +173,9 @@ BASE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
   ),
   # GPT-OSS: 4 experts top-2 (softmax over the top-k logits), attention sinks, biases on
   # q/k/v/o and on experts, sliding window 4 on even layers, YaRN (truncate=False as in the
-  # released config). swiglu_limit is lowered from 7.0 to 1.0 so the clamp is exercised.
+  # released config; theta 500, original context 96 and beta_fast 4 put the correction range
+  # at [1.72, 3.51], so truncating it to [1, 4] would change the logits).
+  # swiglu_limit is lowered from 7.0 to 1.0 so the clamp is exercised.
   "gpt_oss": (
     "GptOssConfig",
     dict(
@@ -195,10 +197,10 @@ BASE_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
       tie_word_embeddings=False,
       rope_parameters=dict(
         rope_type="yarn",
-        rope_theta=150000.0,
+        rope_theta=500.0,
         factor=4.0,
-        original_max_position_embeddings=16,
-        beta_fast=32.0,
+        original_max_position_embeddings=96,
+        beta_fast=4.0,
         beta_slow=1.0,
         truncate=False,
       ),

@@ -97,6 +97,11 @@ class _Reader:
   def has(self, name: str) -> bool:
     return name in self.index
 
+  def shape(self, name: str) -> tuple[int, ...] | None:
+    """A tensor's shape from its file's header (None: not in the checkpoint)."""
+    fn = self.index.get(name)
+    return None if fn is None else tuple(self.header(fn)[0][name]["shape"])
+
   def read(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
     fn = self.index.get(name)
     if fn is None:
@@ -306,7 +311,7 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
     lm = hf_names.lm_prefix(cfg)
     vision = hf_names_vision.vision_sources(cfg.vision, cfg.d_model) if cfg.vision else {}
     seg_sources = [
-        [hf_names.block_sources(cfg, f"{lm}.layers.{i}", is_moe, reader.has)
+        [hf_names.block_sources(cfg, f"{lm}.layers.{i}", is_moe, reader.has, reader.shape)
          for i in range(first, first + n)]
         for is_moe, first, n in cfg.segments()]
     mtp = [hf_names.mtp_sources(cfg, d, reader.has) for d in range(cfg.num_mtp_layers)]

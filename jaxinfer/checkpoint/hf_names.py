@@ -5,13 +5,21 @@
 built from, their expected shapes, and the conversion. HF linear weights are
 [out, in]; ours are [in, out] with heads split out (`[D, N, H]`, `[N, H, D]`).
 
-Expert weights come in three layouts, all accepted:
-  per expert  `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: w1/w3/w2),
-              what published checkpoints and transformers' save_pretrained hold
+Expert weights: every layout transformers 5 itself reads.
+  per expert  `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: w1/w3/w2,
+              under `block_sparse_moe` or `mlp`, its router `gate` likewise):
+              published Qwen3-MoE, Mixtral and DeepSeek checkpoints, and what
+              save_pretrained writes for them
   fused       `experts.gate_up_proj` [E, 2F, D] (gate rows first) and
-              `experts.down_proj` [E, D, F]: transformers 5's in-memory layout
+              `experts.down_proj` [E, D, F]: transformers 5's in-memory layout,
+              written by save_pretrained(save_original_format=False), and by
+              plain save_pretrained for Qwen3-VL-MoE
+  Qwen3-VL-MoE as published: `gate_up_proj` [E, D, 2F] (gate columns first),
+              `down_proj` [E, F, D]; chosen by shape, and where a shape fits
+              both (D == 2F, D == F) the in-memory layout, as transformers does
   GPT-OSS     `experts.gate_up_proj` [E, D, 2F] with gate/up interleaved on the
-              last axis, `down_proj` [E, F, D], plus their `_bias` tensors
+              last axis, `down_proj` [E, F, D], plus their `_bias` tensors (the
+              one layout, saved and published)
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from typing import Callable
 from einops import rearrange
 import numpy as np
 
+from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig
 
 
@@ -132,10 +141,55 @@ def _stack_experts(name_fmt: str, E: int, shape, fn) -> Source:
                 WeightRef(names, shape[0], shape[1], stacked=True))
 
 
-def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> dict:
+def _published_vl_layout(cfg: ModelConfig, x: str, shape: Callable | None) -> bool:
+  """Qwen3-VL-MoE's fused experts: True for the published [E, D, 2F] /
+  [E, F, D], False for transformers' in-memory [E, 2F, D] / [E, D, F]
+  (preferred where a shape fits both, as transformers reads it)."""
+  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
+  layouts = {"gate_up_proj": ((E, 2 * F, D), (E, D, 2 * F)), "down_proj": ((E, D, F), (E, F, D))}
+  published = []
+  for leaf, (memory, pub) in layouts.items():
+    got = shape(f"{x}.{leaf}") if shape is not None else pub
+    if got is None:
+      raise CheckpointError(f"missing tensor {x}.{leaf!r}")
+    if tuple(got) not in (memory, pub):
+      raise CheckpointError(
+          f"tensor {x}.{leaf!r} has shape {list(got)}; expected {list(pub)} (as published) or "
+          f"{list(memory)} (as transformers 5's save_pretrained writes it)")
+    published.append(tuple(got) != memory)
+  if published[0] != published[1]:
+    raise CheckpointError(f"{x}: gate_up_proj and down_proj are in different layouts "
+                          "(one published, one as transformers holds it in memory)")
+  return published[0]
+
+
+def _fused_experts(cfg: ModelConfig, x: str, shape: Callable | None) -> dict:
+  """Fused `gate_up_proj` / `down_proj`: transformers 5's in-memory layout,
+  or (Qwen3-VL-MoE only) the published one."""
+  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
+  s = {}
+  if cfg.model_type == "qwen3_vl_moe" and _published_vl_layout(cfg, x, shape):
+    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., :F])
+    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., F:])
+    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D))
+    return s
+  gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
+  s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
+                        lambda w: rearrange(w[:, :F], "E F D -> E D F"), gu(slice(0, F)))
+  s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
+                      lambda w: rearrange(w[:, F:], "E F D -> E D F"), gu(slice(F, 2 * F)))
+  s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: rearrange(w, "E D F -> E F D"),
+                        WeightRef((f"{x}.down_proj",), D, F, (E,)))
+  return s
+
+
+def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool],
+                 shape: Callable | None = None) -> dict:
   D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
   if cfg.model_type == "mixtral" and has(f"{prefix}.block_sparse_moe.gate.weight"):
     m, expert_names = f"{prefix}.block_sparse_moe", ("w1", "w3", "w2")
+  elif cfg.model_type == "mixtral":  # transformers 5 renames block_sparse_moe to mlp on load
+    m, expert_names = f"{prefix}.mlp", ("w1", "w3", "w2")
   else:
     m, expert_names = f"{prefix}.mlp", ("gate_proj", "up_proj", "down_proj")
   router = f"{m}.router" if cfg.model_type == "gpt_oss" else f"{m}.gate"
@@ -145,12 +199,7 @@ def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> d
   if cfg.router == "sigmoid_grouped":
     s[("score_bias",)] = _one(f"{router}.e_score_correction_bias", (E,))
   x = f"{m}.experts"
-  if cfg.model_type == "qwen3_vl_moe":
-    # Published Qwen3-VL-MoE: gate_up_proj [E, D, 2F] (gate columns first), down_proj [E, F, D].
-    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., :F])
-    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., F:])
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D))
-  elif cfg.model_type == "gpt_oss":
+  if cfg.model_type == "gpt_oss":
     # Quantized (MXFP4) the same tensors are [E, out, in]: gate/up interleave rows.
     gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
     s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 0::2],
@@ -162,13 +211,7 @@ def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> d
     s[("b_up",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 1::2])
     s[("b_down",)] = _one(f"{x}.down_proj_bias", (E, D))
   elif has(f"{x}.gate_up_proj"):
-    gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
-    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
-                          lambda w: rearrange(w[:, :F], "E F D -> E D F"), gu(slice(0, F)))
-    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
-                        lambda w: rearrange(w[:, F:], "E F D -> E D F"), gu(slice(F, 2 * F)))
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: rearrange(w, "E D F -> E F D"),
-                          WeightRef((f"{x}.down_proj",), D, F, (E,)))
+    s.update(_fused_experts(cfg, x, shape))
   else:
     g, u, d = expert_names
     s[("w_gate",)] = _stack_experts(x + ".{e}." + g + ".weight", E, (F, D), lambda w: w.T)
@@ -179,13 +222,17 @@ def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool]) -> d
   return s
 
 
-def block_sources(cfg: ModelConfig, prefix: str, is_moe: bool, has: Callable[[str], bool]) -> dict:
-  """Sources of every leaf of the block at `prefix` (e.g. 'model.layers.3')."""
+def block_sources(cfg: ModelConfig, prefix: str, is_moe: bool, has: Callable[[str], bool],
+                  shape: Callable[[str], tuple | None] | None = None) -> dict:
+  """Sources of every leaf of the block at `prefix` (e.g. 'model.layers.3').
+  `has(name)`: the checkpoint holds the tensor; `shape(name)`: its shape (or
+  None), which picks between fused-expert layouts (None: the published one)."""
   D = cfg.d_model
   s = {("attn_norm",): _one(f"{prefix}.input_layernorm.weight", (D,)),
        ("mlp_norm",): _one(f"{prefix}.post_attention_layernorm.weight", (D,))}
   s.update({("attn", *k): v for k, v in _attn_sources(cfg, f"{prefix}.self_attn", has).items()})
-  mlp = _moe_sources(cfg, prefix, has) if is_moe else _dense_sources(f"{prefix}.mlp", D, cfg.ffn_dim)
+  mlp = (_moe_sources(cfg, prefix, has, shape) if is_moe
+         else _dense_sources(f"{prefix}.mlp", D, cfg.ffn_dim))
   s.update({("mlp", *k): v for k, v in mlp.items()})
   return s
 

@@ -32,7 +32,7 @@ def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
     q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
-  q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+  q, k = (apply_rope(a, cos, sin, cfg.rope_interleave) for a in (q, k))
   out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, sinks=p.get("sinks"),
                           scale=cfg.softmax_scale(), impl=cfg.attention_impl,
                           target=cfg.kernel_target)
