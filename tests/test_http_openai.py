@@ -63,6 +63,14 @@ def test_echo_and_logprobs_equal_a_full_forward(served):
   assert lp["text_offset"] == list(np.cumsum([0] + [len(s) for s in lp["tokens"][:-1]]))
 
 
+def test_echo_with_max_tokens_zero_is_a_named_400(served):
+  """vLLM scores a prompt with max_tokens=0; here that is a 400 naming the field."""
+  server, _, _, _ = served
+  r = httpx.post(server.url + "/v1/completions", timeout=60, json=dict(
+      model="default", prompt="abc", echo=True, logprobs=1, max_tokens=0))
+  assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_logprobs_and_top_logprobs(served, stream):
   server, _, _, _ = served

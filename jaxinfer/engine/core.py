@@ -192,6 +192,14 @@ class EngineCore:
                          metrics=metrics, logprobs=copy(req.logprobs),
                          prompt_logprobs=copy(req.prompt_logprobs))
 
+  def logprobs_tail(self, request_id: int, count: int) -> tuple[list | None, list | None]:
+    """The logprobs of the request's last `count` tokens and its prompt
+    logprobs (None where not asked), without copying the whole output:
+    streaming reads these each step."""
+    req = self._requests[request_id]
+    tail = None if req.logprobs is None else req.logprobs[len(req.output) - count:]
+    return tail, req.prompt_logprobs
+
   def _core_stats(self, counts) -> dict:
     """The host's counters (`Engine.stats`); counts: the runner's `StepCounts`."""
     allocs, reqs = self.allocators, self._requests.values()

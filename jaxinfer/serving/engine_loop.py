@@ -272,9 +272,8 @@ class EngineLoop:
     ids = [int(t) for t in new]
     if not stream.logprobs:
       return Tokens(ids)
-    out = self.backend.output(rid)
-    lps = out.logprobs[len(out.token_ids) - len(ids):] if out.logprobs is not None else None
-    return Tokens(ids, lps, None if stream.first_token else out.prompt_logprobs)
+    lps, prompt_lps = self.backend.logprobs_tail(rid, len(ids))
+    return Tokens(ids, lps, None if stream.first_token else prompt_lps)
 
   def _end(self, stream: Stream, *, result: Result | None = None,
            error: ApiError | None = None) -> None:

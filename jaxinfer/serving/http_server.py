@@ -22,8 +22,10 @@ A bad request gets a 400 with an OpenAI error body naming the field: an
 unknown model, prompt + max_tokens over the context or max_tokens over
 max_tokens_cap, bad sampling values, n or prompts over their caps, numbers the step's arrays
 cannot hold (int32 counts and token ids, float32 values) or booleans given
-as numbers, malformed JSON, a body over max_body_bytes, logprobs from a
-Cluster backend (its workers keep them). Unknown paths and methods get
+as numbers, malformed JSON, a body over max_body_bytes, max_tokens=0
+(vLLM's prompt-only echo: ask max_tokens=1 with echo and logprobs, and read
+the prompt's logprobs), logprobs from a Cluster backend (its workers keep
+them). Unknown paths and methods get
 OpenAI error bodies too (404, 405). When max_queue
 requests are held, or a Cluster's queue is full, a request gets 429 at
 once. With api_key, /v1/ routes need `Authorization: Bearer <api_key>`
