@@ -40,7 +40,7 @@ _PLOT_RESERVE_S = 10.0
 # pytest selections: on a GPU the GPU subclasses of every kernel test file;
 # the dry run takes a few interpret-mode cases of the same files.
 TEST_FILES = ("tests/test_kernels_flash.py", "tests/test_kernels_paged.py",
-              "tests/test_kernels_quantized_matmul.py")
+              "tests/test_kernels_quantized_matmul.py", "tests/test_kernels_mosaic.py")
 GPU_SELECTION = "Gpu"
 DRY_SELECTION = "not Gpu and (bf16_causal_window or lengths_edge_cases or test_bf16_activations)"
 _RESULT_LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels import mosaic_paged_attention as mpa
 from jaxinfer.models import quant
 
 KERNELS = ("flash", "paged", "mla", "ragged", "qmatmul")
@@ -135,6 +136,20 @@ def _gpu_peer(env, module):
     return importlib.import_module(module), ""
   except Exception as e:  # noqa: BLE001  (any import failure means "not available")
     return None, f"not importable: {short_error(e)}"
+
+
+def _mosaic_skip(env, rows: int, D: int) -> str:
+  """Why the Mosaic GPU paged kernel cannot run this case here ("" if it can)."""
+  if not env.gpu:
+    return "GPU only (Hopper)"
+  why = mpa.available()
+  if why:
+    return why
+  if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
+    return "Hopper (sm90) only"
+  if rows > mpa.ROWS or D % 64 or jnp.dtype(env.dtype) not in (jnp.bfloat16, jnp.float16):
+    return f"unsupported: {rows} rows, head dim {D}, {jnp.dtype(env.dtype).name}"
+  return ""
 
 
 def _split_count(env, programs, pages_per_seq):
@@ -262,6 +277,11 @@ def _paged_case(env, *, B, S, ps, Q, N, K, D):
   if splits > 1:
     impls["ours_split"] = Impl(functools.partial(ours, num_splits=splits),
                                note=f"num_splits={splits}")
+  mosaic_splits = _split_count(env, B * K, -(-pps // mpa.pages_per_block(ps)))
+  impls["ours_mosaic"] = Impl(
+      functools.partial(mpa.mosaic_paged_attention, num_splits=mosaic_splits),
+      skip=_mosaic_skip(env, Q * (N // K), D),
+      note=f"Mosaic GPU (TMA + wgmma), num_splits={mosaic_splits}")
   temp = 2 * f32_kv + 3 * 4.0 * B * N * Q * pps * ps
   if env.peers:
     impls["xla_reference"] = Impl(pk.paged_attention_reference, temp_bytes=temp,

@@ -1,0 +1,233 @@
+"""Paged decode attention on Mosaic GPU (Hopper, jax >= 0.11): TMA page loads
+and wgmma, for GQA decode and multi-query verify.
+
+Same layout and meaning as `paged_attention` (q [B, N, D] or [B, Q, N, D],
+pages [K, P, page_size, D], lengths, page_indices; window, sinks), written
+with `plgpu.kernel` instead of Pallas Triton (deprecated in jax 0.11).
+
+One program per (KV head, sequence, split), one warpgroup:
+
+  rows    the Q queries x G query heads of the KV head (row = q * G + g),
+          padded to the 64 rows of a wgmma tile (Q * G <= 64); each KV page
+          is read once per KV head per step.
+  pages   a block of `pages_per_block` pages (64+ keys) per loop step: the
+          page table drives one TMA copy per page from the HBM pool into a
+          swizzled shared-memory tile, `slots` blocks in flight (the copy
+          of block i + slots is issued when block i is done).
+  math    S = Q K^T and O += P V with wgmma (bf16 / f16 in, f32 out); P goes
+          through shared memory (a register A operand is not interpretable);
+          online softmax in base 2 with a finite mask value, so blocks a
+          window hides entirely leave no NaN.
+  split-K a sequence's blocks are divided over `num_splits` programs; each
+          returns its normalised output and log-sum-exp, merged here with
+          the sinks (one logit per query head) in the denominator.
+
+On CPU the kernel runs in Mosaic GPU's interpret mode
+(`plgpu.InterpretGPUParams`: simulated shared memory, barriers, TMA), which
+jax has from 0.11; jax 0.10 gets a named error. Not yet: quantized pages,
+MLA (latent pages), Q * G > 64, head dims other than multiples of 64.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.paged_attention import validate_paged
+
+try:
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  _INTERPRETER = getattr(plgpu, "InterpretGPUParams", None)
+except ImportError:  # a jax without Mosaic GPU
+  plgpu, _INTERPRETER = None, None
+
+ROWS = 64  # one wgmma tile of rows: the Q x G queries of a KV head, padded
+MIN_KEYS = 64  # keys per loop step: P's [64, keys] tile is one 128-byte swizzle wide
+SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
+MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
+_LOG2E = math.log2(math.e)
+
+
+def available() -> str | None:
+  """None when this jax can run the kernel, else why not."""
+  if plgpu is None or _INTERPRETER is None or not hasattr(plgpu, "kernel"):
+    return (f"jax {jax.__version__} has no Mosaic GPU kernels with an interpreter "
+            "(plgpu.kernel, plgpu.InterpretGPUParams): jax >= 0.11 needed")
+  return None
+
+
+def pages_per_block(page_size: int) -> int:
+  """Pages per loop step: enough for MIN_KEYS keys."""
+  return max(1, -(-MIN_KEYS // page_size))
+
+
+def smem_bytes(D: int, page_size: int, slots: int, itemsize: int = 2) -> int:
+  """Shared memory of one program: q, `slots` K and V blocks, P, the f32
+  output tile and the log-sum-exp row."""
+  keys = page_size * pages_per_block(page_size)
+  return itemsize * (ROWS * D + 2 * slots * keys * D + ROWS * keys) + 4 * (ROWS * D + ROWS)
+
+
+def _check(q4, k_pages, v_pages, slots, num_splits):
+  """The kernel's own limits, as named ValueErrors / TypeErrors."""
+  def need(ok, msg, exc=ValueError):
+    if not ok:
+      raise exc(f"mosaic_paged_attention: {msg}")
+
+  why = available()
+  need(why is None, why or "", NotImplementedError)
+  B, Q, N, D = q4.shape
+  K, _, ps, _ = k_pages.shape
+  need(q4.dtype in (jnp.bfloat16, jnp.float16),
+       f"q must be bfloat16 or float16 (wgmma inputs), got {q4.dtype}", TypeError)
+  need(v_pages is not None, "v_pages is required (latent / MLA pages are not supported yet)")
+  need(v_pages.shape[-1] == D, f"values head dim {v_pages.shape[-1]} != {D}")
+  need(D % 64 == 0, f"head dim must be a multiple of 64 (a 128-byte swizzle row), got {D}")
+  need(Q * (N // K) <= ROWS, f"Q x query heads per KV head = {Q * (N // K)} > {ROWS} rows")
+  need(ps % 8 == 0 and (ps * pages_per_block(ps)) % MIN_KEYS == 0,
+       f"page_size must be a multiple of 8 that tiles {MIN_KEYS} keys, got {ps}")
+  need(isinstance(slots, int) and slots >= 2, f"slots must be an int >= 2, got {slots!r}")
+  need(isinstance(num_splits, int) and num_splits >= 1,
+       f"num_splits must be an int >= 1, got {num_splits!r}")
+  used = smem_bytes(D, ps, slots, jnp.dtype(q4.dtype).itemsize)
+  need(used <= SMEM_BYTES, f"{used} bytes of shared memory > {SMEM_BYTES} (fewer slots)")
+
+
+def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
+          p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+  """One (KV head, sequence, split): stream the split's blocks of pages."""
+  Q, G, D, ps, ppb, slots, num_splits, scale, window = dims
+  keys = ps * ppb
+  kh, b, split = lax.axis_index("heads"), lax.axis_index("seqs"), lax.axis_index("splits")
+  length = len_ref[b]
+  first_blk = 0
+  if window:  # blocks wholly before every row's window are skipped
+    first_blk = lax.div(jnp.maximum(length - Q - window + 1, 0), jnp.int32(keys))
+  last_blk = lax.div(length + keys - 1, jnp.int32(keys))
+  per = lax.div(last_blk - first_blk + num_splits - 1, jnp.int32(num_splits))
+  lo = first_blk + split * per
+  hi = jnp.minimum(lo + per, last_blk)
+  plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar.at[0])
+
+  def issue(blk, slot):
+    for j in range(ppb):
+      page = tab_ref[b, blk * ppb + j]
+      plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, pl.ds(j * ps, ps)],
+                              k_bar.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, pl.ds(j * ps, ps)],
+                              v_bar.at[slot])
+
+  for s in range(slots):
+    pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))
+  plgpu.barrier_wait(q_bar.at[0])
+  wg = plgpu.Layout.WGMMA
+  row = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 0, layout=wg)
+  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 1, layout=wg)
+  q_pos = length - Q + lax.div(row, jnp.int32(G))
+
+  def step(blk, carry):
+    acc, m_i, l_i = carry
+    slot = lax.rem(blk - lo, jnp.int32(slots))
+    plgpu.barrier_wait(k_bar.at[slot])
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
+      return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
+    k_pos = blk * keys + col
+    visible = k_pos <= q_pos  # causal among the Q queries; also keys < length
+    if window:
+      visible &= q_pos - k_pos < window
+    s = jnp.where(visible, s, MASK)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+    l_i = l_i * alpha + p.sum(axis=1)
+    p_smem[...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+    plgpu.barrier_wait(v_bar.at[slot])
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
+      return acc_ref[...]
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))
+    pl.when(blk + slots < hi)(lambda: issue(blk + slots, slot))
+    return acc, m_new, l_i
+
+  init = (plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), wg),
+          plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32), wg.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
+  acc, m_i, l_i = lax.fori_loop(lo, hi, step, init)
+  filled = l_i > 0
+  safe_l = jnp.where(filled, l_i, 1.0)
+  o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
+  lse_smem[...] = jnp.where(filled, m_i / _LOG2E + jnp.log(safe_l), -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, kh])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def _merge(o, lse, sinks, group):
+  """Split partials o [W, B, K, R, D], lse [W, B, K, R] -> [B, K, R, D];
+  a sink (row r -> head r % group... of its KV head) joins each row's denominator."""
+  top = jnp.max(lse, axis=0)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  w = jnp.exp(lse - top)  # [W, B, K, R]
+  den = jnp.sum(w, axis=0)
+  if sinks is not None:
+    K, R = lse.shape[2:]
+    sink_rows = jnp.tile(sinks.astype(jnp.float32).reshape(K, group), (1, -(-R // group)))[:, :R]
+    den = den + jnp.exp(sink_rows[None] - top)
+  num = jnp.sum(o * w[..., None], axis=0)
+  return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
+                           window=0, sinks=None, num_splits=1, slots=2, interpret=False):
+  """Paged decode / verify attention on Mosaic GPU (see the module docstring).
+
+  q [B, N, D] -> [B, N, D]; q [B, Q, N, D] -> [B, Q, N, D], the Q queries at
+  positions lengths - Q .. lengths - 1, causal among themselves. interpret:
+  run on CPU in Mosaic GPU's interpret mode.
+  """
+  squeeze = q.ndim == 3
+  q4 = q[:, None] if squeeze else q
+  validate_paged(q4, k_pages, v_pages, lengths, page_indices, window=window, sinks=sinks,
+                 name="mosaic_paged_attention")
+  _check(q4, k_pages, v_pages, slots, num_splits)
+  B, Q, N, D = q4.shape
+  K, _, ps, _ = k_pages.shape
+  G, ppb = N // K, pages_per_block(ps)
+  scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+  rows = q4.reshape(B, Q, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Q * G, D)
+  rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - Q * G), (0, 0)))
+  table = page_indices.astype(jnp.int32)
+  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
+  keys = ps * ppb
+  tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  dims = (Q, G, D, ps, ppb, slots, num_splits, float(scale), int(window))
+  kernel = plgpu.kernel(
+      lambda *refs: _body(dims, *refs),
+      out_type=(jax.ShapeDtypeStruct((num_splits, B, K, ROWS, D), jnp.float32),
+                jax.ShapeDtypeStruct((num_splits, B, K, ROWS), jnp.float32)),
+      scratch_types=(plgpu.SMEM((ROWS, D), q4.dtype, transforms=tiles),
+                     plgpu.SMEM((slots, keys, D), q4.dtype, transforms=tiles),
+                     plgpu.SMEM((slots, keys, D), q4.dtype, transforms=tiles),
+                     plgpu.SMEM((ROWS, keys), q4.dtype, transforms=tiles),
+                     plgpu.SMEM((ROWS, D), jnp.float32),
+                     plgpu.SMEM((ROWS,), jnp.float32),
+                     plgpu.Barrier(num_barriers=1),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots)),
+      grid=(K, B, num_splits), grid_names=("heads", "seqs", "splits"),
+      interpret=_INTERPRETER() if interpret else False)
+  o, lse = kernel(rows, k_pages, v_pages, lengths.astype(jnp.int32), table)
+  out = _merge(o, lse, sinks, G)[:, :, :Q * G]
+  out = out.reshape(B, K, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, N, D).astype(q.dtype)
+  return out[:, 0] if squeeze else out

@@ -1,0 +1,119 @@
+"""The Mosaic GPU paged decode kernel against the float32 reference, in
+Mosaic GPU's interpret mode on CPU (jax >= 0.11; `TestMosaicPagedGpu`, only
+where a GPU is present, runs the same cases compiled), its compile for H100
+at serving shapes, and its named errors. On jax 0.10, which has no Mosaic
+GPU interpreter, the kernel refuses by name."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from conftest import ON_GPU
+from pallas_kernels import mosaic_paged_attention as mpa
+
+CASES = [  # B, Q, N, K, D, ps, pps, lengths, extra
+    (2, 1, 8, 2, 64, 16, 8, None, {}),                               # GQA 4, 4 pages a block
+    (2, 2, 8, 2, 128, 16, 9, [3, 130], {}),                          # Q 2, a 3-token sequence
+    (1, 4, 4, 1, 64, 64, 3, None, dict(window=70, sinks=True)),      # Q 4, window skips blocks
+    (2, 1, 4, 2, 64, 8, 20, None, dict(num_splits=3, sinks=True)),   # split-K, 8 pages a block
+    (1, 1, 2, 1, 64, 32, 6, [1], dict(num_splits=2)),                # one token, an empty split
+    (3, 1, 16, 1, 64, 16, 6, None, dict(slots=3)),                   # GQA 16, 3 blocks in flight
+]
+
+
+def _inputs(rng, B, Q, N, K, D, ps, pps, lengths):
+  P = B * pps + 2
+  q = jnp.asarray(rng.normal(size=(B, Q, N, D)), jnp.bfloat16)
+  kp = jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.bfloat16)
+  vp = jnp.asarray(rng.normal(size=(K, P, ps, D)), jnp.bfloat16)
+  lens = rng.integers(Q, pps * ps + 1, B) if lengths is None else lengths
+  tables = rng.permutation(P)[:B * pps].reshape(B, pps)
+  return q, kp, vp, jnp.asarray(lens, jnp.int32), jnp.asarray(tables, jnp.int32)
+
+
+def _rel(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(out).all(), "NaN/inf in kernel output"
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+if mpa.available() is None:
+
+  class TestMosaicPaged:
+    interpret = True
+
+    @pytest.mark.parametrize("case", range(len(CASES)))
+    def test_matches_reference(self, case):
+      B, Q, N, K, D, ps, pps, lengths, extra = CASES[case]
+      extra = dict(extra)
+      rng = np.random.default_rng(case)
+      q, kp, vp, lens, tables = _inputs(rng, B, Q, N, K, D, ps, pps, lengths)
+      sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32) if extra.pop("sinks", 0) else None
+      out = mpa.mosaic_paged_attention(q, kp, vp, lens, tables, sinks=sinks,
+                                       interpret=self.interpret, **extra)
+      f32 = lambda x: x.astype(jnp.float32)
+      ref = pk.paged_attention_reference(f32(q), f32(kp), f32(vp), lens, tables, sinks=sinks,
+                                         window=extra.get("window", 0))
+      assert out.shape == q.shape and out.dtype == q.dtype
+      assert _rel(out, ref) <= 2e-2
+
+    def test_decode_form_equals_the_triton_kernel(self):
+      rng = np.random.default_rng(7)
+      q, kp, vp, lens, tables = _inputs(rng, 3, 1, 8, 2, 64, 16, 5, None)
+      ours = mpa.mosaic_paged_attention(q[:, 0], kp, vp, lens, tables, interpret=self.interpret)
+      triton = pk.paged_attention(q[:, 0], kp, vp, lens, tables, interpret=self.interpret)
+      assert ours.shape == (3, 8, 64) and _rel(ours, triton) <= 2e-2
+
+    @pytest.mark.parametrize("change,exc,match", [
+        (dict(dtype=jnp.float32), TypeError, "bfloat16 or float16"),
+        (dict(D=72), ValueError, "multiple of 64"),
+        (dict(N=80, K=1), ValueError, "80 > 64 rows"),
+        (dict(ps=12), ValueError, "page_size"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(slots=1), ValueError, "slots"),
+        (dict(slots=9, D=256, ps=64), ValueError, "shared memory"),
+    ])
+    def test_bad_inputs_are_named(self, change, exc, match):
+      dims = dict(B=1, Q=1, N=4, K=2, D=64, ps=16, dtype=jnp.bfloat16)
+      kw = {k: change.pop(k) for k in ("num_splits", "slots") if k in change}
+      dims.update(change)
+      q = jnp.zeros((dims["B"], dims["Q"], dims["N"], dims["D"]), dims["dtype"])
+      pages = jnp.zeros((dims["K"], 4, dims["ps"], dims["D"]), dims["dtype"])
+      with pytest.raises(exc, match=match):
+        mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
+                                   jnp.zeros((1, 4), jnp.int32), interpret=True, **kw)
+
+  if ON_GPU:
+
+    class TestMosaicPagedGpu(TestMosaicPaged):
+      interpret = False
+
+  @pytest.mark.parametrize("B,Q,N,K,D,ps,pps,kw", [
+      (32, 1, 32, 8, 128, 16, 64, {}),                          # Llama-3 8B decode, 1k context
+      (8, 4, 64, 8, 64, 64, 128, dict(num_splits=4, slots=3)),  # GPT-OSS verify, 8k, split-K
+  ])
+  def test_compiles_for_h100_at_serving_shapes(B, Q, N, K, D, ps, pps, kw):
+    from jaxinfer import gpu_compile
+    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    P = B * pps
+    args = (s((B, Q, N, D), jnp.bfloat16), s((K, P, ps, D), jnp.bfloat16),
+            s((K, P, ps, D), jnp.bfloat16), s((B,), jnp.int32), s((B, pps), jnp.int32))
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(lambda *a: mpa.mosaic_paged_attention(*a, **kw)).lower(*args)
+    assert "mosaic_gpu" in lowered.as_text()
+    compiled = lowered.compile()
+    assert compiled.memory_analysis().argument_size_in_bytes >= 2 * K * P * ps * D * 2
+    assert mpa.smem_bytes(D, ps, kw.get("slots", 2)) <= mpa.SMEM_BYTES
+
+else:
+
+  def test_older_jax_gets_a_named_error():
+    q = jnp.zeros((1, 1, 4, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"jax >= 0.11 needed"):
+      mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
+                                 jnp.zeros((1, 4), jnp.int32))
