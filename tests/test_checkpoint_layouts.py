@@ -85,3 +85,32 @@ def test_vl_moe_mixed_layouts_are_refused(tmp_path):
            lambda k, w: np.swapaxes(w, 1, 2) if k.endswith("down_proj") else w)
   with pytest.raises(checkpoint.CheckpointError, match="different layouts"):
     checkpoint.load_hf(str(tmp_path / "mixed"), dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+def test_export_writes_the_published_layout_from_either_save(name, tmp_path):
+  """export_quantized of save_pretrained's two layouts: the same tensors,
+  per expert, as from the published layout."""
+  from jaxinfer.checkpoint.quant_export import export_quantized
+  pytest.importorskip("torch")
+  model = hf_build.build_model(name, seed=4)
+  out = {}
+  for original in (True, False):
+    src = tmp_path / f"src_{original}"
+    model.save_pretrained(src, safe_serialization=True, save_original_format=original)
+    export_quantized(str(src), str(tmp_path / f"q_{original}"), "fbgemm_fp8")
+    out[original] = checkpoint_tensors(tmp_path / f"q_{original}")
+  names = set(out[True])
+  assert names == set(out[False]) and not any(n.endswith("gate_up_proj") for n in names)
+  assert all(np.array_equal(out[True][n], out[False][n]) for n in names)
+  cfg, params = checkpoint.load_hf(str(tmp_path / "q_False"), dtype=jnp.float32)
+  assert cfg.quant is not None and cfg.quant.method == "fp8"
+
+
+def checkpoint_tensors(d):
+  """Every tensor of a checkpoint written by export_quantized, as raw bytes."""
+  from jaxinfer.checkpoint.safetensors_header import read_header
+  meta, start = read_header(str(d / "model.safetensors"))
+  raw = (d / "model.safetensors").read_bytes()
+  return {k: np.frombuffer(raw[start + v["data_offsets"][0]:start + v["data_offsets"][1]],
+                           np.uint8) for k, v in meta.items()}

@@ -173,13 +173,41 @@ def _kv_scales(cfg: ModelConfig, q: QuantConfig, layers) -> dict[str, np.ndarray
   return out
 
 
+def published_experts(cfg: ModelConfig, tensors: dict) -> dict:
+  """Fused experts in transformers 5's in-memory layout (`experts.gate_up_proj`
+  [E, 2F, D], `experts.down_proj` [E, D, F], from save_pretrained(
+  save_original_format=False)) split into the per-expert tensors that
+  published Qwen3-MoE, Mixtral (w1 / w3 / w2 under `block_sparse_moe`) and
+  DeepSeek checkpoints hold;
+  other tensors (and GPT-OSS's, Qwen3-VL-MoE's fused layouts) unchanged."""
+  if cfg.model_type in ("gpt_oss", "qwen3_vl_moe"):
+    return tensors
+  g, u, d = ("w1", "w3", "w2") if cfg.model_type == "mixtral" else ("gate_proj", "up_proj",
+                                                                      "down_proj")
+  F, out = cfg.moe_ffn_dim, {}
+  for name, w in tensors.items():
+    if cfg.model_type == "mixtral" and (".mlp.experts." in name or ".mlp.gate." in name):
+      name = name.replace(".mlp.", ".block_sparse_moe.")  # Mixtral's published module name
+    if name.endswith(".experts.gate_up_proj"):
+      x = name[:-len(".gate_up_proj")]
+      for e in range(w.shape[0]):
+        out[f"{x}.{e}.{g}.weight"], out[f"{x}.{e}.{u}.weight"] = w[e, :F], w[e, F:]
+    elif name.endswith(".experts.down_proj"):
+      x = name[:-len(".down_proj")]
+      out.update({f"{x}.{e}.{d}.weight": w[e] for e in range(w.shape[0])})
+    else:
+      out[name] = w
+  return out
+
+
 def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, targets=None,
                      kv_scales: bool = False) -> QuantConfig:
   """Writes src_dir's float checkpoint (one safetensors file) quantized in
   `fmt` to out_dir; returns the QuantConfig it encodes. targets default to
   every projection (MXFP4: the routed experts, as GPT-OSS ships); kv_scales
   (ModelOpt and compressed-tensors) adds per-layer FP8 KV cache
-  scales and declares them in the config."""
+  scales and declares them in the config. Experts are written in the
+  published layout (`published_experts`), whichever layout src_dir holds."""
   if fmt not in FORMATS:
     raise ValueError(f"export_quantized: fmt must be one of {sorted(FORMATS)}, got {fmt!r}")
   method, layout, default_block = FORMATS[fmt]
@@ -193,7 +221,7 @@ def export_quantized(src_dir: str, out_dir: str, fmt: str, *, block=None, target
   if kv_scales and layout not in ("modelopt", "compressed_tensors"):
     raise ValueError("export_quantized: kv_scales needs a ModelOpt or compressed-tensors format")
   with safe_open(os.path.join(src_dir, "model.safetensors"), "numpy") as f:
-    tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors = published_experts(cfg, {k: f.get_tensor(k) for k in f.keys()})
   refs = _weights(cfg, q.targets, tensors.__contains__)
   out: dict[str, np.ndarray] = {}
   for name, w in tensors.items():
