@@ -43,7 +43,7 @@ def _saved_names(d):
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"])
 @pytest.mark.parametrize("original_format", [True, False])
 def test_save_pretrained_output_loads_and_matches_transformers(name, original_format, tmp_path):
-  torch = pytest.importorskip("torch")
+  import torch
   model = hf_build.build_model(name, seed=3)
   model.save_pretrained(tmp_path, safe_serialization=True, save_original_format=original_format)
   names = _saved_names(tmp_path)
@@ -92,7 +92,6 @@ def test_export_writes_the_published_layout_from_either_save(name, tmp_path):
   """export_quantized of save_pretrained's two layouts: the same tensors,
   per expert, as from the published layout."""
   from jaxinfer.checkpoint.quant_export import export_quantized
-  pytest.importorskip("torch")
   model = hf_build.build_model(name, seed=4)
   out = {}
   for original in (True, False):

@@ -87,7 +87,7 @@ def test_vl_fixture_parity_fails_under_every_rotary_perturbation(name, case):
 def test_gpt_oss_yarn_truncate_false_shows(tmp_path):
   """A GPT-OSS whose YaRN correction range is fractional (original context
   96, beta_fast 4: the range is [1.72, 3.51], [1, 4] when truncated)."""
-  torch = pytest.importorskip("torch")
+  import torch
   rope = dict(rope_type="yarn", rope_theta=500.0, factor=4.0, original_max_position_embeddings=96,
               beta_fast=4.0, beta_slow=1.0, truncate=False)
   model = hf_build.build_model("gpt_oss", seed=5, overrides=dict(rope_parameters=rope))
