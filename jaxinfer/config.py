@@ -218,8 +218,9 @@ class ModelConfig:
 
   # Param/compute dtype name; None: bfloat16 on GPU/TPU, float32 on CPU.
   dtype: str | None = None
-  # Attention kernels (jaxinfer/ops.py): "xla", "pallas", or None: Pallas
-  # for a GPU kernel target, XLA otherwise.
+  # Attention kernels (jaxinfer/ops.py): "xla", "pallas", "mosaic" (opt-in,
+  # Hopper, jax >= 0.11: decode-only steps on the Mosaic GPU kernel, the rest
+  # as "pallas"), or None: Pallas for a GPU kernel target, XLA otherwise.
   attention_impl: str | None = None
   # The device the kernels are built for, static in every jitted step:
   # "gpu" compiles the Pallas kernels through Triton (also from a CPU process
@@ -363,8 +364,8 @@ def _validate(c: ModelConfig) -> None:
   need(c.quant is None or isinstance(c.quant, QuantConfig),
        f"quant must be a QuantConfig or None, got {type(c.quant).__name__}")
   need(c.num_mtp_layers >= 0, f"num_mtp_layers must be >= 0, got {c.num_mtp_layers}")
-  need(c.attention_impl in (None, "xla", "pallas"),
-       f"attention_impl must be None, 'xla' or 'pallas', got {c.attention_impl!r}")
+  need(c.attention_impl in (None, "xla", "pallas", "mosaic"),
+       f"attention_impl must be None, 'xla', 'pallas' or 'mosaic', got {c.attention_impl!r}")
   need(c.kernel_target in (None, "gpu", "cpu"),
        f"kernel_target must be None, 'gpu' or 'cpu', got {c.kernel_target!r}")
   if c.dtype is not None:

@@ -3,8 +3,11 @@
 Each op takes two static choices, which models pass from their config
 (`ModelConfig.attention_impl`, `ModelConfig.kernel_target`):
 
-  implementation  "xla" (pure JAX), "pallas" (`pallas_kernels`), or None:
-                  Pallas for a GPU target, XLA otherwise.
+  implementation  "xla" (pure JAX), "pallas" (`pallas_kernels`), "mosaic"
+                  (opt-in, Hopper: "pallas", but decode-only paged steps on
+                  the Mosaic GPU kernel `mosaic_paged_attention` where it
+                  takes the shapes), or None: Pallas for a GPU target, XLA
+                  otherwise.
   target          the device the program is built for: "gpu" (Pallas kernels
                   compiled through Triton, even when this process runs on CPU:
                   programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -33,10 +36,11 @@ import jax.numpy as jnp
 
 from jaxinfer import page_pool, xla_attention
 import pallas_kernels
+from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
-IMPLEMENTATIONS = ("xla", "pallas")
+IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
 TARGETS = ("gpu", "cpu")
 _BLOCK_Q, _BLOCK_K = 64, 128  # XLA attention blocks (queries, keys)
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
@@ -182,8 +186,17 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
 
   GPU target: the kernel tiled by `paged_tiling`, or (implementation None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
+  "mosaic": decode-only steps (max_q 1) on `mosaic_paged_attention` where
+  `mosaic.unsupported` finds nothing against the shapes; other steps "pallas".
   """
   impl, interpret = resolve(implementation, target)
+  if impl == "mosaic":
+    if max_q == 1 and not mosaic.unsupported(
+        (1, 1, *q.shape[1:]), q.dtype, k_pages.shape, quantized=k_scale is not None,
+        values_dim=None if v_pages is None else v_pages.shape[-1]):
+      return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks,
+                            scale, layer, interpret)
+    impl = "pallas"
   if impl == "pallas":
     tiling = {}
     if not interpret:
@@ -208,6 +221,22 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
     layer = 0
   return _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
                            window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
+
+
+def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks, scale,
+                   layer, interpret):
+  """A decode-only step (one token a sequence) on the Mosaic GPU kernel:
+  tokens laid out per sequence, attended, and put back in token order."""
+  q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
+  dims = page_pool.kernel_dims(k_pages)
+  splits = 1
+  while (splits < 8 and page_table.shape[0] * dims["kv_head"] * splits < _SM_PROGRAMS
+         and 2 * splits * mosaic.pages_per_block(dims["slot"]) <= page_table.shape[1]):
+    splits *= 2
+  out = mosaic.mosaic_paged_attention(q_pad, k_pages, v_pages, kv_lens, page_table,
+                                      sm_scale=scale, window=window, sinks=sinks,
+                                      num_splits=splits, layer=layer, interpret=interpret)
+  return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 
 def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,

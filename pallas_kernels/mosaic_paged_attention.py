@@ -60,53 +60,76 @@ def available() -> str | None:
   return None
 
 
-def pages_per_block(page_size: int) -> int:
-  """Pages per loop step: enough for MIN_KEYS keys."""
-  return max(1, -(-MIN_KEYS // page_size))
+def pages_per_block(page_size: int, block_keys: int = MIN_KEYS) -> int:
+  """Pages per loop step: enough for `block_keys` keys."""
+  return max(1, -(-block_keys // page_size))
 
 
-def smem_bytes(D: int, page_size: int, slots: int, itemsize: int = 2) -> int:
+def smem_bytes(D: int, page_size: int, slots: int, itemsize: int = 2,
+               block_keys: int = MIN_KEYS) -> int:
   """Shared memory of one program: q, `slots` K and V blocks, P, the f32
   output tile and the log-sum-exp row."""
-  keys = page_size * pages_per_block(page_size)
+  keys = page_size * pages_per_block(page_size, block_keys)
   return itemsize * (ROWS * D + 2 * slots * keys * D + ROWS * keys) + 4 * (ROWS * D + ROWS)
 
 
-def _check(q4, k_pages, v_pages, slots, num_splits):
-  """The kernel's own limits, as named ValueErrors / TypeErrors."""
-  def need(ok, msg, exc=ValueError):
-    if not ok:
-      raise exc(f"mosaic_paged_attention: {msg}")
-
+def unsupported(q_shape, dtype, pages_shape, *, values_dim=None, quantized=False,
+                slots: int = 2, block_keys: int = MIN_KEYS) -> tuple[type, str] | None:
+  """(exception type, why) when the kernel cannot take these inputs, else
+  None. q_shape [B, Q, N, D]; pages_shape [..., K, P, page_size, D]."""
   why = available()
-  need(why is None, why or "", NotImplementedError)
-  B, Q, N, D = q4.shape
-  K, _, ps, _ = k_pages.shape
-  need(q4.dtype in (jnp.bfloat16, jnp.float16),
-       f"q must be bfloat16 or float16 (wgmma inputs), got {q4.dtype}", TypeError)
-  need(v_pages is not None, "v_pages is required (latent / MLA pages are not supported yet)")
-  need(v_pages.shape[-1] == D, f"values head dim {v_pages.shape[-1]} != {D}")
-  need(D % 64 == 0, f"head dim must be a multiple of 64 (a 128-byte swizzle row), got {D}")
-  need(Q * (N // K) <= ROWS, f"Q x query heads per KV head = {Q * (N // K)} > {ROWS} rows")
-  need(ps % 8 == 0 and (ps * pages_per_block(ps)) % MIN_KEYS == 0,
-       f"page_size must be a multiple of 8 that tiles {MIN_KEYS} keys, got {ps}")
-  need(isinstance(slots, int) and slots >= 2, f"slots must be an int >= 2, got {slots!r}")
-  need(isinstance(num_splits, int) and num_splits >= 1,
-       f"num_splits must be an int >= 1, got {num_splits!r}")
-  used = smem_bytes(D, ps, slots, jnp.dtype(q4.dtype).itemsize)
-  need(used <= SMEM_BYTES, f"{used} bytes of shared memory > {SMEM_BYTES} (fewer slots)")
+  if why:
+    return NotImplementedError, why
+  _, Q, N, D = q_shape
+  K, _, ps, _ = pages_shape[-4:]
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return TypeError, f"q must be bfloat16 or float16 (wgmma inputs), got {jnp.dtype(dtype)}"
+  if quantized:
+    return ValueError, "quantized pages are not supported yet"
+  if values_dim is None:
+    return ValueError, "v_pages is required (latent / MLA pages are not supported yet)"
+  if values_dim != D:
+    return ValueError, f"values head dim {values_dim} != {D}"
+  if D % 64:
+    return ValueError, f"head dim must be a multiple of 64 (a 128-byte swizzle row), got {D}"
+  if Q * (N // K) > ROWS:
+    return ValueError, f"Q x query heads per KV head = {Q * (N // K)} > {ROWS} rows"
+  if block_keys % MIN_KEYS:
+    return ValueError, f"block_keys must be a multiple of {MIN_KEYS}, got {block_keys}"
+  if ps % 8 or (ps * pages_per_block(ps, block_keys)) % MIN_KEYS:
+    return ValueError, f"page_size must be a multiple of 8 that tiles {MIN_KEYS} keys, got {ps}"
+  used = smem_bytes(D, ps, slots, jnp.dtype(dtype).itemsize, block_keys)
+  if used > SMEM_BYTES:
+    return ValueError, f"{used} bytes of shared memory > {SMEM_BYTES} (fewer slots)"
+  return None
 
 
-def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, k_smem, v_smem,
-          p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
-  """One (KV head, sequence, split): stream the split's blocks of pages."""
-  Q, G, D, ps, ppb, slots, num_splits, scale, window = dims
+def _check(q4, k_pages, v_pages, slots, num_splits, block_keys):
+  """The kernel's own limits, as named ValueErrors / TypeErrors."""
+  for ok, what, got in ((isinstance(slots, int) and slots >= 2, "slots", slots),
+                        (isinstance(num_splits, int) and num_splits >= 1, "num_splits",
+                         num_splits)):
+    if not ok:
+      raise ValueError(f"mosaic_paged_attention: {what} must be an int >= "
+                       f"{2 if what == 'slots' else 1}, got {got!r}")
+  bad = unsupported(q4.shape, q4.dtype, k_pages.shape, slots=slots, block_keys=block_keys,
+                    values_dim=None if v_pages is None else v_pages.shape[-1])
+  if bad:
+    raise bad[0](f"mosaic_paged_attention: {bad[1]}")
+
+
+def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
+          v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+  """One (KV head, sequence, split): stream the split's blocks of pages.
+  glob_ref [2] int32: the pools' layer and the window (0: none), either traced."""
+  Q, G, D, ps, ppb, slots, num_splits, scale = dims
   keys = ps * ppb
   kh, b, split = lax.axis_index("heads"), lax.axis_index("seqs"), lax.axis_index("splits")
+  layer, window = glob_ref[0], glob_ref[1]
   length = len_ref[b]
-  first_blk = 0
-  if window:  # blocks wholly before every row's window are skipped
-    first_blk = lax.div(jnp.maximum(length - Q - window + 1, 0), jnp.int32(keys))
+  # Blocks wholly before every row's window are skipped.
+  first_blk = jnp.where(window > 0,
+                        lax.div(jnp.maximum(length - Q - window + 1, 0), jnp.int32(keys)), 0)
   last_blk = lax.div(length + keys - 1, jnp.int32(keys))
   per = lax.div(last_blk - first_blk + num_splits - 1, jnp.int32(num_splits))
   lo = first_blk + split * per
@@ -116,9 +139,9 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, k
   def issue(blk, slot):
     for j in range(ppb):
       page = tab_ref[b, blk * ppb + j]
-      plgpu.copy_gmem_to_smem(k_ref.at[kh, page], k_smem.at[slot, pl.ds(j * ps, ps)],
+      plgpu.copy_gmem_to_smem(k_ref.at[layer, kh, page], k_smem.at[slot, pl.ds(j * ps, ps)],
                               k_bar.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[kh, page], v_smem.at[slot, pl.ds(j * ps, ps)],
+      plgpu.copy_gmem_to_smem(v_ref.at[layer, kh, page], v_smem.at[slot, pl.ds(j * ps, ps)],
                               v_bar.at[slot])
 
   for s in range(slots):
@@ -139,9 +162,7 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, k
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
     k_pos = blk * keys + col
-    visible = k_pos <= q_pos  # causal among the Q queries; also keys < length
-    if window:
-      visible &= q_pos - k_pos < window
+    visible = (k_pos <= q_pos) & ((window == 0) | (q_pos - k_pos < window))  # keys < length too
     s = jnp.where(visible, s, MASK)
     m_new = jnp.maximum(m_i, s.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
@@ -189,21 +210,31 @@ def _merge(o, lse, sinks, group):
 
 
 def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
-                           window=0, sinks=None, num_splits=1, slots=2, interpret=False):
+                           window=0, sinks=None, num_splits=1, slots=2, block_keys=MIN_KEYS,
+                           layer=None, interpret=False):
   """Paged decode / verify attention on Mosaic GPU (see the module docstring).
 
   q [B, N, D] -> [B, N, D]; q [B, Q, N, D] -> [B, Q, N, D], the Q queries at
-  positions lengths - Q .. lengths - 1, causal among themselves. interpret:
-  run on CPU in Mosaic GPU's interpret mode.
+  positions lengths - Q .. lengths - 1, causal among themselves. layer: the
+  pools carry a leading layer axis ([L, K, P, page_size, D]) and this layer's
+  pages are read (an int or a traced scalar). block_keys: keys a loop step
+  loads (a multiple of 64; whole pages). interpret: run on CPU in Mosaic
+  GPU's interpret mode.
   """
   squeeze = q.ndim == 3
   q4 = q[:, None] if squeeze else q
-  validate_paged(q4, k_pages, v_pages, lengths, page_indices, window=window, sinks=sinks,
-                 name="mosaic_paged_attention")
-  _check(q4, k_pages, v_pages, slots, num_splits)
+  if layer is None:
+    k_pages, v_pages, layer = k_pages[None], None if v_pages is None else v_pages[None], 0
+  if k_pages.ndim != 5:
+    raise ValueError(f"mosaic_paged_attention: with layer, pools must be [L, K, P, page_size, D]"
+                     f", got {k_pages.shape}")
+  view = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
+  validate_paged(q4, view(k_pages), view(v_pages), lengths, page_indices, window=window,
+                 sinks=sinks, name="mosaic_paged_attention")
+  _check(q4, k_pages, v_pages, slots, num_splits, block_keys)
   B, Q, N, D = q4.shape
-  K, _, ps, _ = k_pages.shape
-  G, ppb = N // K, pages_per_block(ps)
+  _, K, _, ps, _ = k_pages.shape
+  G, ppb = N // K, pages_per_block(ps, block_keys)
   scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
   rows = q4.reshape(B, Q, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Q * G, D)
   rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - Q * G), (0, 0)))
@@ -211,7 +242,7 @@ def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
   table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
   keys = ps * ppb
   tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  dims = (Q, G, D, ps, ppb, slots, num_splits, float(scale), int(window))
+  dims = (Q, G, D, ps, ppb, slots, num_splits, float(scale))
   kernel = plgpu.kernel(
       lambda *refs: _body(dims, *refs),
       out_type=(jax.ShapeDtypeStruct((num_splits, B, K, ROWS, D), jnp.float32),
@@ -227,7 +258,8 @@ def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots)),
       grid=(K, B, num_splits), grid_names=("heads", "seqs", "splits"),
       interpret=_INTERPRETER() if interpret else False)
-  o, lse = kernel(rows, k_pages, v_pages, lengths.astype(jnp.int32), table)
+  glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+  o, lse = kernel(rows, k_pages, v_pages, lengths.astype(jnp.int32), table, glob)
   out = _merge(o, lse, sinks, G)[:, :, :Q * G]
   out = out.reshape(B, K, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, N, D).astype(q.dtype)
   return out[:, 0] if squeeze else out

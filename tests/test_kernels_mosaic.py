@@ -4,6 +4,8 @@ where a GPU is present, runs the same cases compiled), its compile for H100
 at serving shapes, and its named errors. On jax 0.10, which has no Mosaic
 GPU interpreter, the kernel refuses by name."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,7 @@ import pytest
 
 import pallas_kernels as pk
 from conftest import ON_GPU
+from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
 from pallas_kernels import mosaic_paged_attention as mpa
 
 CASES = [  # B, Q, N, K, D, ps, pps, lengths, extra
@@ -90,12 +93,36 @@ if mpa.available() is None:
     class TestMosaicPagedGpu(TestMosaicPaged):
       interpret = False
 
+  def test_engine_decodes_on_the_mosaic_kernel(monkeypatch):
+    """attention_impl="mosaic" (CPU: interpreted): decode steps go through the
+    Mosaic kernel (counted at trace time), prompt steps through the Pallas
+    path, and every greedy token is the argmax of a float32 full forward up
+    to bfloat16 rounding of the logits."""
+    calls = []
+    real = ops._ragged_mosaic
+    monkeypatch.setattr(ops, "_ragged_mosaic", lambda *a: calls.append(1) or real(*a))
+    cfg = presets.get("tiny_dense", dtype="bfloat16", num_layers=2, head_dim=64,
+                      attention_impl="mosaic")
+    params = models.init_params(cfg, jax.random.key(0))
+    prompts = [[5, 17, 99], list(range(40, 61))]
+    eng = Engine(cfg, params, EngineConfig(page_size=16, num_pages=16, max_num_seqs=2,
+                                           max_num_batched_tokens=32))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=4))
+    assert calls, "no decode step reached the Mosaic kernel"
+    f32 = dataclasses.replace(cfg, dtype="float32", attention_impl="xla")
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    for prompt, out in zip(prompts, outs):
+      ids = prompt + out.token_ids
+      logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
+      for t, tok in enumerate(out.token_ids):
+        row = logits[len(prompt) - 1 + t]
+        assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+
   @pytest.mark.parametrize("B,Q,N,K,D,ps,pps,kw", [
       (32, 1, 32, 8, 128, 16, 64, {}),                          # Llama-3 8B decode, 1k context
       (8, 4, 64, 8, 64, 64, 128, dict(num_splits=4, slots=3)),  # GPT-OSS verify, 8k, split-K
   ])
   def test_compiles_for_h100_at_serving_shapes(B, Q, N, K, D, ps, pps, kw):
-    from jaxinfer import gpu_compile
     mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
     sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
