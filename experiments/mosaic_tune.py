@@ -38,14 +38,14 @@ def inputs(B, S, ps, N, K, D, dtype, key):
           jnp.full((B,), S, jnp.int32), tables)
 
 
-def tune_shape(shape, *, N, K, D, dtype, interpret, repeats, roof) -> dict:
+def tune_shape(shape, *, N, K, D, dtype, interpret, repeats, roof, variants=VARIANTS) -> dict:
   B, S, ps = shape["B"], shape["S"], shape["ps"]
   args = inputs(B, S, ps, N, K, D, dtype, jax.random.key(B * S + ps))
   f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
   ref = pk.paged_attention_reference(*f32)
   nbytes = jnp.dtype(dtype).itemsize * (B * S * K * 2 * D + B * N * 2 * D)
   rows = {}
-  for v in VARIANTS:
+  for v in variants:
     for splits in sorted({1, kernels._split_count(_Sms(132), B * K, S // max(ps, v["block_keys"]))}):
       name = f"slots{v['slots']}_keys{v['block_keys']}_splits{splits}"
       bad = mpa.unsupported((B, 1, N, D), dtype, args[1].shape, values_dim=D, **v)
@@ -55,7 +55,8 @@ def tune_shape(shape, *, N, K, D, dtype, interpret, repeats, roof) -> dict:
       fn = jax.jit(lambda *a, v=v, splits=splits: mpa.mosaic_paged_attention(
           *a, num_splits=splits, interpret=interpret, **v))
       try:
-        out, first_s, inner, t = kernels._time_calls(fn, [args], warmup=2, repeats=repeats)
+        out, first_s, inner, t = kernels._time_calls(fn, [args], warmup=0 if interpret else 2,
+                                                     repeats=repeats)
       except Exception as e:  # noqa: BLE001  (recorded; the next variant runs)
         rows[name] = dict(status="error", error=kernels.short_error(e))
         continue
@@ -80,14 +81,15 @@ def main(argv):
   dtype = jnp.bfloat16
   gpu = jax.default_backend() == "gpu"
   roof = kernels.measure_roofline(gpu=gpu, dtype=dtype, warmup=2, repeats=5)
-  shapes, dims = SHAPES, dict(N=32, K=8, D=128)
+  shapes, dims, variants = SHAPES, dict(N=32, K=8, D=128), VARIANTS
   if dry:
     shapes, dims = [dict(B=2, S=128, ps=16)], dict(N=8, K=2, D=64)
+    variants = [dict(slots=2, block_keys=64), dict(slots=2, block_keys=128)]
   result = dict(device=jax.devices()[0].device_kind, jax=jax.__version__, roofline=roof,
                 dry_run=dry, cases=[])
   for shape in shapes:
-    case = tune_shape(shape, dtype=dtype, interpret=dry, repeats=2 if dry else _REPEATS.value,
-                      roof=roof, **dims)
+    case = tune_shape(shape, dtype=dtype, interpret=dry, repeats=1 if dry else _REPEATS.value,
+                      roof=roof, variants=variants, **dims)
     result["cases"].append(case)
     ok = {k: v for k, v in case["variants"].items() if v["status"] == "ok"}
     best = max(ok, key=lambda k: ok[k]["gbps"]) if ok else None

@@ -5,6 +5,10 @@ at serving shapes, and its named errors. On jax 0.10, which has no Mosaic
 GPU interpreter, the kernel refuses by name."""
 
 import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,10 +16,11 @@ import numpy as np
 import pytest
 
 import pallas_kernels as pk
-from conftest import ON_GPU
+from conftest import ON_GPU, subprocess_env
 from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
 from pallas_kernels import mosaic_paged_attention as mpa
 
+ROOT = pathlib.Path(__file__).parent.parent
 CASES = [  # B, Q, N, K, D, ps, pps, lengths, extra
     (2, 1, 8, 2, 64, 16, 8, None, {}),                               # GQA 4, 4 pages a block
     (2, 2, 8, 2, 128, 16, 9, [3, 130], {}),                          # Q 2, a 3-token sequence
@@ -117,6 +122,16 @@ if mpa.available() is None:
       for t, tok in enumerate(out.token_ids):
         row = logits[len(prompt) - 1 + t]
         assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+
+  def test_tune_dry_run_writes_checked_variants(tmp_path):
+    out = tmp_path / "tune.json"
+    proc = subprocess.run([sys.executable, "experiments/mosaic_tune.py", "--dry_run",
+                           f"--out={out}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    variants = json.loads(out.read_text())["cases"][0]["variants"]
+    assert len(variants) >= 3
+    assert all(v["status"] == "ok" and v["rel_err"] < 2e-2 for v in variants.values())
 
   @pytest.mark.parametrize("B,Q,N,K,D,ps,pps,kw", [
       (32, 1, 32, 8, 128, 16, 64, {}),                          # Llama-3 8B decode, 1k context
