@@ -18,6 +18,7 @@ import pytest
 import pallas_kernels as pk
 from conftest import ON_GPU, subprocess_env
 from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
+from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 
 ROOT = pathlib.Path(__file__).parent.parent
@@ -93,6 +94,36 @@ if mpa.available() is None:
         mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
                                    jnp.zeros((1, 4), jnp.int32), interpret=True, **kw)
 
+    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits", [
+        (2, 1, 16, 128, 64, 64, 3, 1),   # TP-sharded heads, a page = two steps
+        (1, 2, 64, 128, 64, 16, 5, 2),   # 128 rows = two row blocks, pages pair up, split-K
+        (3, 1, 8, 512, 64, 32, 2, 1),    # DeepSeek's latent and rope widths
+    ])
+    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits):
+      rng = np.random.default_rng(B * N + ps)
+      P = B * pps + 1
+      q = jnp.asarray(rng.normal(size=(B, Q, N, R + Hr)), jnp.bfloat16)
+      pages = jnp.asarray(rng.normal(size=(P, ps, R + Hr)), jnp.bfloat16)
+      lens = jnp.asarray(rng.integers(Q, pps * ps + 1, B), jnp.int32)
+      tables = jnp.asarray(rng.permutation(P)[:B * pps].reshape(B, pps), jnp.int32)
+      scale = (R + Hr) ** -0.5
+      out = mma.mosaic_mla_attention(q[..., :R], q[..., R:], pages, lens, tables, sm_scale=scale,
+                                     num_splits=splits, interpret=self.interpret)
+      f32 = lambda x: x.astype(jnp.float32)
+      ref = pk.mla_paged_attention_reference(f32(q[..., :R]), f32(q[..., R:]), f32(pages), lens,
+                                             tables, sm_scale=scale)
+      assert out.shape == (B, Q, N, R) and _rel(out, ref) <= 2e-2
+
+    @pytest.mark.parametrize("R,Hr,ps,dtype,match", [
+        (96, 64, 16, jnp.bfloat16, "multiple of 64"), (128, 64, 24, jnp.bfloat16, "page_size"),
+        (128, 64, 16, jnp.float32, "bfloat16")])
+    def test_mla_bad_inputs_are_named(self, R, Hr, ps, dtype, match):
+      q = jnp.zeros((1, 4, R + Hr), dtype)
+      with pytest.raises((ValueError, TypeError), match=match):
+        mma.mosaic_mla_attention(q[..., :R], q[..., R:], jnp.zeros((2, ps, R + Hr), dtype),
+                                 jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                                 sm_scale=0.1, interpret=True)
+
   if ON_GPU:
 
     class TestMosaicPagedGpu(TestMosaicPaged):
@@ -151,6 +182,23 @@ if mpa.available() is None:
     assert compiled.memory_analysis().argument_size_in_bytes >= 2 * K * P * ps * D * 2
     assert mpa.smem_bytes(D, ps, kw.get("slots", 2)) <= mpa.SMEM_BYTES
 
+  @pytest.mark.parametrize("B,N,ps,pps,splits", [
+      (8, 128, 64, 128, 4),   # DeepSeek-V3 without TP: 128 heads, 8k context
+      (64, 16, 64, 16, 1),    # 16 heads a device under TP 8, 1k context
+  ])
+  def test_mla_compiles_for_h100_at_serving_shapes(B, N, ps, pps, splits):
+    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+    s = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
+    i = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
+    args = (s((B, N, 512)), s((B, N, 64)), s((B * pps, ps, 576)), i((B,)), i((B, pps)))
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(lambda *a: mma.mosaic_mla_attention(
+          *a, sm_scale=0.1, num_splits=splits)).lower(*args)
+    assert "mosaic_gpu" in lowered.as_text()
+    lowered.compile()
+    assert mma.smem_bytes(576, 512, 2) <= mpa.SMEM_BYTES
+
 else:
 
   def test_older_jax_gets_a_named_error():
@@ -159,3 +207,6 @@ else:
     with pytest.raises(NotImplementedError, match=r"jax >= 0.11 needed"):
       mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
                                  jnp.zeros((1, 4), jnp.int32))
+    with pytest.raises(NotImplementedError, match=r"jax >= 0.11 needed"):
+      mma.mosaic_mla_attention(q[..., :32], q[..., 32:], pages[0], jnp.ones((1,), jnp.int32),
+                               jnp.zeros((1, 4), jnp.int32), sm_scale=0.1)

@@ -51,6 +51,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 from jaxinfer.models import quant
 
@@ -344,6 +345,13 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
   if splits > 1:
     impls["ours_split"] = Impl(functools.partial(ours, num_splits=splits),
                                note=f"num_splits={splits}")
+  # Rows: N heads in blocks of 64; split-K to about two programs per SM.
+  mosaic_splits = _split_count(env, B * -(-N // mpa.ROWS), -(-S // mma.KEYS))
+  impls["ours_mosaic"] = Impl(
+      functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits),
+      skip=_mosaic_skip(env, mpa.ROWS, 64) or ("" if mma.unsupported(R + Hr, R, ps, env.dtype)
+                                               is None else "unsupported shapes"),
+      note=f"Mosaic GPU (TMA + wgmma, 2 warpgroups), num_splits={mosaic_splits}")
   reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
   temp = f32_pages + 3 * 4.0 * B * N * pps * ps
   if env.peers:

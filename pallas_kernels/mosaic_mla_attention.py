@@ -1,0 +1,196 @@
+"""DeepSeek MLA decode on Mosaic GPU (Hopper, jax >= 0.11): the absorbed form
+over the latent page pool, each latent block read once for keys and values.
+
+Same arguments and result as `mla_paged_attention` (q_latent [B, (Q,) N, R],
+q_rope [B, (Q,) N, Hr], latent_pages [P, page_size, R + Hr], lengths,
+page_indices; -> [B, (Q,) N, R]). One program per (row block, sequence,
+split) with two warpgroups:
+
+  rows    the Q x N query rows in blocks of 64 (a wgmma tile); DeepSeek's
+          128 heads are two row blocks, 16 heads a device under TP one.
+  keys    32 latent rows a loop step, copied by TMA from the pool (a page of
+          64 is two steps; pages of 16 pair up), `slots` steps in flight.
+  math    both warpgroups compute S = q . latent^T (the 576-wide dot) and the
+          same online softmax; each owns half of the 512 value columns of
+          O += P V, so its f32 accumulator fits its registers. The first
+          warpgroup refills a slot once both have arrived on its barrier.
+  smem    every tile swizzled 64 bytes wide (32 bf16): wgmma takes its two
+          operands in one swizzle, and P's [64, 32] tile is that wide.
+
+On CPU it runs in Mosaic GPU's interpret mode; jax 0.10 gets a named error.
+Not yet: quantized latent pages; Q x N is padded to whole row blocks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mla_paged_attention import _prepare
+from pallas_kernels.mosaic_paged_attention import (MASK, ROWS, SMEM_BYTES, _INTERPRETER,
+                                                   available, plgpu)
+from pallas_kernels.paged_attention import validate_paged
+
+KEYS = 32  # latent rows a loop step: P's [64, 32] tile, one 64-byte swizzle row
+WGS = 2  # warpgroups, each with half of the value columns
+_LOG2E = math.log2(math.e)
+
+
+def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2) -> int:
+  """q, `slots` latent blocks, P and the output tile of each warpgroup, lse."""
+  return itemsize * (ROWS * D + slots * KEYS * D + WGS * ROWS * KEYS + ROWS * R) + 4 * ROWS
+
+
+def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
+  """(exception type, why) when the kernel cannot take these sizes, else None."""
+  why = available()
+  if why:
+    return NotImplementedError, why
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+    return TypeError, f"q must be bfloat16 or float16 (wgmma inputs), got {jnp.dtype(dtype)}"
+  if R % (WGS * KEYS) or D % KEYS:
+    return ValueError, f"latent width {R} must be a multiple of {WGS * KEYS}, R + Hr of {KEYS}"
+  if page_size % 8 or (page_size % KEYS and KEYS % page_size):
+    return ValueError, f"page_size must divide or be a multiple of {KEYS}, got {page_size}"
+  if not isinstance(slots, int) or slots < 2:
+    return ValueError, f"slots must be an int >= 2, got {slots!r}"
+  used = smem_bytes(D, R, slots, jnp.dtype(dtype).itemsize)
+  if used > SMEM_BYTES:
+    return ValueError, f"{used} bytes of shared memory > {SMEM_BYTES} (fewer slots)"
+  return None
+
+
+def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_smem,
+          lse_smem, q_bar, kv_bar, used_bar):
+  Q, N, R, ps, slots, num_splits, scale = dims
+  half, ppb = R // WGS, max(1, KEYS // ps)
+  rb, b, split = lax.axis_index("rows"), lax.axis_index("seqs"), lax.axis_index("splits")
+  wg, length = lax.axis_index("wg"), len_ref[b]
+  blocks = lax.div(length + KEYS - 1, jnp.int32(KEYS))
+  per = lax.div(blocks + num_splits - 1, jnp.int32(num_splits))
+  lo = split * per
+  hi = jnp.minimum(lo + per, blocks)
+
+  def issue(blk, slot):
+    n = min(ps, KEYS)
+    for j in range(ppb):
+      key0 = blk * KEYS + j * n
+      page = tab_ref[b, lax.div(key0, jnp.int32(ps))]
+      plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), n)],
+                              kv_smem.at[slot, pl.ds(j * n, n)], kv_bar.at[slot])
+
+  @pl.when(wg == 0)
+  def _():
+    plgpu.copy_gmem_to_smem(q_ref.at[b, rb], q_smem, q_bar.at[0])
+    for s in range(slots):
+      pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))
+  plgpu.barrier_wait(q_bar.at[0])
+  for w in range(WGS):  # static slices of the value columns per warpgroup
+    pl.when(wg == w)(lambda w=w: _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref,
+                                          lse_ref, q_smem, kv_smem, p_smem, o_smem, lse_smem,
+                                          kv_bar, used_bar))
+
+
+def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_smem, kv_smem,
+             p_smem, o_smem, lse_smem, kv_bar, used_bar):
+  """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2)."""
+  Q, N, R, ps, slots, num_splits, scale = dims
+  half, lay = R // WGS, plgpu.Layout.WGMMA
+  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=lay)
+  row = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=lay)
+  q_pos = length - Q + lax.div(rb * ROWS + row, jnp.int32(N))
+
+  def step(blk, carry):
+    acc, m_i, l_i = carry
+    slot = lax.rem(blk - lo, jnp.int32(slots))
+    plgpu.barrier_wait(kv_bar.at[slot])
+
+    def qk(acc_ref):
+      plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].T)
+      return acc_ref[...]
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * (scale * _LOG2E)
+    visible = blk * KEYS + col <= q_pos  # causal among the Q queries; keys < length
+    s = jnp.where(visible, s, MASK)
+    m_new = jnp.maximum(m_i, s.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+    l_i = l_i * alpha + p.sum(axis=1)
+    p_smem.at[w][...] = p.astype(p_smem.dtype)
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+      plgpu.wgmma(acc_ref, p_smem.at[w], kv_smem.at[slot, :, pl.ds(w * half, half)])
+      return acc_ref[...]
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, half), jnp.float32))
+    plgpu.barrier_arrive(used_bar.at[slot])
+    if w == 0:  # refill the slot once both warpgroups are done with it
+      @pl.when(blk + slots < hi)
+      def _():
+        plgpu.barrier_wait(used_bar.at[slot])
+        issue(blk + slots, slot)
+    return acc, m_new, l_i
+
+  init = (plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), lay),
+          plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32), lay.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), lay.reduce(1)))
+  acc, m_i, l_i = lax.fori_loop(lo, hi, step, init)
+  filled = l_i > 0
+  safe = jnp.where(filled, l_i, 1.0)
+  o_smem.at[w][...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
+  if w == 0:
+    lse_smem[...] = jnp.where(filled, m_i / _LOG2E + jnp.log(safe), -jnp.inf)
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[split, b, rb, :, pl.ds(w * half, half)])
+  if w == 0:
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rb])
+  plgpu.wait_smem_to_gmem(0)
+
+
+def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
+                         num_splits=1, slots=2, interpret=False):
+  """Absorbed MLA decode on Mosaic GPU (see the module docstring; shapes as
+  `mla_paged_attention`). interpret: run on CPU in Mosaic GPU's interpret mode."""
+  q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mosaic_mla_attention")
+  validate_paged(q, latent_pages[None], None, lengths, page_indices, window=0, sinks=None,
+                 name="mosaic_mla_attention")
+  B, Q, N, D = q.shape
+  ps = latent_pages.shape[1]
+  bad = unsupported(D, R, ps, q.dtype, slots)
+  if bad is None and not (isinstance(num_splits, int) and num_splits >= 1):
+    bad = ValueError, f"num_splits must be an int >= 1, got {num_splits!r}"
+  if bad:
+    raise bad[0](f"mosaic_mla_attention: {bad[1]}")
+  blocks = -(-Q * N // ROWS)
+  rows = jnp.pad(q.reshape(B, Q * N, D), ((0, 0), (0, blocks * ROWS - Q * N), (0, 0)))
+  ppb = max(1, KEYS // ps)
+  table = page_indices.astype(jnp.int32)
+  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
+  tiles = (plgpu.TilingTransform((8, KEYS)), plgpu.SwizzleTransform(2 * KEYS))
+  smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=tiles)
+  dims = (Q, N, R, ps, slots, num_splits, float(sm_scale))
+  kernel = plgpu.kernel(
+      lambda *refs: _body(dims, *refs),
+      out_type=(jax.ShapeDtypeStruct((num_splits, B, blocks, ROWS, R), q.dtype),
+                jax.ShapeDtypeStruct((num_splits, B, blocks, ROWS), jnp.float32)),
+      scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, KEYS),
+                     smem(WGS, ROWS, R // WGS), plgpu.SMEM((ROWS,), jnp.float32),
+                     plgpu.Barrier(num_barriers=1),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
+                     plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)),
+      grid=(blocks, B, num_splits), grid_names=("rows", "seqs", "splits"),
+      num_threads=WGS, thread_name="wg",
+      interpret=_INTERPRETER() if interpret else False)
+  o, lse = kernel(rows.reshape(B, blocks, ROWS, D), latent_pages, lengths.astype(jnp.int32), table)
+  top = jnp.max(lse, axis=0)
+  top = jnp.where(jnp.isfinite(top), top, 0.0)
+  wts = jnp.exp(lse - top)
+  den = jnp.sum(wts, axis=0)
+  out = jnp.sum(o.astype(jnp.float32) * wts[..., None], axis=0)
+  out = out / jnp.where(den > 0, den, 1.0)[..., None]
+  out = out.reshape(B, blocks * ROWS, R)[:, :Q * N].reshape(B, Q, N, R).astype(q.dtype)
+  return out[:, 0] if squeeze else out
