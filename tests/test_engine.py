@@ -290,7 +290,7 @@ def test_async_overlaps_steps_and_matches_sync():
   assert runs[True][1]["overlapped_steps"] > 0 and runs[False][1]["overlapped_steps"] == 0
 
 
-@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "gpt_oss"])
 def test_unrolled_step_layout_matches_scanned(name):
   """EngineConfig(unroll_layers=True) (per-layer weights in the step layout,
   experts split) and the scanned stacked layers: same greedy tokens and the
