@@ -149,7 +149,7 @@ class VisionConfig:
 class ModelConfig:
   """Shape and behaviour of a decoder-only transformer.
 
-  Dimension alphabet (STYLE.md): D d_model, F ffn, N q heads, K kv heads,
+  Dimension alphabet (docs/style.md): D d_model, F ffn, N q heads, K kv heads,
   H head dim, V vocab, E experts, L layers.
   """
 

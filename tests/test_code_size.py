@@ -1,4 +1,4 @@
-"""Code stays small enough to read (STYLE.md): no function over 60 lines and
+"""Code stays small enough to read (docs/style.md): no function over 60 lines and
 no class over 300 lines outside `pallas_kernels/` (kernels keep their bodies
 whole, as Pallas kernels read best).
 

@@ -1,5 +1,5 @@
 """The import graph of jaxinfer and pallas_kernels has no cycle, and no module
-hides one behind a function-local import (STYLE.md, "Avoid").
+hides one behind a function-local import (docs/style.md, "Avoid").
 
 Every `import` / `from ... import` is read with `ast`, module-level and
 function-local alike, so a cycle cannot be hidden from this test either.

@@ -279,23 +279,17 @@ class Scheduler:
       budget -= n
     return out
 
-  def continue_speculative(self, previous: list[Scheduled], K: int) -> list[Scheduled] | None:
-    """Pipelined speculative decoding: one more decode block of K + 1 rows for
-    each request of `previous` (the step in flight, whose tokens are not read
-    yet), its positions left to the device. The pages cover the most the
-    in-flight step can have accepted. None when this is not possible now:
-    the engine then reads the step and schedules normally. That is the case
-    when requests wait for admission, when a running request was not in
-    `previous` (or did not sample there), when K changed, near the context
-    limit, or when pages or the token budget run short (pipelining never
-    preempts)."""
-    plan = self.plan_continue(previous, K)
-    return None if plan is None else self.continue_with(plan, K)
-
   def plan_continue(self, previous: list[Scheduled], K: int):
-    """`continue_speculative`'s check, taking nothing: None when it is not
-    possible, else the plan for `continue_with` (attention-DP ranks check
-    all their schedulers before any takes pages)."""
+    """Pipelined speculative decoding: can each request of `previous` (the
+    step in flight, whose tokens are not read yet) get one more decode block
+    of K + 1 rows, its positions left to the device? Taking nothing: None
+    when not now (the engine then reads the step and schedules normally),
+    else the plan for `continue_with`; attention-DP ranks check all their
+    schedulers before any takes pages. None when requests wait for
+    admission, a running request was not in `previous` (or did not sample
+    there), K is 0, near the context limit, or when pages or the token
+    budget run short (pipelining never preempts); the pages cover the most
+    the in-flight step can have accepted."""
     if not K or (self.waiting and len(self.running) < self.max_num_seqs):
       return None
     sampled = {id(s.request) for s in previous if s.samples}

@@ -5,7 +5,7 @@ counters.
 
 With async scheduling a decode-only batch is pipelined: the next step is
 dispatched before the one in flight is read, its last tokens and positions
-left to the device (`Scheduler.continue_speculative`). Anything else
+left to the device (`Scheduler.plan_continue`, `continue_with`). Anything else
 (admissions, prefill chunks, preemption, a new draft budget K) reads the
 step in flight first and schedules as usual, with K as the draft budget.
 """
