@@ -18,6 +18,7 @@ import pytest
 import pallas_kernels as pk
 from conftest import ON_GPU, subprocess_env
 from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
+from jaxinfer.bench import gpu_cases
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -198,6 +199,41 @@ if mpa.available() is None:
     assert "mosaic_gpu" in lowered.as_text()
     lowered.compile()
     assert mma.smem_bytes(576, 512, 2) <= mpa.SMEM_BYTES
+
+  GATE = [c for c in gpu_cases.CASES
+          if c.kernel in ("paged", "mla") and "h100" in c.gpus and not c.kv_dtype]
+
+  @pytest.mark.parametrize("case", GATE, ids=lambda c: c.name)
+  def test_gate_cases_compile_on_mosaic_with_planned_bytes(case):
+    """Every unquantized paged and MLA case of the H100 compile gate
+    (`gpu_cases`, 32k-page pools) compiles on the Mosaic kernel. Planned HBM
+    bytes (the keys and values the kernel's blocks read) against the minimum
+    (each KV byte once per KV head per step): GQA within 1.1x; MLA re-reads
+    the latent once per 64-row block of the Q x N query rows (128 heads: 2x,
+    the known gap), no more."""
+    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+    s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    B, Q, N, K, D, ps, pps = case.B, case.Q, case.N, case.K, case.D, case.ps, case.pages_per_seq
+    P, lens, table = gpu_cases.POOL_PAGES, s((B,), jnp.int32), s((B, pps), jnp.int32)
+    if case.kernel == "paged":
+      fn = lambda *a: mpa.mosaic_paged_attention(*a, window=case.window)
+      args = (s((B, Q, N, D)), s((K, P, ps, D)), s((K, P, ps, case.Dv)), lens, table)
+      keys, rereads, width = ps * mpa.pages_per_block(ps), 1, K * (D + case.Dv)
+    else:
+      R = case.Dv
+      fn = lambda *a: mma.mosaic_mla_attention(*a, sm_scale=0.1)
+      args = (s((B, Q, N, R)), s((B, Q, N, D - R)), s((P, ps, D)), lens, table)
+      keys, rereads, width = mma.KEYS, -(-Q * N // mpa.ROWS), D
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(fn).lower(*args)
+    assert "mosaic_gpu" in lowered.as_text()
+    lowered.compile()
+    planned = rereads * B * -(-case.ctx // keys) * keys * width * 2
+    minimum = B * case.ctx * width * 2
+    assert planned <= (1.1 if case.kernel == "paged" else rereads) * minimum, planned / minimum
+    smem = (mpa.smem_bytes(D, ps, 2) if case.kernel == "paged" else mma.smem_bytes(D, R, 2))
+    assert smem <= mpa.SMEM_BYTES
 
 else:
 
