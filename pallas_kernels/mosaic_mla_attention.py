@@ -31,8 +31,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.mla_paged_attention import _prepare
-from pallas_kernels.mosaic_paged_attention import (MASK, ROWS, SMEM_BYTES, _INTERPRETER,
-                                                   available, plgpu)
+from pallas_kernels.mosaic_paged_attention import (ROWS, SMEM_BYTES, _INTERPRETER, available,
+                                                   finish, merge_lse, plgpu, softmax_init,
+                                                   softmax_step)
 from pallas_kernels.paged_attention import validate_paged
 
 KEYS = 32  # latent rows a loop step: P's [64, 32] tile, one 64-byte swizzle row
@@ -114,11 +115,7 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * (scale * _LOG2E)
     visible = blk * KEYS + col <= q_pos  # causal among the Q queries; keys < length
-    s = jnp.where(visible, s, MASK)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-    l_i = l_i * alpha + p.sum(axis=1)
+    p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
     p_smem.at[w][...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
 
@@ -135,15 +132,10 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
         issue(blk + slots, slot)
     return acc, m_new, l_i
 
-  init = (plgpu.layout_cast(jnp.zeros((ROWS, half), jnp.float32), lay),
-          plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32), lay.reduce(1)),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), lay.reduce(1)))
-  acc, m_i, l_i = lax.fori_loop(lo, hi, step, init)
-  filled = l_i > 0
-  safe = jnp.where(filled, l_i, 1.0)
-  o_smem.at[w][...] = (acc / lax.broadcast_in_dim(safe, acc.shape, [0])).astype(o_smem.dtype)
+  o, lse = finish(*lax.fori_loop(lo, hi, step, softmax_init(half)))
+  o_smem.at[w][...] = o.astype(o_smem.dtype)
   if w == 0:
-    lse_smem[...] = jnp.where(filled, m_i / _LOG2E + jnp.log(safe), -jnp.inf)
+    lse_smem[...] = lse
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[split, b, rb, :, pl.ds(w * half, half)])
   if w == 0:
@@ -186,11 +178,5 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
       num_threads=WGS, thread_name="wg",
       interpret=_INTERPRETER() if interpret else False)
   o, lse = kernel(rows.reshape(B, blocks, ROWS, D), latent_pages, lengths.astype(jnp.int32), table)
-  top = jnp.max(lse, axis=0)
-  top = jnp.where(jnp.isfinite(top), top, 0.0)
-  wts = jnp.exp(lse - top)
-  den = jnp.sum(wts, axis=0)
-  out = jnp.sum(o.astype(jnp.float32) * wts[..., None], axis=0)
-  out = out / jnp.where(den > 0, den, 1.0)[..., None]
-  out = out.reshape(B, blocks * ROWS, R)[:, :Q * N].reshape(B, Q, N, R).astype(q.dtype)
+  out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N].reshape(B, Q, N, R).astype(q.dtype)
   return out[:, 0] if squeeze else out

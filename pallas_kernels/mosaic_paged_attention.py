@@ -163,11 +163,7 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref,
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
     k_pos = blk * keys + col
     visible = (k_pos <= q_pos) & ((window == 0) | (q_pos - k_pos < window))  # keys < length too
-    s = jnp.where(visible, s, MASK)
-    m_new = jnp.maximum(m_i, s.max(axis=1))
-    alpha = jnp.exp2(m_i - m_new)
-    p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
-    l_i = l_i * alpha + p.sum(axis=1)
+    p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
     p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
     plgpu.barrier_wait(v_bar.at[slot])
@@ -180,23 +176,45 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref,
     pl.when(blk + slots < hi)(lambda: issue(blk + slots, slot))
     return acc, m_new, l_i
 
-  init = (plgpu.layout_cast(jnp.zeros((ROWS, D), jnp.float32), wg),
-          plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32), wg.reduce(1)),
-          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
-  acc, m_i, l_i = lax.fori_loop(lo, hi, step, init)
-  filled = l_i > 0
-  safe_l = jnp.where(filled, l_i, 1.0)
-  o_smem[...] = acc / lax.broadcast_in_dim(safe_l, acc.shape, [0])
-  lse_smem[...] = jnp.where(filled, m_i / _LOG2E + jnp.log(safe_l), -jnp.inf)
+  o_smem[...], lse_smem[...] = finish(*lax.fori_loop(lo, hi, step, softmax_init(D)))
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
   plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, kh])
   plgpu.wait_smem_to_gmem(0)
 
 
-def _merge(o, lse, sinks, group):
-  """Split partials o [W, B, K, R, D], lse [W, B, K, R] -> [B, K, R, D];
-  a sink (row r -> head r % group... of its KV head) joins each row's denominator."""
+def softmax_init(width: int):
+  """(acc [ROWS, width], running max, running sum) of an online softmax, in
+  the wgmma accumulator's register layout."""
+  wg = plgpu.Layout.WGMMA
+  return (plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), wg),
+          plgpu.layout_cast(jnp.full((ROWS,), MASK, jnp.float32), wg.reduce(1)),
+          plgpu.layout_cast(jnp.zeros((ROWS,), jnp.float32), wg.reduce(1)))
+
+
+def softmax_step(s, visible, m_i, l_i):
+  """One block of the online softmax in base 2 (s [ROWS, keys] already
+  scaled by log2 e): -> (p, alpha, new max, new sum). Hidden keys get the
+  finite MASK, so a block that hides a row entirely leaves no NaN."""
+  s = jnp.where(visible, s, MASK)
+  m_new = jnp.maximum(m_i, s.max(axis=1))
+  alpha = jnp.exp2(m_i - m_new)
+  p = jnp.where(visible, jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0])), 0.0)
+  return p, alpha, m_new, l_i * alpha + p.sum(axis=1)
+
+
+def finish(acc, m_i, l_i):
+  """-> (acc / sum, natural log-sum-exp); a row that saw no key: 0, -inf."""
+  filled = l_i > 0
+  safe_l = jnp.where(filled, l_i, 1.0)
+  lse = jnp.where(filled, m_i / _LOG2E + jnp.log(safe_l), -jnp.inf)
+  return acc / lax.broadcast_in_dim(safe_l, acc.shape, [0]), lse
+
+
+def merge_lse(o, lse, sinks=None, group=1):
+  """Split partials o [W, B, K, R, D] (each normalised), lse [W, B, K, R]
+  -> [B, K, R, D] in float32; row r of KV head k is query head k * group +
+  r % group, whose sink (if any) joins the row's denominator."""
   top = jnp.max(lse, axis=0)
   top = jnp.where(jnp.isfinite(top), top, 0.0)
   w = jnp.exp(lse - top)  # [W, B, K, R]
@@ -260,6 +278,6 @@ def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
       interpret=_INTERPRETER() if interpret else False)
   glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
   o, lse = kernel(rows, k_pages, v_pages, lengths.astype(jnp.int32), table, glob)
-  out = _merge(o, lse, sinks, G)[:, :, :Q * G]
+  out = merge_lse(o, lse, sinks, G)[:, :, :Q * G]
   out = out.reshape(B, K, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, N, D).astype(q.dtype)
   return out[:, 0] if squeeze else out

@@ -139,18 +139,14 @@ def _gpu_peer(env, module):
     return None, f"not importable: {short_error(e)}"
 
 
-def _mosaic_skip(env, rows: int, D: int) -> str:
-  """Why the Mosaic GPU paged kernel cannot run this case here ("" if it can)."""
+def _mosaic_skip(env, unsupported) -> str:
+  """Why a Mosaic GPU kernel cannot run this case here ("" if it can);
+  unsupported: the kernel's own verdict on the shapes (None: it takes them)."""
   if not env.gpu:
     return "GPU only (Hopper)"
-  why = mpa.available()
-  if why:
-    return why
   if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
     return "Hopper (sm90) only"
-  if rows > mpa.ROWS or D % 64 or jnp.dtype(env.dtype) not in (jnp.bfloat16, jnp.float16):
-    return f"unsupported: {rows} rows, head dim {D}, {jnp.dtype(env.dtype).name}"
-  return ""
+  return "" if unsupported is None else unsupported[1]
 
 
 def _split_count(env, programs, pages_per_seq):
@@ -281,7 +277,8 @@ def _paged_case(env, *, B, S, ps, Q, N, K, D):
   mosaic_splits = _split_count(env, B * K, -(-pps // mpa.pages_per_block(ps)))
   impls["ours_mosaic"] = Impl(
       functools.partial(mpa.mosaic_paged_attention, num_splits=mosaic_splits),
-      skip=_mosaic_skip(env, Q * (N // K), D),
+      skip=_mosaic_skip(env, mpa.unsupported((B, Q, N, D), env.dtype, (K, 1, ps, D),
+                                              values_dim=D)),
       note=f"Mosaic GPU (TMA + wgmma), num_splits={mosaic_splits}")
   temp = 2 * f32_kv + 3 * 4.0 * B * N * Q * pps * ps
   if env.peers:
@@ -349,8 +346,7 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
   mosaic_splits = _split_count(env, B * -(-N // mpa.ROWS), -(-S // mma.KEYS))
   impls["ours_mosaic"] = Impl(
       functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits),
-      skip=_mosaic_skip(env, mpa.ROWS, 64) or ("" if mma.unsupported(R + Hr, R, ps, env.dtype)
-                                               is None else "unsupported shapes"),
+      skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype)),
       note=f"Mosaic GPU (TMA + wgmma, 2 warpgroups), num_splits={mosaic_splits}")
   reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
   temp = f32_pages + 3 * 4.0 * B * N * pps * ps
