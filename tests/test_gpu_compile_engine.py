@@ -22,6 +22,7 @@ from jaxinfer import gpu_compile, ops, presets, sharding
 from jaxinfer.bench import gpu_plan, sharding_report
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import sampling_extras, steps
+from jaxinfer.engine.ranks import Ranks
 from jaxinfer.models import vision
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -168,7 +169,7 @@ def test_multi_step_decode_compiles_for_one_h100(model):
   cfg = gpu_plan.gpu_config(presets.get(model), "bfloat16")
   seqs = [(1, SMALL.context)] * SMALL.batch
   lowered, shapes = gpu_plan.lower_decode_steps(cfg, params, pool, mesh, layout, seqs, SMALL, 4)
-  assert lowered.out_info[0].shape == (4, shapes.seqs) and shapes.max_q == 1  # [steps, S]
+  assert lowered.out_info[0].shape == (4, 1, shapes.seqs) and shapes.max_q == 1  # [steps, ranks, S]
   compiled = lowered.compile()
   text = compiled.as_text()
   assert gpu_plan.TRITON_CALL in text and "while" in text
@@ -191,7 +192,7 @@ def test_multi_step_decode_with_sampling_extras_compiles_for_one_h100():
                                           floats, floats, in_flight=np.zeros((4, B), np.int32)))
   lowered, shapes = gpu_plan.lower_decode_steps(cfg, params, pool, mesh, layout,
                                                 [(1, SMALL.context)] * B, SMALL, 4, extras)
-  assert shapes.seqs == B and lowered.out_info[0].shape == (4, B)
+  assert shapes.seqs == B and lowered.out_info[0].shape == (4, 1, B)  # [steps, ranks, S]
   text = lowered.compile().as_text()
   assert gpu_plan.TRITON_CALL in text and "while" in text
 
@@ -214,7 +215,7 @@ def test_multi_step_decode_under_attention_dp_compiles_for_eight_h100s():
 
 def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   # The Engine's image step: `steps.step` with visual rows (`images.step_visual`:
-  # MRoPE [3, T], embeddings [T, D] where mask [T], DeepStack [k, T, D]) for a
+  # MRoPE [1, 3, T], embeddings [1, T, D] where mask [1, T], DeepStack [1, k, T, D]) for a
   # prefill chunk inside an image next to decodes; and the vision tower
   # (`vision.encode`, jitted on its own per image grid), bf16 on an H100.
   hf = json.loads((FIXTURES / "hf_vl" / "qwen3_vl" / "config.json").read_text())
@@ -224,13 +225,14 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   batch, shapes = gpu_plan.host_batch(seqs, SMALL.page_size, SMALL.pages_per_seq(), len(seqs))
   T, D, k = shapes.tokens, cfg.d_model, len(cfg.vision.deepstack_indexes)
   rep = NamedSharding(mesh, P())
-  S = lambda shape, d: jax.ShapeDtypeStruct(shape, d, sharding=rep)
+  S = lambda shape, d: jax.ShapeDtypeStruct((1, *shape), d, sharding=rep)  # one rank
   visual = dict(rope=S((3, T), jnp.int32), embeds=S((T, D), jnp.float32),
                 mask=S((T,), jnp.bool_), deepstack=S((k, T, D), jnp.float32))
   compiled = {}
   for name, rows in (("text", None), ("image", visual)):
     with gpu_compile.lowering(mesh):
-      lowered = steps.step.lower(cfg, params, pool, gpu_compile.abstract(batch, rep),
+      lowered = steps.step.lower(cfg, params, pool,
+                                 gpu_compile.abstract(steps.stack_batches([batch]), rep),
                                  S((shapes.seqs,), jnp.int32), None, rows, max_q=shapes.max_q,
                                  greedy=True)
     compiled[name] = lowered.compile()
@@ -244,8 +246,9 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   assert image.argument_bytes - text.argument_bytes == rows_bytes - batch.rope_positions.nbytes
   vc, grid = cfg.vision, ((1, 4, 6),)  # 24 patches -> 6 visual tokens
   with gpu_compile.lowering(mesh):
-    encoder = vision.encode.lower(vc, params["vision"], S((24, vc.patch_dim), jnp.float32),
-                                  grid).compile()
+    encoder = vision.encode.lower(
+        vc, params["vision"], jax.ShapeDtypeStruct((24, vc.patch_dim), jnp.float32, sharding=rep),
+        grid).compile()
   m = gpu_compile.MemoryReport.of(encoder)
   assert m.argument_bytes > 0 and 0 < m.peak_bytes < 80e9
   shapes_out = [o.shape for o in jax.tree.leaves(encoder.out_info)]
@@ -253,8 +256,8 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
 
 
 def test_qwen3_vl_moe_image_step_under_attention_dp_compiles_for_four_h100s():
-  # Images under attention DP: `steps.step_ranked` with each rank's visual rows
-  # ([n, ...], `Images.ranked_visual`), Qwen3-VL-MoE (4 experts) on data=2 x expert=2 H100s.
+  # Images under attention DP: `steps.step` run per rank with each rank's visual
+  # rows ([n, ...], `Images.step_visual`), Qwen3-VL-MoE (4 experts) on data=2 x expert=2 H100s.
   hf = json.loads((FIXTURES / "hf_vl" / "qwen3_vl_moe" / "config.json").read_text())
   cfg = gpu_plan.gpu_config(ModelConfig.from_hf(hf), "bfloat16")
   mesh, layout = gpu_compile.mesh({"data": 2, "expert": 2}), "dp_attn_ep"
@@ -271,9 +274,9 @@ def test_qwen3_vl_moe_image_step_under_attention_dp_compiles_for_four_h100s():
                 mask=S((T,), jnp.bool_), deepstack=S((k, T, D), jnp.float32))
   ranked = gpu_compile.abstract(steps.stack_batches([batch] * n), split)
   with gpu_compile.lowering(mesh):
-    compiled = steps.step_ranked.lower(
+    compiled = steps.step.lower(
         cfg, params, pool, ranked, S((shapes.seqs,), jnp.int32), None, visual,
-        max_q=shapes.max_q, ep=plan_from_params(params), mesh=mesh, axes=axes,
+        max_q=shapes.max_q, ep=plan_from_params(params), ranks=Ranks.of(params, mesh, axes),
         greedy=True).compile()
   assert n == 4 and gpu_plan.TRITON_CALL in compiled.as_text()
   assert 0 < gpu_compile.MemoryReport.of(compiled).peak_bytes < 80e9

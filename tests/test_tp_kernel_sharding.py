@@ -26,10 +26,10 @@ def _compiled_step(name, axes, layout, split_heads):
   params = gpu_plan.abstract_params(cfg, mesh, layout)
   pool = gpu_plan.abstract_pool(cfg, mesh, layout, pages_per_rank=65, page_size=16)
   batch, shapes = gpu_plan.host_batch([(1, 64)] * 4, 16, 4, 4)
-  prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
+  prev = jax.ShapeDtypeStruct((1, shapes.seqs), jnp.int32)  # one rank
   heads = dict(mesh=mesh, head_axis=sharding.head_axis(mesh, layout)) if split_heads else {}
   with gpu_compile.lowering(mesh):
-    lowered = steps.step.lower(cfg, params, pool, gpu_plan._replicated(mesh, batch),
+    lowered = steps.step.lower(cfg, params, pool, gpu_plan._replicated(mesh, steps.stack_batches([batch])),
                                gpu_plan._replicated(mesh, prev), gpu_plan._load(cfg, mesh),
                                max_q=shapes.max_q, ep=plan_from_params(params), greedy=True,
                                **heads)

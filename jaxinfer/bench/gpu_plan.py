@@ -10,10 +10,11 @@ target set to "gpu" (Pallas kernels through Triton):
 
   decode      `steps.step`: `batch` sequences, one token each, `context` tokens
   mixed       `steps.step`: one prefill chunk of `prefill_tokens` + decodes
-  speculative `speculative.spec_step` (MTP models; `spec_step_ranked` per rank
-              under dp_attn_ep): each sequence verifies `num_draft_tokens` drafts
-  dp_attn_ep  `steps.step_ranked` (attention DP in `shard_map`, experts split
-              over every mesh axis, ragged all-to-all dispatch): `batch` per rank
+  speculative `speculative.spec_step` (MTP models): each sequence verifies
+              `num_draft_tokens` drafts
+  dp_attn_ep  each of the above whole per rank in `shard_map` (`ranks.Ranks`:
+              attention DP, experts split over every mesh axis, ragged
+              all-to-all dispatch): `batch` per rank
 
 Nothing is allocated. Per device and program: params and KV bytes (exact,
 from the shard shapes), `memory_analysis()` (arguments, temporaries, peak)
@@ -41,6 +42,7 @@ from jaxinfer.bench import results
 from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
+from jaxinfer.engine.ranks import Ranks
 from jaxinfer.models import quant
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
@@ -173,28 +175,39 @@ def _load(cfg: ModelConfig, mesh):
   return _replicated(mesh, jax.ShapeDtypeStruct((moe_layers, cfg.num_experts), jnp.int32))
 
 
-def _step_inputs(mesh, layout: str, seqs, w: Workload, ranked: bool):
-  """A step's abstract inputs as the Engine passes them -> (batch, previous
-  samples, placement kwargs, StepShapes). ranked (attention DP): every rank
-  runs `seqs`, batch fields [n, ...] split over the DP axes as the ranked
-  context's `shard_map` reads them; else replicated, attention per head
-  shard where the layout splits heads."""
-  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
-  if not ranked:
-    prev = jax.ShapeDtypeStruct((shapes.seqs,), jnp.int32)
-    return _replicated(mesh, batch), _replicated(mesh, prev), _heads(mesh, layout), shapes
+def _placement(params, mesh, layout: str) -> tuple[int, dict]:
+  """The Engine's placement of its steps -> (ranks n, kwargs): attention DP
+  (`ranks.Ranks` of the placed params) under dp_attn_ep, else the head
+  split where the layout splits heads (dict(mesh=, head_axis=)) or none."""
   axes = sharding.dp_axes(mesh, layout)
-  n = math.prod(mesh.shape[a] for a in axes)
-  split = NamedSharding(mesh, P(axes))
-  prev = jax.ShapeDtypeStruct((n, shapes.seqs), jnp.int32)
-  return (gpu_compile.abstract(steps.stack_batches([batch] * n), split),
-          gpu_compile.abstract(prev, split), dict(mesh=mesh, axes=axes), shapes)
+  if axes:
+    return math.prod(mesh.shape[a] for a in axes), dict(ranks=Ranks.of(params, mesh, axes))
+  axis = sharding.head_axis(mesh, layout)
+  return 1, {} if axis is None else dict(mesh=mesh, head_axis=axis)
+
+
+def _ranked(mesh, layout: str, tree, n: int):
+  """tree's arrays stacked [n, ...] as the Engine passes a step's inputs:
+  split over the DP axes under attention DP, else replicated."""
+  axes = sharding.dp_axes(mesh, layout)
+  where = NamedSharding(mesh, P(axes) if axes else P())
+  return gpu_compile.abstract(jax.tree.map(lambda a: np.stack([a] * n), tree), where)
+
+
+def _step_inputs(params, mesh, layout: str, seqs, w: Workload):
+  """A step's abstract inputs as the Engine passes them -> (batch, previous
+  samples, placement kwargs, StepShapes): every rank runs `seqs`."""
+  batch, shapes = host_batch(seqs, w.page_size, w.pages_per_seq(), len(seqs))
+  n, where = _placement(params, mesh, layout)
+  prev = np.zeros(shapes.seqs, np.int32)
+  return _ranked(mesh, layout, batch, n), _ranked(mesh, layout, prev, n), where, shapes
 
 
 def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
-  """`steps.step` lowered for one (unranked) batch -> (Lowered, StepShapes);
-  attention per head shard (shard_map) where the layout splits heads, as the Engine runs it."""
-  batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked=False)
+  """`steps.step` lowered as the Engine runs it (per head shard where the
+  layout splits heads, whole per rank under attention DP, every rank
+  running `seqs`) -> (Lowered, StepShapes)."""
+  batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
   with gpu_compile.lowering(mesh):
     lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
                                max_q=shapes.max_q, ep=plan_from_params(params), greedy=w.greedy,
@@ -205,11 +218,10 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
 def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload,
                        num_steps: int, extras=None):
   """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
-  lowered for decode-only `seqs` (on every rank under attention DP, as
-  `lower_ranked`) -> (Lowered, StepShapes). extras: a host
-  `sampling_extras.Extras` for the step's rows (replicated), or None."""
-  ranked = bool(sharding.dp_axes(mesh, layout))
-  batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked)
+  lowered for decode-only `seqs` (as `lower_step`) -> (Lowered, StepShapes).
+  extras: a host `sampling_extras.Extras` for the step's rows (replicated),
+  or None."""
+  batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
   extras = None if extras is None else _replicated(mesh, extras)
   with gpu_compile.lowering(mesh):
     lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
@@ -218,33 +230,21 @@ def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, 
   return lowered, shapes
 
 
-def lower_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
-  """`steps.step_ranked` (attention DP): every rank runs `seqs`; batch fields
-  [n, ...] split over the DP axes as the ranked context's `shard_map` reads them."""
-  batch, prev, where, shapes = _step_inputs(mesh, layout, seqs, w, ranked=True)
-  with gpu_compile.lowering(mesh):
-    lowered = steps.step_ranked.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                                      max_q=shapes.max_q, ep=plan_from_params(params),
-                                      greedy=w.greedy, **where)
-  return lowered, shapes
-
-
-def _heads(mesh, layout: str) -> dict:
-  """The Engine's head split for its steps: {} or dict(mesh=, head_axis=)."""
-  axis = sharding.head_axis(mesh, layout)
-  return {} if axis is None else dict(mesh=mesh, head_axis=axis)
-
-
 def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
-  """`speculative.spec_step` (MTP draft + verify), pool with its MTP entry."""
+  """`speculative.spec_step` (MTP draft + verify), pool with its MTP entry,
+  placed as `lower_step` places a step; under attention DP each rank's
+  draft-state rows split over the DP axes."""
   K = w.num_draft_tokens
   packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
-  state = jax.eval_shape(lambda: speculative.init_state(cfg, shapes.seqs, K))
+  n, where = _placement(params, mesh, layout)
+  axes = sharding.dp_axes(mesh, layout)
+  state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
   with gpu_compile.lowering(mesh):
     lowered = speculative.spec_step.lower(
-        cfg, params, pool, _replicated(mesh, packed), _replicated(mesh, state), _load(cfg, mesh),
-        max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
-        **_heads(mesh, layout))
+        cfg, params, pool, _ranked(mesh, layout, packed, n),
+        gpu_compile.abstract(state, NamedSharding(mesh, P(axes) if axes else P())),
+        _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=plan_from_params(params),
+        greedy=w.greedy, **where)
   return lowered, shapes
 
 
@@ -395,49 +395,23 @@ def compile_program(lowered, hbm_bytes: float, pool=None) -> dict:
               collectives=collectives(hlo))
 
 
-def lower_spec_ranked(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
-  """`speculative.spec_step_ranked` (MTP under attention DP): every rank
-  verifies `seqs`, its batch and draft-state rows split over the DP axes."""
-  axes = sharding.dp_axes(mesh, layout)
-  n = math.prod(mesh.shape[a] for a in axes)
-  K = w.num_draft_tokens
-  packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
-  split = NamedSharding(mesh, P(axes))
-  ranked = tuple(np.stack([a] * n) for a in packed)
-  state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
-  with gpu_compile.lowering(mesh):
-    lowered = speculative.spec_step_ranked.lower(
-        cfg, params, pool, gpu_compile.abstract(ranked, split), gpu_compile.abstract(state, split),
-        _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=plan_from_params(params), greedy=w.greedy,
-        mesh=mesh, axes=axes, param_specs=speculative.param_specs(params, mesh))
-  return lowered, shapes
-
-
 def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, list]:
   """-> ([(name, seqs, ranks, draft, lower(params, pools))], notes on skipped programs)."""
   decode = [(1, w.context)] * w.batch
   mixed = [(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1)
   dp = sharding.dp_axes(mesh, layout)
   out, notes = [], []
-  if dp:
-    n = math.prod(mesh.shape[a] for a in dp)
-    for name, seqs in (("dp_attn_ep decode", decode), ("dp_attn_ep mixed", mixed)):
-      out.append((name, seqs, n, 0, lambda p, pools, s=seqs: lower_ranked(
-          cfg, p, pools[0], mesh, layout, s, w)))
-  else:
-    for name, seqs in (("decode", decode), ("mixed", mixed)):
-      out.append((name, seqs, 1, 0, lambda p, pools, s=seqs: lower_step(
-          cfg, p, pools[0], mesh, layout, s, w)))
+  n = math.prod(mesh.shape[a] for a in dp) if dp else 1
+  prefix = "dp_attn_ep " if dp else ""
+  for name, seqs in (("decode", decode), ("mixed", mixed)):
+    out.append((prefix + name, seqs, n, 0, lambda p, pools, s=seqs: lower_step(
+        cfg, p, pools[0], mesh, layout, s, w)))
   K = w.num_draft_tokens
   if K and not cfg.num_mtp_layers:
     notes.append("speculative: skipped, the model has no MTP modules")
-  elif K and dp:
-    spec = [(K + 1, w.context)] * w.batch
-    out.append((f"dp_attn_ep speculative K={K}", spec, n, K,
-                lambda p, pools: lower_spec_ranked(cfg, p, pools[1], mesh, layout, spec, w)))
   elif K:
     spec = [(K + 1, w.context)] * w.batch
-    out.append((f"speculative K={K}", spec, 1, K,
+    out.append((f"{prefix}speculative K={K}", spec, n, K,
                 lambda p, pools: lower_spec(cfg, p, pools[1], mesh, layout, spec, w)))
   return out, notes
 

@@ -28,6 +28,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, warmup, weight_layout
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
 from jaxinfer.engine.images import Images, per_prompt
+from jaxinfer.engine.ranks import Ranks
 from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
@@ -230,16 +231,16 @@ class Engine(EngineCore):
     if self._unroll is None:
       layer_bytes = sum(w.nbytes for w in jax.tree.leaves(params["layers"]))
       self._unroll = jax.default_backend() == "cpu" and layer_bytes >= _UNROLL_MIN_BYTES
+    # Attention data parallelism (dp_attn_ep): each rank of the batch axes owns
+    # whole requests and its own slice of the page pool; otherwise one rank.
+    self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
+    self.num_ranks = math.prod(mesh.shape[a] for a in self._dp_axes) if self._dp_axes else 1
     self._set_params(params)
     self.max_model_len = min(cfg.max_position_embeddings,
                              config.max_model_len or cfg.max_position_embeddings)
     self.max_pages_per_seq = -(-self.max_model_len // config.page_size)
     kind = config.kv_cache_dtype
     self.kv_dtype = jnp.dtype(KV_CACHE_DTYPES[kind][0] if kind else cfg.compute_dtype())
-    # Attention data parallelism (dp_attn_ep): each rank of the batch axes owns
-    # whole requests and a slice of the page pool; otherwise one rank.
-    self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
-    self.num_ranks = math.prod(mesh.shape[a] for a in self._dp_axes) if self._dp_axes else 1
     # Heads split over a mesh axis (tp, tp_attn_ep): attention runs per device in shard_map.
     head_axis = sharding.head_axis(mesh, layout) if mesh is not None else None
     self._heads = dict(mesh=mesh, head_axis=head_axis) if head_axis else {}
@@ -278,6 +279,9 @@ class Engine(EngineCore):
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.
     self._step_params = quant.with_kernel(step_params, sharding.kernel_mesh(self.mesh, self.layout))
+    # The ranks the steps run on, with the placed params' specs (`ranks.Ranks`).
+    self.step_ranks = (Ranks.of(self._step_params, self.mesh, self._dp_axes) if self._dp_axes
+                       else None)
 
   @property
   def params(self):

@@ -121,18 +121,13 @@ class Images:
     if self.cache is not None:
       self.cache.release()
 
-  def step_visual(self, scheduled, num_rows: int) -> dict | None:
-    """A step's visual rows (`steps.step`'s visual arguments) when any of its
-    tokens is a visual token, else None: the text step, rotated by
-    `step_rope` (decode steps, and prefill chunks between images)."""
-    rows = self.ranked_visual([scheduled], num_rows)
-    return None if rows is None else {k: v[0] for k, v in rows.items()}
-
-  def ranked_visual(self, per_rank, num_rows: int) -> dict | None:
-    """Each rank's visual rows stacked [n, ...] (`steps.step_ranked`, attention
-    DP) when any rank's chunks hold a visual token, else None. A rank without
-    one gets its text rows: token embeddings (mask 0), DeepStack 0, and its
-    rotary positions on all three MRoPE axes (MRoPE over equal axes is RoPE)."""
+  def step_visual(self, per_rank, num_rows: int) -> dict | None:
+    """A step's visual rows (`steps.step`'s visual argument), each rank's
+    stacked [n, ...], when any rank's chunks hold a visual token, else None:
+    the text step, rotated by `step_rope` (decode steps, and prefill chunks
+    between images). A rank without one gets its text rows: token embeddings
+    (mask 0), DeepStack 0, and its rotary positions on all three MRoPE axes
+    (MRoPE over equal axes is RoPE)."""
     if not any(s.request.mm is not None for sch in per_rank for s in sch):
       return None
     chunks = [[_chunk_rows(s) for s in sch] for sch in per_rank]

@@ -77,10 +77,10 @@ def wanted(chunks) -> tuple[bool, bool]:
           any(_prompt_rows(s) for s in chunks))
 
 
-def step_targets(per_rank, size: int, ranked: bool) -> np.ndarray:
+def step_targets(per_rank, size: int) -> np.ndarray:
   """Each rank's [size] row targets: a row's next prompt token (0 past the
   prompt: a chunk's sampled token is scored with the sampled rows).
-  -> [size], or [ranks, size] under attention DP."""
+  -> [ranks, size]."""
   rows = np.zeros((len(per_rank), size), np.int32)
   for r, scheduled in enumerate(per_rank):
     row = 0
@@ -88,7 +88,7 @@ def step_targets(per_rank, size: int, ranked: bool) -> np.ndarray:
       nxt = s.request.prompt[s.start + 1:s.start + 1 + s.num_tokens]
       rows[r, row:row + len(nxt)] = nxt
       row += s.num_tokens
-  return rows if ranked else rows[0]
+  return rows
 
 
 def split_ranks(lp, ranks: int, steps: int | None = None) -> list:

@@ -2,7 +2,7 @@
 dispatches the jitted program and reads the results back, with its own
 queue of steps in flight. `Engine` holds one and calls `step(engine)`.
 
-  PlainRunner  `steps.step` / `steps.step_ranked`: one sampled token per
+  PlainRunner  `steps.step` (`steps.decode_steps`): one sampled token per
                sequence whose chunk reaches its end (every DP rank steps)
   SpecRunner   `speculative.spec_step` (in `engine/spec_runner.py`)
 
@@ -114,8 +114,8 @@ def multi_step(schedulers, per_rank, n: int):
 @dataclasses.dataclass(frozen=True)
 class PlainInFlight:
   """A dispatched plain step: each rank's chunks and the samples on device,
-  [S] ([n, S] under attention DP; [steps, S] or [steps, n, S] for a
-  multi-step decode; row b: chunk b), and their logprobs if computed."""
+  [n, S] ([steps, n, S] for a multi-step decode; row b: chunk b), and their
+  logprobs if computed."""
   per_rank: list[list[Scheduled]]
   sampled: jax.Array
   steps: int = 1
@@ -131,7 +131,7 @@ class PlainRunner:
     self.counts = StepCounts()
     self.in_flight: collections.deque[PlainInFlight] = collections.deque()
     S = eng.config.max_num_seqs
-    self._prev_sampled = jnp.zeros((eng.num_ranks, S) if eng._dp_axes else (S,), jnp.int32)
+    self._prev_sampled = jnp.zeros((eng.num_ranks, S), jnp.int32)
     # The last dispatch's samples, every decode step of a multi-step one:
     # where penalties find the tokens still in flight (`sampling_extras`).
     self._prev_out = self._prev_sampled
@@ -164,20 +164,18 @@ class PlainRunner:
     want = logprobs.wanted([s for scheduled in busy for s in scheduled])
     extras = sampling_extras.step_extras(per_rank, shapes.seqs, eng.config.max_num_seqs,
                                          self._prev_out)
-    ranked = bool(eng._dp_axes)
-    batch = steps.stack_batches([b for b, _ in batches]) if ranked else batches[0][0]
+    batch = steps.stack_batches([b for b, _ in batches])
     args = (eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load)
     kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
-              **(dict(mesh=eng.mesh, axes=eng._dp_axes) if ranked else eng._heads))
+              ranks=eng.step_ranks, **eng._heads)
     if n > 1:  # decode rows only: no prompt rows to score
       sampled, eng.pool, eng._load, lp = steps.decode_steps(*args, num_steps=n, **kw)
       self._prev_sampled = sampled[-1]
     else:
-      visual = (eng.images.ranked_visual(per_rank, shapes.tokens) if ranked
-                else eng.images.step_visual(per_rank[0], shapes.tokens))
-      targets = logprobs.step_targets(per_rank, shapes.tokens, ranked) if want[1] else None
-      step = steps.step_ranked if ranked else steps.step
-      sampled, eng.pool, eng._load, lp = step(*args, visual, targets, max_q=shapes.max_q, **kw)
+      visual = eng.images.step_visual(per_rank, shapes.tokens)
+      targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
+      sampled, eng.pool, eng._load, lp = steps.step(*args, visual, targets, max_q=shapes.max_q,
+                                                    **kw)
       self._prev_sampled = sampled
     self._prev_out = sampled
     for sch, rank_scheduled in zip(eng.schedulers, per_rank):

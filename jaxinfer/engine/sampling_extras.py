@@ -62,7 +62,7 @@ class Penalties:
   repetition: jax.Array  # [B] float32
   presence: jax.Array  # [B] float32
   frequency: jax.Array  # [B] float32
-  in_flight: jax.Array  # the previous dispatch's samples: [(steps,) (ranks,) S] int32
+  in_flight: jax.Array  # the previous dispatch's samples: [(steps,) ranks, S] int32
 
 
 @jax.tree_util.register_dataclass
@@ -75,8 +75,8 @@ class Counts:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Extras:
-  """A step's extras input, rows as its logits ([B] or, attention DP,
-  [ranks * B] rank-major); counts is `prepare`'s, on device."""
+  """A step's extras input, rows as its logits over every rank ([ranks *
+  B], rank-major); counts is `prepare`'s, on device."""
   bias: Bias | None = None
   penalties: Penalties | None = None
   counts: Counts | None = None
@@ -104,6 +104,19 @@ def prepare(extras: Extras | None, slots: int, vocab: int) -> Extras | None:
   in_prompt = jnp.zeros((B, vocab), bool).at[rows, jnp.where(prompt, p.history, NONE)].set(
       True, mode="drop")
   return dataclasses.replace(extras, counts=Counts(output, in_prompt))
+
+
+def by_rank(extras: Extras | None, ranks: int) -> Extras | None:
+  """`prepare`'s extras (rows [ranks * B], rank-major) -> every array
+  [ranks, B, ...], as a step hands each rank its rows (`ranks.per_rank`).
+  The in-flight samples, read by `prepare` only, are dropped."""
+  if extras is None:
+    return None
+  if extras.penalties is not None:
+    p = extras.penalties
+    extras = dataclasses.replace(extras, penalties=dataclasses.replace(
+        p, in_flight=jnp.zeros_like(p.pending)))
+  return jax.tree.map(lambda a: a.reshape(ranks, -1, *a.shape[1:]), extras)
 
 
 def processed(logits, extras: Extras | None, sample_idx):
@@ -196,7 +209,7 @@ def _penalties(rows, size: int, in_flight) -> Penalties | None:
 
 def step_extras(per_rank, seqs: int, slots: int, in_flight) -> Extras | None:
   """A plain step's `Extras` over every rank's chunks (rank r's chunk i is
-  row r * seqs + i, as the ranked step flattens its logits), or None when
+  row r * seqs + i, as the step orders its ranks' rows), or None when
   none of its sampling chunks needs one. slots: rows of one rank's samples
   in in_flight (the previous dispatch's, on device)."""
   rows = [(r * seqs + i, r * slots, s.request) for r, scheduled in enumerate(per_rank)

@@ -1,5 +1,5 @@
 """The speculative step runner: MTP draft-and-verify steps
-(`speculative.spec_step`; `spec_step_ranked` under attention DP) on every
+(`speculative.spec_step`, run whole per rank under attention DP) on every
 rank, with the draft-state slot of each running request and the acceptance
 counters.
 
@@ -28,7 +28,7 @@ from jaxinfer.engine.scheduler import Scheduled
 @dataclasses.dataclass(frozen=True)
 class SpecInFlight:
   """A dispatched speculative step: each rank's chunks, emitted on device
-  (`spec_step`'s output, [B, K + 3]; [n, B, K + 3] under attention DP), its
+  (`spec_step`'s output, [n, B, K + 3]), its
   draft budget K and the emitted tokens' logprobs if computed."""
   per_rank: list[list[Scheduled]]
   emitted: jax.Array
@@ -128,7 +128,7 @@ class SpecRunner:
   all-padding batch). The draft state [ranks * slots, K] lives on device
   between steps; under attention DP each rank owns its rows of it (sharded
   like the pool's pages) and its own slot map, and the step runs whole per
-  rank (`speculative.spec_step_ranked`)."""
+  rank (`speculative.spec_step` with `ranks`)."""
 
   def __init__(self, eng):
     self.config = eng.config.speculative
@@ -138,12 +138,8 @@ class SpecRunner:
     self._state = speculative.init_state(eng.cfg, eng.num_ranks * S, K)
     self._slots = [DraftSlots(S) for _ in range(eng.num_ranks)]
     self._acceptance = Acceptance(K)
-    self._ranked = None
-    if eng._dp_axes:
-      rows = NamedSharding(eng.mesh, P(eng._dp_axes))
-      self._state = jax.device_put(self._state, rows)
-      self._ranked = dict(mesh=eng.mesh, axes=eng._dp_axes)
-    self._specs_of = (None, None)  # (params object, its shard_map specs)
+    if eng._dp_axes:  # each rank's block of rows on its devices
+      self._state = jax.device_put(self._state, NamedSharding(eng.mesh, P(eng._dp_axes)))
 
   def step(self, eng) -> Events:
     K = min(eng.spec_draft_tokens(sch) for sch in eng.schedulers)
@@ -182,20 +178,11 @@ class SpecRunner:
     greedy, k_cap = sampler_mode(busy)
     want = logprobs.wanted([s for scheduled in busy for s in scheduled])
     kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0])
-    targets = (logprobs.step_targets(per_rank, shapes.tokens, self._ranked is not None)
-               if want[1] else None)
-    if self._ranked is not None:
-      packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
-      if self._specs_of[0] is not eng._step_params:  # new params (EPLB rebalance)
-        self._specs_of = (eng._step_params,
-                          speculative.param_specs(eng._step_params, eng.mesh))
-      emitted, eng.pool, self._state, eng._load, lp = speculative.spec_step_ranked(
-          eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, targets, **kw,
-          param_specs=self._specs_of[1], **self._ranked)
-    else:
-      emitted, eng.pool, self._state, eng._load, lp = speculative.spec_step(
-          eng.cfg, eng._step_params, eng.pool, built[0][0].pack(), self._state, eng._load,
-          targets, **kw, **eng._heads)
+    targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
+    packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
+    emitted, eng.pool, self._state, eng._load, lp = speculative.spec_step(
+        eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, targets, **kw,
+        ranks=eng.step_ranks, **eng._heads)
     for sch, scheduled in zip(eng.schedulers, per_rank):
       sch.on_dispatch(scheduled)
     self.counts.record((shapes, K, greedy, want, k_cap), sum(n for _, n in built),
@@ -237,7 +224,7 @@ class SpecRunner:
   def release(self) -> None:
     """Drops the device state (`Engine.release`)."""
     self.in_flight.clear()
-    self._state = self._specs_of = None
+    self._state = None
 
 
 def _continue(schedulers, previous: list[list[Scheduled]], K: int):

@@ -43,10 +43,10 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.logprobs import step_logprobs
+from jaxinfer.engine.ranks import Ranks, expert_parallel, per_rank
 from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
 from jaxinfer.models import mtp
 from jaxinfer.models.context import PagedContext
@@ -397,82 +397,46 @@ def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "logprobs"),
+                                              "head_axis", "ranks", "logprobs"),
                    donate_argnames=("pool", "state", "load"))
 def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, targets=None, *,
               max_q: int, K: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-              head_axis=None, logprobs: bool = False):
-  """-> (emitted [B, K + 3] int32, new pool, new state, new load, logprobs): row b emitted
-  emitted[b, :n] with n = emitted[b, K + 1] (0 for a prefill chunk that does
-  not sample), after verifying emitted[b, K + 2] drafts (fewer than the
-  batch's num_draft where a pipelined block reached max_len). packed:
-  `SpecBatch.pack()`.
+              head_axis=None, ranks: Ranks | None = None, logprobs: bool = False):
+  """-> (emitted [n, B, K + 3] int32, new pool, new state, new load, logprobs):
+  row b of rank r emitted emitted[r, b, :m] with m = emitted[r, b, K + 1] (0
+  for a prefill chunk that does not sample), after verifying emitted[r, b,
+  K + 2] drafts (fewer than the batch's num_draft where a pipelined block
+  reached max_len). packed: `SpecBatch.pack()` of each rank, stacked [n, ...].
 
   pool: the target's stacked caches per segment plus the MTP entry last.
+  state: the draft state, [n * slots, ...] (each rank owns its block of rows).
   load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
   greedy (static): every request in the batch has temperature 0 (argmax
   everywhere; the draft distributions are not kept). k_cap (static): the
   top-k bound of the sampled rows (`sampling.top_k_cap`; 0: sort).
   mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
-  logprobs (static), targets: as `steps.step`'s; the emitted tokens' are
-  scored by the verify logits, as plain decoding scores them ([B, K + 1,
-  1 + MAX_LOGPROBS] arrays: entry j is emitted token j's).
+  ranks (static): attention DP, the step run whole per rank (`steps.step`).
+  logprobs (static), targets [n, T]: as `steps.step`'s; the emitted tokens'
+  are scored by the verify logits, as plain decoding scores them ([n, B,
+  K + 1, 1 + MAX_LOGPROBS] arrays: entry j is emitted token j's).
   """
-  return _spec_body(cfg, params, pool, packed, state, load, targets, max_q=max_q, K=K, ep=ep,
-                    greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis,
-                    logprobs=logprobs)
+  kw = dict(max_q=max_q, K=K, ep=expert_parallel(ep, ranks), greedy=greedy, k_cap=k_cap,
+            mesh=mesh, head_axis=head_axis, logprobs=logprobs)
 
+  def body(params, pool, ranked, state, load):
+    packed, targets = ranked
+    emitted, pool, state, load, lp = _spec_body(cfg, params, pool, packed, state, load, targets,
+                                                **kw)
+    return (emitted, lp), pool, state, load
 
-def param_specs(params, mesh) -> tuple:
-  """(treedef, PartitionSpec per leaf) of params placed on `mesh`: the
-  shard_map specs of the per-rank speculative step (hashable: jit-static)."""
-  leaves, treedef = jax.tree.flatten(params)
-  specs = []
-  for a in leaves:
-    sh = getattr(a, "sharding", None)
-    if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
-      raise ValueError(f"speculative step under attention DP: a parameter of shape {a.shape} "
-                       f"is not placed on the engine's mesh ({sh})")
-    specs.append(sh.spec)
-  return treedef, tuple(specs)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
-                                              "axes", "param_specs", "logprobs"),
-                   donate_argnames=("pool", "state", "load"))
-def spec_step_ranked(cfg: ModelConfig, params, pool, packed, state, load=None, targets=None, *,
-                     max_q: int, K: int, ep, greedy: bool = False, k_cap: int = 0, mesh, axes,
-                     param_specs, logprobs: bool = False):
-  """Attention data parallelism: `spec_step` run whole on each rank of
-  `axes` in one `shard_map`, each on its own batch (packed fields [n, ...]),
-  its own slice of the pool's pages and its own rows of the draft state
-  ([n * slots, ...]). The routed experts stay expert-parallel inside it
-  (`moe_ep.InRankExpertParallel`: the ranks exchange tokens by collectives).
-  param_specs (static): (treedef, PartitionSpecs) of params, as placed.
-  targets [n, T] or None, logprobs (static): `spec_step`'s, per rank.
-  -> (emitted [n, B, K + 3], new pool, new state, new load, logprobs [n, ...])."""
-  treedef, leaves = param_specs
-  rank = P(axes)
-  pool_specs = pool.spec(pages=axes)
-  in_rank = ep.in_rank() if ep is not None else None
-
-  def body(params, pool, packed, state, load, targets):
-    packed, targets = jax.tree.map(lambda a: a[0], (packed, targets))
-    emitted, pool, state, load, lp = _spec_body(
-        cfg, params, pool, packed, state, load, targets, max_q=max_q, K=K, ep=in_rank,
-        greedy=greedy, k_cap=k_cap, mesh=None, head_axis=None, logprobs=logprobs)
-    return emitted[None], pool, state, load, jax.tree.map(lambda a: a[None], lp)
-
-  return jax.shard_map(
-      body, mesh=mesh,
-      in_specs=(jax.tree.unflatten(treedef, leaves), pool_specs, rank, rank, P(), rank),
-      out_specs=(rank, pool_specs, rank, P(), rank), check_vma=False,
-  )(params, pool, packed, state, load, targets)
+  (emitted, lp), pool, state, load = per_rank(body, ranks, params, pool, (packed, targets),
+                                              state, load)
+  return emitted, pool, state, load, lp
 
 
 def _spec_body(cfg, params, pool, packed, state, load, targets, *, max_q, K, ep, greedy, k_cap,
                mesh, head_axis, logprobs):
-  """`spec_step`'s program (traced inside jit, or per rank inside shard_map)."""
+  """One rank's `spec_step` (packed fields and targets without the rank axis)."""
   batch = SpecBatch.unpack(packed)
   rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
   main_pool, mtp_pool = pool.model, pool.mtp_entry

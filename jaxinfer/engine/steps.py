@@ -28,7 +28,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import sampling_extras
 from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.sampling import argmax, request_keys, sample
-from jaxinfer.models.context import PagedContext, RankedPagedContext
+from jaxinfer.engine.ranks import Ranks, expert_parallel, per_rank
+from jaxinfer.models.context import PagedContext
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import VisualInputs, head, trunk_with_counts
 
@@ -138,37 +139,55 @@ def _sample(logits, batch, greedy, k_cap, extras=None):
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "logprobs"),
+                                              "head_axis", "ranks", "logprobs"),
                    donate_argnames=("pool", "load"))
 def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, visual=None,
          targets=None, *, max_q: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-         head_axis=None, logprobs: bool = False, extras=None):
-  """-> (sampled tokens [S] int32 (row b: sequence b; S = prev_sampled's
-  fixed size), new pool, new load, logprobs). prev_sampled [S]: the previous step's
-  output, from which tokens not yet read back by the host are taken (async
-  scheduling). load: int32 [Lm, E] routed copies per expert so far (EPLB
-  statistics, padding rows excluded), or None to record nothing. greedy
-  (static): every row has temperature 0. k_cap (static): the top-k bound of
-  the sampled rows (`sampling.top_k_cap`; 0: sort the vocabulary). mesh,
-  head_axis (static): the mesh axis the layout splits attention heads and
-  the pool over (`sharding.head_axis`), so attention runs per device in
-  shard_map; None: no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
-  rope [3, T] MRoPE positions, embeds [T, D] where mask [T] (visual tokens),
-  deepstack [k, T, D]; None: text (RoPE at batch.rope_positions).
-  logprobs (static) and targets [T] int32 (each row's next prompt token, or
-  None): `logprobs.step_logprobs` of the sampled rows ([B, 1 + MAX_LOGPROBS])
-  and of every row against targets ([T, ...]), None when neither.
-  extras: a `sampling_extras.Extras` (rows [B]) processing the logits
-  before sampling, or None."""
-  extras = sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size)
-  return _step(cfg, params, pool, batch, prev_sampled, load, visual, targets, max_q=max_q, ep=ep,
-               greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis, logprobs=logprobs,
-               extras=extras)
+         head_axis=None, ranks: Ranks | None = None, logprobs: bool = False, extras=None):
+  """One step on every rank -> (sampled tokens [n, S] int32 (row b of rank
+  r: its sequence b; S = prev_sampled's fixed size), new pool, new load,
+  logprobs).
+
+  Every per-request input has a leading rank axis: batch fields [n, ...],
+  prev_sampled [n, S] (the previous step's output, from which tokens not yet
+  read back by the host are taken: async scheduling), visual and targets
+  [n, ...]; n = 1 unless ranks (static, `ranks.Ranks`: attention DP) runs
+  the step whole on each rank of its axes, over its own pages. load: int32
+  [Lm, E] routed copies per expert so far (EPLB statistics, padding rows
+  excluded), or None to record nothing. greedy (static): every row has
+  temperature 0. k_cap (static): the top-k bound of the sampled rows
+  (`sampling.top_k_cap`; 0: sort the vocabulary). mesh, head_axis (static):
+  the mesh axis the layout splits attention heads and the pool over
+  (`sharding.head_axis`), so attention runs per device in shard_map; None:
+  no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
+  rope [n, 3, T] MRoPE positions, embeds [n, T, D] where mask [n, T]
+  (visual tokens), deepstack [n, k, T, D]; None: text (RoPE at
+  batch.rope_positions). logprobs (static) and targets [n, T] int32 (each
+  row's next prompt token, or None): `logprobs.step_logprobs` of the sampled
+  rows ([n, B, 1 + MAX_LOGPROBS]) and of every row against targets ([n, T,
+  ...]), None when neither. extras: a `sampling_extras.Extras` (rows [n * B],
+  rank-major) processing the logits before sampling, or None."""
+  n = prev_sampled.shape[0]
+  extras = sampling_extras.by_rank(
+      sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size), n)
+  kw = dict(max_q=max_q, ep=expert_parallel(ep, ranks), greedy=greedy, k_cap=k_cap, mesh=mesh,
+            head_axis=head_axis, logprobs=logprobs)
+
+  def body(params, pool, ranked, _, load):
+    batch, prev, visual, targets, extras = ranked
+    sampled, pool, load, lp = _step(cfg, params, pool, batch, prev, load, visual, targets,
+                                    extras=extras, **kw)
+    return (sampled, lp), pool, None, load
+
+  (sampled, lp), pool, _, load = per_rank(body, ranks, params, pool,
+                                          (batch, prev_sampled, visual, targets, extras),
+                                          load=load)
+  return sampled, pool, load, lp
 
 
 def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, max_q, ep,
           greedy, k_cap, mesh, head_axis, logprobs=False, extras=None):
-  """`step`'s program, to trace inside another (`decode_steps`)."""
+  """One rank's step (batch fields without the rank axis)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
@@ -188,30 +207,46 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *,
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "axes", "logprobs"),
+                                              "head_axis", "ranks", "logprobs"),
                    donate_argnames=("pool", "load"))
 def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
                  num_steps: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-                 head_axis=None, axes=None, logprobs: bool = False, extras=None):
+                 head_axis=None, ranks: Ranks | None = None, logprobs: bool = False,
+                 extras=None):
   """num_steps plain decode steps in one program (`EngineConfig.decode_steps`):
   batch is a decode-only `step` batch (one token per sequence), and step
   j > 0 decodes the tokens step j - 1 sampled, one position further,
   sampling token sample_idx + j of each request (so seeded sampling draws
   what single steps would). The host dispatches once for num_steps tokens
   per sequence. The caller provides pages for all num_steps positions.
-  axes (static): attention DP as `step_ranked` (batch fields [n, ...],
-  prev_sampled [n, S]); None: as `step`.
-  logprobs (static): each step's sampled rows' (`step`), stacked.
-  extras: as `step`'s (`step_ranked`'s under axes); each step's samples
-  count in the next steps' penalties.
-  -> (sampled [num_steps, S] ([num_steps, n, S]) int32, new pool, new load,
-  logprobs [num_steps, (n,) B, 1 + MAX_LOGPROBS] or None)."""
+  Arguments as `step`'s (batch fields and prev_sampled [n, ...]); extras:
+  each step's samples count in the next steps' penalties.
+  -> (sampled [num_steps, n, S] int32, new pool, new load,
+  logprobs [num_steps, n, B, 1 + MAX_LOGPROBS] or None)."""
+  n = prev_sampled.shape[0]
+  extras = sampling_extras.by_rank(
+      sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size), n)
+  kw = dict(ep=expert_parallel(ep, ranks), greedy=greedy, k_cap=k_cap, mesh=mesh,
+            head_axis=head_axis, logprobs=logprobs)
+
+  def body(params, pool, ranked, _, load):
+    batch, prev, extras = ranked
+    sampled, pool, load, lp = _decode_steps(cfg, params, pool, batch, prev, load, extras,
+                                            num_steps, kw)
+    return (sampled, lp), pool, None, load
+
+  (sampled, lp), pool, _, load = per_rank(body, ranks, params, pool,
+                                          (batch, prev_sampled, extras), load=load)
+  steps_first = lambda a: jnp.moveaxis(a, 1, 0)  # [n, steps, ...] -> [steps, n, ...]
+  return steps_first(sampled), pool, load, jax.tree.map(steps_first, lp)
+
+
+def _decode_steps(cfg, params, pool, batch, prev_sampled, load, extras, num_steps: int, kw):
+  """One rank's `decode_steps` (batch fields without the rank axis)."""
   live = batch.valid.astype(jnp.int32)  # padding rows stay where they are
   seq_live = (batch.kv_lens > 0).astype(jnp.int32)
   follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: each row's own last sample
-  B = batch.kv_lens.shape[-1]  # sequences (per rank)
-  one_step = (functools.partial(_step_ranked, mesh=mesh, axes=axes) if axes else
-              functools.partial(_step, max_q=1, mesh=mesh, head_axis=head_axis))
+  B = batch.kv_lens.shape[0]
 
   def one(carry, j):
     pool, load, prev, extras = carry
@@ -219,12 +254,11 @@ def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled,
         batch, from_prev=jnp.where(j > 0, follow, batch.from_prev),
         positions=batch.positions + j * live, rope_positions=batch.rope_positions + j * live,
         kv_lens=batch.kv_lens + j * seq_live, sample_idx=batch.sample_idx + j)
-    prev, pool, load, lp = one_step(cfg, params, pool, b, prev, load, None, ep=ep,
-                                    greedy=greedy, k_cap=k_cap, logprobs=logprobs, extras=extras)
-    extras = sampling_extras.advance(extras, prev[..., :B].reshape(-1))
+    prev, pool, load, lp = _step(cfg, params, pool, b, prev, load, None, max_q=1,
+                                 extras=extras, **kw)
+    extras = sampling_extras.advance(extras, prev[:B])
     return (pool, load, prev, extras), (prev, lp)
 
-  extras = sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size)
   (pool, load, _, _), (sampled, lp) = jax.lax.scan(one, (pool, load, prev_sampled, extras),
                                                    jnp.arange(num_steps, dtype=jnp.int32))
   return sampled, pool, load, lp
@@ -245,40 +279,3 @@ def _visual_inputs(cfg: ModelConfig, params, tokens, visual) -> VisualInputs | N
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
   """Per-rank batches of equal shapes -> one batch with a leading rank axis."""
   return jax.tree.map(lambda *xs: np.stack(xs), *batches)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "mesh", "axes", "greedy",
-                                              "k_cap", "logprobs"),
-                   donate_argnames=("pool", "load"))
-def step_ranked(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None,
-                visual=None, targets=None, *, max_q: int, ep, mesh, axes, greedy: bool = False,
-                k_cap: int = 0, logprobs: bool = False, extras=None):
-  """Attention-data-parallel step: batch fields [n, ...], rank r's requests
-  and pages on rank r. -> (sampled [n, S] int32, new pool, new load,
-  logprobs as `step`'s, per rank [n, ...]). visual, targets: `step`'s per
-  rank, [n, ...] (`Images.ranked_visual`: a rank without visual tokens has
-  its text rows), or None. extras: `step`'s, rows [n * B] rank-major."""
-  extras = sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size)
-  return _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets, max_q=max_q,
-                      ep=ep, mesh=mesh, axes=axes, greedy=greedy, k_cap=k_cap, logprobs=logprobs,
-                      extras=extras)
-
-
-def _step_ranked(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, ep, mesh,
-                 axes, greedy, k_cap, max_q=1, logprobs=False, extras=None):
-  """`step_ranked`'s program, to trace inside another (`decode_steps`)."""
-  n, B = batch.kv_lens.shape
-  prev = jnp.take_along_axis(prev_sampled, jnp.maximum(batch.from_prev, 0), axis=1)
-  tokens = jnp.where(batch.from_prev >= 0, prev, batch.tokens)  # [n, T]
-  ctx = RankedPagedContext(batch.positions, batch.token_seq, batch.valid, batch.cu_q_lens,
-                           batch.kv_lens, batch.page_table, max_q, mesh, axes,
-                           rope_positions=batch.rope_positions)
-  x, caches, counts = trunk_with_counts(cfg, params, tokens, ctx, pool.model, ep,
-                                      None if load is None else ExpertCount.LOGICAL,
-                                      _visual_inputs(cfg, params, tokens, visual))  # x [n, T, D]
-  pool = pool.with_segments(caches)
-  h = jnp.take_along_axis(x, batch.logits_idx[..., None], axis=1)  # [n, B, D]
-  logits = head(cfg, params, h).reshape(n * B, -1)
-  sampled = _sample(logits, batch, greedy, k_cap, extras).reshape(n, B)
-  return (jnp.zeros_like(prev_sampled).at[:, :B].set(sampled), pool, _add_load(load, counts),
-          step_logprobs(cfg, params, logits.reshape(n, B, -1), sampled, x, targets, logprobs))
