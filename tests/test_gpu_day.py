@@ -8,12 +8,15 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import subprocess_env
 from jaxinfer.bench import gpu_day
 
 ROOT = pathlib.Path(__file__).parent.parent
 
 
+@pytest.mark.newest_jax  # the lent GPU machine's jax 0.11: CI's Python 3.12 job runs it
 def test_dry_run_writes_every_part(tmp_path):
   env = subprocess_env(PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
   proc = subprocess.run([sys.executable, "experiments/gpu_day.py", "--dry_run",

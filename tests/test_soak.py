@@ -18,7 +18,9 @@ def default_model():
   return jaxinfer.load_default_model()
 
 
-@pytest.mark.parametrize("speculative,decode_steps,seed", [(0, 1, 0), (2, 1, 2), (0, 4, 4)])
+# Speculative steps, and plain multi-step decodes (CI time: plain single steps
+# are the engine tests' default, and experiments/soak.py runs them long).
+@pytest.mark.parametrize("speculative,decode_steps,seed", [(2, 1, 2), (0, 4, 4)])
 def test_short_soak_keeps_every_invariant(default_model, speculative, decode_steps, seed,
                                           optimized):
   engine = dataclasses.replace(soak.SoakConfig().engine, decode_steps=decode_steps)

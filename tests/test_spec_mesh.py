@@ -64,12 +64,12 @@ def _spec(K):
 
 
 @pytest.mark.parametrize("layout,axes,K", [
-    ("dp_attn_ep", {"data": 2, "expert": 4}, 1),
     ("dp_attn_ep", {"data": 4, "expert": 2}, 3),
-    # (CI time: tp and tp_attn_ep at K = 3 only, dp_attn_ep at K = 1 and 3 on two
-    # mesh shapes; K = 2 with attention DP runs in tests/test_logprobs.py.)
-    ("tp", {"data": 2, "tensor": 4}, 3),
     ("tp_attn_ep", {"tensor": 2, "expert": 4}, 3),
+    # (CI time: one case per placement of the step. Attention DP runs the
+    # one-rank step whole per rank (`ranks.per_rank`), the path of the plain
+    # DP steps in tests/test_sharding.py and tests/test_multistep.py, with K = 2
+    # in tests/test_logprobs.py; tp_attn_ep splits heads as tp does.)
 ])
 def test_speculative_on_mesh_equals_single_device(model, refs, layout, axes, K):
   cfg, params, prompts = model

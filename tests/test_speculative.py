@@ -96,7 +96,7 @@ def trained_reference(trained_model):
   return [r.token_ids for r in ref]
 
 
-@pytest.mark.parametrize("K", [1, 3])
+@pytest.mark.parametrize("K", [3])  # (CI time; K = 2 against plain decoding: tests/test_logprobs.py)
 def test_trained_model_greedy_speculative_equals_plain_greedy(trained_model, trained_reference,
                                                               K):
   # The shipped model drafts well enough that drafts are both accepted and
