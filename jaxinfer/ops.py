@@ -34,7 +34,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import page_pool, xla_attention
+from jaxinfer import xla_attention
+from jaxinfer.kv.pool import kernel_dims
 import pallas_kernels
 from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
@@ -180,7 +181,7 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   ([L, K, P, page_size, H]) and this layer's pages are read (gathered
   directly, never slicing the layer's whole pool). Rows past cu_q_lens[-1] are padding and return
   zeros. -> [T, N, Hv]. k_scale / v_scale (float32 scalars, or None):
-  quantized pages (fp8 / int8, `page_pool.KV_CACHE_DTYPES`) read as
+  quantized pages (fp8 / int8, `kv.pool.KV_CACHE_DTYPES`) read as
   pages * scale: per tile in the kernel, after the gather on the XLA path
   (MLA: k_scale, the latent's one scale).
 
@@ -200,7 +201,7 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   if impl == "pallas":
     tiling = {}
     if not interpret:
-      dims = page_pool.kernel_dims(k_pages)
+      dims = kernel_dims(k_pages)
       page_size = dims["slot"]
       dv = v_head_dim if v_pages is None else v_pages.shape[-1]
       tiling = paged_tiling(page_table.shape[0], dims["kv_head"], page_table.shape[1],
@@ -228,7 +229,7 @@ def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, 
   """A decode-only step (one token a sequence) on the Mosaic GPU kernel:
   tokens laid out per sequence, attended, and put back in token order."""
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
-  dims = page_pool.kernel_dims(k_pages)
+  dims = kernel_dims(k_pages)
   splits = 1
   while (splits < 8 and page_table.shape[0] * dims["kv_head"] * splits < _SM_PROGRAMS
          and 2 * splits * mosaic.pages_per_block(dims["slot"]) <= page_table.shape[1]):
@@ -244,7 +245,7 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
   # Reference path: gather each sequence's pages into a contiguous [B, S]
   # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
   B, pages = page_table.shape
-  dims = page_pool.kernel_dims(k_pages)
+  dims = kernel_dims(k_pages)
   K, page_size = dims["kv_head"], dims["slot"]
 
   def gather(pool, scale):  # [L, K, P, ps, H] -> [B, pages * ps, K, H] of `layer`

@@ -26,8 +26,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.pool import PoolLayout
 from jaxinfer.models import specs as specs_lib
-from jaxinfer.page_pool import PoolLayout
 
 AXES = ("data", "expert", "tensor")
 LAYOUTS = ("tp", "dp_attn_ep", "tp_attn_ep")
@@ -166,7 +166,7 @@ def head_axis(mesh: Mesh, layout: str):
   """The mesh axis attention heads (q and GQA KV heads, contiguous blocks of
   them) are split over: "tensor" under tp / tp_attn_ep when the mesh has it,
   else None. The engine's paged attention runs per device of this axis
-  (`models.context.PagedContext`), since GSPMD cannot split the kernel."""
+  (`kv.contexts.PagedContext`), since GSPMD cannot split the kernel."""
   return rules(layout, mesh)["q_heads"]
 
 
@@ -183,7 +183,7 @@ def kernel_mesh(mesh: Mesh | None, layout: str) -> Mesh | None:
 
 def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
   """PartitionSpec of every array of the engine's page pool
-  (`page_pool.PoolLayout`): pages split over the attention-DP ranks under
+  (`kv.pool.PoolLayout`): pages split over the attention-DP ranks under
   dp_attn_ep; otherwise GQA KV heads split like wk/wv and MLA's latent pool
   replicated."""
   pool = PoolLayout.for_attention(cfg.attention)

@@ -23,8 +23,8 @@ import numpy as np
 import optax
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.contexts import FullContext
 from jaxinfer.models import mtp
-from jaxinfer.models.context import FullContext
 from jaxinfer.models.transformer import head, trunk
 
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jaxinfer import models, presets, training
+from jaxinfer.kv.contexts import ContiguousContext, FullContext
 from jaxinfer.models import attention as attn_lib, mtp
-from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import rope_cos_sin
 from jaxinfer.models.transformer import trunk
 

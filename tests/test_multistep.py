@@ -13,7 +13,7 @@ from conftest import assert_no_leak as _no_leak, float32_model as _model, random
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, engine, sharding
 from jaxinfer.engine.runners import multi_step
 from jaxinfer.engine.scheduler import Request, Scheduler
-from jaxinfer.kv_cache import PageAllocator
+from jaxinfer.kv.allocator import PageAllocator
 
 
 @pytest.mark.parametrize("name,async_scheduling,fixed", [

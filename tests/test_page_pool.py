@@ -1,4 +1,4 @@
-"""The page pool type (`jaxinfer.page_pool`): layout, sharding and accessors
+"""The page pool type (`jaxinfer.kv.pool`): layout, sharding and accessors
 agree with each other and with the engine's own use of the pool."""
 
 import jax
@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer import kv_cache, presets, sharding
-from jaxinfer.page_pool import PagePool, PoolLayout, kernel_dims
+from jaxinfer import presets, sharding
+from jaxinfer.kv import cache as kv_cache
+from jaxinfer.kv.pool import PagePool, PoolLayout, kernel_dims
 
 GQA = presets.get("tiny_dense")
 MLA = presets.get("tiny_moe")

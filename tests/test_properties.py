@@ -20,7 +20,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.core import EngineCore
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.kv_cache import PageAllocator, iter_page_hashes
+from jaxinfer.kv.allocator import PageAllocator, iter_page_hashes
 from jaxinfer.tokenizer import ByteTokenizer
 
 SETTINGS = settings(derandomize=True, deadline=None, max_examples=60, stateful_step_count=40,

@@ -4,7 +4,7 @@ spreading a burst, the baseline policies, and argument errors."""
 import numpy as np
 import pytest
 
-from jaxinfer.kv_cache import PageAllocator, hash_page
+from jaxinfer.kv.allocator import PageAllocator, hash_page
 from jaxinfer.serving.router import POLICIES, Router
 
 PS = 4

@@ -17,7 +17,7 @@ import pytest
 from jaxinfer import models, presets, sharding
 from jaxinfer.bench.sharding_report import format_report, parse_mesh, sharding_report
 from jax.sharding import NamedSharding
-from jaxinfer.kv_cache import init_pool
+from jaxinfer.kv.cache import init_pool
 from jaxinfer.models import moe_ep, transformer
 
 ROOT = pathlib.Path(__file__).parent.parent

@@ -2,7 +2,7 @@
 
 `gpu_plan(preset=..., mesh_axes=..., layout=..., gpu="h100", hosts=1, ...)`
 builds abstract params (the spec tree with `sharding.param_shardings`), an
-abstract page pool (`kv_cache.init_pool` under `jax.eval_shape`, placed by
+abstract page pool (`kv.cache.init_pool` under `jax.eval_shape`, placed by
 `sharding.kv_pool_spec`) and step batches made by the engine's own
 `steps.pad_batch`, on a mesh of compile-only GPUs (`jaxinfer.gpu_compile`),
 and lowers + compiles the Engine's jitted steps with the config's kernel
@@ -37,16 +37,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxinfer import gpu_compile, kv_cache, presets, sharding
+from jaxinfer import gpu_compile, presets, sharding
 from jaxinfer.bench import results
 from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.ranks import Ranks
+from jaxinfer.kv import cache as kv_cache
+from jaxinfer.kv.pool import KV_CACHE_DTYPES, PoolLayout
 from jaxinfer.models import quant
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
-from jaxinfer.page_pool import KV_CACHE_DTYPES, PoolLayout
 from jaxinfer.sim.cost import param_counts
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
@@ -104,7 +105,7 @@ def abstract_params(cfg: ModelConfig, mesh, layout: str):
 
 def abstract_pool(cfg: ModelConfig, mesh, layout: str, pages_per_rank: int, page_size: int,
                   mtp: bool = False, kv_cache_dtype: str | None = None):
-  """The Engine's page pool (`kv_cache.init_pool`, every rank's pages) as
+  """The Engine's page pool (`kv.cache.init_pool`, every rank's pages) as
   ShapeDtypeStructs, pages sharded by `sharding.kv_pool_spec` (a quantized
   pool's scales replicated)."""
   dp = sharding.dp_axes(mesh, layout)

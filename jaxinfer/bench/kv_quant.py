@@ -21,10 +21,10 @@ import time
 
 import numpy as np
 
-from jaxinfer import kv_cache
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.engine import Engine, EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.kv import cache as kv_cache
 
 # Stdlib modules the prompts are cut from (the default model is trained
 # byte-level on the Python standard library).

@@ -40,10 +40,10 @@ from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer import presets, sharding
 from jaxinfer.bench import results
+from jaxinfer.kv.pool import PoolLayout
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
 from jaxinfer.models.moe_ep import ExpertParallel
-from jaxinfer.page_pool import PoolLayout
 
 GROUPS = ("embed_head", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
           "norms", "mtp")

@@ -18,7 +18,7 @@ import numpy as np
 from jaxinfer.engine import steps
 from jaxinfer.engine.sampling import SamplingParams, TokenLogprobs
 from jaxinfer.engine.scheduler import Request, Scheduler, capacity_error
-from jaxinfer.kv_cache import PageAllocator
+from jaxinfer.kv.allocator import PageAllocator
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import eplb, kv_cache, kv_scales, sharding
+from jaxinfer import eplb, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, warmup, weight_layout
 from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
@@ -32,9 +32,10 @@ from jaxinfer.engine.ranks import Ranks
 from jaxinfer.engine.runners import PlainRunner
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
+from jaxinfer.kv import cache as kv_cache, scales as kv_scales
+from jaxinfer.kv.pool import KV_CACHE_DTYPES
 from jaxinfer.models import mtp, quant, transformer
 from jaxinfer.models.moe_ep import plan_from_params
-from jaxinfer.page_pool import KV_CACHE_DTYPES
 from jaxinfer.vision_inputs import ProcessorConfig
 
 
@@ -53,7 +54,7 @@ class EngineConfig:
   prefill_chunk_size (None: the token budget). Requests: max_model_len (None:
   the model's), enable_prefix_caching, ignore_eos. kv_cache_dtype: None
   (pages in the model's compute dtype), "fp8" (float8_e4m3fn) or "int8":
-  quantized pages with per-layer scales (`jaxinfer.kv_scales`: the params'
+  quantized pages with per-layer scales (`jaxinfer.kv.scales`: the params'
   k_scale / v_scale (MLA kv_scale), else calibrated at build), 2x / 4x the
   tokens of bf16 / f32 pages in the same bytes. The comments on the
   remaining fields say what they switch: async_scheduling,
@@ -207,7 +208,7 @@ class Engine(EngineCore):
   that `jaxinfer.sharding` layout; under "dp_attn_ep" each attention-DP rank
   owns whole requests and its own slice of the pages.
 
-  kv_cache_dtype "fp8" / "int8": `kv_scales` (per segment {name: [L]}) are
+  kv_cache_dtype "fp8" / "int8": `kv.scales` (per segment {name: [L]}) are
   the pool's scales, arrays of the pool the steps take; `kv_scales_source`
   says where they came from ("params", "calibrated" or both). Pages handed
   between engines (`read_pages` / `write_pages`) are stored values: both

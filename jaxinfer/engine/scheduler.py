@@ -33,7 +33,7 @@ import time
 import numpy as np
 
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.kv_cache import PageAllocator, hash_page, page_extra
+from jaxinfer.kv.allocator import PageAllocator, hash_page, page_extra
 
 
 def capacity_error(prompt_len: int, max_tokens: int, *, max_model_len: int, page_size: int,

@@ -48,8 +48,8 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.ranks import Ranks, expert_parallel, per_rank
 from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
+from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models import mtp
-from jaxinfer.models.context import PagedContext
 from jaxinfer.models.layers import rope_cos_sin
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import head, trunk_with_counts

@@ -27,9 +27,9 @@ import numpy as np
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import sampling_extras
 from jaxinfer.engine.logprobs import step_logprobs
-from jaxinfer.engine.sampling import argmax, request_keys, sample
 from jaxinfer.engine.ranks import Ranks, expert_parallel, per_rank
-from jaxinfer.models.context import PagedContext
+from jaxinfer.engine.sampling import argmax, request_keys, sample
+from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import VisualInputs, head, trunk_with_counts
 

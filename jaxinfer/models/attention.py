@@ -2,7 +2,7 @@
 multi-head latent attention (DeepSeek-V2/V3).
 
 Each takes one layer's params, the normed input x [B, T, D], RoPE cos/sin, a
-KV context (`models/context.py`: where the keys and values live) and that
+KV context (`kv/contexts.py`: where the keys and values live) and that
 layer's cache slice, and returns (out [B, T, D], new cache slice).
 """
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.models.context import FullContext
+from jaxinfer.kv.contexts import FullContext
 from jaxinfer.models.layers import linear, rms_norm, rope_cos_sin
 from jaxinfer.models.transformer import block, head
 

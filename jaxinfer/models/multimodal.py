@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.contexts import ContiguousContext, FullContext
 from jaxinfer.models import vision
-from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.models.transformer import VisualInputs, check_tokens, head, trunk_with_counts
 

@@ -94,7 +94,7 @@ def _attn_specs(cfg: ModelConfig, P: Callable) -> dict:
     p["sinks"] = P((N,), ("q_heads",), "zeros")
   if cfg.quant is not None and cfg.quant.kv_cache:
     # The checkpoint's per-layer KV cache scales (float32 whatever the dtype):
-    # the Engine's quantized cache reads them (`kv_scales`); the forward does not.
+    # the Engine's quantized cache reads them (`kv.scales`); the forward does not.
     p.update(k_scale=ParamSpec((), jnp.dtype(jnp.float32), (), "ones"),
              v_scale=ParamSpec((), jnp.dtype(jnp.float32), (), "ones"))
   return p

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.contexts import ContiguousContext, FullContext
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models import moe as moe_lib
-from jaxinfer.models.context import ContiguousContext, FullContext
 from jaxinfer.models.layers import (fuse_gate_up, linear, mlp, mrope_cos_sin, pack_linear, rms_norm,
                                    rope_cos_sin, unpack_linear)
 from jaxinfer.models.layouts import FusedMLP, SplitExperts
@@ -71,7 +71,7 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
 def trunk(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, ep=None):
   """tokens [B, T] -> (final-normed hidden [B, T, D], new layer caches).
 
-  ctx: a KV context (`models/context.py`); layer_caches: a tuple over
+  ctx: a KV context (`kv/contexts.py`); layer_caches: a tuple over
   segments of stacked cache slices, or None for a cacheless forward;
   ep: an expert-parallel plan (`moe_ep.ExpertParallel`) or None.
   """

@@ -1,7 +1,7 @@
 """A KV-aware request router over data-parallel workers (NVIDIA Dynamo style).
 
 Each worker's `PageAllocator` emits ("stored" | "evicted", hash) events for
-its prefix-cached pages; hashes are chained (`kv_cache.hash_page`), so a
+its prefix-cached pages; hashes are chained (`kv.allocator.hash_page`), so a
 request's leading pages that a worker holds are exactly the prefix it need
 not recompute there. Workers also report their load: prompt tokens still to
 prefill and KV pages in use.
@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from jaxinfer.kv_cache import iter_page_hashes
+from jaxinfer.kv.allocator import iter_page_hashes
 
 POLICIES = ("kv", "round_robin", "random", "least_loaded")
 

@@ -20,7 +20,7 @@ round(clip(x / scale, +-127))); reads are q * scale, per tile in the kernels.
 The scales are arrays of the pool (traced step arguments, never constants),
 replicated, not paged: `take` / `put` move pages only.
 
-Everything that touches the pool goes through the layout: `kv_cache`
+Everything that touches the pool goes through the layout: `kv.cache`
 allocates and moves pages with it, `sharding` places it, the paged KV
 contexts write and read it, and `ops` hands its per-layer views to the
 kernels (`kernel_dims` names their axes). It sits below the models so all of

@@ -1,6 +1,6 @@
 """Per-layer scales of a quantized KV cache (`EngineConfig(kv_cache_dtype=...)`).
 
-A quantized page pool (`page_pool.KV_CACHE_DTYPES`: "fp8" e4m3 or "int8")
+A quantized page pool (`kv.pool.KV_CACHE_DTYPES`: "fp8" e4m3 or "int8")
 stores x / scale and reads q * scale, with one float32 scale per layer and
 cache array. The Engine takes them, in this order, from:
 
@@ -51,12 +51,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.kv.contexts import ContiguousContext
+from jaxinfer.kv.pool import KV_CACHE_DTYPES, PoolLayout
 from jaxinfer.models import mtp, transformer
 from jaxinfer.models.attention import cache_entry_shapes
-from jaxinfer.models.context import ContiguousContext
 from jaxinfer.models.layers import rope_cos_sin
 from jaxinfer.models.moe_ep import plan_from_params
-from jaxinfer.page_pool import KV_CACHE_DTYPES, PoolLayout
 
 POW2_SCALES = {"fp8": True, "int8": False}  # fp8 scales rounded up to a power of two
 CALIBRATION_TOKENS = 256  # calibration prompt length (capped at the context)

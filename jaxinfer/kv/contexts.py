@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import ops
-from jaxinfer.page_pool import PoolLayout
+from jaxinfer.kv.pool import PoolLayout
 
 
 def _layout(latent: bool, stack: dict) -> PoolLayout:
@@ -103,7 +103,7 @@ class ContiguousContext:
 class PagedContext:
   """A token-flattened step over the page pool (tokens as a [1, T] batch).
 
-  The cache is a segment's stacked pool entry (`page_pool.PoolLayout`).
+  The cache is a segment's stacked pool entry (`kv.pool.PoolLayout`).
   Token t belongs to sequence token_seq[t] at position positions[t]; its K/V
   go to page page_table[seq, pos // page_size], slot pos % page_size (padding
   tokens, valid[t] False, write into the reserved null page 0).
