@@ -3,7 +3,7 @@ README's way) and records every run, to show the multi-device and serving
 tests pass run after run with no crash and no rerun (the suite has none).
 
   python experiments/repeat_tests.py --runs=20
-  python experiments/repeat_tests.py --runs=3 --tests=tests/test_sharding.py
+  python experiments/repeat_tests.py --runs=3 --tests=tests/sharding/test_sharding.py
 
 Appends one JSON line per run to --out (default
 experiments/results/repeat_tests.jsonl): the commit, when it started, its
@@ -24,11 +24,11 @@ import time
 from absl import app, flags
 
 MULTI_DEVICE_AND_SERVING = [
-    "tests/test_sharding.py", "tests/test_spec_mesh.py", "tests/test_tp_kernel_sharding.py",
-    "tests/test_multihost.py", "tests/test_eplb.py", "tests/test_ep_bytes.py",
-    "tests/test_sharding_report.py", "tests/test_serving.py", "tests/test_serving_router.py",
-    "tests/test_serving_workloads.py", "tests/test_serving_ray.py", "tests/test_http_server.py",
-    "tests/test_http_ray.py", "tests/test_soak.py",
+    "tests/sharding/test_sharding.py", "tests/sharding/test_spec_mesh.py", "tests/sharding/test_tp_kernel_sharding.py",
+    "tests/sharding/test_multihost.py", "tests/engine/test_eplb.py", "tests/gpu/test_ep_bytes.py",
+    "tests/sharding/test_sharding_report.py", "tests/serving/test_serving.py", "tests/serving/test_serving_router.py",
+    "tests/serving/test_serving_workloads.py", "tests/serving/test_serving_ray.py", "tests/serving/test_http_server.py",
+    "tests/serving/test_http_ray.py", "tests/serving/test_soak.py",
 ]
 
 _RUNS = flags.DEFINE_integer("runs", 20, "runs at most")

@@ -1,6 +1,6 @@
 """Top-k / top-p sampling over a real vocabulary: the full-vocabulary sort
 against the `lax.top_k` fast path (`sampling.filter_logits(k_cap=...)`), in
-one run, alternated. The two give the same tokens (tests/test_generate.py);
+one run, alternated. The two give the same tokens (tests/engine/test_generate.py);
 this measures the time per call and the ratio. Greedy rows the same way:
 `jnp.argmax` against `sampling.argmax` (a max, then a min over the indices
 that reach it). Writes <out>.json.

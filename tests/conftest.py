@@ -21,7 +21,7 @@ running many steps rather than compiling take the `optimized` fixture: the
 soaks (alone, 31 + 34 s at level 0, 16 + 23 s optimised) and the MTP
 training tests (20 + 19 s, 12 + 14 s). The speculative tests on the default
 model are compile-bound (22-38 s each at level 0; 28-51 s optimised), so
-they stay at 0. The notebooks (tests/test_notebooks.py), benchmarks
+they stay at 0. The notebooks (tests/repo/test_notebooks.py), benchmarks
 (experiments/) and users keep XLA's default (colab/sharding.ipynb: 54 s at
 the default, 100 s at level 0). Test subprocesses get TEST_ENV
 (`subprocess_env`)."""
@@ -42,7 +42,7 @@ import pytest  # noqa: E402
 
 # Kernel test classes run in interpret mode everywhere; their GPU subclasses
 # (compiled kernels) are defined only where this process has a GPU, e.g.
-# `JAX_PLATFORMS=cuda python -m pytest -k Gpu tests/test_kernels_*.py` (experiments/gpu_day.py).
+# `JAX_PLATFORMS=cuda python -m pytest -k Gpu tests/kernels/test_kernels_*.py` (experiments/gpu_day.py).
 ON_GPU = jax.default_backend() == "gpu"
 
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"

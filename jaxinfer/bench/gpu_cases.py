@@ -11,7 +11,7 @@ quantized KV pages (fp8 e4m3 / int8 with float32 scales, dequantized per tile
 in the kernel: `EngineConfig(kv_cache_dtype=...)`).
 
 `build(case, sharding)` gives the jitted function and its abstract arguments,
-so the same list drives the H100 compile gate (tests/test_gpu_compile_kernels.py)
+so the same list drives the H100 compile gate (tests/gpu/test_gpu_compile_kernels.py)
 and the per-kernel resource report (`experiments/kernel_report.py`).
 """
 

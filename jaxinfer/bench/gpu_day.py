@@ -16,7 +16,7 @@ cannot take the others with it) and each with its share of the time budget
 Each part writes its own JSON after every measurement, and the run's JSON
 (all parts so far) is rewritten after every part, so a run cut short keeps
 what it measured. At the end: one plot. `dry_run` runs the same code on CPU
-at tiny shapes, interpreted (tests/test_gpu_day.py runs it in CI).
+at tiny shapes, interpreted (tests/gpu/test_gpu_day.py runs it in CI).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ _PLOT_RESERVE_S = 10.0
 
 # pytest selections: on a GPU the GPU subclasses of every kernel test file;
 # the dry run takes a few interpret-mode cases of the same files.
-TEST_FILES = ("tests/test_kernels_flash.py", "tests/test_kernels_paged.py",
-              "tests/test_kernels_quantized_matmul.py", "tests/test_kernels_mosaic.py")
+TEST_FILES = ("tests/kernels/test_kernels_flash.py", "tests/kernels/test_kernels_paged.py",
+              "tests/kernels/test_kernels_quantized_matmul.py", "tests/kernels/test_kernels_mosaic.py")
 GPU_SELECTION = "Gpu"
 DRY_SELECTION = "not Gpu and (bf16_causal_window or lengths_edge_cases or test_bf16_activations)"
 _RESULT_LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")

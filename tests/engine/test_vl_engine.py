@@ -6,34 +6,18 @@ parallelism; the encoder runs once per distinct image; bad input raises a
 named error and the engine keeps serving."""
 
 import dataclasses
-import io
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from PIL import Image
 
-from conftest import FIXTURES
+from vl_inputs import A, B, PROC, VL, png
 from jaxinfer import Engine, EngineConfig, SamplingParams, checkpoint, models, sharding, vision_inputs
 from jaxinfer.models import layers, multimodal, vision
 
-VL = FIXTURES / "hf_vl"
-PROC = vision_inputs.ProcessorConfig(**{k: v for k, v in json.loads(
-    (VL / "processor.json").read_text()).items() if k != "images"})
 IMG = 120  # the fixture's image placeholder id
 PAD_T = 64  # reference forwards padded to one length (causal: padding after is unseen)
-
-
-def png(h, w, seed) -> bytes:
-  arr = np.random.default_rng(seed).integers(0, 256, (h, w, 3), dtype=np.uint8)
-  buf = io.BytesIO()
-  Image.fromarray(arr).save(buf, format="PNG")
-  return buf.getvalue()
-
-
-A, B = png(24, 40, 1), png(37, 19, 2)  # 15 and 10 visual tokens
 
 
 @pytest.fixture(scope="module")

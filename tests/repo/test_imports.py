@@ -13,7 +13,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 PACKAGES = ("jaxinfer", "pallas_kernels")
 
 # Function-local imports of jaxinfer / pallas_kernels modules that stay, each

@@ -35,7 +35,7 @@ from jaxinfer.serving.worker import Worker
 from jaxinfer.tokenizer import ByteTokenizer
 from conftest import subprocess_env
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 PROMPTS = ["def add(a, b):\n", "import os\nimport sys\n", "class Stack:\n", "for i in range("]
 MAX_TOKENS = 12
 BODY_LIMIT = 8192
@@ -435,7 +435,7 @@ def vl_server(tmp_path_factory):
   """The tiny Qwen3-VL fixture's Engine, chat images from data URLs and from
   files under an image root (holding one PNG, with a secret PNG beside it)."""
   import jax.numpy as jnp
-  from test_vl_engine import A, PROC, VL
+  from vl_inputs import A, PROC, VL
   from jaxinfer import checkpoint
   cfg, params = checkpoint.load_hf(str(VL / "qwen3_vl"), dtype=jnp.float32)
   engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, max_num_seqs=4,
@@ -464,7 +464,7 @@ def _vl_chat(server, url):
 
 def test_chat_image_equals_engine_generate(vl_server):
   import base64
-  from test_vl_engine import A
+  from vl_inputs import A
   server, ref, _ = vl_server
   for url in ("data:image/png;base64," + base64.b64encode(A).decode(), "a.png"):
     r = _vl_chat(server, url)

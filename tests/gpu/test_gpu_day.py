@@ -13,7 +13,7 @@ import pytest
 from conftest import subprocess_env
 from jaxinfer.bench import gpu_day
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 
 
 @pytest.mark.newest_jax  # the lent GPU machine's jax 0.11: CI's Python 3.12 job runs it

@@ -16,7 +16,7 @@ from ml_collections import config_dict
 
 from jaxinfer.bench import flag_config
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
 # Parameterised configs: file -> the arguments (`--config=file.py:arg`) to check.
 ARGS = {"bench_decode.py": ["", "bench_moe"], "serving_topologies.py": ["", "tp2", "dp_ep2"]}

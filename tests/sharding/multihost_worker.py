@@ -1,4 +1,4 @@
-"""One process of the two-process test (tests/test_multihost.py).
+"""One process of the two-process test (tests/sharding/test_multihost.py).
 
 Usage: python multihost_worker.py PROCESS_ID PORT OUT_JSON
 Builds one 8-device mesh over both processes (4 CPU devices each), runs the

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding
 from jaxinfer.kv.cache import init_pool
 from jaxinfer.models import moe_ep, transformer
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 CASES = [("tiny_dense", "tp", {"data": 4, "tensor": 2}),
          ("tiny_moe", "dp_attn_ep", {"data": 2, "expert": 4}),
          ("tiny_moe", "tp_attn_ep", {"tensor": 2, "expert": 4})]

@@ -22,7 +22,7 @@ from jaxinfer.bench import gpu_cases
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 CASES = [  # B, Q, N, K, D, ps, pps, lengths, extra
     (2, 1, 8, 2, 64, 16, 8, None, {}),                               # GQA 4, 4 pages a block
     (2, 2, 8, 2, 128, 16, 9, [3, 130], {}),                          # Q 2, a 3-token sequence

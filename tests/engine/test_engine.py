@@ -33,7 +33,7 @@ def _model(name, seed=0):
 # Each attention and FFN form once (CI time): GQA dense, llama's rope scaling,
 # MoE (tiny_moe), MLA + MoE (deepseek_v3), sinks and sliding windows
 # (gpt_oss). Mixtral, Qwen3-MoE and DeepSeek-V2-Lite run the same engine
-# paths; their forwards match transformers in tests/test_models.py.
+# paths; their forwards match transformers in tests/models/test_models.py.
 @pytest.mark.parametrize("name", ["tiny_dense", "llama", "tiny_moe", "deepseek_v3", "gpt_oss"])
 def test_greedy_matches_repeated_full_forward(name):
   cfg, params = _model(name)

@@ -2,7 +2,7 @@
 checkpoint checked against transformers (experiments/check_hf.py), generation
 sharded over simulated devices (experiments/generate.py --mesh), and a LoadGen
 run (experiments/mlperf_harness.py). Generation with the default model is
-tests/test_default_model.py."""
+tests/models/test_default_model.py."""
 
 import json
 import os
@@ -11,7 +11,7 @@ import sys
 from conftest import subprocess_env
 
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(args, timeout=600):

@@ -50,7 +50,7 @@ def test_quantized_dp_attn_ep_step_compiles_for_eight_h100s():
     assert p["quantized_matmul_kernel"] and p["quantized_grouped_kernel"], p["name"]
 
 
-# fp8 here; nvfp4's per-device kernels under tp: tests/test_kernels_quantized_matmul.py.
+# fp8 here; nvfp4's per-device kernels under tp: tests/kernels/test_kernels_quantized_matmul.py.
 @pytest.mark.parametrize("quant", [QuantConfig(method="fp8", block=(1, 0))])
 def test_tensor_parallel_quantized_weights_run_the_kernels_where_they_lie(quant):
   """Under tp the kernels run per device in shard_map on each weight's shard:

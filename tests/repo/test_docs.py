@@ -21,7 +21,7 @@ import re
 
 import pytest
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 LAYER_PAGES = ["model", "kernels", "sharding", "engine", "serving", "experiments"]
 QUOTE = re.compile(r"<!-- docstring: (\S+) -->\n```text\n(.*?)\n```", re.S)
@@ -80,7 +80,7 @@ def _texts():
 def test_mentioned_scripts_and_notebooks_exist():
   missing = []
   for path, text in _texts().items():
-    for ref in set(re.findall(r"\b((?:experiments|colab)/[\w./-]+\.(?:py|ipynb))", text)):
+    for ref in set(re.findall(r"(?<![\w/])((?:experiments|colab)/[\w./-]+\.(?:py|ipynb))", text)):
       if not (ROOT / ref).exists():
         missing.append(f"{path}: {ref}")
   assert not missing, missing
@@ -96,7 +96,7 @@ def test_linked_pages_exist():
 
 
 if __name__ == "__main__":
-  # python tests/test_docs.py: rewrites every quoted block with the current
+  # python tests/repo/test_docs.py: rewrites every quoted block with the current
   # docstring (review the diff: the prose around a quote may need updating too).
   for page in DOCS:
     text = page.read_text()

@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 CHECKED = ("jaxinfer", "experiments", "configs")
 MAX_FUNCTION_LINES = 60
 MAX_CLASS_LINES = 300

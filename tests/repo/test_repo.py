@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 
 # Lower index = lower layer. A module may import its own layer or lower ones.
 LAYERS = [

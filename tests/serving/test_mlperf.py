@@ -73,7 +73,7 @@ def test_multimodal_dataset_through_loadgen(tmp_path):
   every completed sample carries Engine.generate's tokens for its image."""
   import json
   import jax.numpy as jnp
-  from test_vl_engine import A, B, PROC, VL
+  from vl_inputs import A, B, PROC, VL
   from jaxinfer import checkpoint
   from jaxinfer.serving import workloads
   cfg, params = checkpoint.load_hf(str(VL / "qwen3_vl"), dtype=jnp.float32)

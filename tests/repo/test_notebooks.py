@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TEST_ENV
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 NOTEBOOKS = sorted((ROOT / "colab").glob("*.ipynb"))
 TIMEOUT_S = 300  # per notebook: the issue asks for under 3 minutes on the 2-core machine
 

@@ -26,7 +26,7 @@ from jaxinfer.engine.ranks import Ranks
 from jaxinfer.models import vision
 from jaxinfer.models.moe_ep import plan_from_params
 
-RESULTS = pathlib.Path(__file__).parent.parent / "experiments" / "results"
+RESULTS = pathlib.Path(__file__).parents[2] / "experiments" / "results"
 SMALL = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
 
 

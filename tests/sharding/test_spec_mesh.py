@@ -68,8 +68,8 @@ def _spec(K):
     ("tp_attn_ep", {"tensor": 2, "expert": 4}, 3),
     # (CI time: one case per placement of the step. Attention DP runs the
     # one-rank step whole per rank (`ranks.per_rank`), the path of the plain
-    # DP steps in tests/test_sharding.py and tests/test_multistep.py, with K = 2
-    # in tests/test_logprobs.py; tp_attn_ep splits heads as tp does.)
+    # DP steps in tests/sharding/test_sharding.py and tests/engine/test_multistep.py, with K = 2
+    # in tests/engine/test_logprobs.py; tp_attn_ep splits heads as tp does.)
 ])
 def test_speculative_on_mesh_equals_single_device(model, refs, layout, axes, K):
   cfg, params, prompts = model

@@ -21,7 +21,7 @@ from jaxinfer.checkpoint.quant_export import FORMATS as QFORMATS
 from jaxinfer.checkpoint.quant_export import _weights, export_quantized, save_safetensors
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import quant
-from test_quant import reference
+from quant_reference import reference
 
 HF = FIXTURES / "hf"
 

@@ -13,7 +13,7 @@ from jaxinfer import ModelConfig, hf_config, models, presets
 from jaxinfer.bench import decode
 from conftest import subprocess_env
 
-ROOT = pathlib.Path(__file__).parent.parent
+ROOT = pathlib.Path(__file__).parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 
 

@@ -6,7 +6,7 @@ import sys
 
 import jaxinfer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_default_model_loads_with_mtp_and_a_tokenizer():

@@ -96,12 +96,12 @@ def trained_reference(trained_model):
   return [r.token_ids for r in ref]
 
 
-@pytest.mark.parametrize("K", [3])  # (CI time; K = 2 against plain decoding: tests/test_logprobs.py)
+@pytest.mark.parametrize("K", [3])  # (CI time; K = 2 against plain decoding: tests/engine/test_logprobs.py)
 def test_trained_model_greedy_speculative_equals_plain_greedy(trained_model, trained_reference,
                                                               K):
   # The shipped model drafts well enough that drafts are both accepted and
   # rejected; held-out source of mixed lengths, chunked prefill, preemption.
-  # (K = 2 on this model: tests/test_spec_mesh.py's single-device reference.)
+  # (K = 2 on this model: tests/sharding/test_spec_mesh.py's single-device reference.)
   cfg, params = trained_model
   prompts = training.held_out_prompts(TRAINED_PROMPT_LENGTHS)
   engine = Engine(cfg, params, EngineConfig(**ENGINE, num_pages=18,
