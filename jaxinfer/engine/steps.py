@@ -130,12 +130,11 @@ def _add_load(load, counts):
 def _sample(logits, batch, greedy, k_cap, extras=None):
   """The rows' tokens from their logits [B, V], processed first by the
   step's extras (`sampling_extras.processed`; None: as they are)."""
-  logits = sampling_extras.processed(logits, extras, batch.sample_idx.reshape(-1))
+  logits = sampling_extras.processed(logits, extras, batch.sample_idx)
   if greedy:  # every row has temperature 0: skip the filters' full-vocab sort
     return argmax(logits)
-  keys = request_keys(batch.seeds.reshape(-1), batch.sample_idx.reshape(-1))
-  return sample(logits, keys, batch.temperature.reshape(-1), batch.top_k.reshape(-1),
-                batch.top_p.reshape(-1), k_cap)
+  keys = request_keys(batch.seeds, batch.sample_idx)
+  return sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, k_cap)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "k_cap", "mesh",
