@@ -14,6 +14,8 @@ import hashlib
 
 import numpy as np
 
+from jaxinfer.kv.pool import NULL_PAGE
+
 
 def hash_page(parent: bytes | None, tokens, extra: bytes = b"") -> bytes:
   """Chained page hash: equal prefixes give equal chains (stable across
