@@ -294,7 +294,9 @@ def test_async_overlaps_steps_and_matches_sync():
   assert runs[True][1]["overlapped_steps"] > 0 and runs[False][1]["overlapped_steps"] == 0
 
 
-@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe", "gpt_oss"])
+# MLA + MoE with split experts, and GQA with sinks and windows (CI time: the
+# dense model's GQA attention is gpt_oss's, its dense FFN tiny_moe's first layer).
+@pytest.mark.parametrize("name", ["tiny_moe", "gpt_oss"])
 def test_unrolled_step_layout_matches_scanned(name):
   """EngineConfig(unroll_layers=True) (per-layer weights in the step layout,
   experts split) and the scanned stacked layers: same greedy tokens and the
@@ -315,7 +317,7 @@ def test_unrolled_step_layout_matches_scanned(name):
     np.testing.assert_array_equal(loads[0], loads[2])
 
 
-@pytest.mark.parametrize("name", ["tiny_moe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gpt_oss"])  # (CI time: one model; its layers are MoE)
 def test_unrolled_engine_holds_one_copy_of_the_weights(name):
   """With unroll_layers the engine keeps only the step layout: the device
   memory it holds is the weights' bytes once plus its KV pool, and
