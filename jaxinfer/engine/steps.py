@@ -276,5 +276,8 @@ def _visual_inputs(cfg: ModelConfig, params, tokens, visual) -> VisualInputs | N
 
 
 def stack_batches(batches: list[StepBatch]) -> StepBatch:
-  """Per-rank batches of equal shapes -> one batch with a leading rank axis."""
+  """Per-rank batches of equal shapes -> one batch with a leading rank axis
+(one rank: views of its arrays, no copy in the per-token path)."""
+  if len(batches) == 1:
+    return jax.tree.map(lambda a: a[None], batches[0])
   return jax.tree.map(lambda *xs: np.stack(xs), *batches)
