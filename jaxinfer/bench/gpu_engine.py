@@ -5,7 +5,9 @@ in place, calling `save()` after every measurement, in priority order:
 
   dense  llama3_8b: decode at batch 1 / 8 / 64 against the HBM roofline,
          prefill of 2k-token prompts against the bf16 matmul roofline, and
-         Pallas against XLA attention (greedy tokens) at batch 8
+         Pallas against XLA attention (greedy tokens) at batch 8, and decode
+         on the Mosaic GPU paged kernel (attention_impl "mosaic") at batch
+         1 / 8 / 64 against the Pallas (Triton) runs of the same prompts
   moe    a DeepSeek-V3 slice at full width (MLA, 1 dense + 1 MoE layer of
          256 sigmoid-routed experts, 1 MTP module): decode at batch 1 / 8 /
          64 against the HBM roofline, MTP speculation with K = 1, 2, 3
@@ -42,6 +44,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.engine.speculative import MTPConfig
 from jaxinfer.models.specs import is_spec
+from pallas_kernels import mosaic_paged_attention
 
 CONVENTIONS = {
     "decode tokens_per_s": "tokens emitted after every request of the batch had its first token "
@@ -75,6 +78,12 @@ CONVENTIONS = {
            "as decode at that batch; mean_accepted_length: tokens per sequence per verify step "
            "(Engine.stats, over the untimed and the timed run); same_tokens_as_plain: "
            "match_fraction against plain greedy decoding of the same prompts",
+    "mosaic": "decode under attention_impl mosaic (the Mosaic GPU paged kernel on decode-only "
+              "steps, Pallas elsewhere), same prompts as decode at that batch; kernel: "
+              "'mosaic' where mosaic_paged_attention.unsupported finds nothing against the "
+              "step's shapes, else why not (the step then ran Pallas); speedup_vs_pallas: "
+              "tokens_per_s / decode's; identical / match_fraction: greedy tokens against "
+              "decode's",
 }
 
 _MIN_COMPILE_LEFT_S = 20.0  # never start a compile-heavy step with less left (real run)
@@ -92,6 +101,7 @@ class Shapes:
   prefill_len: int = 0
   mtp_ks: tuple[int, ...] = ()
   mtp_batch: int = 1
+  mosaic_batches: tuple[int, ...] = ()  # decode under attention_impl "mosaic"
   max_batched_tokens: int = 1 << 30  # cap on the prefill step (chunks beyond it)
 
 
@@ -112,7 +122,8 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
     moe = presets.get("tiny_moe", dtype="float32", attention_impl="pallas", num_layers=2,
                       dense_layers=(0,))
     return [("dense", dense, Shapes(batches=(1, 8), prompt_len=6, new_tokens=4, page_size=16,
-                                    identity_batch=8, prefill_batch=2, prefill_len=32)),
+                                    identity_batch=8, prefill_batch=2, prefill_len=32,
+                                    mosaic_batches=(8,))),
             ("moe", moe, Shapes(batches=(8,), prompt_len=6, new_tokens=4, page_size=16,
                                 identity_batch=8, mtp_ks=(1, 3), mtp_batch=8,
                                 max_batched_tokens=48))]
@@ -120,7 +131,8 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
   moe = presets.get("deepseek_v3", dtype="bfloat16", attention_impl="pallas", num_layers=2,
                     dense_layers=(0,))
   return [("dense", dense, Shapes(batches=(1, 8, 64), prompt_len=200, new_tokens=56, page_size=16,
-                                  identity_batch=8, prefill_batch=4, prefill_len=2048)),
+                                  identity_batch=8, prefill_batch=4, prefill_len=2048,
+                                  mosaic_batches=(1, 8, 64))),
           ("moe", moe, Shapes(batches=(1, 8, 64), prompt_len=8, new_tokens=24, page_size=64,
                               identity_batch=8, mtp_ks=(1, 2, 3), mtp_batch=1,
                               max_batched_tokens=512))]
@@ -403,6 +415,27 @@ class _Model:
                 **_compare(self.tokens[b], got), xla={k: entry[k] for k in keep},
                 pallas_tokens_per_s=self.out["decode"].get(f"batch_{b}", {}).get("tokens_per_s"))
 
+  def mosaic(self, b: int) -> dict:
+    """Decode at batch b under attention_impl "mosaic", against decode's run."""
+    s, cfg = self.s, dataclasses.replace(self.cfg, attention_impl="mosaic")
+    entry, got = _measure(cfg, self.params, s, b, s.prompt_len, s.new_tokens)
+    entry.update(kernel=mosaic_kernel(cfg, s, b))
+    plain = self.out["decode"].get(f"batch_{b}", {})
+    if plain.get("status") == "ok":
+      entry.update(speedup_vs_pallas=entry["tokens_per_s"] / plain["tokens_per_s"],
+                   **_compare(got, self.tokens[b]))
+    return entry
+
+
+def mosaic_kernel(cfg: ModelConfig, s: Shapes, batch: int) -> str:
+  """'mosaic' when a decode step of this config runs the Mosaic GPU kernel,
+  else why not (`mosaic_paged_attention.unsupported`, as `ops` asks it)."""
+  dtype = jnp.dtype(cfg.dtype)
+  pages = (cfg.num_kv_heads, batch, s.page_size, cfg.head_dim)
+  why = mosaic_paged_attention.unsupported((1, 1, cfg.num_heads, cfg.head_dim), dtype, pages,
+                                           values_dim=cfg.head_dim)
+  return "mosaic" if why is None else f"pallas ({why[1]})"
+
 
 def _init(cfg: ModelConfig, holder: dict) -> dict:
   """Random params made on the device by one jitted program (so each leaf's
@@ -438,6 +471,9 @@ def _run_model(out: dict, box: _Box, role: str, cfg: ModelConfig, s: Shapes, roo
   for k in s.mtp_ks:
     box.run(out["mtp"], f"k_{k}", f"{role}_mtp", 45, lambda k=k: m.mtp(k))
   box.run(out, "pallas_vs_xla", f"{role}_identity", 45, m.identity)
+  for b in s.mosaic_batches:
+    box.run(out.setdefault("mosaic", {}), f"batch_{b}", f"{role}_mosaic", 45,
+            lambda b=b: m.mosaic(b))
   del m
   gc.collect()
 

@@ -54,6 +54,8 @@ def _every_measurement_ran(dry):
   expected = {f"{role}/{k}" for role in plan for k in ("init", "pallas_vs_xla")}
   expected |= {f"{role}/decode/batch_{b}" for role, s in plan.items() for b in s.batches}
   expected |= {"dense/prefill"} | {f"moe/mtp/k_{k}" for k in plan["moe"].mtp_ks}
+  expected |= {f"{role}/mosaic/batch_{b}" for role, s in plan.items() for b in s.mosaic_batches}
+  assert plan["dense"].mosaic_batches
   assert plan["moe"].mtp_ks and plan["moe"].mtp_ks[-1] == 3  # the largest draft count runs
   assert set(entries) == expected
   bad = {p: e for p, e in entries.items() if e["status"] != "ok"}
@@ -120,6 +122,15 @@ def _mtp_speculation(dry):
     assert e["speedup_vs_plain"] > 0
 
 
+def _mosaic_against_pallas(dry):
+  record, _, _, _ = dry
+  for key, e in record["dense"]["mosaic"].items():
+    # float32 on CPU (or jax < 0.11): the step falls back to Pallas, and says why.
+    assert e["kernel"].startswith("pallas (") and len(e["kernel"]) > len("pallas ()"), key
+    assert e["identical"] is True and e["match_fraction"] == 1.0, key
+    assert e["tokens_per_s"] > 0 and e["speedup_vs_pallas"] > 0, key
+
+
 def _saved_after_every_measurement(dry):
   record, path, saves, took = dry
   assert json.loads(path.read_text()) == json.loads(json.dumps(record))
@@ -156,6 +167,7 @@ def test_gpu_plan_shapes():
   plan = {role: (cfg, s) for role, cfg, s in gpu_engine.plan(dry_run=False)}
   (dense, ds), (moe, ms) = plan["dense"], plan["moe"]
   assert dense.d_model == 4096 and dense.num_layers == 32 and ds.batches == (1, 8, 64)
+  assert ds.mosaic_batches == ds.batches  # each Mosaic run has its Pallas run to compare
   assert moe.d_model == 7168 and moe.num_experts == 256 and moe.router == "sigmoid_grouped"
   assert [seg[0] for seg in moe.segments()] == [False, True] and moe.num_mtp_layers == 1
   assert ms.mtp_ks == (1, 2, 3) and moe.attention == "mla"
@@ -188,5 +200,5 @@ def test_dry_run_measures_everything(dry):
   again for its share of the checks)."""
   for check in (_every_measurement_ran, _decode_against_the_roofline,
                 _prefill_against_the_compute_roofline, _pallas_matches_xla_on_float32,
-                _mtp_speculation, _saved_after_every_measurement):
+                _mtp_speculation, _mosaic_against_pallas, _saved_after_every_measurement):
     check(dry)
