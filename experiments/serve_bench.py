@@ -45,7 +45,7 @@ import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxinfer import EngineConfig, run  # noqa: E402
+from jaxinfer import EngineConfig, run, sharding  # noqa: E402
 from jaxinfer.bench import flag_config, results  # noqa: E402
 from jaxinfer.serving import workloads  # noqa: E402
 from jaxinfer.serving.cluster import Cluster, percentiles  # noqa: E402
@@ -141,7 +141,7 @@ def _workers(cfg, params, roles):
         raise ValueError(f"{len(roles)} workers x {n} devices need {(i + 1) * n} devices, "
                          f"have {len(devices)}")
       kw = dict(devices=devices[i * n:(i + 1) * n], layout=FLAGS.layout,
-                mesh_axes={"data" if FLAGS.layout == "dp_attn_ep" else "tensor": n})
+                mesh_axes={"data" if sharding.as_layout(FLAGS.layout).attention_dp else "tensor": n})
     out.append(Worker(cfg, params, _engine_config(), role=role, name=f"{role}{i}", **kw))
   return out
 

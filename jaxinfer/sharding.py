@@ -4,7 +4,11 @@ The spec tree (`models.param_specs`) names every weight dimension with a
 logical axis; a layout's rules table maps logical axes to mesh axes. Params
 are then placed (or created, or loaded) straight into those shardings.
 
-Layouts (mesh axes may be any of "data", "expert", "tensor"):
+A layout is a `Layout` value: for each logical axis, the mesh axes it may be
+split over (those of them the mesh has with size > 1, in the mesh's order),
+and whether the batch axes are attention-data-parallel ranks. Three are
+named (mesh axes may be any of "data", "expert", "tensor"); `as_layout`
+turns a name into its value, the one place a name is read:
   tp          Megatron tensor parallel over "tensor": q/kv heads and FFN width
               split; experts whole but their FFN width split; vocab split.
               Batch over "data".
@@ -18,8 +22,9 @@ never silently duplicated across tensor ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Mapping
+from typing import Mapping, Union
 
 import jax
 import numpy as np
@@ -30,7 +35,45 @@ from jaxinfer.kv.pool import PoolLayout
 from jaxinfer.models import specs as specs_lib
 
 AXES = ("data", "expert", "tensor")
-LAYOUTS = ("tp", "dp_attn_ep", "tp_attn_ep")
+LOGICAL_AXES = ("q_heads", "kv_heads", "mlp", "vocab", "expert", "batch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Logical axis -> the mesh axes it may be split over (`rules` keeps those
+  the mesh has with size > 1, in the mesh's order); attention_dp: the batch
+  axes are attention-data-parallel ranks, each owning whole requests and
+  their KV pages (`dp_axes`), and a step runs per rank (`engine.ranks`)."""
+  name: str
+  q_heads: tuple[str, ...] = ()
+  kv_heads: tuple[str, ...] = ()
+  mlp: tuple[str, ...] = ()
+  vocab: tuple[str, ...] = ()
+  expert: tuple[str, ...] = ()
+  batch: tuple[str, ...] = ()
+  attention_dp: bool = False
+
+  def __str__(self) -> str:
+    return self.name
+
+
+TP = Layout("tp", q_heads=("tensor",), kv_heads=("tensor",), mlp=("tensor",), vocab=("tensor",),
+            batch=("data",))
+DP_ATTN_EP = Layout("dp_attn_ep", expert=AXES, batch=AXES, attention_dp=True)
+TP_ATTN_EP = Layout("tp_attn_ep", q_heads=("tensor",), kv_heads=("tensor",), expert=AXES,
+                    batch=("data",))
+NAMED = {layout.name: layout for layout in (TP, DP_ATTN_EP, TP_ATTN_EP)}
+LAYOUTS = tuple(NAMED)  # the names, for flags
+LayoutLike = Union[Layout, str]
+
+
+def as_layout(layout: LayoutLike) -> Layout:
+  """A `Layout` as it is, or the named one ("tp", "dp_attn_ep", "tp_attn_ep")."""
+  if isinstance(layout, Layout):
+    return layout
+  if layout not in NAMED:
+    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS} or a sharding.Layout")
+  return NAMED[layout]
 
 
 def make_mesh(axes: Mapping[str, int], devices=None) -> Mesh:
@@ -51,24 +94,17 @@ def make_mesh(axes: Mapping[str, int], devices=None) -> Mesh:
   return Mesh(np.asarray(devices).reshape(sizes), tuple(axes))
 
 
-def _present(mesh: Mesh, *names):
-  axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-  return axes if len(axes) != 1 else axes[0]
+def _present(mesh: Mesh, names: tuple[str, ...]):
+  """The mesh axes among `names` that split (size > 1), in the mesh's order:
+  None, one axis, or a tuple of them."""
+  axes = tuple(a for a in mesh.axis_names if a in names and mesh.shape[a] > 1)
+  return axes if len(axes) > 1 else (axes[0] if axes else None)
 
 
-def rules(layout: str, mesh: Mesh) -> dict:
+def rules(layout: LayoutLike, mesh: Mesh) -> dict:
   """Logical axis -> mesh axis (or tuple of axes, or None) for a layout."""
-  if layout not in LAYOUTS:
-    raise ValueError(f"unknown layout {layout!r}; use one of {LAYOUTS}")
-  everything = _present(mesh, *mesh.axis_names) or None
-  tensor = _present(mesh, "tensor") or None
-  data = _present(mesh, "data") or None
-  if layout == "tp":
-    return dict(q_heads=tensor, kv_heads=tensor, mlp=tensor, vocab=tensor, expert=None,
-                batch=data)
-  attn = tensor if layout == "tp_attn_ep" else None
-  return dict(q_heads=attn, kv_heads=attn, mlp=None, vocab=None, expert=everything,
-              batch=data if layout == "tp_attn_ep" else everything)
+  layout = as_layout(layout)
+  return {axis: _present(mesh, getattr(layout, axis)) for axis in LOGICAL_AXES}
 
 
 def _axis_size(mesh: Mesh, axis) -> int:
@@ -99,7 +135,8 @@ def spec_for(logical_axes, shape, table: dict, mesh: Mesh, *, name: str = "param
   return P(*spec)
 
 
-def param_shardings(cfg: ModelConfig, mesh: Mesh, layout: str = "tp", table: dict | None = None):
+def param_shardings(cfg: ModelConfig, mesh: Mesh, layout: LayoutLike = TP,
+                    table: dict | None = None):
   """NamedSharding tree matching `models.param_specs(cfg)`."""
   table = table or rules(layout, mesh)
   specs = specs_lib.param_specs(cfg)
@@ -110,7 +147,8 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh, layout: str = "tp", table: dic
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
-def shard_params(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp", rules_table=None):
+def shard_params(cfg: ModelConfig, params, mesh: Mesh, layout: LayoutLike = TP,
+                 rules_table=None):
   """Places params into the layout's shardings.
 
   EPLB-placed params (`eplb.apply_placement`: expert weights [L, E + R, ...]
@@ -147,22 +185,22 @@ def shard_params(cfg: ModelConfig, params, mesh: Mesh, layout: str = "tp", rules
   return jax.device_put(params, shardings)
 
 
-def init_params(cfg: ModelConfig, key, mesh: Mesh, layout: str = "tp"):
+def init_params(cfg: ModelConfig, key, mesh: Mesh, layout: LayoutLike = TP):
   """Random params created directly in their shardings (never whole on one device)."""
   shardings = param_shardings(cfg, mesh, layout)
   return jax.jit(lambda k: specs_lib.init_params(cfg, k), out_shardings=shardings)(key)
 
 
-def dp_axes(mesh: Mesh, layout: str) -> tuple[str, ...]:
-  """Attention-data-parallel axes: under dp_attn_ep each rank of these owns
-  whole requests and their KV pages; () for the other layouts."""
-  if layout != "dp_attn_ep":
+def dp_axes(mesh: Mesh, layout: LayoutLike) -> tuple[str, ...]:
+  """Attention-data-parallel axes: under an attention_dp layout (dp_attn_ep)
+  each rank of these owns whole requests and their KV pages; () otherwise."""
+  if not as_layout(layout).attention_dp:
     return ()
   batch = rules(layout, mesh)["batch"]
   return () if batch is None else (batch if isinstance(batch, tuple) else (batch,))
 
 
-def head_axis(mesh: Mesh, layout: str):
+def head_axis(mesh: Mesh, layout: LayoutLike):
   """The mesh axis attention heads (q and GQA KV heads, contiguous blocks of
   them) are split over: "tensor" under tp / tp_attn_ep when the mesh has it,
   else None. The engine's paged attention runs per device of this axis
@@ -170,18 +208,18 @@ def head_axis(mesh: Mesh, layout: str):
   return rules(layout, mesh)["q_heads"]
 
 
-def kernel_mesh(mesh: Mesh | None, layout: str) -> Mesh | None:
+def kernel_mesh(mesh: Mesh | None, layout: LayoutLike) -> Mesh | None:
   """The mesh the quantized weights' kernel calls split over
   (`models.quant.with_kernel`): None where a step holds its weights whole
-  (no mesh or one device, or per rank under dp_attn_ep, whose step runs in
-  shard_map); else the mesh, and each weight runs per device as its
+  (no mesh or one device, or per rank under attention DP, whose step runs
+  in shard_map); else the mesh, and each weight runs per device as its
   sharding splits it."""
-  if mesh is None or mesh.size == 1 or layout == "dp_attn_ep":
+  if mesh is None or mesh.size == 1 or as_layout(layout).attention_dp:
     return None
   return mesh
 
 
-def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
+def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: LayoutLike) -> P:
   """PartitionSpec of every array of the engine's page pool
   (`kv.pool.PoolLayout`): pages split over the attention-DP ranks under
   dp_attn_ep; otherwise GQA KV heads split like wk/wv and MLA's latent pool
@@ -193,7 +231,7 @@ def kv_pool_spec(cfg: ModelConfig, mesh: Mesh, layout: str) -> P:
   return pool.spec(heads=rules(layout, mesh)["kv_heads"])
 
 
-def batch_sharding(mesh: Mesh, layout: str, ndim: int) -> NamedSharding:
+def batch_sharding(mesh: Mesh, layout: LayoutLike, ndim: int) -> NamedSharding:
   """Sharding of a [B, ...] activation (tokens) under a layout."""
   axis = rules(layout, mesh)["batch"]
   return NamedSharding(mesh, P(axis, *([None] * (ndim - 1))))

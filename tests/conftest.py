@@ -24,12 +24,22 @@ model are compile-bound (22-38 s each at level 0; 28-51 s optimised), so
 they stay at 0. The notebooks (tests/repo/test_notebooks.py), benchmarks
 (experiments/) and users keep XLA's default (colab/sharding.ipynb: 54 s at
 the default, 100 s at level 0). Test subprocesses get TEST_ENV
-(`subprocess_env`)."""
+(`subprocess_env`).
 
+On jax 0.10, XLA:CPU also compiles with its older loop fusion emitters
+(TEST_ENV's XLA_FLAGS, `--xla_cpu_use_fusion_emitters=false`; jax 0.11
+removed the flag): the MLIR fusion emitters, 0.10's default, took 12-14 s
+to compile one speculative step of the tests' model where the older ones
+took 5.2-5.5 s (`jax_log_compiles`, same program, same run)."""
+
+import importlib.metadata
 import os
 
 TEST_ENV = {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+if tuple(int(v) for v in importlib.metadata.version("jaxlib").split(".")[:2]) < (0, 11):
+  TEST_ENV["XLA_FLAGS"] = "--xla_cpu_use_fusion_emitters=false"
+os.environ.setdefault("XLA_FLAGS", " ".join(
+    ["--xla_force_host_platform_device_count=8", TEST_ENV.get("XLA_FLAGS", "")]).strip())
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 for _k, _v in TEST_ENV.items():
   os.environ.setdefault(_k, _v)

@@ -278,8 +278,8 @@ def _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act, notes):
                  "Shared experts, dense MLPs and the router run locally (replicated weights).")
   elif cfg.is_moe:
     moe = list(attn)
-  if layout == "tp_attn_ep" and n_t > 1 and cfg.is_moe:
-    notes.append("tp_attn_ep: in compiled CPU programs (jax 0.10.2, tiny configs) the MoE's "
+  if layout.q_heads and n_t > 1 and cfg.is_moe:  # attention TP beside EP (tp_attn_ep)
+    notes.append(f"{layout}: in compiled CPU programs (jax 0.10.2, tiny configs) the MoE's "
                  "token split over 'tensor' propagates into attention and XLA all-gathers the "
                  "attention weights over 'tensor' instead of all-reducing activations; the "
                  "entries here are the intended TP all-reduce.")
@@ -296,7 +296,7 @@ def _collectives(cfg, mesh, layout, table, batch_tokens, dtype) -> dict:
            "from a compiled program; tokens assumed split over the layout's batch axes "
            "(sharding.batch_sharding); ceil division where tokens do not divide."]
   per_forward, ep, alt = [], None, None  # once-per-forward, EP summary, other EP strategy
-  if layout == "tp":
+  if not layout.expert:  # experts whole on every rank, their FFN split (tp)
     dense, moe, per_forward = _collectives_tp(cfg, mesh, table, attn, t_b, act, notes)
   else:
     dense, moe, ep, alt = _collectives_ep(cfg, mesh, layout, table, attn, batch_tokens, act,
@@ -341,7 +341,7 @@ def _visualize(row, mesh_axes) -> str | None:
   return f"dims {tuple(dims)} ({names}) as {spec2}:\n{buf.getvalue()}"
 
 
-def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: str,
+def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: sharding.LayoutLike,
                     dtype: str = "bfloat16", kv_tokens: int = 0, batch_tokens: int = 256,
                     redundant_experts: int = 0, quant: str | None = None) -> dict:
   """Params and KV bytes per device, analytic collectives per layer, and
@@ -351,6 +351,7 @@ def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: str,
   cfg = presets.get(model, quant=presets.quant(quant))
   mesh_axes = dict(mesh_axes)
   mesh = abstract_mesh(mesh_axes)
+  layout = sharding.as_layout(layout)
   table = sharding.rules(layout, mesh)
   dtype = jnp.dtype(dtype)
   if kv_tokens < 0 or batch_tokens < 1:
@@ -369,7 +370,7 @@ def sharding_report(*, model: str, mesh_axes: Mapping[str, int], layout: str,
                 total_bytes=sum(g["total_bytes"] for g in groups.values()),
                 per_device_bytes=sum(g["per_device_bytes"] for g in groups.values()),
                 groups=groups)
-  return dict(model=model, layout=layout, mesh_axes=mesh_axes, num_devices=mesh.size,
+  return dict(model=model, layout=layout.name, mesh_axes=mesh_axes, num_devices=mesh.size,
               dtype=dtype.name, quant=quant, rules=table, redundant_experts=redundant_experts,
               physical_experts=cfg.num_experts + redundant_experts if cfg.is_moe else 0,
               params=params, kv=kv,

@@ -220,7 +220,7 @@ class Engine(EngineCore):
                mesh=None, layout=None):
     if (mesh is None) != (layout is None):
       raise ValueError("Engine: pass mesh and layout together (or neither)")
-    self.mesh, self.layout = mesh, layout
+    self.mesh, self.layout = mesh, None if layout is None else sharding.as_layout(layout)
     params, found_scales = kv_scales.split_params(cfg, params)  # they describe the cache
     if cfg.quant is not None and cfg.quant.kv_cache:  # ... and so leave the spec tree too
       cfg = dataclasses.replace(cfg, quant=dataclasses.replace(cfg.quant, kv_cache=None))

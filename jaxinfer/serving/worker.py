@@ -66,10 +66,12 @@ class Worker(EngineWorker):
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
                role: str = "mixed", devices: Sequence | None = None,
-               mesh_axes: dict | None = None, layout: str = "tp", name: str | None = None):
+               mesh_axes: dict | None = None, layout: sharding.LayoutLike = "tp",
+               name: str | None = None):
     """devices: this worker's devices (default: the first device, no mesh);
     mesh_axes: their mesh shape (default {"tensor": len(devices)});
-    layout: `sharding` layout on that mesh ("tp", "tp_attn_ep", "dp_attn_ep")."""
+    layout: `sharding` layout on that mesh (a `sharding.Layout` or its name:
+    "tp", "tp_attn_ep", "dp_attn_ep")."""
     if role not in ROLES:
       raise ValueError(f"Worker: role must be one of {ROLES}, got {role!r}")
     if devices is None and mesh_axes is not None:
@@ -82,7 +84,7 @@ class Worker(EngineWorker):
       mesh = sharding.make_mesh(mesh_axes or {"tensor": len(devices)}, devices)
     super().__init__(Engine(cfg, params, config, mesh=mesh, layout=layout if mesh else None),
                      role=role, name=name)
-    self.layout = layout if mesh else None
+    self.layout = sharding.as_layout(layout) if mesh else None
     self.devices = devices
     self._fail_after: int | None = None
     self.steps = 0

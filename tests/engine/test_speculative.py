@@ -170,8 +170,10 @@ def test_sampled_speculative_output_follows_the_target_distribution():
   prompt = [1, 5, 2]
   n = 1600
   sampling = [SamplingParams(max_tokens=4, temperature=T, top_k=TOP_K, seed=i) for i in range(n)]
-  engine = Engine(cfg, params, EngineConfig(page_size=4, num_pages=260, max_num_seqs=32,
-                                            max_num_batched_tokens=128,
+  # One page a request and 160 at a time: 4 step programs and 41 steps
+  # (pages of 4 tokens and 32 at a time compiled 6 and took 202 steps).
+  engine = Engine(cfg, params, EngineConfig(page_size=16, num_pages=170, max_num_seqs=160,
+                                            max_num_batched_tokens=512,
                                             enable_prefix_caching=False,
                                             speculative=MTPConfig(num_draft_tokens=2,
                                                                   batch_schedule=())))

@@ -106,6 +106,31 @@ def test_params_are_created_sharded():
   assert w.addressable_shards[0].data.shape[1] == 8  # 64 experts / 8 ranks
 
 
+def test_layout_values_give_each_named_layouts_rules():
+  """The named layouts' tables, written out per mesh (what the string branches
+  gave), and a Layout value of one's own placed the same way."""
+  mesh = sharding.make_mesh({"expert": 2, "data": 2, "tensor": 2})
+  every = ("expert", "data", "tensor")  # the mesh's order
+  assert sharding.rules("tp", mesh) == dict(q_heads="tensor", kv_heads="tensor", mlp="tensor",
+                                            vocab="tensor", expert=None, batch="data")
+  assert sharding.rules("dp_attn_ep", mesh) == dict(q_heads=None, kv_heads=None, mlp=None,
+                                                    vocab=None, expert=every, batch=every)
+  assert sharding.rules(sharding.TP_ATTN_EP, mesh) == dict(
+      q_heads="tensor", kv_heads="tensor", mlp=None, vocab=None, expert=every, batch="data")
+  two = sharding.make_mesh({"data": 8})
+  assert sharding.rules("dp_attn_ep", two)["expert"] == "data"  # one axis: not a tuple
+  assert sharding.rules("tp", two)["q_heads"] is None  # no tensor axis: replicated
+  assert sharding.dp_axes(mesh, "dp_attn_ep") == every and sharding.dp_axes(mesh, "tp") == ()
+  # A layout of one's own: experts over "expert" only, batch over data, no attention DP.
+  mine = sharding.Layout("ep_only", expert=("expert",), batch=("data",))
+  assert sharding.rules(mine, mesh)["expert"] == "expert" and not sharding.dp_axes(mesh, mine)
+  assert sharding.as_layout("tp") is sharding.TP and sharding.as_layout(mine) is mine
+  assert str(sharding.DP_ATTN_EP) == "dp_attn_ep"
+  cfg = presets.get("tiny_moe")
+  spec = sharding.param_shardings(cfg, mesh, mine)["layers"][-1]["mlp"]["w_gate"].spec
+  assert spec[1] == "expert" and "tensor" not in jax.tree.leaves(tuple(spec))
+
+
 def test_bad_meshes_name_axis_and_dimension():
   with pytest.raises(ValueError, match=r"multiply to 6, but there are 8 devices"):
     sharding.make_mesh({"data": 2, "tensor": 3})
