@@ -5,9 +5,9 @@ Each op takes two static choices, which models pass from their config
 
   implementation  "xla" (pure JAX), "pallas" (`pallas_kernels`), "mosaic"
                   (opt-in, Hopper: "pallas", but decode-only paged steps on
-                  the Mosaic GPU kernel `mosaic_paged_attention` where it
-                  takes the shapes), or None: Pallas for a GPU target, XLA
-                  otherwise.
+                  the Mosaic GPU kernels `mosaic_paged_attention` (GQA) and
+                  `mosaic_mla_attention` (MLA) where they take the shapes),
+                  or None: Pallas for a GPU target, XLA otherwise.
   target          the device the program is built for: "gpu" (Pallas kernels
                   compiled through Triton, even when this process runs on CPU:
                   programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jaxinfer import xla_attention
 from jaxinfer.kv.pool import kernel_dims
 import pallas_kernels
+from pallas_kernels import mosaic_mla_attention as mosaic_mla
 from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
@@ -187,11 +188,16 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
 
   GPU target: the kernel tiled by `paged_tiling`, or (implementation None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
-  "mosaic": decode-only steps (max_q 1) on `mosaic_paged_attention` where
-  `mosaic.unsupported` finds nothing against the shapes; other steps "pallas".
+  "mosaic": decode-only steps (max_q 1) on `mosaic_paged_attention` (GQA)
+  or `mosaic_mla_attention` (MLA's latent pool) where their `unsupported`
+  finds nothing against the shapes; other steps "pallas".
   """
   impl, interpret = resolve(implementation, target)
   if impl == "mosaic":
+    if max_q == 1 and v_pages is None and not _mosaic_mla_unsupported(
+        q, k_pages, v_head_dim, window, sinks, k_scale):
+      return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
+                                layer, interpret)
     if max_q == 1 and not mosaic.unsupported(
         (1, 1, *q.shape[1:]), q.dtype, k_pages.shape, quantized=k_scale is not None,
         values_dim=None if v_pages is None else v_pages.shape[-1]):
@@ -237,6 +243,35 @@ def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, 
   out = mosaic.mosaic_paged_attention(q_pad, k_pages, v_pages, kv_lens, page_table,
                                       sm_scale=scale, window=window, sinks=sinks,
                                       num_splits=splits, layer=layer, interpret=interpret)
+  return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
+
+
+def _mosaic_mla_unsupported(q, k_pages, latent_dim, window, sinks, k_scale) -> str | None:
+  """Why MLA's decode step cannot run on the Mosaic GPU kernel, or None."""
+  if not isinstance(window, int) or window or sinks is not None or k_scale is not None:
+    return "a window (or a traced one), sinks or quantized latent pages"
+  bad = mosaic_mla.unsupported(q.shape[-1], latent_dim, kernel_dims(k_pages)["slot"], q.dtype)
+  return bad[1] if bad else None
+
+
+def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,
+                       interpret):
+  """MLA's decode-only step on the Mosaic GPU kernel. The latent pool
+  [(L,) 1, P, ps, R + Hr] is read as one run of pages ([L * P, ps, R + Hr],
+  a free reshape) with this layer's page numbers offset by layer * P, so no
+  layer's pool is sliced out."""
+  q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
+  dims = kernel_dims(k_pages)
+  pages = k_pages.reshape(-1, dims["slot"], k_pages.shape[-1])
+  table = page_table if layer is None else page_table + layer * dims["page"]
+  rows = -(-q.shape[1] // mosaic.ROWS)
+  splits = 1
+  while (splits < 8 and page_table.shape[0] * rows * splits < _SM_PROGRAMS
+         and 2 * splits * max(1, mosaic_mla.KEYS // dims["slot"]) <= page_table.shape[1]):
+    splits *= 2
+  out = mosaic_mla.mosaic_mla_attention(q_pad[..., :latent_dim], q_pad[..., latent_dim:], pages,
+                                        kv_lens, table, sm_scale=scale, num_splits=splits,
+                                        interpret=interpret)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 

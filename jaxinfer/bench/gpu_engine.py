@@ -11,7 +11,8 @@ in place, calling `save()` after every measurement, in priority order:
   moe    a DeepSeek-V3 slice at full width (MLA, 1 dense + 1 MoE layer of
          256 sigmoid-routed experts, 1 MTP module): decode at batch 1 / 8 /
          64 against the HBM roofline, MTP speculation with K = 1, 2, 3
-         drafts, and Pallas against XLA at batch 8
+         drafts, Pallas against XLA at batch 8, and decode on the Mosaic
+         GPU MLA kernel at batch 1 / 8 / 64 against the Pallas runs
 
 Each measurement runs on a fresh `Engine` (the jitted steps are shared by
 engines of one config): an untimed run on other random prompts compiles its
@@ -44,7 +45,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.engine.speculative import MTPConfig
 from jaxinfer.models.specs import is_spec
-from pallas_kernels import mosaic_paged_attention
+from pallas_kernels import mosaic_mla_attention, mosaic_paged_attention
 
 CONVENTIONS = {
     "decode tokens_per_s": "tokens emitted after every request of the batch had its first token "
@@ -135,7 +136,7 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
                                   mosaic_batches=(1, 8, 64))),
           ("moe", moe, Shapes(batches=(1, 8, 64), prompt_len=8, new_tokens=24, page_size=64,
                               identity_batch=8, mtp_ks=(1, 2, 3), mtp_batch=1,
-                              max_batched_tokens=512))]
+                              max_batched_tokens=512, mosaic_batches=(1, 8, 64)))]
 
 
 # ----------------------------------------------------------------------------- time box
@@ -428,12 +429,16 @@ class _Model:
 
 
 def mosaic_kernel(cfg: ModelConfig, s: Shapes, batch: int) -> str:
-  """'mosaic' when a decode step of this config runs the Mosaic GPU kernel,
-  else why not (`mosaic_paged_attention.unsupported`, as `ops` asks it)."""
+  """'mosaic' when a decode step of this config runs a Mosaic GPU kernel,
+  else why not (the kernel's `unsupported`, as `ops` asks it)."""
   dtype = jnp.dtype(cfg.dtype)
-  pages = (cfg.num_kv_heads, batch, s.page_size, cfg.head_dim)
-  why = mosaic_paged_attention.unsupported((1, 1, cfg.num_heads, cfg.head_dim), dtype, pages,
-                                           values_dim=cfg.head_dim)
+  if cfg.attention == "mla":
+    R = cfg.kv_lora_rank
+    why = mosaic_mla_attention.unsupported(R + cfg.qk_rope_head_dim, R, s.page_size, dtype)
+  else:
+    pages = (cfg.num_kv_heads, batch, s.page_size, cfg.head_dim)
+    why = mosaic_paged_attention.unsupported((1, 1, cfg.num_heads, cfg.head_dim), dtype, pages,
+                                             values_dim=cfg.head_dim)
   return "mosaic" if why is None else f"pallas ({why[1]})"
 
 

@@ -119,6 +119,9 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     q_lat = jnp.einsum("BTNH,NHR->BTNR", q_nope, w_uk)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
     new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
+    # No layer with a window: a static 0, so kernels without windows (the
+    # Mosaic MLA decode) can take the step.
+    window = 0 if cfg.window_choices() == (0,) else window
     out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
                                 impl=cfg.attention_impl, target=cfg.kernel_target)
     out = jnp.einsum("BTNR,NRH->BTNH", out_lat, w_uv)

@@ -10,6 +10,7 @@ import pytest
 
 from jaxinfer import models, presets
 from jaxinfer.bench import gpu_engine
+from pallas_kernels.mosaic_paged_attention import available as mosaic_available
 
 ROOF = dict(hbm_gbps=20.0, matmul_tflops=0.2)  # as bench.kernels.measure_roofline gives it
 
@@ -167,7 +168,11 @@ def test_gpu_plan_shapes():
   plan = {role: (cfg, s) for role, cfg, s in gpu_engine.plan(dry_run=False)}
   (dense, ds), (moe, ms) = plan["dense"], plan["moe"]
   assert dense.d_model == 4096 and dense.num_layers == 32 and ds.batches == (1, 8, 64)
-  assert ds.mosaic_batches == ds.batches  # each Mosaic run has its Pallas run to compare
+  # Each Mosaic run has its Pallas run to compare; the real shapes fit the Mosaic kernels
+  # (where this jax has them, the GQA and the MLA one).
+  assert ds.mosaic_batches == ds.batches and ms.mosaic_batches == ms.batches
+  for cfg, s in ((dense, ds), (moe, ms)):
+    assert gpu_engine.mosaic_kernel(cfg, s, 8) in ("mosaic", f"pallas ({mosaic_available()})")
   assert moe.d_model == 7168 and moe.num_experts == 256 and moe.router == "sigmoid_grouped"
   assert [seg[0] for seg in moe.segments()] == [False, True] and moe.num_mtp_layers == 1
   assert ms.mtp_ks == (1, 2, 3) and moe.attention == "mla"

@@ -130,16 +130,22 @@ if mpa.available() is None:
     class TestMosaicPagedGpu(TestMosaicPaged):
       interpret = False
 
-  def test_engine_decodes_on_the_mosaic_kernel(monkeypatch):
+  ENGINE_MODELS = {  # the Mosaic kernel's sizes: head dim 64; MLA latent 64 + rope 32
+      "gqa": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64)),
+      "mla": ("_ragged_mosaic_mla", dict(name="tiny_moe", qk_rope_head_dim=32)),
+  }
+
+  @pytest.mark.parametrize("model", ENGINE_MODELS)
+  def test_engine_decodes_on_the_mosaic_kernel(monkeypatch, model):
     """attention_impl="mosaic" (CPU: interpreted): decode steps go through the
-    Mosaic kernel (counted at trace time), prompt steps through the Pallas
-    path, and every greedy token is the argmax of a float32 full forward up
-    to bfloat16 rounding of the logits."""
+    Mosaic kernel (GQA or MLA, counted at trace time), prompt steps through
+    the Pallas path, and every greedy token is the argmax of a float32 full
+    forward up to bfloat16 rounding of the logits."""
     calls = []
-    real = ops._ragged_mosaic
-    monkeypatch.setattr(ops, "_ragged_mosaic", lambda *a: calls.append(1) or real(*a))
-    cfg = presets.get("tiny_dense", dtype="bfloat16", num_layers=2, head_dim=64,
-                      attention_impl="mosaic")
+    route, preset = ENGINE_MODELS[model]
+    real = getattr(ops, route)
+    monkeypatch.setattr(ops, route, lambda *a: calls.append(1) or real(*a))
+    cfg = presets.get(dtype="bfloat16", num_layers=2, attention_impl="mosaic", **preset)
     params = models.init_params(cfg, jax.random.key(0))
     prompts = [[5, 17, 99], list(range(40, 61))]
     eng = Engine(cfg, params, EngineConfig(page_size=16, num_pages=16, max_num_seqs=2,
