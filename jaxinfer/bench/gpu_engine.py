@@ -466,6 +466,8 @@ def _run_model(out: dict, box: _Box, role: str, cfg: ModelConfig, s: Shapes, roo
     out["decode"].update({f"batch_{b}": dict(why) for b in s.batches})
     out.get("mtp", {}).update({f"k_{k}": dict(why) for k in s.mtp_ks})
     out.update({"pallas_vs_xla": dict(why), **({"prefill": dict(why)} if s.prefill_batch else {})})
+    if s.mosaic_batches:
+      out["mosaic"] = {f"batch_{b}": dict(why) for b in s.mosaic_batches}
     box.save()
     return
   m = _Model(out, cfg, holder.pop("params"), s, roof)

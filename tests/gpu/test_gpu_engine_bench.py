@@ -152,6 +152,7 @@ def test_past_deadline_skips_without_errors(tmp_path):
     assert e["status"] == "skipped", p
   assert record["dense"]["init"]["reason"] == "time box"
   assert record["moe"]["decode"]["batch_8"]["reason"] == "init skipped"
+  assert record["dense"]["mosaic"]["batch_8"]["reason"] == "init skipped"
   assert json.loads(path.read_text())["moe"]["pallas_vs_xla"]["status"] == "skipped"
   # Without a roofline it measures one itself, which the time box skips too.
   record.clear()
