@@ -11,7 +11,7 @@ import pathlib
 
 from ml_collections import config_dict
 
-from jaxinfer.bench.flag_config import load_config
+from benchlib.flag_config import load_config
 
 
 def get_config() -> config_dict.ConfigDict:

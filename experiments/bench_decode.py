@@ -1,6 +1,6 @@
 """Decode and prefill tokens/s of a preset with random weights through the
 Engine, against HF transformers + PyTorch and the memory roofline, all
-measured in this run on this machine (`jaxinfer/bench/decode.py`).
+measured in this run on this machine (`experiments/benchlib/decode.py`).
 
   python experiments/bench_decode.py                       # bench_dense, batch 1, 8, 32, HF peer
   python experiments/bench_decode.py --model=bench_moe
@@ -9,7 +9,7 @@ measured in this run on this machine (`jaxinfer/bench/decode.py`).
 
 A config (`configs/bench_decode.py`, the default: these flags' defaults; its
 argument picks the preset) sets the flags it names; a flag given on the
-command line wins over it (`jaxinfer.bench.flag_config`).
+command line wins over it (`benchlib.flag_config`).
 
 Writes experiments/results/bench_decode_<model>.json and .png: per (side,
 batch) the median (min, max) tokens/s over --repeats runs, ours / HF, the
@@ -23,8 +23,8 @@ import os
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxinfer.bench import flag_config
-from jaxinfer.bench.decode import run_decode_bench
+from benchlib import flag_config
+from benchlib.decode import run_decode_bench
 
 _HAVE_HF = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 

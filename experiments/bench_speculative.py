@@ -23,9 +23,9 @@ import os
 from absl import app, flags
 import jax
 
+from benchlib import results
+from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding, training
-from jaxinfer.bench import results
-from jaxinfer.bench.sharding_report import parse_mesh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("batches", ["1", "4", "16"], "concurrent requests")

@@ -14,9 +14,9 @@ import os
 from absl import app, flags
 import jax
 
+from benchlib import dp_balance, results
+from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, run, sharding
-from jaxinfer.bench import dp_balance, results
-from jaxinfer.bench.sharding_report import parse_mesh
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 8, "simulated CPU devices")

@@ -1,5 +1,5 @@
 """Wide-EP exchange bytes per MoE layer, step and rank, from programs compiled
-for H100s on this CPU machine (`jaxinfer/bench/ep_bytes.py`): the worst-case
+for H100s on this CPU machine (`experiments/benchlib/ep_bytes.py`): the worst-case
 buffers used before, the capacity exchange (the CPU path) and the ragged
 all-to-all (the GPU path), against the bytes actually routed. Writes <out>.json.
 
@@ -15,9 +15,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs; nothing runs
 
 from absl import app, flags  # noqa: E402
 
+from benchlib import ep_bytes, results  # noqa: E402
+from benchlib.sharding_report import parse_mesh  # noqa: E402
 from jaxinfer import gpu_compile, presets  # noqa: E402
-from jaxinfer.bench import ep_bytes, results  # noqa: E402
-from jaxinfer.bench.sharding_report import parse_mesh  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "deepseek_v3", "model preset (one MoE layer of it is compiled)")

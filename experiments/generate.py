@@ -15,8 +15,8 @@
 from absl import app, flags
 import jax
 
+from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding
-from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.tokenizer import load_tokenizer
 
 _MODEL = flags.DEFINE_string("model", "default",

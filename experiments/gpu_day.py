@@ -4,7 +4,7 @@ jax the machine already has. No install step: from the repository root,
   PYTHONPATH=. python3 experiments/gpu_day.py --out_dir=/tmp/gpu_day
   PYTHONPATH=. python3 experiments/gpu_day.py --dry_run --out_dir=/tmp/dry  # CPU, tiny shapes
 
-Parts (jaxinfer.bench.gpu_day): the kernel tests' GPU subclasses, the kernels
+Parts (benchlib.gpu_day): the kernel tests' GPU subclasses, the kernels
 against their peers and the measured roofline, the Engine at real widths.
 Each runs in a process of its own within its share of --budget_s; every part
 rewrites its JSON as it goes and the run's JSON after each part, so a run
@@ -26,7 +26,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from jaxinfer.bench import gpu_day  # noqa: E402
+from benchlib import gpu_day  # noqa: E402
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results", "gpu"),
                                "where the JSON, plot and logs go")
@@ -40,7 +40,8 @@ _DEADLINE_IN_S = flags.DEFINE_float("deadline_in_s", None, "internal: the part's
 _ROOFLINE_JSON = flags.DEFINE_string("roofline_json", None,
                                      "internal: the kernels part's JSON (its measured roofline)")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(EXPERIMENTS)
 
 
 def run_part():
@@ -63,8 +64,9 @@ def _spawn(part, part_json, deadline, roofline_json):
          f"--dry_run={_DRY_RUN.value}"]
   if roofline_json:
     cmd.append(f"--roofline_json={roofline_json}")
+  # jaxinfer from this checkout, benchlib for the part and its pytest child.
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-      p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+      p for p in (REPO_ROOT, EXPERIMENTS, os.environ.get("PYTHONPATH")) if p))
   if part == "engine":  # alone on the GPU by then: the DeepSeek slice wants ~55 GB
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
   proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=env)

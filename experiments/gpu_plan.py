@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
 
-from jaxinfer.bench.gpu_plan import run_gpu_plan
+from benchlib.gpu_plan import run_gpu_plan
 from jaxinfer.gpu_compile import TARGETS
 from jaxinfer.sharding import LAYOUTS
 

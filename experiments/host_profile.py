@@ -1,5 +1,5 @@
 """Host time of an Engine decode step on CPU, part by part, in the engine and
-alone (`jaxinfer.bench.host_profile`).
+alone (`benchlib.host_profile`).
 
   python experiments/host_profile.py                  # bench_moe, batch 8
   python experiments/host_profile.py --model=bench_dense --batch=32
@@ -10,8 +10,8 @@ Writes experiments/results/host_profile_<model>[_decode_steps<n>].json.
 
 from absl import app, flags
 
-from jaxinfer.bench import host_profile, results
-from jaxinfer.bench.decode import machine_info
+from benchlib import host_profile, results
+from benchlib.decode import machine_info
 
 _MODEL = flags.DEFINE_string("model", "bench_moe", "preset")
 _BATCH = flags.DEFINE_integer("batch", 8, "decoding sequences")

@@ -14,7 +14,7 @@ import os
 
 from absl import app, flags
 
-from jaxinfer.bench.kernels import KERNELS, SHAPES, run_kernel_bench
+from benchlib.kernels import KERNELS, SHAPES, run_kernel_bench
 
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"subset of {','.join(KERNELS)}")
 _SHAPES = flags.DEFINE_enum("shapes", "default", list(SHAPES),

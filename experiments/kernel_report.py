@@ -1,5 +1,5 @@
-"""A resource report per kernel case (jaxinfer.bench.kernel_report): each case
-of jaxinfer/bench/gpu_cases.py compiled for its GPU on this CPU machine, with
+"""A resource report per kernel case (benchlib.kernel_report): each case
+of experiments/benchlib/gpu_cases.py compiled for its GPU on this CPU machine, with
 shared memory, registers and spills read from the executable, and planned vs
 minimum HBM bytes and the roofline from the shapes.
 
@@ -16,7 +16,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
 
-from jaxinfer.bench.kernel_report import HEADER, run_report
+from benchlib.kernel_report import HEADER, run_report
 
 _CASES = flags.DEFINE_list("cases", None, "case names (default: every case of gpu_cases)")
 _PTXAS = flags.DEFINE_bool("ptxas", True, "run ptxas -v on each kernel's PTX for spill counts")

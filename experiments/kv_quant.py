@@ -1,6 +1,6 @@
 """Quantized KV cache (fp8 e4m3, int8) against the full-precision cache on the
 default model: greedy agreement and bytes per cached token
-(`jaxinfer.bench.kv_quant`). Writes <out>.json.
+(`benchlib.kv_quant`). Writes <out>.json.
 
   python experiments/kv_quant.py
   python experiments/kv_quant.py --max_tokens=32 --impl=pallas   # Pallas kernels (interpret on CPU)
@@ -13,8 +13,8 @@ import os
 
 from absl import app, flags
 
+from benchlib import kv_quant, results
 from jaxinfer import EngineConfig, run
-from jaxinfer.bench import kv_quant, results
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 32, "prompts cut from stdlib sources")

@@ -23,8 +23,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import app, flags  # noqa: E402
 import ray  # noqa: E402
 
+from benchlib import results  # noqa: E402
 from jaxinfer import EngineConfig, run  # noqa: E402
-from jaxinfer.bench import results  # noqa: E402
 from jaxinfer.serving.cluster import Cluster  # noqa: E402
 from jaxinfer.serving.ray_cluster import measure_transfer  # noqa: E402
 from jaxinfer.serving.ray_worker import WorkerSpec, host_tree  # noqa: E402

@@ -1,6 +1,6 @@
 """XLA:CPU's two ways to multiply a few rows by a projection weight, a dot
 and a multiply-reduce fusion, for float32 and weight-only quantized weights,
-at 1 to 512 rows (`jaxinfer.bench.linear_forms`); with --xla_flags, the same
+at 1 to 512 rows (`benchlib.linear_forms`); with --xla_flags, the same
 again under each XLA_FLAGS setting (one process each), so the CPU flags of
 this jax are measured on the same program.
 
@@ -46,18 +46,18 @@ _ENGINE_CELL = flags.DEFINE_string("engine_cell", None, "internal: weights,batch
 def main(argv):
   del argv
   if _ENGINE_CELL.value:
-    from jaxinfer.bench import linear_forms
+    from benchlib import linear_forms
     weights, batch, setting = _ENGINE_CELL.value.split(",")
     print("MS " + json.dumps(linear_forms.engine_decode_ms(weights, int(batch), setting)))
     return
   if _CHILD.value:
-    from jaxinfer.bench import linear_forms
+    from benchlib import linear_forms
     rows = linear_forms.measure(tuple(_KINDS.value), tuple(int(r) for r in _ROWS.value),
                                 _REPEATS.value)
     print("ROWS " + json.dumps(rows))
     return
-  from jaxinfer.bench import linear_forms, results
-  from jaxinfer.bench.decode import machine_info
+  from benchlib import linear_forms, results
+  from benchlib.decode import machine_info
   base = os.environ.get("XLA_FLAGS", "")
   settings = [""] + [s.strip() for s in _XLA_FLAGS.value.split(";") if s.strip()]
   rows, wins = [], {}

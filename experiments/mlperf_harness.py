@@ -13,7 +13,7 @@ a Server QPS search.
 
 A config (`configs/mlperf_*.py`, default `configs/mlperf_default_model.py`:
 these flags' defaults) sets the flags it names; a flag given on the command
-line wins over it (`jaxinfer.bench.flag_config`).
+line wins over it (`benchlib.flag_config`).
 
 Latency limits are a model's published Server / Interactive TTFT and TPOT
 99th-percentile limits (`--limits`, from mlperf.conf via
@@ -36,10 +36,10 @@ from absl import app, flags
 import jax
 from ml_collections import config_flags
 
+from benchlib import flag_config, results
+from benchlib.sharding_report import parse_mesh
 from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, checkpoint, run, sharding,
                       training, vision_inputs)
-from jaxinfer.bench import flag_config, results
-from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.serving import mlperf, mlperf_http, workloads
 from jaxinfer.tokenizer import HFTokenizer
 

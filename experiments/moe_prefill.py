@@ -1,4 +1,4 @@
-"""MoE prefill variants on CPU (`jaxinfer.bench.moe_prefill`): one bench_moe
+"""MoE prefill variants on CPU (`benchlib.moe_prefill`): one bench_moe
 layer's routed experts over a prefill's tokens, the Engine's split-expert
 loop against other chunk sizes, unfused gate/up, static capacity blocks,
 the grouped ragged_dot and the dense reference; each checked against the
@@ -12,8 +12,8 @@ Writes experiments/results/moe_prefill.json.
 
 from absl import app, flags
 
-from jaxinfer.bench import moe_prefill, results
-from jaxinfer.bench.decode import machine_info
+from benchlib import moe_prefill, results
+from benchlib.decode import machine_info
 
 _MODEL = flags.DEFINE_string("model", "bench_moe", "preset with MoE layers")
 _TOKENS = flags.DEFINE_list("tokens", ["512"], "prefill tokens per call")

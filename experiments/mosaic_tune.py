@@ -18,8 +18,8 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
+from benchlib import kernels
 import pallas_kernels as pk
-from jaxinfer.bench import kernels
 from pallas_kernels import mosaic_paged_attention as mpa
 
 _OUT = flags.DEFINE_string("out", "/tmp/mosaic_tune.json", "the JSON written")

@@ -1,5 +1,5 @@
 """Weight-only quantization error on the bundled default model
-(`jaxinfer/bench/quant_error.py`): logits error and argmax agreement against
+(`experiments/benchlib/quant_error.py`): logits error and argmax agreement against
 float32 for fp8, int8, int4, MXFP4 and NVFP4. Writes <out>.json.
 
   python experiments/quant_error.py
@@ -11,7 +11,7 @@ import os
 
 from absl import app, flags
 
-from jaxinfer.bench import quant_error, results
+from benchlib import quant_error, results
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("methods", list(quant_error.METHODS), "weight formats to measure")

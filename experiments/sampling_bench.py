@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jaxinfer.bench import results
+from benchlib import results
 from jaxinfer.engine import sampling
 
 FLAGS = flags.FLAGS

@@ -45,8 +45,8 @@ import jax  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchlib import flag_config, results  # noqa: E402
 from jaxinfer import EngineConfig, run, sharding  # noqa: E402
-from jaxinfer.bench import flag_config, results  # noqa: E402
 from jaxinfer.serving import workloads  # noqa: E402
 from jaxinfer.serving.cluster import Cluster, percentiles  # noqa: E402
 from jaxinfer.serving.disagg import DisaggConfig  # noqa: E402

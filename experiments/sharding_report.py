@@ -14,7 +14,7 @@ and per forward, PartitionSpecs and shard shapes); --json_out writes the dict.
 
 from absl import app, flags
 
-from jaxinfer.bench.sharding_report import run_sharding_report
+from benchlib.sharding_report import run_sharding_report
 from jaxinfer.sharding import LAYOUTS
 
 _MODEL = flags.DEFINE_string("model", "deepseek_v3", "preset name (jaxinfer.presets)")

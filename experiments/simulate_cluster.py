@@ -16,7 +16,7 @@ scale            roofline step times of --sim_model on the device table:
                  under the DeepSeek-R1 Interactive and Server limits, $/M
                  tokens), KV-aware vs round-robin routing, attention-DP
                  rank balance. Every assumption is in jaxinfer/sim/cost.py and
-                 jaxinfer/bench/sim_scale.py.
+                 experiments/benchlib/sim_scale.py.
 Results: a table on stdout, JSON and a plot under experiments/results/.
 """
 
@@ -27,9 +27,8 @@ import os
 
 from absl import app, flags
 
+from benchlib import results, sim_calibration, sim_scale
 from jaxinfer import run
-from jaxinfer.bench import results
-from jaxinfer.bench import sim_calibration, sim_scale
 from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")

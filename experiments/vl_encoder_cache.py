@@ -1,5 +1,5 @@
 """The vision encoder cache on image requests with repeated images
-(`jaxinfer.bench.vl_encoder`): hit rate and tokens/s with and without it.
+(`benchlib.vl_encoder`): hit rate and tokens/s with and without it.
 Writes <out>.json.
 
   python experiments/vl_encoder_cache.py
@@ -14,8 +14,8 @@ import os
 import jax.numpy as jnp
 from absl import app, flags
 
+from benchlib import results, vl_encoder
 from jaxinfer import EngineConfig, checkpoint, vision_inputs
-from jaxinfer.bench import results, vl_encoder
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FIXTURE = os.path.join(_ROOT, "tests", "fixtures", "hf_vl")

@@ -13,8 +13,8 @@ is `experiments/bench_decode.py --weight_layout=in_out` against
 
 from absl import app, flags
 
-from jaxinfer.bench import results
-from jaxinfer.bench.decode import machine_info
+from benchlib import results
+from benchlib.decode import machine_info
 from jaxinfer.engine import weight_layout
 
 _SHAPES = flags.DEFINE_list("shapes", ["1024x5632", "2816x1024"], "d_in x d_out shapes")

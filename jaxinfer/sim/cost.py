@@ -258,7 +258,7 @@ class RooflineCost:
   # ASSUMED: the least time one layer's kernels take at any batch (launch
   # gaps, latency-bound small kernels). 100 us puts batch-1 decode of
   # DeepSeek-R1 on 8 B200 (TP8, FP4) at 8.8 ms/step (114 tokens/s/user),
-  # near TensorRT-LLM's published 111; see bench/sim_scale.py's anchors.
+  # near TensorRT-LLM's published 111; see experiments/benchlib/sim_scale.py's anchors.
   layer_floor_s: float = 100e-6
   # ASSUMED: per step, sampling and the host's share not overlapped.
   step_overhead_s: float = 300e-6
@@ -283,7 +283,7 @@ class RooflineCost:
   kv_link: str = "nvlink"  # "nvlink" | "network": where disaggregated K/V travels
   # HBM bytes the attention kernel reads per minimum K/V byte (planned /
   # minimum of experiments/results/kernel_report_h100.json, via
-  # jaxinfer.bench.kernel_report.kv_read_factor); 1: every K/V byte once.
+  # benchlib.kernel_report.kv_read_factor); 1: every K/V byte once.
   attn_kv_factor: float = 1.0
 
   def __post_init__(self):

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
+from benchlib import decode
 from jaxinfer import ModelConfig, hf_config, models, presets
-from jaxinfer.bench import decode
 from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).parents[2]

@@ -1,5 +1,5 @@
 """configs/*.py: every config loads, names its script, and that script's own
-flag parsing consumes every field (`--config=` + `jaxinfer.bench.flag_config`,
+flag parsing consumes every field (`--config=` + `benchlib.flag_config`,
 run in a subprocess without the experiment); default configs equal the
 flags' defaults, so a script behaves the same with and without one."""
 
@@ -14,9 +14,12 @@ import pytest
 from absl import flags
 from ml_collections import config_dict
 
-from jaxinfer.bench import flag_config
+from benchlib import flag_config
 
 ROOT = pathlib.Path(__file__).parents[2]
+# `python -c` children import benchlib (experiments/benchlib) as the scripts do.
+_PYTHONPATH = os.pathsep.join(p for p in (str(ROOT / "experiments"), os.environ.get("PYTHONPATH"))
+                              if p)
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
 # Parameterised configs: file -> the arguments (`--config=file.py:arg`) to check.
 ARGS = {"bench_decode.py": ["", "bench_moe"], "serving_topologies.py": ["", "tp2", "dp_ep2"]}
@@ -26,7 +29,7 @@ ARGS = {"bench_decode.py": ["", "bench_moe"], "serving_topologies.py": ["", "tp2
 _PARSE = """
 import importlib.util, json, sys
 from absl import flags
-from jaxinfer.bench import flag_config
+from benchlib import flag_config
 path, argv = sys.argv[1], sys.argv[2:]
 spec = importlib.util.spec_from_file_location("script_under_test", path)
 sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # absl: flags' module
@@ -51,7 +54,7 @@ def _load(name, arg=""):
 def _parse(script, *argv):
   proc = subprocess.run([sys.executable, "-c", _PARSE, str(ROOT / script), *argv], cwd=ROOT,
                         capture_output=True, text=True, timeout=300,
-                        env={"JAX_PLATFORMS": "cpu", **os.environ})
+                        env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 

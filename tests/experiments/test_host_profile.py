@@ -1,7 +1,7 @@
 """`bench.host_profile` times every part of a real decode step's dispatch and
 leaves the engine able to keep generating."""
 
-from jaxinfer.bench import host_profile
+from benchlib import host_profile
 
 
 def test_host_profile_times_each_part_in_the_engine_and_alone():

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from jaxinfer.bench import kernels
-from jaxinfer.bench.kernels import KERNELS, run_kernel_bench
+from benchlib import kernels
+from benchlib.kernels import KERNELS, run_kernel_bench
 
 
 def _finite_positive(x):

@@ -1,11 +1,11 @@
-"""Wide-EP exchange bytes from compiled H100 programs (`jaxinfer.bench.ep_bytes`):
+"""Wide-EP exchange bytes from compiled H100 programs (`benchlib.ep_bytes`):
 the worst-case buffers moved n times the routed rows; the capacity exchange
 moves 1.25x at larger batches; the ragged one moves exactly the routed rows."""
 
 import pytest
 
+from benchlib import ep_bytes
 from jaxinfer import gpu_compile, presets
-from jaxinfer.bench import ep_bytes
 
 
 def test_collective_bytes_reads_sync_and_async_forms():

@@ -2,7 +2,7 @@
 decode, speculative MTP, the attention-DP `shard_map` step with expert
 parallelism and the Qwen3-VL image step (with its vision encoder) are
 compiled into H100 executables on this CPU machine from abstract params
-(`jaxinfer.bench.gpu_plan`), with the config's kernel target set to "gpu":
+(`benchlib.gpu_plan`), with the config's kernel target set to "gpu":
 the compiled HLO must hold the Pallas Triton kernels, not the XLA
 fallback. Also the ops target contract and gpu_plan's fit verdicts."""
 
@@ -18,8 +18,8 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import FIXTURES
+from benchlib import gpu_plan, sharding_report
 from jaxinfer import gpu_compile, ops, presets, sharding
-from jaxinfer.bench import gpu_plan, sharding_report
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import sampling_extras, steps
 from jaxinfer.engine.ranks import Ranks

@@ -1,4 +1,4 @@
-"""The GPU compile gate for the kernels: every case of `jaxinfer.bench.gpu_cases`
+"""The GPU compile gate for the kernels: every case of `benchlib.gpu_cases`
 (seed-model shapes, 32k-page pools, verify Q = 1..4, mixed 512+-token steps)
 is compiled into an H100 (or A100) executable on this CPU machine, from
 abstract shapes. A missing toolchain fails here: the gate never skips."""
@@ -7,8 +7,8 @@ import jax
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchlib import gpu_cases
 from jaxinfer import gpu_compile
-from jaxinfer.bench import gpu_cases
 
 
 def test_toolchain_present():

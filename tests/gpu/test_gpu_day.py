@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import subprocess_env
-from jaxinfer.bench import gpu_day
+from benchlib import gpu_day
 
 ROOT = pathlib.Path(__file__).parents[2]
 
@@ -76,7 +76,7 @@ def test_part_deadlines_pass_unused_time_on():
 
 
 def test_the_gpu_machine_script_never_installs():
-  for path in ("experiments/gpu_day.py", "jaxinfer/bench/gpu_day.py",
-               "jaxinfer/bench/gpu_engine.py", "jaxinfer/bench/kernels.py"):
+  for path in ("experiments/gpu_day.py", "experiments/benchlib/gpu_day.py",
+               "experiments/benchlib/gpu_engine.py", "experiments/benchlib/kernels.py"):
     source = (ROOT / path).read_text()
     assert not re.search(r"\bpip\b|ensurepip|install_requires", source), path

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
+from benchlib import gpu_engine
 from jaxinfer import models, presets
-from jaxinfer.bench import gpu_engine
 from pallas_kernels.mosaic_paged_attention import available as mosaic_available
 
 ROOF = dict(hbm_gbps=20.0, matmul_tflops=0.2)  # as bench.kernels.measure_roofline gives it

@@ -4,8 +4,8 @@ decode cases, and the simulator charging what the report says kernels read."""
 
 import pytest
 
+from benchlib import gpu_cases, gpu_executable, kernel_report, traffic
 from jaxinfer import gpu_compile, presets
-from jaxinfer.bench import gpu_cases, gpu_executable, kernel_report, traffic
 from jaxinfer.sim.cost import RooflineCost, StepShape, device
 
 

@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
+from benchlib import gpu_plan
 from jaxinfer import gpu_compile, presets
-from jaxinfer.bench import gpu_plan
 from jaxinfer.config import QuantConfig
 
 SMALL = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)

@@ -15,10 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchlib import gpu_cases
 import pallas_kernels as pk
 from conftest import ON_GPU, subprocess_env
 from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
-from jaxinfer.bench import gpu_cases
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 

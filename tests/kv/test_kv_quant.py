@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import float32_model as _model, random_prompts
+from benchlib import kv_quant
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, models, presets, run, sharding
-from jaxinfer.bench import kv_quant
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
 from jaxinfer.kv.pool import KV_CACHE_DTYPES, quantize
 from jaxinfer.models import transformer

@@ -4,7 +4,7 @@ gate/up, the grouped ragged_dot)."""
 
 import pytest
 
-from jaxinfer.bench import moe_prefill
+from benchlib import moe_prefill
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64])

@@ -18,6 +18,7 @@ import importlib
 import inspect
 import pathlib
 import re
+import sys
 
 import pytest
 
@@ -98,6 +99,8 @@ def test_linked_pages_exist():
 if __name__ == "__main__":
   # python tests/repo/test_docs.py: rewrites every quoted block with the current
   # docstring (review the diff: the prose around a quote may need updating too).
+  # benchlib (experiments/benchlib) as pytest finds it (pyproject.toml's pythonpath).
+  sys.path.insert(0, str(ROOT / "experiments"))
   for page in DOCS:
     text = page.read_text()
     new = QUOTE.sub(lambda m: f"<!-- docstring: {m.group(1)} -->\n```text\n"

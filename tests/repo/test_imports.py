@@ -1,5 +1,6 @@
-"""The import graph of jaxinfer and pallas_kernels has no cycle, and no module
-hides one behind a function-local import (docs/style.md, "Avoid").
+"""The import graph of jaxinfer, pallas_kernels and the experiments' benchmark
+library (experiments/benchlib, imported as `benchlib`) has no cycle, and no
+module hides one behind a function-local import (docs/style.md, "Avoid").
 
 Every `import` / `from ... import` is read with `ast`, module-level and
 function-local alike, so a cycle cannot be hidden from this test either.
@@ -14,9 +15,10 @@ import ast
 import pathlib
 
 ROOT = pathlib.Path(__file__).parents[2]
-PACKAGES = ("jaxinfer", "pallas_kernels")
+# Package -> the folder its top-level directory sits in (what sys.path holds).
+PACKAGES = {"jaxinfer": ROOT, "pallas_kernels": ROOT, "benchlib": ROOT / "experiments"}
 
-# Function-local imports of jaxinfer / pallas_kernels modules that stay, each
+# Function-local imports of jaxinfer / pallas_kernels / benchlib modules that stay, each
 # with its reason: (importing module, imported module) -> why.
 LOCAL_IMPORT_ALLOWLIST: dict[tuple[str, str], str] = {}
 
@@ -28,9 +30,9 @@ KNOWN_CYCLES: set[tuple[str, ...]] = set()
 def module_files() -> dict[str, pathlib.Path]:
   """Dotted module name -> file, for every module of PACKAGES."""
   out = {}
-  for pkg in PACKAGES:
-    for f in sorted((ROOT / pkg).rglob("*.py")):
-      parts = f.relative_to(ROOT).with_suffix("").parts
+  for pkg, base in PACKAGES.items():
+    for f in sorted((base / pkg).rglob("*.py")):
+      parts = f.relative_to(base).with_suffix("").parts
       if parts[-1] == "__init__":
         parts = parts[:-1]
       out[".".join(parts)] = f
@@ -140,6 +142,9 @@ def test_graph_sees_every_module_and_the_moe_layering():
   assert "jaxinfer.models.moe_core" in edges["jaxinfer.models.moe_ep"]
   assert "jaxinfer.models.moe_ep" in edges["jaxinfer.models.moe"]
   assert "jaxinfer.hf_config" in edges["jaxinfer.config"]
+  # The benchmark library is walked too, from experiments/.
+  assert {"benchlib.gpu_engine", "benchlib.kernels"} <= edges["benchlib.gpu_day"]
+  assert "benchlib.results" in edges["benchlib.decode"]
   # The HF config mappers are plain-dict modules (config.py imports them).
   assert edges["jaxinfer.hf_config"] == {"jaxinfer.hf_quant_config"}
   assert not edges["jaxinfer.hf_quant_config"]
@@ -161,7 +166,8 @@ def test_no_function_local_imports_of_our_modules():
   _, local = import_graph()
   bad = [f"{m}:{line} imports {t}" for m, t, line in local
          if (m, t) not in LOCAL_IMPORT_ALLOWLIST]
-  assert not bad, "function-local imports of jaxinfer/pallas_kernels modules:\n" + "\n".join(bad)
+  assert not bad, ("function-local imports of jaxinfer/pallas_kernels/benchlib modules:\n"
+                   + "\n".join(bad))
   used = {(m, t) for m, t, _ in local}
   stale = sorted(set(LOCAL_IMPORT_ALLOWLIST) - used)
   assert not stale, f"no longer imported locally, remove from the allowlist: {stale}"

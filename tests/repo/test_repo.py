@@ -1,6 +1,9 @@
-"""Repository contracts: README's commands match CI; layers never import upward."""
+"""Repository contracts: README's commands match CI; layers never import upward;
+the installed library holds no benchmark code (that is experiments/benchlib)."""
 
 import ast
+import configparser
+import fnmatch
 import pathlib
 import re
 import shutil
@@ -16,18 +19,21 @@ LAYERS = [
     ("jaxinfer/models", 2),
     ("jaxinfer/kv/pool.py", 1), ("jaxinfer/kv/contexts.py", 2), ("jaxinfer/kv", 3),
     ("jaxinfer/checkpoint", 3), ("jaxinfer/tokenizer.py", 1),
-    ("jaxinfer/vision_inputs.py", 1), ("jaxinfer/sharding.py", 3), ("jaxinfer/eplb.py", 3), ("jaxinfer/bench", 5),
+    ("jaxinfer/vision_inputs.py", 1), ("jaxinfer/sharding.py", 3), ("jaxinfer/eplb.py", 3),
     ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5), ("jaxinfer/training.py", 3),
     ("jaxinfer/serving", 5), ("jaxinfer/sim", 5), ("jaxinfer/gpu_compile.py", 3),
+    # The experiments' benchmark library (imported as `benchlib`): above the library.
+    ("experiments/benchlib", 6),
 ]
 MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
                 "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.xla_attention": 1,
                 "jaxinfer.models": 2,
                 "jaxinfer.kv.pool": 1, "jaxinfer.kv.contexts": 2, "jaxinfer.kv": 3,
                 "jaxinfer.checkpoint": 3, "jaxinfer.tokenizer": 1,
-                "jaxinfer.vision_inputs": 1, "jaxinfer.sharding": 3, "jaxinfer.eplb": 3, "jaxinfer.bench": 5,
+                "jaxinfer.vision_inputs": 1, "jaxinfer.sharding": 3, "jaxinfer.eplb": 3,
                 "jaxinfer.engine": 4, "jaxinfer.run": 5, "jaxinfer.training": 3,
-                "jaxinfer.serving": 5, "jaxinfer.sim": 5, "jaxinfer.gpu_compile": 3}
+                "jaxinfer.serving": 5, "jaxinfer.sim": 5, "jaxinfer.gpu_compile": 3,
+                "benchlib": 6}
 # Within a layer: (importer, what it must not import).
 FORBIDDEN = [("jaxinfer/serving", "jaxinfer.sim")]
 
@@ -96,3 +102,41 @@ def test_serving_does_not_import_the_simulator():
          for f in sorted((ROOT / where).rglob("*.py")) for n in _imports(f)
          if n == banned or n.startswith(banned + ".")]
   assert not bad, bad
+
+
+def _imported_names(f):
+  """Every dotted name an import in `f` names (`from a import b`: a and a.b;
+  relative imports keep their leading dots)."""
+  for node in ast.walk(ast.parse(f.read_text())):
+    if isinstance(node, ast.Import):
+      yield from (a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom):
+      base = "." * node.level + (node.module or "")
+      sep = "." if node.module else ""
+      yield base
+      yield from (f"{base}{sep}{a.name}" for a in node.names)
+
+
+def test_the_library_holds_no_benchmark_code():
+  # Benchmarks live in experiments/benchlib (imported as `benchlib`), outside the
+  # installed package: no package under jaxinfer/ or pallas_kernels/ is a bench
+  # package, and no module there imports benchlib or a bench package.
+  files = [f for top in ("jaxinfer", "pallas_kernels") for f in sorted((ROOT / top).rglob("*.py"))]
+  assert len(files) > 50, "the check found too few modules to be looking at the library"
+  benchy = lambda parts: any(p in ("bench", "benchlib") for p in parts)
+  bad = [str(f.relative_to(ROOT)) for f in files if benchy(f.relative_to(ROOT).parts[:-1])]
+  bad += [f"{f.relative_to(ROOT)} imports {n}" for f in files for n in _imported_names(f)
+          if benchy(n.strip(".").split("."))]
+  assert not bad, bad
+
+
+def test_benchlib_is_not_installed_with_the_package():
+  # setup.cfg's package list names the library's packages only.
+  cfg = configparser.ConfigParser(interpolation=None)
+  cfg.read(ROOT / "setup.cfg")
+  include = cfg["options.packages.find"]["include"].split()
+  assert include and all(p.split(".")[0] in ("jaxinfer", "pallas_kernels") for p in include), \
+      include
+  for name in ("benchlib", "benchlib.kernels", "experiments", "experiments.benchlib"):
+    assert not any(fnmatch.fnmatch(name, p) for p in include), (name, include)
+  assert (ROOT / "experiments" / "benchlib" / "__init__.py").exists()

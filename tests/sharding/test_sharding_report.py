@@ -14,8 +14,8 @@ import jax
 import numpy as np
 import pytest
 
+from benchlib.sharding_report import format_report, parse_mesh, sharding_report
 from jaxinfer import models, presets, sharding
-from jaxinfer.bench.sharding_report import format_report, parse_mesh, sharding_report
 from jax.sharding import NamedSharding
 from jaxinfer.kv.cache import init_pool
 from jaxinfer.models import moe_ep, transformer
@@ -144,7 +144,7 @@ def test_experiment_script(tmp_path):
 def test_quantized_weights_use_their_real_sizes():
   """DeepSeek-V3 as shipped (block FP8) on 8 GPUs: about half the bf16 bytes,
   and over an H100's 80 GB where NVFP4 fits."""
-  from jaxinfer.bench import sharding_report as sr
+  from benchlib import sharding_report as sr
   bf16 = sr.sharding_report(model="deepseek_v3", mesh_axes={"expert": 8}, layout="dp_attn_ep")
   fp8 = sr.sharding_report(model="deepseek_v3", mesh_axes={"expert": 8}, layout="dp_attn_ep",
                            quant="fp8")

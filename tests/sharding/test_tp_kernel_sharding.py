@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchlib import gpu_plan
 from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, presets, sharding
-from jaxinfer.bench import gpu_plan
 from jaxinfer.engine import steps
 from jaxinfer.models.moe_ep import plan_from_params
 

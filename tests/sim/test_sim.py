@@ -219,7 +219,7 @@ def test_measured_steps_and_simulated_steps_match_the_real_engine():
   # A burst runs the same schedule in the engine and in the simulator (the
   # same Scheduler, no timing in the loop): equal step counts and tokens.
   from jaxinfer.serving.cluster import Cluster
-  from jaxinfer.bench.sim_calibration import measure_steps
+  from benchlib.sim_calibration import measure_steps
   from jaxinfer.serving.worker import Worker
   import jax
   cfg = presets.get("tiny_dense", num_layers=1, dtype="float32")

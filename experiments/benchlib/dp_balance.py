@@ -16,7 +16,7 @@ import time
 
 import numpy as np
 
-from jaxinfer.bench.decode import count_xla_compiles
+from benchlib.decode import count_xla_compiles
 from jaxinfer.engine.engine import Engine, EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
 

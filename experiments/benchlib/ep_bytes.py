@@ -30,8 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchlib import gpu_plan
 from jaxinfer import gpu_compile, sharding
-from jaxinfer.bench import gpu_plan
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe as moe_lib, specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params

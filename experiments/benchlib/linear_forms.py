@@ -17,9 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchlib.decode import quantized
 import jaxinfer
 from jaxinfer import models
-from jaxinfer.bench.decode import quantized
 from jaxinfer.models import layers, quant
 
 D, F, LAYERS = 1024, 2816, 8

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchlib import results
+from benchlib.sharding_report import parse_mesh
 from jaxinfer import gpu_compile, presets, sharding
-from jaxinfer.bench import results
-from jaxinfer.bench.sharding_report import parse_mesh
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
 from jaxinfer.engine.ranks import Ranks

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchlib.decode import count_xla_compiles, decode_bytes_per_step, expected_experts
+from benchlib.kernels import measure_roofline, short_error
 from jaxinfer import models, presets
-from jaxinfer.bench.decode import count_xla_compiles, decode_bytes_per_step, expected_experts
-from jaxinfer.bench.kernels import measure_roofline, short_error
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.engine.speculative import MTPConfig

@@ -38,9 +38,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchlib import results
 from jaxinfer import hf_config as hf_config_lib
 from jaxinfer import models, presets
-from jaxinfer.bench import results
 from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.models.attention import cache_entry_shapes

@@ -32,8 +32,8 @@ from typing import Iterable
 import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from benchlib import gpu_cases, gpu_executable, results, traffic
 from jaxinfer import gpu_compile
-from jaxinfer.bench import gpu_cases, gpu_executable, results, traffic
 
 L2_BYTES = {"h100": 50e6, "a100": 40e6}  # datasheet L2 sizes, for the notes only
 

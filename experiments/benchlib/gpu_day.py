@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from jaxinfer.bench import gpu_engine, kernels
+from benchlib import gpu_engine, kernels
 
 PARTS = ("tests", "kernels", "engine")
 SHARES = {"tests": 0.22, "kernels": 0.40, "engine": 0.38}  # of the budget, before carry-over

@@ -38,8 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
 
+from benchlib import results
 from jaxinfer import presets, sharding
-from jaxinfer.bench import results
 from jaxinfer.kv.pool import PoolLayout
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
