@@ -194,15 +194,10 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   """
   impl, interpret = resolve(implementation, target)
   if impl == "mosaic":
-    if max_q == 1 and v_pages is None and not _mosaic_mla_unsupported(
-        q, k_pages, v_head_dim, window, sinks, k_scale):
-      return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
-                                layer, interpret)
-    if max_q == 1 and not mosaic.unsupported(
-        (1, 1, *q.shape[1:]), q.dtype, k_pages.shape, quantized=k_scale is not None,
-        values_dim=None if v_pages is None else v_pages.shape[-1]):
-      return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks,
-                            scale, layer, interpret)
+    out = _mosaic_decode(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
+                         sinks, scale, v_head_dim, layer, k_scale, interpret)
+    if out is not None:
+      return out
     impl = "pallas"
   if impl == "pallas":
     tiling = {}
@@ -244,6 +239,24 @@ def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, 
                                       sm_scale=scale, window=window, sinks=sinks,
                                       num_splits=splits, layer=layer, interpret=interpret)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
+
+
+def _mosaic_decode(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
+                   scale, v_head_dim, layer, k_scale, interpret):
+  """A decode-only step on the Mosaic GPU kernel that takes it (MLA's latent
+  pool or GQA pages), or None when neither does."""
+  if max_q != 1:
+    return None
+  if v_pages is None and not _mosaic_mla_unsupported(q, k_pages, v_head_dim, window, sinks,
+                                                     k_scale):
+    return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
+                              layer, interpret)
+  if mosaic.unsupported((1, 1, *q.shape[1:]), q.dtype, k_pages.shape,
+                        quantized=k_scale is not None,
+                        values_dim=None if v_pages is None else v_pages.shape[-1]):
+    return None
+  return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks,
+                        scale, layer, interpret)
 
 
 def _mosaic_mla_unsupported(q, k_pages, latent_dim, window, sinks, k_scale) -> str | None:
