@@ -1,6 +1,7 @@
 """Step runners: each builds its step's batch from the host core's chunks,
 dispatches the jitted program and reads the results back, with its own
-queue of steps in flight. `Engine` holds one and calls `step`.
+queue of steps in flight. `Engine.step` calls its runner's `dispatch`, then
+its `read`.
 
   PlainRunner  `steps.step` (`steps.decode_steps`): one sampled token per
                sequence whose chunk reaches its end (every DP rank steps)
