@@ -15,6 +15,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models, presets
@@ -87,7 +88,8 @@ def _alone(eng, last, repeats: int, step_fn):
   alone = {"rank_batch": _time(lambda: runners.rank_batch(*last["rank_batch"][0]), repeats)}
   a, k = last["step call"]
   cfg_, params, _, batch_, prev = a[:5]
-  pool, load = eng.pool, eng._load  # donated below: the engine is not stepped again
+  # Copies: the calls donate them, and the engine keeps its own.
+  pool, load = jax.tree.map(jnp.copy, (eng.pool, eng._load))
 
   def call():
     nonlocal pool, load
