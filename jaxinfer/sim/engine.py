@@ -1,8 +1,8 @@
 """The simulated engine: the engine's own host core (`engine.core.HostCore`:
 requests, one `Scheduler` + `PageAllocator` per attention-DP rank, the rank
 choice, the K/V page hand-over, the padded step shapes), held as `core` and
-stepped on the simulator's event clock. A step's duration comes from a cost model
-(`sim/cost.py`); its sampled tokens are id 0 (requests end on max_tokens,
+stepped on the simulator's event clock. A step's duration comes from a cost
+model (`sim/cost.py`); its sampled tokens are id 0 (requests end on max_tokens,
 never on a stop token) and MTP acceptance is drawn per decode row from
 per-position acceptance rates (P(accepted length > j), as `Engine.stats()`
 reports them). A disaggregated prefill's K/V moves in whole pages and lands
@@ -149,9 +149,10 @@ class SimEngine:
     if not max_model_len:
       raise ValueError(f"worker {name}: give EngineConfig.max_model_len (the cost model has no "
                        "model to take it from)")
+    num_pages = c.num_pages or spec.cost.kv_pages(c.page_size)
     round_robin = spec.rank_policy == "round_robin"
-    self.core = HostCore(c, num_ranks=spec.ranks, num_pages=c.num_pages or spec.cost.kv_pages(
-        c.page_size), max_model_len=max_model_len, vocab_size=_ANY_TOKEN, eos_ids=(),
+    self.core = HostCore(c, num_ranks=spec.ranks, num_pages=num_pages, max_model_len=max_model_len,
+                         vocab_size=_ANY_TOKEN, eos_ids=(),
                          pick_rank=self._round_robin if round_robin else None)
     self.spec, self.cost = spec, spec.cost
     self.clock, self._wake_at = clock, wake_at
