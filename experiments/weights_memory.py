@@ -45,7 +45,7 @@ def measure(model: str) -> dict:
   weight_bytes = sum(w.nbytes for w in jax.tree.leaves(params))
   rss["params"] = _status("VmRSS")
   engine = Engine(cfg, params, EngineConfig(num_pages=64, page_size=16, unroll_layers=True))
-  jax.block_until_ready(engine._step_params)
+  jax.block_until_ready(engine._model.params)
   rss["params_and_engine"] = _status("VmRSS")
   del params
   gc.collect()

@@ -212,7 +212,7 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
               decode=_spread([d for _, d in runs]) if new_tokens > 1 else None,
               compiles_warm=warm, compiles_after=stats["compiles"],
               xla_compiles_timed=xla_compiles[0], host_ms_per_step=stats["host_ms_per_step"],
-              param_leaves=len(jax.tree.leaves(engine._step_params)))
+              param_leaves=len(jax.tree.leaves(engine._model.params)))
 
 
 # ----------------------------------------------------------------------------- HF peer

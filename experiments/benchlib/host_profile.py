@@ -15,6 +15,7 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models, presets
@@ -58,7 +59,7 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
   wrap(eng._runner, "_dispatch", "dispatch")
   wrap(steps, "decode_steps" if multi else "step", "step call")
   wrap(runners, "rank_batch", "rank_batch")
-  wrap(eng, "schedule_ranks", "schedule")
+  wrap(eng.core, "schedule_ranks", "schedule")
   rng = np.random.default_rng(0)
   for _ in range(2):
     eng.generate(rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist(),
@@ -87,7 +88,8 @@ def _alone(eng, last, repeats: int, step_fn):
   alone = {"rank_batch": _time(lambda: runners.rank_batch(*last["rank_batch"][0]), repeats)}
   a, k = last["step call"]
   cfg_, params, _, batch_, prev = a[:5]
-  pool, load = eng.pool, eng._load
+  # Copies: the calls donate them, and the engine keeps its own.
+  pool, load = jax.tree.map(jnp.copy, (eng.pool, eng._load))
 
   def call():
     nonlocal pool, load
@@ -104,7 +106,6 @@ def _alone(eng, last, repeats: int, step_fn):
         out.block_until_ready()
     out.block_until_ready()
     alone[f"step call, {mode}"] = _ms(t)
-  eng.pool, eng._load = pool, load
   trivial = jax.jit(lambda p: 0, keep_unused=True)
   trivial(params)
   alone["trivial jit of the same weights"] = _time(lambda: trivial(params), repeats)

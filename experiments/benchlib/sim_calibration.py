@@ -71,7 +71,7 @@ def measure_steps(cluster: Cluster, items) -> tuple[list, list, float]:
   original = sch.on_dispatch
 
   def on_dispatch(scheduled):
-    dispatched.append(step_shape(scheduled, engine=engine))
+    dispatched.append(step_shape(scheduled, core=engine.core))
     original(scheduled)
 
   marks = []  # (time, shapes dispatched so far, work left after the step)

@@ -2,14 +2,18 @@
 attention-DP rank, the rank choice, the KV hand-over bookkeeping of
 disaggregated serving and the step's bucketed program shapes.
 
-`Engine` runs this core on devices; the cluster simulator (`jaxinfer/sim/`)
-runs the same core with modelled step times, so what it schedules, admits,
-reserves and pads is the engine's own code.
+`HostCore` is a plain object, without devices. `Engine` holds one and runs
+it on devices; the cluster simulator's `SimEngine` (`jaxinfer/sim/`) holds
+one and steps it with modelled step times, so what it schedules, admits,
+reserves and pads is the engine's own code; `RemoteEngine` holds one for the
+engine's request checks in a serving driver. The holders forward the host
+API the serving flow calls to their core (`forward`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Sequence
 
@@ -50,36 +54,45 @@ class RequestOutput:
   prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
-class EngineCore:
+def prefill_chunk(config) -> int:
+  """The prompt chunk an `EngineConfig`'s steps prefill in (the token budget at most)."""
+  return min(config.prefill_chunk_size or config.max_num_batched_tokens,
+             config.max_num_batched_tokens)
+
+
+class HostCore:
   """Requests over per-rank schedulers and page allocators (no devices).
 
-  A subclass calls `_init_core` with an `EngineConfig` and the ranks' pool
-  size, then steps the schedulers its own way."""
+  A plain object that `Engine` and the simulator's `SimEngine` each hold as
+  `core` and step their own way (schedule, dispatch, apply); `RemoteEngine`
+  holds one for its request checks. config: an `EngineConfig`; num_pages:
+  each rank's pool size. pick_rank: a callable () -> the rank of a new
+  request (None: the least-loaded rank, `Scheduler.load`)."""
 
-  def _init_core(self, config, *, num_ranks: int, num_pages: int, max_model_len: int,
-                 vocab_size: int, eos_ids: Sequence[int]) -> None:
+  def __init__(self, config, *, num_ranks: int, num_pages: int, max_model_len: int,
+               vocab_size: int, eos_ids: Sequence[int], pick_rank=None) -> None:
     self.config, self.num_ranks, self.max_model_len = config, num_ranks, max_model_len
     self.max_pages_per_seq = -(-max_model_len // config.page_size)
-    self.vocab_size, self._eos_ids = vocab_size, frozenset(eos_ids)
-    self._spec = config.speculative
+    self.vocab_size, self.eos_ids = vocab_size, frozenset(eos_ids)
+    self.spec = config.speculative
     self.allocators = [PageAllocator(num_pages, config.page_size,
                                      prefix_caching=config.enable_prefix_caching)
                        for _ in range(num_ranks)]
     self.allocator = self.allocators[0]
-    chunk = min(config.prefill_chunk_size or config.max_num_batched_tokens,
-                config.max_num_batched_tokens)
+    self.chunk = prefill_chunk(config)
     self.schedulers = [Scheduler(a, max_num_seqs=config.max_num_seqs,
                                  max_num_batched_tokens=config.max_num_batched_tokens,
-                                 prefill_chunk_size=chunk, max_model_len=max_model_len)
+                                 prefill_chunk_size=self.chunk, max_model_len=max_model_len)
                        for a in self.allocators]
     self.scheduler = self.schedulers[0]
-    self._chunk = chunk
-    self._requests: dict[int, Request] = {}
+    self.requests: dict[int, Request] = {}
     self._next_id = 0
+    self._rank_policy = pick_rank
 
   # ------------------------------------------------------------ requests
 
-  def _validate(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
+  def check_request(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
+    """Validates a request without queueing it -> (token ids, sampling)."""
     if sampling is None:
       sampling = SamplingParams()
     if not isinstance(sampling, SamplingParams):
@@ -108,7 +121,7 @@ class EngineCore:
     if bad:
       raise ValueError(f"SamplingParams: logit_bias token ids must be in [0, {self.vocab_size}), "
                        f"got {bad[0]}")
-    if self._spec is not None and sampling.uses_extras:
+    if self.spec is not None and sampling.uses_extras:
       named = [n for n, on in (("min_tokens", sampling.min_tokens),
                                ("logit_bias", sampling.logit_bias),
                                ("repetition_penalty", sampling.repetition_penalty != 1),
@@ -117,51 +130,50 @@ class EngineCore:
       raise ValueError(f"SamplingParams: {', '.join(named)} not supported with speculative "
                        f"decoding (EngineConfig.speculative); ignore_eos is")
 
-  def check_request(self, prompt, sampling) -> tuple[list[int], SamplingParams]:
-    """Validates a request without queueing it -> (token ids, sampling)."""
-    return self._validate(prompt, sampling)
-
   def submit(self, prompt: Sequence[int], sampling: SamplingParams | None = None, *,
              hold_pages: bool = False) -> int:
     """Queues a request; returns its id. Raises on bad input, queueing nothing.
     hold_pages: when it finishes (not on abort), its KV pages stay allocated
     for `take_pages` (a disaggregated prefill hands them to a decode worker)."""
-    rid = self._enqueue(*self._validate(prompt, sampling))
-    self._requests[rid].hold_pages = hold_pages
-    return rid
+    return self.enqueue(*self.check_request(prompt, sampling), hold_pages=hold_pages)
+
+  def enqueue(self, tokens: list[int], sampling: SamplingParams, **fields) -> int:
+    """Queues a checked request (`check_request`'s output) on its rank ->
+    its id. fields: more `Request` fields (hold_pages, mm)."""
+    req = self._new_request(tokens, sampling, **fields)
+    self.schedulers[req.rank].add(req)
+    return req.id
 
   def _new_request(self, tokens: list[int], sampling: SamplingParams, **fields) -> Request:
     stop = set(sampling.stop_token_ids)
     if not (self.config.ignore_eos or sampling.ignore_eos):
-      stop |= self._eos_ids
+      stop |= self.eos_ids
     rid = self._next_id
     self._next_id += 1
-    fields.setdefault("rank", self._pick_rank())
+    fields.setdefault("rank", self.pick_rank())
     fields.setdefault("logprobs", None if sampling.logprobs is None else [])
     fields.setdefault("prompt_logprobs", None if sampling.prompt_logprobs is None else [None])
     req = Request(id=rid, prompt=tokens, sampling=sampling, stop_ids=frozenset(stop), **fields)
-    self._requests[rid] = req
+    self.requests[rid] = req
     return req
 
-  def _enqueue(self, tokens: list[int], sampling: SamplingParams) -> int:
-    req = self._new_request(tokens, sampling)
-    self.schedulers[req.rank].add(req)
-    return req.id
-
-  def _pick_rank(self) -> int:
-    """The DP rank with the least work (`Scheduler.load`)."""
+  def pick_rank(self) -> int:
+    """The DP rank of a new request: the one with the least work
+    (`Scheduler.load`), unless the core was given its own policy."""
+    if self._rank_policy is not None:
+      return self._rank_policy()
     return min(range(self.num_ranks), key=lambda r: self.schedulers[r].load())
 
   def abort(self, request_id: int) -> RequestOutput:
     """Stops a request, freeing its pages; returns what it produced."""
-    req = self._requests.get(request_id)
+    req = self.requests.get(request_id)
     if req is None:
       raise ValueError(f"abort: unknown request_id {request_id}")
     if not req.finished:
       self.schedulers[req.rank].finish(req, "abort")
     return self.output(request_id)
 
-  def _fail_unfinished(self) -> list[int]:
+  def fail_unfinished(self) -> list[int]:
     """Ends every queued or running request with finish_reason "error"
     (a step failed), freeing its pages. -> their ids."""
     ended = [r for s in self.schedulers for r in (*s.running, *s.waiting)]
@@ -175,7 +187,7 @@ class EngineCore:
 
   def output(self, request_id: int) -> RequestOutput:
     """The request's `RequestOutput` now (finished or not)."""
-    req = self._requests[request_id]
+    req = self.requests[request_id]
     tpot = None
     if req.finish_s is not None and len(req.output) > 1:
       tpot = (req.finish_s - req.first_token_s) / (len(req.output) - 1)
@@ -196,13 +208,13 @@ class EngineCore:
     """The logprobs of the request's last `count` tokens and its prompt
     logprobs (None where not asked), without copying the whole output:
     streaming reads these each step."""
-    req = self._requests[request_id]
+    req = self.requests[request_id]
     tail = None if req.logprobs is None else req.logprobs[len(req.output) - count:]
     return tail, req.prompt_logprobs
 
-  def _core_stats(self, counts) -> dict:
-    """The host's counters (`Engine.stats`); counts: the runner's `StepCounts`."""
-    allocs, reqs = self.allocators, self._requests.values()
+  def stats(self, counts) -> dict:
+    """The host's counters (`Engine.stats`); counts: the step runner's `StepCounts`."""
+    allocs, reqs = self.allocators, self.requests.values()
     return dict(
         steps=counts.steps,
         tokens_per_step=counts.tokens / max(counts.steps, 1),
@@ -242,7 +254,7 @@ class EngineCore:
 
   def spec_draft_tokens(self, sch: Scheduler) -> int:
     """The MTP drafts K of a rank's next speculative step (by its batch)."""
-    return self._spec.draft_tokens_for(
+    return self.spec.draft_tokens_for(
         min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
 
   def step_shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
@@ -271,7 +283,7 @@ class EngineCore:
   def take_pages(self, request_id: int) -> tuple[int, list[int]]:
     """A finished request submitted with hold_pages: -> (rank, its KV pages
     in token order), now the caller's to `read_pages` and `release_pages`."""
-    req = self._requests.get(request_id)
+    req = self.requests.get(request_id)
     if req is None or not req.hold_pages:
       raise ValueError(f"take_pages: request {request_id} was not submitted with hold_pages")
     if not req.finished:
@@ -283,7 +295,7 @@ class EngineCore:
     """A finished held request's MTP drafts (its draft-state row, device
     arrays) for the decode side, or None (no speculation here). The first
     decode step then verifies them, as it would on one engine."""
-    req = self._requests.get(request_id)
+    req = self.requests.get(request_id)
     if req is None or not req.hold_pages:
       raise ValueError(f"take_drafts: request {request_id} was not submitted with hold_pages")
     drafts, req.drafts = req.drafts, None
@@ -296,7 +308,7 @@ class EngineCore:
     """Pages for num_tokens of K/V on the least-loaded rank, taken now (the
     decode side of a disaggregated prefill reserves first). None if the pool
     cannot spare them."""
-    rank = self._pick_rank()
+    rank = self.pick_rank()
     pages = self.allocators[rank].allocate(-(-num_tokens // self.config.page_size))
     return None if pages is None else (rank, pages)
 
@@ -312,7 +324,7 @@ class EngineCore:
     `sampling.logprobs` the first token's entry is first_logprobs (the
     prefill side's `RequestOutput.logprobs[0]`; None if not given), and
     `prompt_logprobs` are None here (the prompt was computed elsewhere)."""
-    tokens, sampling = self._validate(prompt, sampling)
+    tokens, sampling = self.check_request(prompt, sampling)
     if not 0 <= int(first_token) < self.vocab_size:
       raise ValueError(f"submit_prefilled: first_token {first_token} is out of the vocabulary "
                        f"[0, {self.vocab_size})")
@@ -329,7 +341,23 @@ class EngineCore:
                             first_token_s=now if first_token_s is None else first_token_s,
                             logprobs=None if sampling.logprobs is None else [first_logprobs],
                             prompt_logprobs=None)
-    if drafts is not None and self._spec is not None:
+    if drafts is not None and self.spec is not None:
       req.drafts, req.num_drafts = drafts, int(drafts["drafts"].shape[0])
     self.schedulers[rank].add(req)
     return req.id
+
+
+def forward(name: str):
+  """A method of a `HostCore` holder (`Engine`, `SimEngine`) that calls its
+  core's (`holder.core.<name>`), with that method's signature and docstring."""
+
+  @functools.wraps(getattr(HostCore, name))
+  def method(self, *args, **kwargs):
+    return getattr(self.core, name)(*args, **kwargs)
+  return method
+
+
+def forward_attribute(name: str) -> property:
+  """A read-only attribute of a `HostCore` holder: its core's `<name>`."""
+  return property(lambda self: getattr(self.core, name),
+                  doc=f"The host core's `{name}` (`engine.core.HostCore`).")

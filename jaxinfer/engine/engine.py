@@ -10,6 +10,14 @@ Every request is validated on submit (ValueError naming the parameter) before
 any device work, so a bad request never disturbs the running ones. The only
 device-to-host read per step is the sampled tokens (with their logprobs, in
 the same read, in steps whose requests ask for them).
+
+The Engine holds a host core (`core.HostCore`: requests, per-rank schedulers
+and page allocators) and owns the device state: the params in the step's
+layout with their placement (`runners.StepModel`), the page pool and the
+expert load. Its step runner (`runners.PlainRunner`, or
+`spec_runner.SpecRunner` with speculation) takes them on each step and
+returns the pool and load the step donated and made anew; only the Engine
+assigns them.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import time
 from typing import Sequence
 
 import jax
@@ -26,10 +35,11 @@ import numpy as np
 from jaxinfer import eplb, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, warmup, weight_layout
-from jaxinfer.engine.core import EngineCore, RequestMetrics, RequestOutput  # noqa: F401 (API)
+from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput,  # noqa: F401 (API)
+                                  forward, forward_attribute)
 from jaxinfer.engine.images import Images, per_prompt
 from jaxinfer.engine.ranks import Ranks
-from jaxinfer.engine.runners import PlainRunner
+from jaxinfer.engine.runners import PlainRunner, StepModel
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
@@ -174,7 +184,7 @@ class EngineConfig:
 
 def _stacked_params(engine: "Engine"):
   """The inverse of `Engine._set_params`: its step params, stacked and placed."""
-  params = quant.without_kernel(engine._step_params)
+  params = quant.without_kernel(engine._model.params)
   if not engine._unroll:
     return params
   params = transformer.stacked_layout(engine.cfg, params)
@@ -199,7 +209,45 @@ def _pool_pages(cfg: ModelConfig, c: EngineConfig, max_pages_per_seq: int, dtype
   return min(n, cap)
 
 
-class Engine(EngineCore):
+def _zero_load(cfg: ModelConfig, spec, mesh):
+  """The zeroed expert load [Lm, E]: the trunk's MoE layers, then the MTP
+  modules' when they run (spec: speculation), replicated on the mesh."""
+  moe_layers = sum(n for is_moe, _, n in cfg.segments() if is_moe)
+  if spec is not None and mtp.is_moe(cfg):
+    moe_layers += cfg.num_mtp_layers
+  load = jnp.zeros((moe_layers, cfg.num_experts), jnp.int32)
+  if mesh is not None:
+    load = jax.device_put(load, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  return load
+
+
+def _pool_scales(cfg: ModelConfig, c: EngineConfig, params, found_scales):
+  """-> (the pool's scales as numpy, where they came from) for a quantized
+  kv_cache_dtype (`kv.scales.resolve`), else (None, None)."""
+  if c.kv_cache_dtype is None:
+    return None, None
+  scales, source = kv_scales.resolve(cfg, params, found_scales, c.kv_cache_dtype,
+                                     mtp_too=c.speculative is not None)
+  return jax.tree.map(np.asarray, scales), source
+
+
+def _checked_all(check, prompts, sampling, images) -> list:
+  """`generate`'s requests, each checked (check: `Engine._check`) before any
+  is queued; an error names the prompt's index."""
+  if isinstance(sampling, SamplingParams) or sampling is None:
+    sampling = [sampling] * len(prompts)
+  if len(sampling) != len(prompts):
+    raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {len(prompts)} prompts")
+  checked = []
+  for i, (p, s, im) in enumerate(zip(prompts, sampling, per_prompt(images, len(prompts)))):
+    try:
+      checked.append(check(p, s, im))
+    except (ValueError, TypeError) as e:
+      raise type(e)(f"prompts[{i}]: {e}") from None
+  return checked
+
+
+class Engine:
   """Serves requests on one model: a paged KV cache, a scheduler and jitted steps.
 
   Batch form: `generate(prompts, sampling)`. Streaming form: `submit` each
@@ -215,6 +263,15 @@ class Engine(EngineCore):
   engines need one kv_cache_dtype and the same scales (calibration is
   deterministic: two engines of one model agree).
   """
+
+  # The host API, its host core's (`core`: requests, schedulers, allocators).
+  check_request, abort, output = forward("check_request"), forward("abort"), forward("output")
+  logprobs_tail = forward("logprobs_tail")
+  take_pages, take_drafts = forward("take_pages"), forward("take_drafts")
+  reserve_pages, release_pages = forward("reserve_pages"), forward("release_pages")
+  submit_prefilled = forward("submit_prefilled")
+  schedulers, allocators = forward_attribute("schedulers"), forward_attribute("allocators")
+  allocator, vocab_size = forward_attribute("allocator"), forward_attribute("vocab_size")
 
   def __init__(self, cfg: ModelConfig, params, config: EngineConfig | None = None, *,
                mesh=None, layout=None):
@@ -242,9 +299,6 @@ class Engine(EngineCore):
     self.max_pages_per_seq = -(-self.max_model_len // config.page_size)
     kind = config.kv_cache_dtype
     self.kv_dtype = jnp.dtype(KV_CACHE_DTYPES[kind][0] if kind else cfg.compute_dtype())
-    # Heads split over a mesh axis (tp, tp_attn_ep): attention runs per device in shard_map.
-    head_axis = sharding.head_axis(mesh, layout) if mesh is not None else None
-    self._heads = dict(mesh=mesh, head_axis=head_axis) if head_axis else {}
     self._spec = config.speculative
     if self._spec is not None:
       if not cfg.num_mtp_layers or "mtp" not in params:
@@ -253,63 +307,56 @@ class Engine(EngineCore):
                          f"{'have' if 'mtp' in params else 'lack'} 'mtp')")
     num_pages = config.num_pages or _pool_pages(cfg, config, self.max_pages_per_seq,
                                                    self.kv_dtype)  # per rank
-    self._init_core(config, num_ranks=self.num_ranks, num_pages=num_pages,
-                    max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
-                    eos_ids=cfg.eos_token_ids)
-    self.pool = self._init_pool(num_pages * self.num_ranks, params, found_scales)
-    self._load = self._zero_load() if cfg.is_moe and config.record_expert_load else None
-    # The step runner: builds, dispatches and reads its own steps.
-    self._runner = SpecRunner(self) if self._spec is not None else PlainRunner(self)
+    # The host side: requests, per-rank schedulers and page allocators.
+    self.core = HostCore(config, num_ranks=self.num_ranks, num_pages=num_pages,
+                         max_model_len=self.max_model_len, vocab_size=cfg.vocab_size,
+                         eos_ids=cfg.eos_token_ids)
+    # A quantized pool: the params' scales or calibrated ones.
+    self._pool_scales, self.kv_scales_source = _pool_scales(cfg, config, params, found_scales)
+    self.pool = self._zero_pool(num_pages * self.num_ranks)
+    self._load = (_zero_load(cfg, self._spec, mesh)
+                  if cfg.is_moe and config.record_expert_load else None)
     # The EPLB placement the params carry (`rebalance`, or placed params passed in).
-    self._placements = eplb.placements_of(params, self._ep.size if self._ep else 1)
+    ep = self._model.ep
+    self._placements = eplb.placements_of(params, ep.size if ep else 1)
     # Requests with images: processor, encoder (cache) and prompt layout.
     # (Only the vision weights: they outlive a rebalance of the layers'.)
-    vision = {k: v for k, v in self._step_params.items() if k == "vision"}
+    vision = {k: v for k, v in self._model.params.items() if k == "vision"}
     self.images = Images(cfg, vision, config.image_processor, config.encoder_cache_tokens)
+    self._runner = self._new_runner()  # builds, dispatches and reads the steps
+
+  def _new_runner(self):
+    if self._spec is not None:
+      return SpecRunner(self.core, self._model)
+    return PlainRunner(self.core, self.images)
 
   def _set_params(self, params) -> None:
-    """params (stacked, as `init_params` makes them) -> the layout the step
-    runs, the only copy the engine keeps (`params` rebuilds the stacked tree)."""
-    self._ep = plan_from_params(params)
+    """params (stacked, as `init_params` makes them) -> the `StepModel` the
+    steps run: the params in their layout, the only copy the engine keeps
+    (`params` rebuilds the stacked tree), and their placement."""
+    ep = plan_from_params(params)
     step_params = params
     if self._unroll:  # unsharded: quantized codes unpacked, floats as cpu_weight_layout picks
       step_params = transformer.step_layout(
-          self.cfg, params, split_experts=self._ep is None, transpose_projections=self.mesh is None,
+          self.cfg, params, split_experts=ep is None, transpose_projections=self.mesh is None,
           float_layout=weight_layout.resolve(self.cfg, self.config.cpu_weight_layout, self.mesh))
     # Quantized weights go to the per-tile dequantizing kernels on a GPU target:
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.
-    self._step_params = quant.with_kernel(step_params, sharding.kernel_mesh(self.mesh, self.layout))
+    step_params = quant.with_kernel(step_params, sharding.kernel_mesh(self.mesh, self.layout))
     # The ranks the steps run on, with the placed params' specs (`ranks.Ranks`).
-    self.step_ranks = (Ranks.of(self._step_params, self.mesh, self._dp_axes) if self._dp_axes
-                       else None)
+    ranks = Ranks.of(step_params, self.mesh, self._dp_axes) if self._dp_axes else None
+    # Heads split over a mesh axis (tp, tp_attn_ep): attention runs per device in shard_map.
+    head_axis = sharding.head_axis(self.mesh, self.layout) if self.mesh is not None else None
+    heads = dict(mesh=self.mesh, head_axis=head_axis) if head_axis else {}
+    self._model = StepModel(self.cfg, step_params, ep, ranks, heads)
 
   @property
   def params(self):
     """The weights, stacked as `init_params` makes them (placed as
     `sharding.shard_params` places them); None once released. The engine
     holds one copy, in its step's layout: unrolled, this rebuilds a copy."""
-    return None if self._step_params is None else _stacked_params(self)
-
-  def _zero_load(self):
-    # The trunk's MoE layers, then the MTP modules' when they run (speculation).
-    moe_layers = sum(n for is_moe, _, n in self.cfg.segments() if is_moe)
-    if self._spec is not None and mtp.is_moe(self.cfg):
-      moe_layers += self.cfg.num_mtp_layers
-    load = jnp.zeros((moe_layers, self.cfg.num_experts), jnp.int32)
-    if self.mesh is not None:
-      load = jax.device_put(load, jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec()))
-    return load
-
-  def _init_pool(self, num_pages: int, params, found_scales):
-    """The zeroed page pool; quantized, with the params' scales or calibrated ones."""
-    kind, mtp = self.config.kv_cache_dtype, self._spec is not None
-    scales, self.kv_scales_source = None, None
-    if kind is not None:
-      scales, self.kv_scales_source = kv_scales.resolve(self.cfg, params, found_scales,
-                                                        kind, mtp_too=mtp)
-    self._pool_scales = None if scales is None else jax.tree.map(np.asarray, scales)
-    return self._zero_pool(num_pages)
+    return None if self._model is None else _stacked_params(self)
 
   def _zero_pool(self, num_pages: int):
     return kv_cache.init_pool(self.cfg, num_pages, self.config.page_size, self.kv_dtype,
@@ -338,25 +385,21 @@ class Engine(EngineCore):
     token in the prompt per image, widened here to the image's tokens.
     hold_pages: when it finishes (not on abort), its KV pages stay allocated
     for `take_pages` (a disaggregated prefill hands them to a decode worker)."""
-    rid = self._enqueue_checked(*self._check(prompt, sampling, images))
-    self._requests[rid].hold_pages = hold_pages
-    return rid
+    tokens, sampling, mm = self._check(prompt, sampling, images)
+    return self.core.enqueue(tokens, sampling, mm=mm, hold_pages=hold_pages)
 
   def _check(self, prompt, sampling, images):
     """-> (token ids, sampling, `MultimodalPrompt` or None); raises on bad input."""
     self._check_not_released()
-    tokens, sampling = self._validate(prompt, sampling)
+    tokens, sampling = self.core.check_request(prompt, sampling)
     mm = self.images.check(tokens, images, plain_steps=self._spec is None)
-    return (tokens, sampling, None) if mm is None else (*self._validate(mm.tokens, sampling), mm)
-
-  def _enqueue_checked(self, tokens, sampling, mm) -> int:
-    req = self._new_request(tokens, sampling, mm=mm)
-    self.schedulers[req.rank].add(req)
-    return req.id
+    if mm is None:
+      return tokens, sampling, None
+    return (*self.core.check_request(mm.tokens, sampling), mm)
 
   def has_unfinished(self) -> bool:
     """Whether any request is queued, running, or has a step in flight."""
-    return super().has_unfinished() or bool(self._runner.in_flight)
+    return self.core.has_unfinished() or bool(self._runner.in_flight)
 
   # ------------------------------------------------------------ stepping
 
@@ -366,7 +409,9 @@ class Engine(EngineCore):
     previous step, read back while this one runs. Under attention DP every
     rank steps together, an idle one on an all-padding batch."""
     self._check_not_released()
-    return self._runner.step(self)
+    # The runner returns what the step donated anew; the engine keeps it.
+    self.pool, self._load = self._runner.dispatch(self._model, self.pool, self._load)
+    return self._runner.read()
 
   def recover(self) -> list[int]:
     """After `step` raised: ends every queued and running request with
@@ -376,21 +421,27 @@ class Engine(EngineCore):
     the prefix cache emptied; the expert load restarts). Requests submitted
     afterwards run as on a fresh engine. -> the ids of the requests it ended."""
     self._check_not_released()
-    ended = self._fail_unfinished()
-    counts, self._runner = self._runner.counts, type(self._runner)(self)
+    ended = self.core.fail_unfinished()
+    counts, self._runner = self._runner.counts, self._new_runner()
     self._runner.counts = counts
     if any(a.is_deleted() for a in jax.tree.leaves(self.pool)):
       self.pool = self._zero_pool(self.allocator.num_pages * self.num_ranks)
       for a in self.allocators:
         a.forget_cached()
     if self._load is not None and self._load.is_deleted():
-      self._load = self._zero_load()
+      self._load = _zero_load(self.cfg, self._spec, self.mesh)
     return ended
 
   def warmup(self, *, sampled: bool = True, top_k: bool = False) -> dict:
     """Compiles every step program traffic can need before serving, so no
-    request waits for a compile (`engine.warmup`). -> {"programs", "seconds"}."""
-    return warmup.warmup(self, sampled=sampled, top_k=top_k)
+    request waits for a compile (`engine.warmup`): runs each of
+    `warmup.programs` once on all-padding batches (no request sees them; the
+    counters other than the compiled programs are left as they were).
+    -> {"programs": compiled now, "seconds": wall time}."""
+    todo = warmup.programs(self, sampled=sampled, top_k=top_k)
+    start = time.perf_counter()
+    compiled, self.pool, self._load = self._runner.warm(self._model, self.pool, self._load, todo)
+    return dict(programs=compiled, seconds=time.perf_counter() - start)
 
   def release(self) -> None:
     """Frees this engine's device memory for good: the KV pool, its weights,
@@ -399,7 +450,7 @@ class Engine(EngineCore):
     stepping afterwards is a RuntimeError."""
     self._runner.release()
     self.images.release()
-    self.pool = self._load = self._step_params = None
+    self.pool = self._load = self._model = None
 
   @property
   def released(self) -> bool:
@@ -416,17 +467,8 @@ class Engine(EngineCore):
     """Runs prompts to completion; outputs in prompt order. All prompts are
     validated before any is queued. progress: optional callable(num_done).
     images: per prompt, its images or None (see `submit`)."""
-    if isinstance(sampling, SamplingParams) or sampling is None:
-      sampling = [sampling] * len(prompts)
-    if len(sampling) != len(prompts):
-      raise ValueError(f"sampling: got {len(sampling)} SamplingParams for {len(prompts)} prompts")
-    checked = []
-    for i, (p, s, im) in enumerate(zip(prompts, sampling, per_prompt(images, len(prompts)))):
-      try:
-        checked.append(self._check(p, s, im))
-      except (ValueError, TypeError) as e:
-        raise type(e)(f"prompts[{i}]: {e}") from None
-    ids = [self._enqueue_checked(*c) for c in checked]
+    checked = _checked_all(self._check, prompts, sampling, images)
+    ids = [self.core.enqueue(tokens, s, mm=mm) for tokens, s, mm in checked]
     pending, done = set(ids), 0
     while pending:
       for rid, _, finished in self.step():
@@ -481,10 +523,11 @@ class Engine(EngineCore):
       reshard = lambda p: sharding.shard_params(self.cfg, p, self.mesh, self.layout)
     params, self._placements, report = eplb.rebalance(
         self.cfg, self.params, self.expert_load(), self._placements,
-        num_ranks=self._ep.size if self._ep is not None else 1, num_redundant=num_redundant,
+        num_ranks=self._model.ep.size if self._model.ep is not None else 1,
+        num_redundant=num_redundant,
         reshard=reshard)
     self._set_params(params)
-    self._load = self._zero_load()
+    self._load = _zero_load(self.cfg, self._spec, self.mesh)
     return report
 
   def stats(self) -> dict:
@@ -497,5 +540,5 @@ class Engine(EngineCore):
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
     spec_acceptance_per_position and spec_drafted_per_position."""
-    return dict(**self._core_stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
+    return dict(**self.core.stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
                 **self.images.stats(), **self._runner.stats())

@@ -1,14 +1,18 @@
-"""Step runners: each builds its step's batch from the schedulers' chunks,
+"""Step runners: each builds its step's batch from the host core's chunks,
 dispatches the jitted program and reads the results back, with its own
-queue of steps in flight. `Engine` holds one and calls `step(engine)`.
+queue of steps in flight. `Engine.step` calls its runner's `dispatch`, then
+its `read`.
 
   PlainRunner  `steps.step` (`steps.decode_steps`): one sampled token per
                sequence whose chunk reaches its end (every DP rank steps)
   SpecRunner   `speculative.spec_step` (in `engine/spec_runner.py`)
 
-A runner owns its host state (the queue, the device-side previous samples or
-draft state, its counters) and writes the engine's pool and expert load,
-which the device steps donate and return.
+A runner holds the `engine.core.HostCore` it schedules and its own host
+state (the queue, the device-side previous samples or draft state, its
+counters), never the Engine. The Engine's device state goes in explicitly
+on each call, what the step reads as a `StepModel` (params and their
+placement) and what it donates as arguments (the page pool and the expert
+load); the runner returns the new pool and load, and the Engine keeps them.
 """
 
 from __future__ import annotations
@@ -21,10 +25,28 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.config import ModelConfig
 from jaxinfer.engine import images, logprobs, sampling, sampling_extras, steps
+from jaxinfer.engine.core import HostCore
+from jaxinfer.engine.ranks import Ranks
 from jaxinfer.engine.scheduler import Scheduled
 
 Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+  """What an Engine's steps run: the model config, the params in the step's
+  layout (`Engine._set_params`) and how they are placed: ep, the experts'
+  plan (`moe_ep.plan_from_params`); ranks, the attention-DP ranks
+  (`ranks.Ranks`, None without attention DP); heads, {mesh, head_axis}
+  when a mesh axis splits the attention heads (`sharding.head_axis`), else
+  {}. The Engine makes one per params (`rebalance` makes another)."""
+  cfg: ModelConfig
+  params: object
+  ep: object = None
+  ranks: Ranks | None = None
+  heads: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass
@@ -125,78 +147,101 @@ class PlainInFlight:
 class PlainRunner:
   """Plain steps on every rank together (an idle rank on an all-padding
   batch). With async scheduling step N + 1 is dispatched before step N's
-  samples are read; the tokens it needs from step N come from the device."""
+  samples are read; the tokens it needs from step N come from the device.
+  images: the Engine's `images.Images` (a step's visual rows)."""
 
-  def __init__(self, eng):
+  def __init__(self, core: HostCore, images: images.Images):
+    self.core, self.images = core, images
     self.counts = StepCounts()
     self.in_flight: collections.deque[PlainInFlight] = collections.deque()
-    S = eng.config.max_num_seqs
-    self._prev_sampled = jnp.zeros((eng.num_ranks, S), jnp.int32)
+    self._prev_sampled = jnp.zeros((core.num_ranks, core.config.max_num_seqs), jnp.int32)
     # The last dispatch's samples, every decode step of a multi-step one:
     # where penalties find the tokens still in flight (`sampling_extras`).
     self._prev_out = self._prev_sampled
+    self._keep = 0  # steps `read` leaves in flight
 
-  def step(self, eng) -> Events:
-    per_rank = eng.schedule_ranks([0] * eng.num_ranks)
+  def dispatch(self, model: StepModel, pool, load):
+    """Schedules every rank and dispatches their step (when any has a chunk)
+    -> (new pool, new load)."""
+    core = self.core
+    per_rank = core.schedule_ranks([0] * core.num_ranks)
     scheduled = any(per_rank)
+    self._keep = 1 if scheduled and core.config.async_scheduling else 0
     if scheduled:
       t0 = time.perf_counter()
-      multi = multi_step(eng.schedulers, per_rank, eng.config.decode_steps)
+      n = core.config.decode_steps
+      multi = multi_step(core.schedulers, per_rank, n)
       if multi is None:
-        self._dispatch(eng, per_rank, t0)
-      else:
-        self._dispatch(eng, multi, t0, eng.config.decode_steps)
-    return self._read(eng, keep=1 if scheduled and eng.config.async_scheduling else 0)
+        return self._dispatch(model, pool, load, per_rank, t0)
+      return self._dispatch(model, pool, load, multi, t0, n)
+    return pool, load
 
-  def warm(self, eng, shapes: steps.StepShapes, n: int, greedy: bool, k_cap: int) -> None:
-    """Compiles one program (`engine.warmup`): runs it on all-padding batches."""
-    self._dispatch(eng, [[] for _ in range(eng.num_ranks)], time.perf_counter(), n,
-                   program=(shapes, greedy, k_cap))
-    self._read(eng, keep=0)
+  def read(self) -> Events:
+    """Reads the steps in flight but, with async scheduling, the one
+    `dispatch` just dispatched -> their events."""
+    return self._read(self._keep)
 
-  def _dispatch(self, eng, per_rank, t0: float, n: int = 1, program=None) -> None:
+  def warm(self, model: StepModel, pool, load, programs) -> tuple[int, object, object]:
+    """Compiles each program ((shapes, decode steps, greedy, k_cap), as
+    `warmup.programs` lists them) by running it on all-padding batches,
+    leaving the counters other than the compiled programs as they were
+    (`Engine.warmup`). -> (programs compiled now, new pool, new load)."""
+    before = dataclasses.replace(self.counts, programs=set())
+    known = len(self.counts.programs)
+    idle = [[] for _ in range(self.core.num_ranks)]
+    for shapes, n, greedy, k_cap in programs:
+      pool, load = self._dispatch(model, pool, load, idle, time.perf_counter(), n,
+                                  program=(shapes, greedy, k_cap))
+      self._read(keep=0)
+    compiled = self.counts.programs
+    self.counts = dataclasses.replace(before, programs=compiled)
+    return len(compiled) - known, pool, load
+
+  def _dispatch(self, model: StepModel, pool, load, per_rank, t0: float, n: int = 1,
+                program=None):
     """One program over every rank's chunks: a step, or n decode steps
-    (`steps.decode_steps`) of `multi_step`'s chunks. program: (shapes,
-    greedy, k_cap) for chunks that do not say (`warm`'s empty ones)."""
+    (`steps.decode_steps`) of `multi_step`'s chunks -> (new pool, new load).
+    program: (shapes, greedy, k_cap) for chunks that do not say (`warm`'s
+    empty ones)."""
+    core = self.core
     busy = [sch for sch in per_rank if sch]
-    shapes, greedy, k_cap = program or (eng.step_shapes(busy, eng._chunk), *sampler_mode(busy))
+    shapes, greedy, k_cap = program or (core.step_shapes(busy, core.chunk), *sampler_mode(busy))
     batches = [rank_batch(sch, shapes) for sch in per_rank]
     want = logprobs.wanted([s for scheduled in busy for s in scheduled])
-    extras = sampling_extras.step_extras(per_rank, shapes.seqs, eng.config.max_num_seqs,
+    extras = sampling_extras.step_extras(per_rank, shapes.seqs, core.config.max_num_seqs,
                                          self._prev_out)
     batch = steps.stack_batches([b for b, _ in batches])
-    args = (eng.cfg, eng._step_params, eng.pool, batch, self._prev_sampled, eng._load)
-    kw = dict(ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
-              ranks=eng.step_ranks, **eng._heads)
+    args = (model.cfg, model.params, pool, batch, self._prev_sampled, load)
+    kw = dict(ep=model.ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
+              ranks=model.ranks, **model.heads)
     if n > 1:  # decode rows only: no prompt rows to score
-      sampled, eng.pool, eng._load, lp = steps.decode_steps(*args, num_steps=n, **kw)
+      sampled, pool, load, lp = steps.decode_steps(*args, num_steps=n, **kw)
       self._prev_sampled = sampled[-1]
     else:
-      visual = eng.images.step_visual(per_rank, shapes.tokens)
+      visual = self.images.step_visual(per_rank, shapes.tokens)
       targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
-      sampled, eng.pool, eng._load, lp = steps.step(*args, visual, targets, max_q=shapes.max_q,
-                                                    **kw)
+      sampled, pool, load, lp = steps.step(*args, visual, targets, max_q=shapes.max_q, **kw)
       self._prev_sampled = sampled
     self._prev_out = sampled
-    for sch, rank_scheduled in zip(eng.schedulers, per_rank):
+    for sch, rank_scheduled in zip(core.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
     self.counts.record((shapes, n, greedy, want, sampling_extras.program_key(extras), k_cap),
                        n * sum(k for _, k in batches),
                        bool(self.in_flight), time.perf_counter() - t0, n)
     self.in_flight.append(PlainInFlight(per_rank, sampled, n, lp))
+    return pool, load
 
-  def _read(self, eng, keep: int) -> Events:
+  def _read(self, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
-    events = []
+    events, n = [], self.core.num_ranks
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
       # The one device-to-host read: the tokens, and their logprobs if computed.
       sampled, lp = jax.device_get((done.sampled, done.logprobs))
       # -> [ranks, S, steps]: row b's tokens (one unless a multi-step decode)
-      sampled = np.moveaxis(np.asarray(sampled).reshape(done.steps, eng.num_ranks, -1), 0, -1)
+      sampled = np.moveaxis(np.asarray(sampled).reshape(done.steps, n, -1), 0, -1)
       for sch, rank_done, rank_sampled, rank_lp in zip(
-          eng.schedulers, done.per_rank, sampled,
-          logprobs.split_ranks(lp, eng.num_ranks, done.steps)):
+          self.core.schedulers, done.per_rank, sampled, logprobs.split_ranks(lp, n, done.steps)):
         events += logprobs.applied(rank_lp, sch.apply, rank_done, rank_sampled[:len(rank_done)])
     return events
 

@@ -21,7 +21,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxinfer.engine import logprobs, speculative, steps
-from jaxinfer.engine.runners import Events, StepCounts, sampler_mode, sampling_fields
+from jaxinfer.engine.core import HostCore
+from jaxinfer.engine.runners import Events, StepCounts, StepModel, sampler_mode, sampling_fields
 from jaxinfer.engine.scheduler import Scheduled
 
 
@@ -128,36 +129,50 @@ class SpecRunner:
   all-padding batch). The draft state [ranks * slots, K] lives on device
   between steps; under attention DP each rank owns its rows of it (sharded
   like the pool's pages) and its own slot map, and the step runs whole per
-  rank (`speculative.spec_step` with `ranks`)."""
+  rank (`speculative.spec_step` with `ranks`). Like `PlainRunner`, it holds
+  the host core, takes the Engine's `StepModel`, pool and load on each call
+  and returns the new pool and load."""
 
-  def __init__(self, eng):
-    self.config = eng.config.speculative
+  def __init__(self, core: HostCore, model: StepModel):
+    self.core, self.config = core, core.spec
     self.counts = StepCounts()
     self.in_flight: collections.deque[SpecInFlight] = collections.deque()
-    K, S = self.config.num_draft_tokens, eng.config.max_num_seqs
-    self._state = speculative.init_state(eng.cfg, eng.num_ranks * S, K)
-    self._slots = [DraftSlots(S) for _ in range(eng.num_ranks)]
+    K, S = self.config.num_draft_tokens, core.config.max_num_seqs
+    self._state = speculative.init_state(model.cfg, core.num_ranks * S, K)
+    self._slots = [DraftSlots(S) for _ in range(core.num_ranks)]
     self._acceptance = Acceptance(K)
-    if eng._dp_axes:  # each rank's block of rows on its devices
-      self._state = jax.device_put(self._state, NamedSharding(eng.mesh, P(eng._dp_axes)))
+    self._events: Events = []  # read by `dispatch`, for `read`
+    self._keep = 0  # steps `read` leaves in flight
+    if model.ranks is not None:  # each rank's block of rows on its devices
+      self._state = jax.device_put(self._state,
+                                   NamedSharding(model.ranks.mesh, P(model.ranks.axes)))
 
-  def step(self, eng) -> Events:
-    K = min(eng.spec_draft_tokens(sch) for sch in eng.schedulers)
-    per_rank = None
-    if self.in_flight and eng.config.async_scheduling and self.in_flight[-1].K == K:
-      per_rank = _continue(eng.schedulers, self.in_flight[-1].per_rank, K)
-    events = []
+  def dispatch(self, model: StepModel, pool, load):
+    """Continues the step in flight (pipelined) or reads it and schedules
+    anew, then dispatches the step (when any rank has a chunk) -> (new pool,
+    new load). The events of what it read wait for `read`."""
+    core = self.core
+    K = min(core.spec_draft_tokens(sch) for sch in core.schedulers)
+    per_rank, self._events = None, []
+    if self.in_flight and core.config.async_scheduling and self.in_flight[-1].K == K:
+      per_rank = _continue(core.schedulers, self.in_flight[-1].per_rank, K)
     if per_rank is None:
-      events += self._read(eng, keep=0)
-      per_rank = eng.schedule_ranks([K] * eng.num_ranks)
-      for slots, sch, scheduled in zip(self._slots, eng.schedulers, per_rank):
+      self._events = self._read(keep=0)
+      per_rank = core.schedule_ranks([K] * core.num_ranks)
+      for slots, sch, scheduled in zip(self._slots, core.schedulers, per_rank):
         slots.assign(sch.running, scheduled)
-      self._place_arrived_drafts(per_rank, eng.config.max_num_seqs)
+      self._place_arrived_drafts(per_rank, core.config.max_num_seqs)
     busy = any(per_rank)
+    self._keep = 1 if busy and core.config.async_scheduling else 0
     if busy:
-      self._dispatch(eng, per_rank, K)
-    keep = 1 if busy and eng.config.async_scheduling else 0
-    return events + self._read(eng, keep)
+      return self._dispatch(model, pool, load, per_rank, K)
+    return pool, load
+
+  def read(self) -> Events:
+    """The events of the steps `dispatch` read, then of those in flight but,
+    with async scheduling, the one it just dispatched."""
+    events, self._events = self._events, []
+    return events + self._read(self._keep)
 
   def _place_arrived_drafts(self, per_rank, slots_per_rank: int) -> None:
     """Writes the drafts that came with hand-over requests into their new slots."""
@@ -168,37 +183,40 @@ class SpecRunner:
           self._state = speculative.put_drafts(self._state, row, s.request.drafts)
           s.request.drafts = None
 
-  def _dispatch(self, eng, per_rank: list[list[Scheduled]], K: int) -> None:
+  def _dispatch(self, model: StepModel, pool, load, per_rank: list[list[Scheduled]], K: int):
+    """-> (new pool, new load)."""
     t0 = time.perf_counter()
+    core = self.core
     busy = [scheduled for scheduled in per_rank if scheduled]
-    shapes = eng.step_shapes(busy, eng._chunk + K)
-    built = [spec_batch(scheduled, shapes, slots.of, page_size=eng.config.page_size,
-                        max_model_len=eng.max_model_len)
+    shapes = core.step_shapes(busy, core.chunk + K)
+    built = [spec_batch(scheduled, shapes, slots.of, page_size=core.config.page_size,
+                        max_model_len=core.max_model_len)
              for scheduled, slots in zip(per_rank, self._slots)]
     greedy, k_cap = sampler_mode(busy)
     want = logprobs.wanted([s for scheduled in busy for s in scheduled])
-    kw = dict(max_q=shapes.max_q, K=K, ep=eng._ep, greedy=greedy, k_cap=k_cap, logprobs=want[0])
+    kw = dict(max_q=shapes.max_q, K=K, ep=model.ep, greedy=greedy, k_cap=k_cap, logprobs=want[0])
     targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
     packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
-    emitted, eng.pool, self._state, eng._load, lp = speculative.spec_step(
-        eng.cfg, eng._step_params, eng.pool, packed, self._state, eng._load, targets, **kw,
-        ranks=eng.step_ranks, **eng._heads)
-    for sch, scheduled in zip(eng.schedulers, per_rank):
+    emitted, pool, self._state, load, lp = speculative.spec_step(
+        model.cfg, model.params, pool, packed, self._state, load, targets, **kw,
+        ranks=model.ranks, **model.heads)
+    for sch, scheduled in zip(core.schedulers, per_rank):
       sch.on_dispatch(scheduled)
     self.counts.record((shapes, K, greedy, want, k_cap), sum(n for _, n in built),
                        bool(self.in_flight), time.perf_counter() - t0)
     self.in_flight.append(SpecInFlight(per_rank, emitted, K, lp))
+    return pool, load
 
-  def _read(self, eng, keep: int) -> Events:
+  def _read(self, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
-    events = []
+    events, ranks = [], self.core.num_ranks
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
       K = done.K
       emitted, lp = jax.device_get((done.emitted, done.logprobs))  # the one read
-      emitted = np.asarray(emitted).reshape(eng.num_ranks, -1, K + 3)
-      for sch, scheduled, rank_emitted, rank_lp in zip(eng.schedulers, done.per_rank, emitted,
-                                                       logprobs.split_ranks(lp, eng.num_ranks)):
+      emitted = np.asarray(emitted).reshape(ranks, -1, K + 3)
+      for sch, scheduled, rank_emitted, rank_lp in zip(self.core.schedulers, done.per_rank,
+                                                       emitted, logprobs.split_ranks(lp, ranks)):
         out, n_emit, n_verified = (rank_emitted[:, :K + 1], rank_emitted[:, K + 1],
                                    rank_emitted[:, K + 2])
         for s, n, d in zip(scheduled, n_emit, n_verified):
@@ -206,16 +224,16 @@ class SpecRunner:
           if s.samples and s.num_draft and not s.request.finished:
             self._acceptance.record(int(d), int(n))
         events += logprobs.applied(rank_lp, sch.apply_speculative, scheduled, out, n_emit, K)
-        self._keep_handover_drafts(eng, scheduled)
+        self._keep_handover_drafts(scheduled)
     return events
 
-  def _keep_handover_drafts(self, eng, scheduled: list[Scheduled]) -> None:
+  def _keep_handover_drafts(self, scheduled: list[Scheduled]) -> None:
     """Held requests that finished (a disaggregated prefill): snapshot their
     draft-state row now, before the slot can go to another request."""
     for s in scheduled:
       req = s.request
       if req.hold_pages and req.finish_reason not in (None, "abort") and req.num_drafts:
-        row = req.rank * eng.config.max_num_seqs + self._slots[req.rank].of[req.id]
+        row = req.rank * self.core.config.max_num_seqs + self._slots[req.rank].of[req.id]
         req.drafts = speculative.take_drafts(self._state, row, req.num_drafts)
 
   def stats(self) -> dict:

@@ -1,5 +1,6 @@
 """Compiling before serving: every step program that plain traffic can
-reach, each run once on all-padding batches, so no request waits for XLA.
+reach (`programs`), each run once on all-padding batches by `Engine.warmup`
+(`runners.PlainRunner.warm`), so no request waits for XLA.
 
 The set is finite because step shapes are bucketed, and small when steps
 with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`:
@@ -18,24 +19,25 @@ shapes also follow its draft counts.
 
 from __future__ import annotations
 
-import dataclasses
-import time
-
 from jaxinfer.engine import sampling, steps
+from jaxinfer.engine.core import prefill_chunk
 
 
 def page_buckets(max_pages: int, fixed_prefill: bool) -> list[int]:
   """Every pages-per-sequence bucket a decode step can have
-  (`EngineCore.step_shapes`)."""
+  (`HostCore.step_shapes`)."""
   bucket = steps.bucket if fixed_prefill else steps.page_bucket
   return sorted({bucket(n, max_pages) for n in range(1, max_pages + 1)})
 
 
 def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   """The (StepShapes, decode steps, greedy, k_cap) of every plain program
-  traffic can reach; ValueError when prompt steps are bucketed (too many)."""
+  traffic can reach (eng: an `Engine` or its `HostCore`, for their config
+  and max_pages_per_seq); ValueError when prompt steps are bucketed (too
+  many)."""
   c = eng.config
-  if eng._spec is not None:
+  chunk = prefill_chunk(c)
+  if c.speculative is not None:
     raise ValueError("warmup: plain decoding only (a speculative engine compiles its programs "
                      "as traffic comes)")
   if not (c.fixed_step_shapes or c.fixed_prefill_shapes):
@@ -54,27 +56,10 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   pages = page_buckets(eng.max_pages_per_seq, c.fixed_prefill_shapes)
   if c.fixed_prefill_shapes:  # one prompt-step shape; decode steps bucketed
     shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
-                                pages=eng.max_pages_per_seq, max_q=eng._chunk), 1)]
+                                pages=eng.max_pages_per_seq, max_q=chunk), 1)]
     shapes += [(steps.StepShapes(tokens=t, seqs=b, pages=p, max_q=1), n)
                for p in pages for t, b in seqs for n in multi]
   else:  # every step has the prompt steps' shape
     shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=p,
-                                max_q=eng._chunk), n) for p in pages for n in multi]
+                                max_q=chunk), n) for p in pages for n in multi]
   return [(s, n, greedy, k_cap) for s, n in shapes for greedy, k_cap in samplers]
-
-
-def warmup(eng, *, sampled: bool = True, top_k: bool = False) -> dict:
-  """Compiles and runs each of `programs` once on all-padding batches (no
-  request sees them; the engine's counters other than its compiled
-  programs are left as they were). -> {"programs": compiled now,
-  "seconds": wall time}."""
-  todo = programs(eng, sampled=sampled, top_k=top_k)
-  runner = eng._runner
-  before = dataclasses.replace(runner.counts, programs=set())
-  known = len(runner.counts.programs)
-  start = time.perf_counter()
-  for shapes, n, greedy, k_cap in todo:
-    runner.warm(eng, shapes, n, greedy, k_cap)
-  compiled = runner.counts.programs
-  runner.counts = dataclasses.replace(before, programs=compiled)
-  return dict(programs=len(compiled) - known, seconds=time.perf_counter() - start)

@@ -7,7 +7,7 @@ the bounded queue.
 the cluster simulator (`jaxinfer/sim/`) runs it over workers whose engines
 step on an event clock with modelled step times. Either way a worker is an
 `EngineWorker`: a role, a name, a liveness and an engine with the host API
-below (`Engine`'s, `engine.core.EngineCore`'s plus the K/V page moves).
+below (`Engine`'s, `engine.core.HostCore`'s plus the K/V page moves).
 
   engine.max_model_len, check_request(prompt, sampling), submit(tokens,
   sampling, hold_pages=), output(rid), abort(rid), reserve_pages(n),

@@ -158,7 +158,7 @@ class WorkerProcess:
     e = self.engine
     return dict(pid=os.getpid(), cfg=e.cfg, config=e.config, max_model_len=e.max_model_len,
                 vocab_size=e.vocab_size, num_ranks=e.num_ranks, num_pages=e.allocator.num_pages,
-                eos_ids=sorted(e._eos_ids), pool_segments=len(e.pool),
+                eos_ids=sorted(e.core.eos_ids), pool_segments=len(e.pool),
                 devices=[str(d) for d in jax.devices()], process_index=jax.process_index(),
                 process_count=jax.process_count())
 

@@ -5,7 +5,7 @@ actor; `RemoteWorker` is the worker the flow routes to.
 Calls that need no answer (submit, abort, page releases and writes) are sent
 without waiting: Ray runs one caller's calls to an actor in order, so they
 land before the actor's next step. Requests are checked in the driver with
-the engine's own checks (an `EngineCore` sized like the worker's), so a
+the engine's own checks (a `HostCore` sized like the worker's), so a
 submission the driver accepts is one the engine accepts. Finished requests'
 outputs and held prefill pages come back with the step that finished them.
 Only `reserve_pages` waits for an answer.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import uuid
 
-from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.core import HostCore
 from jaxinfer.serving.ray_worker import WorkerSpec
 from jaxinfer.serving.worker import EngineWorker
 
@@ -76,20 +76,20 @@ class RemoteEngine:
     self.cfg, self.config, self.max_model_len = info["cfg"], info["config"], info["max_model_len"]
     self.vocab_size = info["vocab_size"]
     self.pool = range(info["pool_segments"])  # its length is what `check_compatible` reads
-    self._core = EngineCore()  # the engine's request checks, without its devices
-    self._core._init_core(info["config"], num_ranks=info["num_ranks"],
-                          num_pages=info["num_pages"], max_model_len=info["max_model_len"],
-                          vocab_size=info["vocab_size"], eos_ids=info["eos_ids"])
+    # The engine's request checks, without its devices.
+    self.core = HostCore(info["config"], num_ranks=info["num_ranks"], num_pages=info["num_pages"],
+                         max_model_len=info["max_model_len"], vocab_size=info["vocab_size"],
+                         eos_ids=info["eos_ids"])
     self.dead: str | None = None
     self._next = 0
     self._outputs: dict[int, object] = {}
     self._held: dict[int, tuple] = {}
 
   def check_request(self, prompt, sampling):
-    return self._core.check_request(prompt, sampling)
+    return self.core.check_request(prompt, sampling)
 
   def submit(self, tokens, sampling=None, *, hold_pages: bool = False) -> int:
-    tokens, sampling = self._core.check_request(tokens, sampling)  # what the engine checks
+    tokens, sampling = self.core.check_request(tokens, sampling)  # what the engine checks
     key = self._next
     self._next += 1
     self.actor.submit.remote(key, tokens, sampling, hold_pages)

@@ -197,7 +197,7 @@ class Soak:
         continue
       eng = w.engine
       want = [np.zeros(a.num_pages, np.int32) for a in eng.allocators]
-      for req in eng._requests.values():
+      for req in eng.core.requests.values():
         if not req.finished or (req.hold_pages and req.pages):
           np.add.at(want[req.rank], req.pages, 1)
       for fr in cl._active.values():

@@ -158,9 +158,10 @@ class StepShape:
     return self.prefill_seqs + self.decode_seqs
 
 
-def step_shape(scheduled, *, engine, spec_k: int = 0) -> StepShape:
+def step_shape(scheduled, *, core, spec_k: int = 0) -> StepShape:
   """The StepShape of one rank's `Scheduler.schedule()` output, with the
-  padded program shape `engine.step_shapes` (an `EngineCore`'s) gives it."""
+  padded program shape `core.step_shapes` (an `engine.core.HostCore`'s)
+  gives it."""
   f = dict(prefill_tokens=0, prefill_seqs=0, sampling_prefills=0, decode_seqs=0,
            draft_tokens=0, kv_read_tokens=0, pairs_prefill=0, pairs_decode=0)
   for s in scheduled:
@@ -178,9 +179,9 @@ def step_shape(scheduled, *, engine, spec_k: int = 0) -> StepShape:
   if not scheduled:
     return StepShape(**f)
   # max_q does not enter a StepShape; any cap will do.
-  program = engine.step_shapes([scheduled], engine.config.max_num_batched_tokens)
+  program = core.step_shapes([scheduled], core.config.max_num_batched_tokens)
   return StepShape(**f, mtp_k=spec_k, padded_tokens=program.tokens, padded_seqs=program.seqs,
-                   padded_pages=program.pages, page_size=engine.config.page_size)
+                   padded_pages=program.pages, page_size=core.config.page_size)
 
 
 @dataclasses.dataclass(frozen=True)

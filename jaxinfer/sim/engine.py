@@ -1,8 +1,8 @@
-"""The simulated engine: the engine's own host core (`engine.core.EngineCore`:
+"""The simulated engine: the engine's own host core (`engine.core.HostCore`:
 requests, one `Scheduler` + `PageAllocator` per attention-DP rank, the rank
-choice, the K/V page hand-over, the padded step shapes) stepping on the
-simulator's event clock. A step's duration comes from a cost model
-(`sim/cost.py`); its sampled tokens are id 0 (requests end on max_tokens,
+choice, the K/V page hand-over, the padded step shapes), held as `core` and
+stepped on the simulator's event clock. A step's duration comes from a cost
+model (`sim/cost.py`); its sampled tokens are id 0 (requests end on max_tokens,
 never on a stop token) and MTP acceptance is drawn per decode row from
 per-position acceptance rates (P(accepted length > j), as `Engine.stats()`
 reports them). A disaggregated prefill's K/V moves in whole pages and lands
@@ -14,7 +14,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.core import HostCore, forward, forward_attribute
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.serving.worker import ROLES
 from jaxinfer.sim.cost import StepShape, step_shape
@@ -128,11 +128,20 @@ class _Arrival:
     return self.clock() >= self.ready_s
 
 
-class SimEngine(EngineCore):
+class SimEngine:
   """An instance without devices: see the module docstring.
 
   clock() is the simulation time; wake_at(t) asks the simulator to poll the
   flow's transfers at time t (when a K/V copy lands)."""
+
+  # The host API the serving flow calls, its host core's (as `Engine`'s).
+  check_request, submit = forward("check_request"), forward("submit")
+  output, abort, has_unfinished = forward("output"), forward("abort"), forward("has_unfinished")
+  take_pages, take_drafts = forward("take_pages"), forward("take_drafts")
+  reserve_pages, release_pages = forward("reserve_pages"), forward("release_pages")
+  submit_prefilled = forward("submit_prefilled")
+  config, max_model_len = forward_attribute("config"), forward_attribute("max_model_len")
+  schedulers, allocators = forward_attribute("schedulers"), forward_attribute("allocators")
 
   def __init__(self, spec: WorkerSpec, *, clock, wake_at, name: str = ""):
     c = spec.config
@@ -140,8 +149,11 @@ class SimEngine(EngineCore):
     if not max_model_len:
       raise ValueError(f"worker {name}: give EngineConfig.max_model_len (the cost model has no "
                        "model to take it from)")
-    self._init_core(c, num_ranks=spec.ranks, num_pages=c.num_pages or spec.cost.kv_pages(
-        c.page_size), max_model_len=max_model_len, vocab_size=_ANY_TOKEN, eos_ids=())
+    num_pages = c.num_pages or spec.cost.kv_pages(c.page_size)
+    round_robin = spec.rank_policy == "round_robin"
+    self.core = HostCore(c, num_ranks=spec.ranks, num_pages=num_pages, max_model_len=max_model_len,
+                         vocab_size=_ANY_TOKEN, eos_ids=(),
+                         pick_rank=self._round_robin if round_robin else None)
     self.spec, self.cost = spec, spec.cost
     self.clock, self._wake_at = clock, wake_at
     self.busy = False
@@ -151,16 +163,15 @@ class SimEngine(EngineCore):
     self._recent: collections.deque = collections.deque(maxlen=512)  # simulated rank shapes
     self.stats = _Stats()
 
-  def _pick_rank(self) -> int:
-    if self.spec.rank_policy == "round_robin":
-      self._rr = (self._rr + 1) % self.num_ranks
-      return self._rr
-    return super()._pick_rank()
+  def _round_robin(self) -> int:
+    """WorkerSpec.rank_policy "round_robin": the ranks in turn, by request count."""
+    self._rr = (self._rr + 1) % self.core.num_ranks
+    return self._rr
 
   # -- K/V hand-over (Transfer.start / land / cancel call these) ----------------
 
   def read_pages(self, rank: int, pages) -> _KV:
-    seconds = self.cost.kv_transfer_s(len(pages) * self.config.page_size)
+    seconds = self.cost.kv_transfer_s(len(pages) * self.core.config.page_size)
     self.stats.transfer_s += seconds
     return _KV(seconds)
 
@@ -177,15 +188,15 @@ class SimEngine(EngineCore):
   def dispatch(self, rng) -> float | None:
     """Schedules and 'dispatches' one step -> its duration (None: nothing to do)."""
     # The K the Engine's speculative runner takes for each rank's batch.
-    ks = [self.spec_draft_tokens(sch) if self._spec is not None else 0
-          for sch in self.schedulers]
+    core = self.core
+    ks = [core.spec_draft_tokens(sch) if core.spec is not None else 0 for sch in core.schedulers]
     K = max(ks)
-    per_rank = self.schedule_ranks(ks)
+    per_rank = core.schedule_ranks(ks)
     if not any(per_rank):
       return None
-    for sch, sched in zip(self.schedulers, per_rank):
+    for sch, sched in zip(core.schedulers, per_rank):
       sch.on_dispatch(sched)
-    shapes = [step_shape(sched, engine=self, spec_k=k) for k, sched in zip(ks, per_rank)]
+    shapes = [step_shape(sched, core=core, spec_k=k) for k, sched in zip(ks, per_rank)]
     everyone = shapes
     if self.shadows:
       self._recent.extend(shapes)
@@ -222,10 +233,10 @@ class SimEngine(EngineCore):
     per_rank, K = self._inflight
     self._inflight, self.busy = None, False
     out = []
-    for sch, sched in zip(self.schedulers, per_rank):
+    for sch, sched in zip(self.core.schedulers, per_rank):
       if not sched:
         continue
-      if self._spec is None:
+      if self.core.spec is None:
         events = sch.apply(sched, [0] * len(sched))
       else:
         acc = self.spec.acceptance
@@ -239,6 +250,6 @@ class SimEngine(EngineCore):
             self.stats.decode_tokens += n
         events = sch.apply_speculative(sched, [[0] * (K + 1)] * len(sched), emitted, K)
       out += events
-    if self._spec is None:
+    if self.core.spec is None:
       self.stats.decode_tokens = self.stats.decode_rows
     return out

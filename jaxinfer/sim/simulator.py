@@ -13,7 +13,7 @@ What runs for real and what is modelled:
             reports after every step, `DisaggConfig`'s rule, page
             reservation, the prefill -> decode hand-over through
             `disagg.Transfer`, timeouts, faults); per worker the engine's
-            host core (`engine.core.EngineCore`: one `Scheduler` +
+            host core (`engine.core.HostCore`: one `Scheduler` +
             `PageAllocator` per attention-DP rank with batching, chunked
             prefill, prefix caching, preemption, MTP draft rows and their
             pages; the DP rank choice; `submit_prefilled`; the padded step

@@ -161,7 +161,7 @@ def test_abort_frees_pages_and_others_finish(async_scheduling):
   for _ in range(4):
     eng.step()
   used = eng.stats()["kv_pages_used"]
-  held = len(eng._requests[ids[1]].pages)
+  held = len(eng.core.requests[ids[1]].pages)
   assert held >= 8  # 30 prompt tokens and some outputs, 4 per page
   out = eng.abort(ids[1])
   assert out.finish_reason == "abort" and len(out.token_ids) >= 3
@@ -350,13 +350,11 @@ def test_unrolled_engine_holds_one_copy_of_the_weights(name):
 
 def _dp_core(policy, ranks=4, budget=128):
   """An engine core (host only) with `ranks` attention-DP schedulers."""
-  from jaxinfer.engine.core import EngineCore
-  core = EngineCore()
-  core._init_core(EngineConfig(page_size=16, num_pages=64, max_num_seqs=4,
+  from jaxinfer.engine.core import HostCore
+  return HostCore(EngineConfig(page_size=16, num_pages=64, max_num_seqs=4,
                                max_num_batched_tokens=budget, dp_balance=policy,
                                dp_min_step_tokens=16),
                   num_ranks=ranks, num_pages=64, max_model_len=1024, vocab_size=256, eos_ids=())
-  return core
 
 
 @pytest.mark.parametrize("policy", ["split", "none"])
@@ -365,9 +363,9 @@ def test_dp_balance_splits_a_lone_prefill(policy):
   long_id = core.submit(list(range(1, 201)))  # 200 tokens on one rank
   for _ in range(3):  # short prompts on the three others (least-loaded ranks)
     core.submit([5, 6, 7])
-  assert sorted(r.rank for r in core._requests.values()) == [0, 1, 2, 3]
+  assert sorted(r.rank for r in core.requests.values()) == [0, 1, 2, 3]
   per_rank = core.schedule_ranks([0] * 4)
-  long_rank = core._requests[long_id].rank
+  long_rank = core.requests[long_id].rank
   chunk = sum(s.num_tokens for s in per_rank[long_rank])
   others = max(sum(s.num_tokens for s in sch) for r, sch in enumerate(per_rank) if r != long_rank)
   assert others == 3

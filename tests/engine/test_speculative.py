@@ -227,8 +227,8 @@ def test_unrolled_speculative_greedy_equals_scanned_plain_greedy():
                                            unroll_layers=unroll, speculative=spec,
                                            cpu_weight_layout="out_in"))
     outs.append([o.token_ids for o in eng.generate(prompts, sampling)])
-  assert isinstance(eng._step_params["layers"][0], tuple)  # the unrolled engine ran last
+  assert isinstance(eng._model.params["layers"][0], tuple)  # the unrolled engine ran last
   assert any(isinstance(w, PackedLinear) for w in jax.tree.leaves(
-      eng._step_params, is_leaf=lambda w: isinstance(w, PackedLinear)))
+      eng._model.params, is_leaf=lambda w: isinstance(w, PackedLinear)))
   assert outs[0] == outs[1]
   assert all(len(o) == 12 for o in outs[1])

@@ -17,7 +17,7 @@ from hypothesis.stateful import (Bundle, RuleBasedStateMachine, consumes, invari
 
 from conftest import FIXTURES, HF_FIXTURES
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine.core import EngineCore
+from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.kv.allocator import PageAllocator, iter_page_hashes
@@ -111,15 +111,15 @@ def _reference(prompt, sampling: SamplingParams, max_len: int) -> list[int]:
   return out
 
 
-class HostEngine(EngineCore):
+class HostEngine(HostCore):
   """The engine's host core stepped without devices: a step writes each
   chunk's tokens into a shadow page pool and samples from what the pool holds
   for the request's pages, so a request reading another's KV (a bad prefix
   hit, a page freed while in use) samples a different token."""
 
   def __init__(self, config: EngineConfig, num_pages: int, max_len: int):
-    self._init_core(config, num_ranks=1, num_pages=num_pages, max_model_len=max_len,
-                    vocab_size=VOCAB, eos_ids=())
+    super().__init__(config, num_ranks=1, num_pages=num_pages, max_model_len=max_len,
+                     vocab_size=VOCAB, eos_ids=())
     self.pool: dict[tuple[int, int], int] = {}
 
   def step(self):
@@ -190,13 +190,13 @@ class EngineCoreMachine(RuleBasedStateMachine):
     alloc = core.allocators[0]
     alloc.check_consistency()
     held = np.zeros(alloc.num_pages, np.int32)
-    for req in core._requests.values():
+    for req in core.requests.values():
       if not req.finished:
         np.add.at(held, req.pages, 1)
     np.testing.assert_array_equal(alloc.refcount, held)
     for rid in self.ids:
       out = core.output(rid)
-      req = core._requests[rid]
+      req = core.requests[rid]
       want = _reference(out.prompt_token_ids, req.sampling, self.MAX_LEN)
       if out.finish_reason in ("stop", "length"):
         assert out.token_ids == want, (rid, out.token_ids, want)

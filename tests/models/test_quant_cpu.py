@@ -120,7 +120,7 @@ def test_unrolled_engine_on_quantized_weights_decodes_the_full_forward_greedy(me
   qcfg, qp = _tiny(method, block)
   engine = jaxinfer.Engine(qcfg, qp, jaxinfer.EngineConfig(max_num_seqs=2, page_size=8,
                                                            num_pages=32, unroll_layers=True))
-  held = engine._step_params["layers"][0][0]["attn"]["wq_a" if qcfg.q_lora_rank else "wq"]
+  held = engine._model.params["layers"][0][0]["attn"]["wq_a" if qcfg.q_lora_rank else "wq"]
   assert held.values.dtype == (jnp.bfloat16 if method == "fp8" else jnp.int8)
   prompts = [[3, 17, 5, 9], [8, 1, 2]]
   outs = engine.generate(prompts, jaxinfer.SamplingParams(max_tokens=6, temperature=0.0))

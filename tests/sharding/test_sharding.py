@@ -162,7 +162,7 @@ def test_attention_dp_engine_balances_by_tokens_and_matches(models_and_refs):
   assert eng.num_ranks == 8
   outs = eng.generate(prompts, SamplingParams(max_tokens=4))
   stats = eng.stats()
-  long_rank = eng._requests[outs[0].request_id].rank
+  long_rank = eng.core.requests[outs[0].request_id].rank
   counts = stats["requests_per_rank"]
   others = [c for r, c in enumerate(counts) if r != long_rank]
   assert counts[long_rank] == 1  # by request count it would have taken a second

@@ -93,5 +93,5 @@ def test_tp_pallas_engine_greedy_equals_single_device_xla(cfg, axes):
   ref = [o.token_ids for o in Engine(cfg, params, config).generate(prompts, sp)]
   pallas = dataclasses.replace(cfg, attention_impl="pallas")
   eng = Engine(pallas, params, config, mesh=sharding.make_mesh(axes), layout="tp")
-  assert eng._heads["head_axis"] == "tensor"
+  assert eng._model.heads["head_axis"] == "tensor"
   assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
