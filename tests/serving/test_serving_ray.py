@@ -177,7 +177,8 @@ GROUP_CFG = dataclasses.replace(CFG, num_kv_heads=4)  # kv heads split over 4 te
 def _group_spec(params_ref_):
   """One worker, two Ray actors with 2 CPU devices each: one jax.distributed
   group, a tp engine on its global 4-device mesh."""
-  env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2", **TEST_ENV}
+  env = {**TEST_ENV, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(  # TEST_ENV's flags kept
+      ["--xla_force_host_platform_device_count=2", TEST_ENV.get("XLA_FLAGS", "")]).strip()}
   return WorkerSpec(model=GROUP_CFG, params=params_ref_, config=CONFIG, num_cpus=0.5, env=env,
                     num_processes=2, mesh_axes={"tensor": 4}, layout="tp", name="group")
 
