@@ -43,7 +43,7 @@ class Layout:
   """Logical axis -> the mesh axes it may be split over (`rules` keeps those
   the mesh has with size > 1, in the mesh's order); attention_dp: the batch
   axes are attention-data-parallel ranks, each owning whole requests and
-  their KV pages (`dp_axes`), and a step runs per rank (`engine.ranks`)."""
+  their KV pages (`dp_axes`), and a step runs per rank (`engine.steps.per_rank`)."""
   name: str
   q_heads: tuple[str, ...] = ()
   kv_heads: tuple[str, ...] = ()

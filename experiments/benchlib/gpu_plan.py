@@ -12,7 +12,7 @@ target set to "gpu" (Pallas kernels through Triton):
   mixed       `steps.step`: one prefill chunk of `prefill_tokens` + decodes
   speculative `speculative.spec_step` (MTP models): each sequence verifies
               `num_draft_tokens` drafts
-  dp_attn_ep  each of the above whole per rank in `shard_map` (`ranks.Ranks`:
+  dp_attn_ep  each of the above whole per rank in `shard_map` (`steps.Ranks`:
               attention DP, experts split over every mesh axis, ragged
               all-to-all dispatch): `batch` per rank
 
@@ -42,7 +42,7 @@ from benchlib.sharding_report import parse_mesh
 from jaxinfer import gpu_compile, presets, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, steps
-from jaxinfer.engine.ranks import Ranks
+from jaxinfer.engine.steps import Ranks
 from jaxinfer.kv import cache as kv_cache
 from jaxinfer.kv.pool import KV_CACHE_DTYPES, PoolLayout
 from jaxinfer.models import quant
@@ -178,7 +178,7 @@ def _load(cfg: ModelConfig, mesh):
 
 def _placement(params, mesh, layout: str) -> tuple[int, dict]:
   """The Engine's placement of its steps -> (ranks n, kwargs): attention DP
-  (`ranks.Ranks` of the placed params) under dp_attn_ep, else the head
+  (`steps.Ranks` of the placed params) under dp_attn_ep, else the head
   split where the layout splits heads (dict(mesh=, head_axis=)) or none."""
   axes = sharding.dp_axes(mesh, layout)
   if axes:

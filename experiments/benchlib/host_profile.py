@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models, presets
-from jaxinfer.engine import Engine, EngineConfig, SamplingParams, runners, steps
+from jaxinfer.engine import Engine, EngineConfig, SamplingParams, scheduler, steps
 
 
 def _ms(samples) -> float:
@@ -58,8 +58,8 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
   multi = decode_steps > 1
   wrap(eng._runner, "_dispatch", "dispatch")
   wrap(steps, "decode_steps" if multi else "step", "step call")
-  wrap(runners, "rank_batch", "rank_batch")
-  wrap(eng.core, "schedule_ranks", "schedule")
+  wrap(steps, "rank_batch", "rank_batch")
+  wrap(scheduler, "schedule_ranks", "schedule")
   rng = np.random.default_rng(0)
   for _ in range(2):
     eng.generate(rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist(),
@@ -85,7 +85,7 @@ def _time(fn, repeats: int) -> float:
 def _alone(eng, last, repeats: int, step_fn):
   """The engine's last batch building and step call (step_fn) again, no step
   computing."""
-  alone = {"rank_batch": _time(lambda: runners.rank_batch(*last["rank_batch"][0]), repeats)}
+  alone = {"rank_batch": _time(lambda: steps.rank_batch(*last["rank_batch"][0]), repeats)}
   a, k = last["step call"]
   cfg_, params, _, batch_, prev = a[:5]
   # Copies: the calls donate them, and the engine keeps its own.

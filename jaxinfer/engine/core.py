@@ -1,6 +1,6 @@
 """The engine's host core: requests, one `Scheduler` + `PageAllocator` per
 attention-DP rank, the rank choice, the KV hand-over bookkeeping of
-disaggregated serving and the step's bucketed program shapes.
+disaggregated serving.
 
 `HostCore` is a plain object, without devices. `Engine` holds one and runs
 it on devices; the cluster simulator's `SimEngine` (`jaxinfer/sim/`) holds
@@ -19,7 +19,6 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxinfer.engine import steps
 from jaxinfer.engine.sampling import SamplingParams, TokenLogprobs
 from jaxinfer.engine.scheduler import Request, Scheduler, capacity_error
 from jaxinfer.kv.allocator import PageAllocator
@@ -232,51 +231,10 @@ class HostCore:
         host_ms_per_step=1e3 * counts.host_s / max(counts.host_steps, 1),
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)])
 
-  # ------------------------------------------------------------ step shapes
-
-  def schedule_ranks(self, ks) -> list:
-    """Every rank's chunks for the next step (ks: each rank's draft budget K).
-    Under attention DP with `EngineConfig.dp_balance="split"` the ranks share
-    one token budget: the upper median of what they want (`Scheduler.demand`),
-    at least their largest decode demand and dp_min_step_tokens. So a lone
-    prefill is split into chunks the size of the others' steps, and steps
-    where most ranks prefill keep the full budget."""
-    return [s.schedule(k, b) for s, k, b in zip(self.schedulers, ks, self._rank_budgets(ks))]
-
-  def _rank_budgets(self, ks) -> list:
-    c = self.config
-    if self.num_ranks == 1 or c.dp_balance == "none" or c.fixed_step_shapes:
-      return [None] * self.num_ranks
-    demands = [s.demand(k) for s, k in zip(self.schedulers, ks)]
-    wants = sorted(d + p for d, p in demands)
-    target = max(wants[len(wants) // 2], max(d for d, _ in demands), c.dp_min_step_tokens)
-    return [steps.bucket(target, c.max_num_batched_tokens)] * self.num_ranks
-
   def spec_draft_tokens(self, sch: Scheduler) -> int:
     """The MTP drafts K of a rank's next speculative step (by its batch)."""
     return self.spec.draft_tokens_for(
         min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
-
-  def step_shapes(self, busy, max_q_cap: int) -> steps.StepShapes:
-    """The bucketed program shapes for the non-empty per-rank schedules.
-    With fixed_prefill_shapes a step with a prompt chunk takes the full
-    budgets and context (one shape), a decode-only step its sequences and
-    pages in powers of two (`engine.warmup` compiles them all)."""
-    c = self.config
-    need = max(len(s.request.pages) for sch in busy for s in sch)
-    if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
-      return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
-                              pages=self.max_pages_per_seq, max_q=max_q_cap)
-    pages = (steps.bucket(need, self.max_pages_per_seq) if c.fixed_prefill_shapes else
-             steps.page_bucket(need, self.max_pages_per_seq))
-    if c.fixed_step_shapes:
-      return steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
-                              max_q=max_q_cap)
-    return steps.StepShapes(
-        tokens=steps.bucket(max(sum(s.num_tokens for s in sch) for sch in busy),
-                            c.max_num_batched_tokens),
-        seqs=steps.bucket(max(len(sch) for sch in busy), c.max_num_seqs),
-        pages=pages, max_q=steps.bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
 
   # ------------------------------------------------------------ KV hand-over
 

@@ -13,8 +13,8 @@ the same read, in steps whose requests ask for them).
 
 The Engine holds a host core (`core.HostCore`: requests, per-rank schedulers
 and page allocators) and owns the device state: the params in the step's
-layout with their placement (`runners.StepModel`), the page pool and the
-expert load. Its step runner (`runners.PlainRunner`, or
+layout with their placement (`steps.StepModel`), the page pool and the
+expert load. Its step runner (`steps.PlainRunner`, or
 `spec_runner.SpecRunner` with speculation) takes them on each step and
 returns the pool and load the step donated and made anew; only the Engine
 assigns them.
@@ -38,8 +38,7 @@ from jaxinfer.engine import speculative, warmup, weight_layout
 from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput,  # noqa: F401 (API)
                                   forward, forward_attribute)
 from jaxinfer.engine.images import Images, per_prompt
-from jaxinfer.engine.ranks import Ranks
-from jaxinfer.engine.runners import PlainRunner, StepModel
+from jaxinfer.engine.steps import PlainRunner, Ranks, StepModel
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
@@ -344,7 +343,7 @@ class Engine:
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.
     step_params = quant.with_kernel(step_params, sharding.kernel_mesh(self.mesh, self.layout))
-    # The ranks the steps run on, with the placed params' specs (`ranks.Ranks`).
+    # The ranks the steps run on, with the placed params' specs (`steps.Ranks`).
     ranks = Ranks.of(step_params, self.mesh, self._dp_axes) if self._dp_axes else None
     # Heads split over a mesh axis (tp, tp_attn_ep): attention runs per device in shard_map.
     head_axis = sharding.head_axis(self.mesh, self.layout) if self.mesh is not None else None

@@ -36,6 +36,12 @@ from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.kv.allocator import PageAllocator, hash_page, page_extra
 
 
+def bucket(n: int, cap: int, minimum: int = 1) -> int:
+  """Smallest power of two >= n (at least `minimum`), capped at `cap`."""
+  b = max(minimum, 1 << max(0, int(n - 1).bit_length()))
+  return min(b, cap) if n <= cap else n
+
+
 def capacity_error(prompt_len: int, max_tokens: int, *, max_model_len: int, page_size: int,
                    usable_pages: int) -> str | None:
   """Why a request can never be served (its prompt reaches the context limit,
@@ -310,7 +316,7 @@ class Scheduler:
     return [Scheduled(r, K + 1, r.num_computed, True, K, from_state=True) for r, _ in plan]
 
   def plan_decode(self, scheduled: list[Scheduled], n: int) -> list[int] | None:
-    """Multi-step decode (`runners.multi_step`): can `scheduled` (just
+    """Multi-step decode (`steps.multi_step`): can `scheduled` (just
     scheduled, not dispatched) run as n decode steps in one program? Taking
     nothing: the pages each chunk needs for its n positions, or None when
     it is not possible now: when requests wait for a free slot, when a
@@ -436,3 +442,23 @@ class Scheduler:
       if not (req.hold_pages and reason != "abort"):
         self.alloc.release(req.pages)
         req.pages = []
+
+
+def schedule_ranks(schedulers: list[Scheduler], ks, config) -> list[list[Scheduled]]:
+  """Every rank's chunks for the next step (ks: each rank's draft budget K;
+  config: the `EngineConfig`). Under attention DP with
+  `EngineConfig.dp_balance="split"` the ranks share one token budget: the
+  upper median of what they want (`Scheduler.demand`), at least their
+  largest decode demand and dp_min_step_tokens. So a lone prefill is split
+  into chunks the size of the others' steps, and steps where most ranks
+  prefill keep the full budget."""
+  return [s.schedule(k, b) for s, k, b in zip(schedulers, ks, _rank_budgets(schedulers, ks, config))]
+
+
+def _rank_budgets(schedulers, ks, c) -> list:
+  if len(schedulers) == 1 or c.dp_balance == "none" or c.fixed_step_shapes:
+    return [None] * len(schedulers)
+  demands = [s.demand(k) for s, k in zip(schedulers, ks)]
+  wants = sorted(d + p for d, p in demands)
+  target = max(wants[len(wants) // 2], max(d for d, _ in demands), c.dp_min_step_tokens)
+  return [bucket(target, c.max_num_batched_tokens)] * len(schedulers)

@@ -20,10 +20,11 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxinfer.engine import logprobs, speculative, steps
+from jaxinfer.engine import logprobs, scheduler, speculative, steps
 from jaxinfer.engine.core import HostCore
-from jaxinfer.engine.runners import Events, StepCounts, StepModel, sampler_mode, sampling_fields
 from jaxinfer.engine.scheduler import Scheduled
+from jaxinfer.engine.steps import (Events, StepCounts, StepModel, sampler_mode, sampling_fields,
+                                   step_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,7 +159,7 @@ class SpecRunner:
       per_rank = _continue(core.schedulers, self.in_flight[-1].per_rank, K)
     if per_rank is None:
       self._events = self._read(keep=0)
-      per_rank = core.schedule_ranks([K] * core.num_ranks)
+      per_rank = scheduler.schedule_ranks(core.schedulers, [K] * core.num_ranks, core.config)
       for slots, sch, scheduled in zip(self._slots, core.schedulers, per_rank):
         slots.assign(sch.running, scheduled)
       self._place_arrived_drafts(per_rank, core.config.max_num_seqs)
@@ -188,7 +189,7 @@ class SpecRunner:
     t0 = time.perf_counter()
     core = self.core
     busy = [scheduled for scheduled in per_rank if scheduled]
-    shapes = core.step_shapes(busy, core.chunk + K)
+    shapes = step_shapes(core, busy, core.chunk + K)
     built = [spec_batch(scheduled, shapes, slots.of, page_size=core.config.page_size,
                         max_model_len=core.max_model_len)
              for scheduled, slots in zip(per_rank, self._slots)]

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.logprobs import step_logprobs
-from jaxinfer.engine.ranks import Ranks, expert_parallel, per_rank
+from jaxinfer.engine.steps import Ranks, expert_parallel, per_rank
 from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
 from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models import mtp

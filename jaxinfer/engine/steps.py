@@ -1,38 +1,134 @@
-"""The jitted engine step: one mixed batch of prefill chunks and decode tokens.
+"""The plain engine step, whole: its host side, its program, its ranks.
 
-The scheduler flattens the step's tokens ([T], padded to a bucket) with
-per-sequence metadata ([B], padded to a bucket): query start offsets, KV
-lengths after the step, page tables ([B, pages], padded to a bucket). One
-program runs the model over the page pool (writing the new K/V into the
-pages), picks each sequence's last token, and samples it with that request's
-temperature / top-k / top-p / seed as traced arrays. The pool is donated.
-Steps whose requests ask for logprobs also return them (`engine.logprobs`);
-steps whose requests set min_tokens, logit_bias or penalties take an
-`extras` input that processes the logits before sampling
-(`engine.sampling_extras`).
+Read top to bottom, one decode step is here: `PlainRunner.dispatch` takes
+every rank's chunks from the scheduler (`scheduler.schedule_ranks`), picks
+the program's bucketed shapes (`step_shapes`), builds the padded batch
+(`rank_batch`, `pad_batch`, `stack_batches`) and calls the jitted `step`,
+which runs the model over the page pool (writing the new K/V into the pages),
+picks each sequence's last token and samples it (`_sample`);
+`PlainRunner.read` brings the tokens back and hands them to the scheduler
+(`Scheduler.apply`). `Engine.step` calls `dispatch`, then `read`.
 
-Bucketed dims, and so the compiled programs: (T, B, pages per sequence, max
-query tokens of one sequence). `StepShapes` names one program.
+The program. The scheduler flattens the step's tokens ([T], padded to a
+bucket) with per-sequence metadata ([B], padded to a bucket): query start
+offsets, KV lengths after the step, page tables ([B, pages], padded to a
+bucket). Each request's temperature / top-k / top-p / seed are traced
+arrays. The pool is donated. Steps whose requests ask for logprobs also
+return them (`engine.logprobs`); steps whose requests set min_tokens,
+logit_bias or penalties take an `extras` input that processes the logits
+before sampling (`engine.sampling_extras`). Bucketed dims, and so the
+compiled programs: (T, B, pages per sequence, max query tokens of one
+sequence). `StepShapes` names one program.
+
+Attention-DP ranks are a dimension of every step. A step's per-request
+inputs carry a leading rank axis [n, ...]: n = 1 on one device and under the
+tensor-parallel layouts, n = the mesh's batch-axis size under dp_attn_ep,
+where each rank owns whole requests, its own slice of the page pool's pages
+and its own rows of the draft state. `per_rank` runs a step's one-rank
+program on each rank: called directly for n = 1, in one `shard_map` over the
+rank axes otherwise, where the weights stay as they are placed (each rank
+sees its shards) and the routed experts stay expert-parallel inside it
+(`moe_ep.InRankExpertParallel`: the ranks exchange tokens by collectives,
+and their routing counts are summed over the ranks). So the plain and the
+speculative (`engine.speculative`) steps are written once, for one rank;
+there is no second, ranked form of either.
+
+The runner. A runner holds the `engine.core.HostCore` it schedules and its
+own host state (the queue of steps in flight, the device-side previous
+samples, its counters), never the Engine. The Engine's device state goes in
+explicitly on each call, what the step reads as a `StepModel` (params and
+their placement) and what it donates as arguments (the page pool and the
+expert load); the runner returns the new pool and load, and the Engine keeps
+them. The speculative MTP runner is `engine.spec_runner.SpecRunner`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import sampling_extras
+from jaxinfer.engine import images, logprobs, sampling_extras, scheduler
+from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.logprobs import step_logprobs
-from jaxinfer.engine.ranks import Ranks, expert_parallel, per_rank
-from jaxinfer.engine.sampling import argmax, request_keys, sample
+from jaxinfer.engine.sampling import argmax, request_keys, sample, top_k_cap
+from jaxinfer.engine.scheduler import Scheduled, bucket
 from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import VisualInputs, head, trunk_with_counts
 
+
+# ------------------------------------------------------------ ranks
+
+@dataclasses.dataclass(frozen=True)
+class Ranks:
+  """The attention-DP ranks of a step (jit-static: hashable).
+
+  mesh, axes: the mesh and its batch axes the ranks run over.
+  param_specs: (treedef, PartitionSpec per leaf) of the step's params as
+  placed (`of`), the shard_map specs of the weights.
+  """
+
+  mesh: Mesh
+  axes: tuple[str, ...]
+  param_specs: tuple
+
+  @classmethod
+  def of(cls, params, mesh: Mesh, axes: tuple[str, ...]) -> "Ranks":
+    """The ranks of `axes` for params placed on mesh."""
+    leaves, treedef = jax.tree.flatten(params)
+    specs = []
+    for a in leaves:
+      sh = getattr(a, "sharding", None)
+      if not isinstance(sh, NamedSharding) or sh.mesh != mesh:
+        raise ValueError(f"a step under attention DP: a parameter of shape {a.shape} is not "
+                         f"placed on the engine's mesh ({sh})")
+      specs.append(sh.spec)
+    return cls(mesh, tuple(axes), (treedef, tuple(specs)))
+
+
+def expert_parallel(ep, ranks: Ranks | None):
+  """The experts' plan inside a step's one-rank program: ep as it is for one
+  rank, its in-rank form (`ExpertParallel.in_rank`) under attention DP."""
+  return ep if ranks is None or ep is None else ep.in_rank()
+
+
+def per_rank(body, ranks: Ranks | None, params, pool, ranked, rows=None, load=None):
+  """body(params, pool, ranked_one, rows, load) -> (out, pool, rows, load),
+  one rank's program, run on every rank.
+
+  ranked: a pytree of arrays with a leading rank axis [n, ...] (a step's
+  batch, previous samples, targets...); body gets rank r's [...] and returns
+  out, which comes back stacked [n, ...]. rows: arrays whose first axis is
+  split into the ranks' contiguous blocks (the draft state [n * slots, ...]),
+  passed to body as its block; None: none. load: the EPLB routing counts,
+  the same on every rank (replicated; the in-rank experts sum them), or None.
+  pool: the page pool, its pages split over the ranks.
+  -> (out [n, ...], pool, rows, load)."""
+
+  def one(params, pool, ranked, rows, load):
+    out, pool, rows, load = body(params, pool, jax.tree.map(lambda a: a[0], ranked), rows, load)
+    return jax.tree.map(lambda a: a[None], out), pool, rows, load
+
+  if ranks is None:
+    return one(params, pool, ranked, rows, load)
+  treedef, leaves = ranks.param_specs
+  rank = P(ranks.axes)
+  pool_specs = pool.spec(pages=ranks.axes)
+  return jax.shard_map(
+      one, mesh=ranks.mesh,
+      in_specs=(jax.tree.unflatten(treedef, leaves), pool_specs, rank, rank, P()),
+      out_specs=(rank, pool_specs, rank, P()), check_vma=False,
+  )(params, pool, ranked, rows, load)
+
+# ------------------------------------------------------------ the program
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -62,11 +158,6 @@ class StepShapes:
   pages: int
   max_q: int
 
-
-def bucket(n: int, cap: int, minimum: int = 1) -> int:
-  """Smallest power of two >= n (at least `minimum`), capped at `cap`."""
-  b = max(minimum, 1 << max(0, int(n - 1).bit_length()))
-  return min(b, cap) if n <= cap else n
 
 
 def page_bucket(n: int, cap: int) -> int:
@@ -281,3 +372,251 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
   if len(batches) == 1:
     return jax.tree.map(lambda a: a[None], batches[0])
   return jax.tree.map(lambda *xs: np.stack(xs), *batches)
+
+# ------------------------------------------------------------ the host side: one runner
+
+Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepModel:
+  """What an Engine's steps run: the model config, the params in the step's
+  layout (`Engine._set_params`) and how they are placed: ep, the experts'
+  plan (`moe_ep.plan_from_params`); ranks, the attention-DP ranks
+  (`ranks.Ranks`, None without attention DP); heads, {mesh, head_axis}
+  when a mesh axis splits the attention heads (`sharding.head_axis`), else
+  {}. The Engine makes one per params (`rebalance` makes another)."""
+  cfg: ModelConfig
+  params: object
+  ep: object = None
+  ranks: Ranks | None = None
+  heads: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class StepCounts:
+  """What a runner dispatched: steps, their real (unpadded) tokens, steps
+  dispatched before the previous one was read, the distinct programs, and
+  the host seconds spent dispatching steps whose program was compiled
+  already (building the batch and the call; not the first call of a
+  program, which compiles it) over the model steps they ran (a multi-step
+  decode runs `decode_steps` in one dispatch)."""
+  steps: int = 0
+  tokens: int = 0
+  overlapped: int = 0
+  programs: set = dataclasses.field(default_factory=set)
+  host_s: float = 0.0
+  host_steps: int = 0
+
+  def record(self, program, num_tokens: int, overlapped: bool, host_s: float,
+             model_steps: int = 1) -> None:
+    if program in self.programs:
+      self.host_s += host_s
+      self.host_steps += model_steps
+    self.programs.add(program)
+    self.steps += 1
+    self.tokens += num_tokens
+    self.overlapped += overlapped
+
+
+def sampling_fields(reqs) -> dict:
+  """Per-request sampling fields, as the step batches take them."""
+  return dict(temperature=[r.sampling.temperature for r in reqs],
+              top_k=[r.sampling.top_k for r in reqs], top_p=[r.sampling.top_p for r in reqs],
+              seeds=[r.sampling.seed % (1 << 32) for r in reqs])
+
+
+def all_greedy(scheduled) -> bool:
+  """Every request of the chunks has temperature 0 (the step skips sampling)."""
+  return all(s.request.sampling.temperature == 0 for s in scheduled)
+
+
+def sampler_mode(busy) -> tuple[bool, int]:
+  """A step's static sampling arguments over its ranks' chunks: (greedy,
+  k_cap) as `steps.step` and `speculative.spec_step` take them."""
+  chunks = [s for scheduled in busy for s in scheduled]
+  greedy = all_greedy(chunks)
+  return greedy, 0 if greedy else top_k_cap(s.request.sampling for s in chunks)
+
+
+def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
+  """The bucketed program shapes for a core's non-empty per-rank schedules.
+  With fixed_prefill_shapes a step with a prompt chunk takes the full
+  budgets and context (one shape), a decode-only step its sequences and
+  pages in powers of two (`engine.warmup` compiles them all)."""
+  c = core.config
+  need = max(len(s.request.pages) for sch in busy for s in sch)
+  if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
+    return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
+                      pages=core.max_pages_per_seq, max_q=max_q_cap)
+  pages = (bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else
+           page_bucket(need, core.max_pages_per_seq))
+  if c.fixed_step_shapes:
+    return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
+                      max_q=max_q_cap)
+  return StepShapes(
+      tokens=bucket(max(sum(s.num_tokens for s in sch) for sch in busy),
+                    c.max_num_batched_tokens),
+      seqs=bucket(max(len(sch) for sch in busy), c.max_num_seqs),
+      pages=pages, max_q=bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
+
+
+def rank_batch(scheduled: list[Scheduled], shapes: StepShapes):
+  """One rank's chunks -> (padded `StepBatch`, real tokens). A token sampled
+  by the step still in flight is taken on device from its row there."""
+  tokens, from_prev, positions, token_seq = [], [], [], []
+  for i, s in enumerate(scheduled):
+    req = s.request
+    known = req.tokens
+    for pos in range(s.start, s.start + s.num_tokens):
+      if pos < len(known):
+        tokens.append(known[pos])
+        from_prev.append(-1)
+      else:  # sampled by the previous step, not read back yet
+        tokens.append(0)
+        from_prev.append(req.pending_row)
+    positions += range(s.start, s.start + s.num_tokens)
+    token_seq += [i] * s.num_tokens
+  reqs = [s.request for s in scheduled]
+  return pad_batch(
+      shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
+      q_lens=[s.num_tokens for s in scheduled],
+      kv_lens=[s.start + s.num_tokens for s in scheduled],
+      page_tables=[r.pages for r in reqs], **sampling_fields(reqs),
+      sample_idx=[len(r.output) + r.pending for r in reqs],
+      rope_positions=images.step_rope(scheduled)), len(tokens)
+
+
+def multi_step(schedulers, per_rank, n: int):
+  """Every rank's chunks as n-step decodes (`Scheduler.plan_decode`, then
+  `take_decode` once every rank can: an idle rank is all padding), or None."""
+  if n < 2:
+    return None
+  plans = [sch.plan_decode(scheduled, n) for sch, scheduled in zip(schedulers, per_rank)]
+  if any(p is None for p in plans):
+    return None
+  return [sch.take_decode(scheduled, p, n)
+          for sch, scheduled, p in zip(schedulers, per_rank, plans)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PlainInFlight:
+  """A dispatched plain step: each rank's chunks and the samples on device,
+  [n, S] ([steps, n, S] for a multi-step decode; row b: chunk b), and their
+  logprobs if computed."""
+  per_rank: list[list[Scheduled]]
+  sampled: jax.Array
+  steps: int = 1
+  logprobs: dict | None = None
+
+
+class PlainRunner:
+  """Plain steps on every rank together (an idle rank on an all-padding
+  batch). With async scheduling step N + 1 is dispatched before step N's
+  samples are read; the tokens it needs from step N come from the device.
+  images: the Engine's `images.Images` (a step's visual rows)."""
+
+  def __init__(self, core: HostCore, images: images.Images):
+    self.core, self.images = core, images
+    self.counts = StepCounts()
+    self.in_flight: collections.deque[PlainInFlight] = collections.deque()
+    self._prev_sampled = jnp.zeros((core.num_ranks, core.config.max_num_seqs), jnp.int32)
+    # The last dispatch's samples, every decode step of a multi-step one:
+    # where penalties find the tokens still in flight (`sampling_extras`).
+    self._prev_out = self._prev_sampled
+    self._keep = 0  # steps `read` leaves in flight
+
+  def dispatch(self, model: StepModel, pool, load):
+    """Schedules every rank and dispatches their step (when any has a chunk)
+    -> (new pool, new load)."""
+    core = self.core
+    per_rank = scheduler.schedule_ranks(core.schedulers, [0] * core.num_ranks, core.config)
+    scheduled = any(per_rank)
+    self._keep = 1 if scheduled and core.config.async_scheduling else 0
+    if scheduled:
+      t0 = time.perf_counter()
+      n = core.config.decode_steps
+      multi = multi_step(core.schedulers, per_rank, n)
+      if multi is None:
+        return self._dispatch(model, pool, load, per_rank, t0)
+      return self._dispatch(model, pool, load, multi, t0, n)
+    return pool, load
+
+  def read(self) -> Events:
+    """Reads the steps in flight but, with async scheduling, the one
+    `dispatch` just dispatched -> their events."""
+    return self._read(self._keep)
+
+  def warm(self, model: StepModel, pool, load, programs) -> tuple[int, object, object]:
+    """Compiles each program ((shapes, decode steps, greedy, k_cap), as
+    `warmup.programs` lists them) by running it on all-padding batches,
+    leaving the counters other than the compiled programs as they were
+    (`Engine.warmup`). -> (programs compiled now, new pool, new load)."""
+    before = dataclasses.replace(self.counts, programs=set())
+    known = len(self.counts.programs)
+    idle = [[] for _ in range(self.core.num_ranks)]
+    for shapes, n, greedy, k_cap in programs:
+      pool, load = self._dispatch(model, pool, load, idle, time.perf_counter(), n,
+                                  program=(shapes, greedy, k_cap))
+      self._read(keep=0)
+    compiled = self.counts.programs
+    self.counts = dataclasses.replace(before, programs=compiled)
+    return len(compiled) - known, pool, load
+
+  def _dispatch(self, model: StepModel, pool, load, per_rank, t0: float, n: int = 1,
+                program=None):
+    """One program over every rank's chunks: a step, or n decode steps
+    (`steps.decode_steps`) of `multi_step`'s chunks -> (new pool, new load).
+    program: (shapes, greedy, k_cap) for chunks that do not say (`warm`'s
+    empty ones)."""
+    core = self.core
+    busy = [sch for sch in per_rank if sch]
+    shapes, greedy, k_cap = program or (step_shapes(core, busy, core.chunk), *sampler_mode(busy))
+    batches = [rank_batch(sch, shapes) for sch in per_rank]
+    want = logprobs.wanted([s for scheduled in busy for s in scheduled])
+    extras = sampling_extras.step_extras(per_rank, shapes.seqs, core.config.max_num_seqs,
+                                         self._prev_out)
+    batch = stack_batches([b for b, _ in batches])
+    args = (model.cfg, model.params, pool, batch, self._prev_sampled, load)
+    kw = dict(ep=model.ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
+              ranks=model.ranks, **model.heads)
+    if n > 1:  # decode rows only: no prompt rows to score
+      sampled, pool, load, lp = decode_steps(*args, num_steps=n, **kw)
+      self._prev_sampled = sampled[-1]
+    else:
+      visual = self.images.step_visual(per_rank, shapes.tokens)
+      targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
+      sampled, pool, load, lp = step(*args, visual, targets, max_q=shapes.max_q, **kw)
+      self._prev_sampled = sampled
+    self._prev_out = sampled
+    for sch, rank_scheduled in zip(core.schedulers, per_rank):
+      sch.on_dispatch(rank_scheduled)
+    self.counts.record((shapes, n, greedy, want, sampling_extras.program_key(extras), k_cap),
+                       n * sum(k for _, k in batches),
+                       bool(self.in_flight), time.perf_counter() - t0, n)
+    self.in_flight.append(PlainInFlight(per_rank, sampled, n, lp))
+    return pool, load
+
+  def _read(self, keep: int) -> Events:
+    """Reads the steps in flight, oldest first, leaving `keep`."""
+    events, n = [], self.core.num_ranks
+    while len(self.in_flight) > keep:
+      done = self.in_flight.popleft()
+      # The one device-to-host read: the tokens, and their logprobs if computed.
+      sampled, lp = jax.device_get((done.sampled, done.logprobs))
+      # -> [ranks, S, steps]: row b's tokens (one unless a multi-step decode)
+      sampled = np.moveaxis(np.asarray(sampled).reshape(done.steps, n, -1), 0, -1)
+      for sch, rank_done, rank_sampled, rank_lp in zip(
+          self.core.schedulers, done.per_rank, sampled, logprobs.split_ranks(lp, n, done.steps)):
+        tokens = rank_sampled[:len(rank_done)]
+        events += (sch.apply(rank_done, tokens) if rank_lp is None else
+                   logprobs.applied(rank_lp, sch.apply, rank_done, tokens))
+    return events
+
+  def stats(self) -> dict:
+    return {}
+
+  def release(self) -> None:
+    """Drops the device state (`Engine.release`)."""
+    self.in_flight.clear()
+    self._prev_sampled = self._prev_out = None

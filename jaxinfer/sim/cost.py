@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.steps import step_shapes
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.attention import cache_entry_shapes
@@ -160,7 +161,7 @@ class StepShape:
 
 def step_shape(scheduled, *, core, spec_k: int = 0) -> StepShape:
   """The StepShape of one rank's `Scheduler.schedule()` output, with the
-  padded program shape `core.step_shapes` (an `engine.core.HostCore`'s)
+  padded program shape `steps.step_shapes` of an `engine.core.HostCore`
   gives it."""
   f = dict(prefill_tokens=0, prefill_seqs=0, sampling_prefills=0, decode_seqs=0,
            draft_tokens=0, kv_read_tokens=0, pairs_prefill=0, pairs_decode=0)
@@ -179,7 +180,7 @@ def step_shape(scheduled, *, core, spec_k: int = 0) -> StepShape:
   if not scheduled:
     return StepShape(**f)
   # max_q does not enter a StepShape; any cap will do.
-  program = core.step_shapes([scheduled], core.config.max_num_batched_tokens)
+  program = step_shapes(core, [scheduled], core.config.max_num_batched_tokens)
   return StepShape(**f, mtp_k=spec_k, padded_tokens=program.tokens, padded_seqs=program.seqs,
                    padded_pages=program.pages, page_size=core.config.page_size)
 

@@ -16,6 +16,7 @@ import dataclasses
 
 from jaxinfer.engine.core import HostCore, forward, forward_attribute
 from jaxinfer.engine.engine import EngineConfig
+from jaxinfer.engine.scheduler import schedule_ranks
 from jaxinfer.serving.worker import ROLES
 from jaxinfer.sim.cost import StepShape, step_shape
 
@@ -191,7 +192,7 @@ class SimEngine:
     core = self.core
     ks = [core.spec_draft_tokens(sch) if core.spec is not None else 0 for sch in core.schedulers]
     K = max(ks)
-    per_rank = core.schedule_ranks(ks)
+    per_rank = schedule_ranks(core.schedulers, ks, core.config)
     if not any(per_rank):
       return None
     for sch, sched in zip(core.schedulers, per_rank):

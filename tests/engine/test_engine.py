@@ -12,7 +12,8 @@ import pytest
 from conftest import FIXTURES, assert_no_leak as _no_leak, random_prompts as _prompts
 from jaxinfer import Engine, EngineConfig, ModelConfig, SamplingParams, engine, models, presets
 from jaxinfer.engine import steps
-from jaxinfer.engine.runners import StepCounts
+from jaxinfer.engine import scheduler
+from jaxinfer.engine.steps import StepCounts
 
 ARCHS = {
     "tiny_dense": presets.get("tiny_dense"),
@@ -364,7 +365,7 @@ def test_dp_balance_splits_a_lone_prefill(policy):
   for _ in range(3):  # short prompts on the three others (least-loaded ranks)
     core.submit([5, 6, 7])
   assert sorted(r.rank for r in core.requests.values()) == [0, 1, 2, 3]
-  per_rank = core.schedule_ranks([0] * 4)
+  per_rank = scheduler.schedule_ranks(core.schedulers, [0] * 4, core.config)
   long_rank = core.requests[long_id].rank
   chunk = sum(s.num_tokens for s in per_rank[long_rank])
   others = max(sum(s.num_tokens for s in sch) for r, sch in enumerate(per_rank) if r != long_rank)
@@ -375,7 +376,7 @@ def test_dp_balance_splits_a_lone_prefill(policy):
   busy = _dp_core(policy)
   for _ in range(4):
     busy.submit(list(range(1, 201)))
-  assert all(sum(s.num_tokens for s in sch) == 128 for sch in busy.schedule_ranks([0] * 4))
+  assert all(sum(s.num_tokens for s in sch) == 128 for sch in scheduler.schedule_ranks(busy.schedulers, [0] * 4, busy.config))
   with pytest.raises(ValueError, match="dp_balance must be one of"):
     EngineConfig(dp_balance="even")
 

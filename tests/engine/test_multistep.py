@@ -11,7 +11,7 @@ import pytest
 
 from conftest import assert_no_leak as _no_leak, float32_model as _model, random_prompts as _prompts
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, engine, sharding
-from jaxinfer.engine.runners import multi_step
+from jaxinfer.engine.steps import multi_step
 from jaxinfer.engine.scheduler import Request, Scheduler
 from jaxinfer.kv.allocator import PageAllocator
 

@@ -22,7 +22,7 @@ from benchlib import gpu_plan, sharding_report
 from jaxinfer import gpu_compile, ops, presets, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import sampling_extras, steps
-from jaxinfer.engine.ranks import Ranks
+from jaxinfer.engine.steps import Ranks
 from jaxinfer.models import vision
 from jaxinfer.models.moe_ep import plan_from_params
 

@@ -20,6 +20,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.engine import EngineConfig
 from jaxinfer.engine.sampling import SamplingParams
+from jaxinfer.engine.scheduler import schedule_ranks
 from jaxinfer.kv.allocator import PageAllocator, iter_page_hashes
 from jaxinfer.tokenizer import ByteTokenizer
 
@@ -123,7 +124,7 @@ class HostEngine(HostCore):
     self.pool: dict[tuple[int, int], int] = {}
 
   def step(self):
-    [scheduled] = self.schedule_ranks([0])
+    [scheduled] = schedule_ranks(self.schedulers, [0], self.config)
     if not scheduled:
       return []
     sch, ps = self.schedulers[0], self.config.page_size
