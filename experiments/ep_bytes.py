@@ -17,7 +17,7 @@ from absl import app, flags  # noqa: E402
 
 from benchlib import ep_bytes, results  # noqa: E402
 from benchlib.sharding_report import parse_mesh  # noqa: E402
-from jaxinfer import gpu_compile, presets  # noqa: E402
+from jaxinfer import Backend, gpu_compile, presets  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("preset", "deepseek_v3", "model preset (one MoE layer of it is compiled)")
@@ -31,7 +31,8 @@ def main(argv):
   del argv
   cfg = presets.get(FLAGS.preset, dtype="bfloat16")
   mesh = gpu_compile.mesh(parse_mesh(FLAGS.mesh))
-  rows = ep_bytes.report(cfg, mesh, [int(t) for t in FLAGS.tokens], target="gpu")
+  rows = ep_bytes.report(cfg, mesh, [int(t) for t in FLAGS.tokens],
+                         backend=Backend(target="gpu"))
   print("| tokens/rank | routed KiB | before | capacity (CPU) | ragged (GPU) |")
   print("|---|---|---|---|---|")
   for r in rows:

@@ -14,7 +14,7 @@ import os
 from absl import app, flags
 
 from benchlib import kv_quant, results
-from jaxinfer import EngineConfig, run
+from jaxinfer import Backend, EngineConfig, run
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 32, "prompts cut from stdlib sources")
@@ -27,7 +27,7 @@ _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "resul
 def main(argv):
   del argv
   cfg, params, tokenizer = run.load_default_model()
-  cfg = dataclasses.replace(cfg, attention_impl=_IMPL.value)
+  cfg = dataclasses.replace(cfg, backend=Backend(attention=_IMPL.value))
   prompts = kv_quant.stdlib_prompts(tokenizer.encode, _NUM_PROMPTS.value)
   config = EngineConfig(page_size=16, num_pages=2048, max_num_seqs=32)
   out = kv_quant.kv_quant_agreement(cfg, params, prompts, max_tokens=_MAX_TOKENS.value,

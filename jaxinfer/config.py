@@ -15,6 +15,7 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.backend import Backend
 from jaxinfer.hf_config import model_config_fields
 
 AttentionKind = Literal["gqa", "mla"]
@@ -218,15 +219,12 @@ class ModelConfig:
 
   # Param/compute dtype name; None: bfloat16 on GPU/TPU, float32 on CPU.
   dtype: str | None = None
-  # Attention kernels (jaxinfer/ops.py): "xla", "pallas", "mosaic" (opt-in,
-  # Hopper, jax >= 0.11: decode-only steps on the Mosaic GPU kernel, the rest
-  # as "pallas"), or None: Pallas for a GPU kernel target, XLA otherwise.
-  attention_impl: str | None = None
-  # The device the kernels are built for, static in every jitted step:
-  # "gpu" compiles the Pallas kernels through Triton (also from a CPU process
-  # lowering for compile-only GPUs, `jaxinfer.gpu_compile`), "cpu" runs
-  # them in interpret mode, None follows the process's default backend.
-  kernel_target: str | None = None
+  # The kernels (jaxinfer/ops.py) and the device they are built for, static
+  # in every jitted step: `Backend(attention="pallas", target="gpu")` compiles
+  # the Pallas kernels through Triton, also from a CPU process lowering for
+  # compile-only GPUs (`jaxinfer.gpu_compile`); the default picks both from
+  # this process's platform.
+  backend: Backend = Backend()
   eos_token_ids: tuple[int, ...] = ()
   # Weight-only quantization (None: every weight in `dtype`).
   quant: QuantConfig | None = None
@@ -364,10 +362,8 @@ def _validate(c: ModelConfig) -> None:
   need(c.quant is None or isinstance(c.quant, QuantConfig),
        f"quant must be a QuantConfig or None, got {type(c.quant).__name__}")
   need(c.num_mtp_layers >= 0, f"num_mtp_layers must be >= 0, got {c.num_mtp_layers}")
-  need(c.attention_impl in (None, "xla", "pallas", "mosaic"),
-       f"attention_impl must be None, 'xla', 'pallas' or 'mosaic', got {c.attention_impl!r}")
-  need(c.kernel_target in (None, "gpu", "cpu"),
-       f"kernel_target must be None, 'gpu' or 'cpu', got {c.kernel_target!r}")
+  need(isinstance(c.backend, Backend),
+       f"backend must be a jaxinfer.Backend, got {type(c.backend).__name__}")
   if c.dtype is not None:
     need(c.dtype in ("float32", "bfloat16", "float16"),
          f"dtype must be float32, bfloat16 or float16, got {c.dtype!r}")

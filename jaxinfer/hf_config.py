@@ -299,7 +299,7 @@ def _no_more(params: dict, kind: str) -> None:
 def to_hf(cfg) -> dict:
   """The HF `config.json` dict of a llama- or deepseek_v3-family config: the
   inverse of `ModelConfig.from_hf`, checked by mapping it back (runtime-only
-  fields dtype / attention_impl / kernel_target / moe_impl aside). Raises ValueError for
+  fields dtype / backend / moe_impl aside). Raises ValueError for
   other families or configs HF cannot express."""
   if cfg.model_type not in ("llama", "deepseek_v3"):
     raise ValueError(f"to_hf: model_type {cfg.model_type!r} is not supported "
@@ -331,8 +331,7 @@ def to_hf(cfg) -> dict:
         routed_scaling_factor=cfg.routed_scaling_factor, first_k_dense_replace=first_dense,
         num_nextn_predict_layers=cfg.num_mtp_layers)
   back = type(cfg).from_hf(hf)
-  back = dataclasses.replace(back, dtype=cfg.dtype, attention_impl=cfg.attention_impl,
-                             kernel_target=cfg.kernel_target, moe_impl=cfg.moe_impl)
+  back = dataclasses.replace(back, dtype=cfg.dtype, backend=cfg.backend, moe_impl=cfg.moe_impl)
   if back != cfg:
     diff = [f.name for f in dataclasses.fields(cfg)
             if getattr(cfg, f.name) != getattr(back, f.name)]

@@ -1,25 +1,17 @@
 """The one kernel dispatch. Model code calls these; it never branches on backend.
 
-Each op takes two static choices, which models pass from their config
-(`ModelConfig.attention_impl`, `ModelConfig.kernel_target`):
+Each kernel op takes a static `Backend` (`jaxinfer.backend`), which models
+pass from their config (`ModelConfig.backend`): `attention` picks the
+kernels ("xla", "pallas", "mosaic", or None: Pallas for a GPU target, XLA
+otherwise), `target` the device the program is built for ("gpu", "cpu", or
+None: the process's default backend).
 
-  implementation  "xla" (pure JAX), "pallas" (`pallas_kernels`), "mosaic"
-                  (opt-in, Hopper: "pallas", but decode-only paged steps on
-                  the Mosaic GPU kernels `mosaic_paged_attention` (GQA) and
-                  `mosaic_mla_attention` (MLA) where they take the shapes),
-                  or None: Pallas for a GPU target, XLA otherwise.
-  target          the device the program is built for: "gpu" (Pallas kernels
-                  compiled through Triton, even when this process runs on CPU:
-                  programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
-                  "cpu" (Pallas runs in interpret mode), or None: the
-                  process's default backend.
-
-The target is a config field, not the process's backend, because a program's
-kernels must match the devices it is compiled for, and a CPU process can build
-GPU programs. With a GPU target and implementation None, a shape the GPU kernel
-cannot tile (`paged_attention.tile_error`) runs the XLA path instead; an
-explicit "pallas" raises the kernel's ValueError. GPU tiling of the paged
-kernel comes from shapes alone (`paged_tiling`).
+With a GPU target and attention None, a shape the GPU kernel cannot tile
+(`paged_attention.tile_error`) runs the XLA path instead; an explicit
+"pallas" raises the kernel's ValueError. GPU tiling of the paged kernel comes
+from shapes alone (`paged_tiling`). "mosaic" sends decode-only paged steps to
+the Mosaic GPU kernels where they take the shapes (`mosaic_decode_kernel`),
+every other step to "pallas".
 
   causal_attention        full causal self-attention (prefill without a cache)
   attention               queries at arbitrary positions over a padded KV range (XLA)
@@ -35,6 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer import xla_attention
+from jaxinfer.backend import Backend
 from jaxinfer.kv.pool import kernel_dims
 import pallas_kernels
 from pallas_kernels import mosaic_mla_attention as mosaic_mla
@@ -42,54 +35,30 @@ from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
-IMPLEMENTATIONS = ("xla", "pallas", "mosaic")
-TARGETS = ("gpu", "cpu")
 _BLOCK_Q, _BLOCK_K = 64, 128  # XLA attention blocks (queries, keys)
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
 
 
-def resolve_target(target: str | None) -> str:
-  """The kernel target: `target` itself, or for None the process's default
-  backend ("gpu" on a GPU process, "cpu" on anything else)."""
-  if target is None:
-    return "gpu" if jax.default_backend() == "gpu" else "cpu"
-  if target not in TARGETS:
-    raise ValueError(f"target must be one of {TARGETS} or None, got {target!r}")
-  return target
-
-
-def resolve(implementation: str | None, target: str | None = None) -> tuple[str, bool]:
-  """-> (implementation, interpret): Pallas for a GPU target unless told
-  otherwise; Pallas kernels are interpreted unless the target is "gpu"."""
-  target = resolve_target(target)
-  impl = implementation or ("pallas" if target == "gpu" else "xla")
-  if impl not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS} or None, got {impl!r}")
-  return impl, target != "gpu"
-
-
 def quantized_matmul(x, codes, scale, *, block, packed=None, scale2=None,
-                     target: str | None = None):
+                     backend: Backend = Backend()):
   """x [M, K] @ W^T with W [N, K] = codes * scale (* scale2) over `block`
   blocks (codes float8_e4m3fn / int8, or uint8 two per byte with packed=
   "int4" / "e2m1"), on the Pallas kernel that dequantizes tile by tile
   (`pallas_kernels.quantized_matmul`): compiled for a GPU target, interpreted
   otherwise. -> [M, N] in x's dtype. (`layers.linear` picks it.)"""
-  _, interpret = resolve("pallas", target)
   return pallas_kernels.quantized_matmul(x, codes, scale, block=block, packed=packed,
-                                         scale2=scale2, interpret=interpret)
+                                         scale2=scale2, interpret=not backend.on_gpu())
 
 
 def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block, packed=None, scale2=None,
-                             target: str | None = None):
+                             backend: Backend = Backend()):
   """`jax.lax.ragged_dot` of xs [R, K] (sorted by expert, group_sizes [E]) with
   the experts' W_e [N, K] = codes[e] * scale[e] (* scale2[e]), on the Pallas
   kernel that dequantizes tile by tile (compiled for a GPU target,
   interpreted otherwise). -> [R, N]. (`moe_core.grouped_ffn` picks it.)"""
-  _, interpret = resolve("pallas", target)
   return pallas_kernels.quantized_grouped_matmul(xs, codes, scale, group_sizes, block=block,
                                                  packed=packed, scale2=scale2,
-                                                 interpret=interpret)
+                                                 interpret=not backend.on_gpu())
 
 
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
@@ -112,17 +81,17 @@ def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size
 
 
 def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scale,
-                     implementation: str | None = None, target: str | None = None):
+                     backend: Backend = Backend()):
   """Causal self-attention: q [B, T, N, Hk], k [B, T, K, Hk], v [B, T, K, Hv].
 
   window may be traced (a scanned layer's); the Pallas kernel needs it static,
   so it then switches over `window_choices` (the model's distinct windows).
   The GPU kernel pads head dims to powers of two; below 16 (no tensor-core
-  tile) implementation None runs XLA.
+  tile) attention None runs XLA.
   """
-  impl, interpret = resolve(implementation, target)
+  impl, interpret = backend.attention_kernel()
   small = min(q.shape[-1], v.shape[-1]) < 16
-  if impl == "xla" or (not interpret and small and implementation is None):
+  if impl == "xla" or (not interpret and small and backend.attention is None):
     B, T = q.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     return _attention_xla(q, k, v, pos, jnp.full((B,), T, jnp.int32), window, sinks, scale)
@@ -137,8 +106,7 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
                                 for w in window_choices], q, k, v, sinks)
 
 
-def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
-              implementation: str | None = None, target: str | None = None):
+def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale):
   """Causal grouped-query attention over a (possibly padded) key range.
 
   q [B, T, N, Hk]; k [B, S, K, Hk]; v [B, S, K, Hv]; N % K == 0.
@@ -149,11 +117,8 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale,
   sinks [N] or None: a learned logit per head in the softmax denominator
   (GPT-OSS). Returns [B, T, N, Hv] in q's dtype (zeros for a row that sees no
   key); softmax runs in float32.
-  Every target runs this XLA form (`target` is validated, nothing more).
+  Every backend runs this XLA form (it takes no `Backend`).
   """
-  resolve_target(target)
-  if implementation not in (None, "xla"):
-    raise ValueError(f"attention: only the 'xla' implementation exists, got {implementation!r}")
   return _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale)
 
 
@@ -169,8 +134,7 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
-                           k_scale=None, v_scale=None, implementation: str | None = None,
-                           target: str | None = None):
+                           k_scale=None, v_scale=None, backend: Backend = Backend()):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
@@ -186,13 +150,13 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   pages * scale: per tile in the kernel, after the gather on the XLA path
   (MLA: k_scale, the latent's one scale).
 
-  GPU target: the kernel tiled by `paged_tiling`, or (implementation None)
+  GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
   "mosaic": decode-only steps (max_q 1) on `mosaic_paged_attention` (GQA)
   or `mosaic_mla_attention` (MLA's latent pool) where their `unsupported`
   finds nothing against the shapes; other steps "pallas".
   """
-  impl, interpret = resolve(implementation, target)
+  impl, interpret = backend.attention_kernel()
   if impl == "mosaic":
     out = _mosaic_decode(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
                          sinks, scale, v_head_dim, layer, k_scale, interpret)
@@ -210,7 +174,7 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
                             head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None,
                             quantized_kv=k_scale is not None)
       why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
-      if why and implementation is None:
+      if why and backend.attention is None:
         impl = "xla"
   if impl == "pallas":
     return pallas_kernels.ragged_paged_attention(
@@ -241,30 +205,49 @@ def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, 
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 
+def mosaic_decode_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=None,
+                         max_q: int = 1, window=0, sinks: bool = False,
+                         quantized: bool = False) -> tuple[str | None, str | None]:
+  """Which Mosaic GPU kernel takes a paged step under
+  `Backend(attention="mosaic")`: ("mla", None) for MLA's latent pool on
+  `mosaic_mla_attention`, ("gqa", None) for GQA pages on
+  `mosaic_paged_attention`, or (None, why) when neither does (the step then
+  runs "pallas"). Only decode-only steps (max_q 1) qualify.
+
+  q_shape [T, N, Hk] (the step's tokens); k_pages_shape [(L,) K, P,
+  page_size, Hk]; values_dim: the value pages' head dim, or None for MLA's
+  latent pool (keys and values in one pool, the values its first latent_dim
+  columns); window: an int, or a traced one (a scanned layer's); sinks:
+  the layer has attention sinks; quantized: fp8 / int8 pages. The MLA
+  kernel takes no window, sinks or quantized pages."""
+  if max_q != 1:
+    return None, f"max_q {max_q} > 1: not a decode-only step"
+  page_size = k_pages_shape[-2]  # [..., K, P, page_size, Hk]
+  if values_dim is None:
+    if not isinstance(window, int) or window or sinks or quantized:
+      return None, "a window (or a traced one), sinks or quantized latent pages"
+    bad = mosaic_mla.unsupported(q_shape[-1], latent_dim, page_size, dtype)
+    return ("mla", None) if bad is None else (None, bad[1])
+  bad = mosaic.unsupported((1, 1, *q_shape[1:]), dtype, k_pages_shape, quantized=quantized,
+                           values_dim=values_dim)
+  return ("gqa", None) if bad is None else (None, bad[1])
+
+
 def _mosaic_decode(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
                    scale, v_head_dim, layer, k_scale, interpret):
-  """A decode-only step on the Mosaic GPU kernel that takes it (MLA's latent
-  pool or GQA pages), or None when neither does."""
-  if max_q != 1:
-    return None
-  if v_pages is None and not _mosaic_mla_unsupported(q, k_pages, v_head_dim, window, sinks,
-                                                     k_scale):
+  """The step on the Mosaic GPU kernel `mosaic_decode_kernel` picks, or None
+  when it picks none."""
+  kernel, _ = mosaic_decode_kernel(
+      q.shape, q.dtype, k_pages.shape, values_dim=None if v_pages is None else v_pages.shape[-1],
+      latent_dim=v_head_dim, max_q=max_q, window=window, sinks=sinks is not None,
+      quantized=k_scale is not None)
+  if kernel == "mla":
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
                               layer, interpret)
-  if mosaic.unsupported((1, 1, *q.shape[1:]), q.dtype, k_pages.shape,
-                        quantized=k_scale is not None,
-                        values_dim=None if v_pages is None else v_pages.shape[-1]):
-    return None
-  return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks,
-                        scale, layer, interpret)
-
-
-def _mosaic_mla_unsupported(q, k_pages, latent_dim, window, sinks, k_scale) -> str | None:
-  """Why MLA's decode step cannot run on the Mosaic GPU kernel, or None."""
-  if not isinstance(window, int) or window or sinks is not None or k_scale is not None:
-    return "a window (or a traced one), sinks or quantized latent pages"
-  bad = mosaic_mla.unsupported(q.shape[-1], latent_dim, kernel_dims(k_pages)["slot"], q.dtype)
-  return bad[1] if bad else None
+  if kernel == "gqa":
+    return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks,
+                          scale, layer, interpret)
+  return None
 
 
 def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,

@@ -2,8 +2,8 @@
 step and rank, read from compiled programs.
 
 One MoE layer of `cfg` runs expert-parallel (`moe_ep`, layout dp_attn_ep) on
-`t` tokens per rank; the program is compiled for the target (H100s from this
-CPU machine, or the CPU devices) and its collectives are read from the HLO:
+`t` tokens per rank; the program is compiled for the backend's target (H100s
+from this CPU machine, or the CPU devices) and its collectives are read from the HLO:
 each all-to-all's buffers, and for a ragged all-to-all the send operand
 (only its first send_sizes rows cross the wire). The routed bytes are what
 must move: every (token, expert) copy's activation row, t * k rows, there and
@@ -32,6 +32,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchlib import gpu_plan
 from jaxinfer import gpu_compile, sharding
+from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import moe as moe_lib, specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
@@ -84,10 +85,10 @@ def _one_moe_layer(cfg: ModelConfig) -> ModelConfig:
 
 
 def compile_layer(cfg: ModelConfig, mesh, tokens_per_rank: int, *, strategy: str,
-                  capacity_factor: float = 1.25, target: str = "gpu") -> str:
+                  capacity_factor: float = 1.25, backend: Backend = Backend(target="gpu")) -> str:
   """HLO text of one expert-parallel MoE layer over `tokens_per_rank` tokens
-  on each rank of `mesh` (every axis an expert axis), compiled for `target`."""
-  cfg = dataclasses.replace(_one_moe_layer(cfg), kernel_target=target)
+  on each rank of `mesh` (every axis an expert axis), compiled for `backend`."""
+  cfg = dataclasses.replace(_one_moe_layer(cfg), backend=backend)
   params = gpu_compile.abstract(specs_lib.abstract_params(cfg),
                                 sharding.param_shardings(cfg, mesh, "dp_attn_ep"))
   plan = dataclasses.replace(plan_from_params(params), strategy=strategy,
@@ -106,7 +107,7 @@ def compile_layer(cfg: ModelConfig, mesh, tokens_per_rank: int, *, strategy: str
 
 
 def report(cfg: ModelConfig, mesh, tokens_per_rank=(1, 2, 4, 8, 16, 32, 64), *,
-           target: str = "gpu") -> list[dict]:
+           backend: Backend = Backend(target="gpu")) -> list[dict]:
   """Per tokens-per-rank t: routed bytes and each exchange's compiled bytes
   (dispatch + combine, per MoE layer, step and rank) and their ratio."""
   n = math.prod(mesh.shape.values())
@@ -118,10 +119,11 @@ def report(cfg: ModelConfig, mesh, tokens_per_rank=(1, 2, 4, 8, 16, 32, 64), *,
     routed = 2 * t * k * row_bytes  # there and back
     row = dict(tokens_per_rank=t, ranks=n, top_k=k, routed_bytes=routed)
     exchanges = {"before": ("all_to_all", n), "capacity": ("all_to_all", 1.25)}
-    if target == "gpu":
+    if backend.on_gpu():
       exchanges["ragged"] = ("ragged", 1.25)
     for name, (strategy, factor) in exchanges.items():
-      hlo = compile_layer(cfg, mesh, t, strategy=strategy, capacity_factor=factor, target=target)
+      hlo = compile_layer(cfg, mesh, t, strategy=strategy, capacity_factor=factor,
+                          backend=backend)
       c = collective_bytes(hlo)
       if name == "ragged":  # send_sizes = each destination's routed copies: exactly routed
         row[name] = dict(bytes=routed, ratio=1.0, send_buffer_bytes=c["ragged_all_to_all_send"],

@@ -6,7 +6,7 @@ in place, calling `save()` after every measurement, in priority order:
   dense  llama3_8b: decode at batch 1 / 8 / 64 against the HBM roofline,
          prefill of 2k-token prompts against the bf16 matmul roofline, and
          Pallas against XLA attention (greedy tokens) at batch 8, and decode
-         on the Mosaic GPU paged kernel (attention_impl "mosaic") at batch
+         on the Mosaic GPU paged kernel (Backend attention "mosaic") at batch
          1 / 8 / 64 against the Pallas (Triton) runs of the same prompts
   moe    a DeepSeek-V3 slice at full width (MLA, 1 dense + 1 MoE layer of
          256 sigmoid-routed experts, 1 MTP module): decode at batch 1 / 8 /
@@ -40,12 +40,12 @@ import numpy as np
 
 from benchlib.decode import count_xla_compiles, decode_bytes_per_step, expected_experts
 from benchlib.kernels import measure_roofline, short_error
-from jaxinfer import models, presets
+from jaxinfer import models, ops, presets
+from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
 from jaxinfer.engine.speculative import MTPConfig
 from jaxinfer.models.specs import is_spec
-from pallas_kernels import mosaic_mla_attention, mosaic_paged_attention
 
 CONVENTIONS = {
     "decode tokens_per_s": "tokens emitted after every request of the batch had its first token "
@@ -72,21 +72,22 @@ CONVENTIONS = {
                     "(_timed, 0 when each program compiled once); _retimed > 0: the first "
                     "timed run compiled (a lazily defined jax config changed the tracing "
                     "context) and the timed run was repeated",
-    "pallas_vs_xla": "the timed prompts run greedy under attention_impl xla; identical: every "
+    "pallas_vs_xla": "the timed prompts run greedy under Backend attention xla; identical: every "
                      "token equal; match_fraction: equal tokens at equal positions / all; "
                      "first_divergence: the earliest position any request differs (None: none)",
     "mtp": "speculative decoding with the model's MTP module, K drafts every step, same prompts "
            "as decode at that batch; mean_accepted_length: tokens per sequence per verify step "
            "(Engine.stats, over the untimed and the timed run); same_tokens_as_plain: "
            "match_fraction against plain greedy decoding of the same prompts",
-    "mosaic": "decode under attention_impl mosaic (the Mosaic GPU paged kernel on decode-only "
+    "mosaic": "decode under Backend attention mosaic (the Mosaic GPU kernels on decode-only "
               "steps, Pallas elsewhere), same prompts as decode at that batch; kernel: "
-              "'mosaic' where mosaic_paged_attention.unsupported finds nothing against the "
+              "'mosaic' where ops.mosaic_decode_kernel picks a Mosaic kernel for the "
               "step's shapes, else why not (the step then ran Pallas); speedup_vs_pallas: "
               "tokens_per_s / decode's; identical / match_fraction: greedy tokens against "
               "decode's",
 }
 
+_PALLAS = Backend(attention="pallas")  # every run's kernels, Mosaic and XLA entries aside
 _MIN_COMPILE_LEFT_S = 20.0  # never start a compile-heavy step with less left (real run)
 
 
@@ -102,7 +103,7 @@ class Shapes:
   prefill_len: int = 0
   mtp_ks: tuple[int, ...] = ()
   mtp_batch: int = 1
-  mosaic_batches: tuple[int, ...] = ()  # decode under attention_impl "mosaic"
+  mosaic_batches: tuple[int, ...] = ()  # decode under Backend attention "mosaic"
   max_batched_tokens: int = 1 << 30  # cap on the prefill step (chunks beyond it)
 
 
@@ -119,8 +120,8 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
   dense (`fit_memory`, noted in the record)."""
   if dry_run:  # two layers each (MoE: 1 dense + 1 MoE + MTP, as the slice); CI time: MoE at
     # batch 8 only, MTP with 1 and 3 drafts
-    dense = presets.get("tiny_dense", dtype="float32", attention_impl="pallas", num_layers=2)
-    moe = presets.get("tiny_moe", dtype="float32", attention_impl="pallas", num_layers=2,
+    dense = presets.get("tiny_dense", dtype="float32", backend=_PALLAS, num_layers=2)
+    moe = presets.get("tiny_moe", dtype="float32", backend=_PALLAS, num_layers=2,
                       dense_layers=(0,))
     return [("dense", dense, Shapes(batches=(1, 8), prompt_len=6, new_tokens=4, page_size=16,
                                     identity_batch=8, prefill_batch=2, prefill_len=32,
@@ -128,8 +129,8 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
             ("moe", moe, Shapes(batches=(8,), prompt_len=6, new_tokens=4, page_size=16,
                                 identity_batch=8, mtp_ks=(1, 3), mtp_batch=8,
                                 max_batched_tokens=48))]
-  dense = presets.get("llama3_8b", dtype="bfloat16", attention_impl="pallas")
-  moe = presets.get("deepseek_v3", dtype="bfloat16", attention_impl="pallas", num_layers=2,
+  dense = presets.get("llama3_8b", dtype="bfloat16", backend=_PALLAS)
+  moe = presets.get("deepseek_v3", dtype="bfloat16", backend=_PALLAS, num_layers=2,
                     dense_layers=(0,))
   return [("dense", dense, Shapes(batches=(1, 8, 64), prompt_len=200, new_tokens=56, page_size=16,
                                   identity_batch=8, prefill_batch=4, prefill_len=2048,
@@ -348,8 +349,9 @@ def config_summary(cfg: ModelConfig) -> dict:
   keys = ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim",
           "ffn_dim", "attention", "kv_lora_rank", "q_lora_rank", "num_experts",
           "num_experts_per_tok", "moe_ffn_dim", "num_shared_experts", "router", "dense_layers",
-          "num_mtp_layers", "dtype", "attention_impl")
+          "num_mtp_layers", "dtype")
   out = {k: getattr(cfg, k) for k in keys}
+  out["backend"] = dataclasses.asdict(cfg.backend)
   out["dense_layers"] = list(cfg.dense_layers)
   out.update(params=models.count_params(cfg), param_bytes=param_bytes(cfg))
   return out
@@ -409,7 +411,8 @@ class _Model:
     s, b = self.s, self.s.identity_batch
     if b not in self.tokens:  # the Pallas run of this batch did not happen: run it now
       _, self.tokens[b] = _measure(self.cfg, self.params, s, b, s.prompt_len, s.new_tokens)
-    xla = dataclasses.replace(self.cfg, attention_impl="xla")
+    xla = dataclasses.replace(self.cfg, backend=dataclasses.replace(self.cfg.backend,
+                                                                    attention="xla"))
     entry, got = _measure(xla, self.params, s, b, s.prompt_len, s.new_tokens)
     keep = ("first_call_s", "tokens_per_s", "step_s", "compiles_after", "xla_compiles_timed")
     return dict(batch=b, prompt_len=s.prompt_len, new_tokens=s.new_tokens,
@@ -417,8 +420,10 @@ class _Model:
                 pallas_tokens_per_s=self.out["decode"].get(f"batch_{b}", {}).get("tokens_per_s"))
 
   def mosaic(self, b: int) -> dict:
-    """Decode at batch b under attention_impl "mosaic", against decode's run."""
-    s, cfg = self.s, dataclasses.replace(self.cfg, attention_impl="mosaic")
+    """Decode at batch b under Backend attention "mosaic", against decode's run."""
+    s = self.s
+    cfg = dataclasses.replace(self.cfg, backend=dataclasses.replace(self.cfg.backend,
+                                                                    attention="mosaic"))
     entry, got = _measure(cfg, self.params, s, b, s.prompt_len, s.new_tokens)
     entry.update(kernel=mosaic_kernel(cfg, s, b))
     plain = self.out["decode"].get(f"batch_{b}", {})
@@ -430,16 +435,17 @@ class _Model:
 
 def mosaic_kernel(cfg: ModelConfig, s: Shapes, batch: int) -> str:
   """'mosaic' when a decode step of this config runs a Mosaic GPU kernel,
-  else why not (the kernel's `unsupported`, as `ops` asks it)."""
-  dtype = jnp.dtype(cfg.dtype)
-  if cfg.attention == "mla":
-    R = cfg.kv_lora_rank
-    why = mosaic_mla_attention.unsupported(R + cfg.qk_rope_head_dim, R, s.page_size, dtype)
+  else why not: `ops.mosaic_decode_kernel` asked with the step's shapes,
+  as `ops.ragged_paged_attention` asks it."""
+  window = 0 if cfg.window_choices() == (0,) else max(cfg.window_choices())
+  if cfg.attention == "mla":  # one latent pool: the keys, the values its first R columns
+    K, H, kw = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dict(latent_dim=cfg.kv_lora_rank)
   else:
-    pages = (cfg.num_kv_heads, batch, s.page_size, cfg.head_dim)
-    why = mosaic_paged_attention.unsupported((1, 1, cfg.num_heads, cfg.head_dim), dtype, pages,
-                                             values_dim=cfg.head_dim)
-  return "mosaic" if why is None else f"pallas ({why[1]})"
+    K, H, kw = cfg.num_kv_heads, cfg.head_dim, dict(values_dim=cfg.head_dim)
+  kernel, why = ops.mosaic_decode_kernel((batch, cfg.num_heads, H), cfg.compute_dtype(),
+                                         (K, batch, s.page_size, H), window=window,
+                                         sinks=cfg.attention_sinks, **kw)
+  return "mosaic" if kernel else f"pallas ({why})"
 
 
 def _init(cfg: ModelConfig, holder: dict) -> dict:

@@ -91,7 +91,8 @@ class Workload:
 
 def gpu_config(cfg: ModelConfig, dtype: str) -> ModelConfig:
   """cfg with its kernels built for GPU and params/KV in `dtype`."""
-  return dataclasses.replace(cfg, kernel_target="gpu", dtype=dtype)
+  return dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, target="gpu"),
+                             dtype=dtype)
 
 
 def abstract_params(cfg: ModelConfig, mesh, layout: str):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
+from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig, QuantConfig, RopeScaling, VisionConfig
 from jaxinfer.models.specs import abstract_params
 
@@ -28,10 +29,16 @@ def config_to_dict(cfg: ModelConfig) -> dict:
 
 def config_from_dict(d: dict) -> ModelConfig:
   d = dict(d)
+  # Checkpoints saved before `Backend` hold its two fields flat.
+  legacy = {"attention_impl": "attention", "kernel_target": "target"}
+  if set(legacy) & set(d):
+    d["backend"] = {new: d.pop(old, None) for old, new in legacy.items()}
   fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
   unknown = sorted(set(d) - set(fields))
   if unknown:
     raise ValueError(f"checkpoint config.json: unknown ModelConfig fields {unknown}")
+  if d.get("backend") is not None:
+    d["backend"] = Backend(**d["backend"])
   if d.get("rope_scaling") is not None:
     d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
   if d.get("quant") is not None:

@@ -11,10 +11,10 @@ the same for every cache; the context type (not a mode string) decides:
                      prefill chunks and decode tokens with per-sequence
                      metadata (the layout of vLLM v1 / ragged paged attention)
 
-`attend` takes the config's kernel choices (`impl`: ModelConfig.attention_impl,
-`target`: ModelConfig.kernel_target) and hands them to every `jaxinfer.ops`
-call unchanged, so the kernels a jitted step builds follow the config, never
-the backend of the process tracing it.
+`attend` takes the config's kernel choices (`backend`: ModelConfig.backend,
+a `jaxinfer.Backend`) and hands them to every `jaxinfer.ops` kernel call
+unchanged, so the kernels a jitted step builds follow the config, never the
+backend of the process tracing it.
 
 New entries are a dict matching the cache: GQA {k [B, T, K, H], v}; MLA
 {kv [B, T, R + Hr]} (normed latent + roped shared key). For MLA the context
@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer import ops
+from jaxinfer.backend import Backend
 from jaxinfer.kv.pool import PoolLayout
 
 
@@ -62,11 +63,11 @@ class FullContext:
   def token_valid(self):
     return None
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
-             target=None):
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
+             backend: Backend = Backend()):
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
-                               sinks=sinks, scale=scale, implementation=impl, target=target)
+                               sinks=sinks, scale=scale, backend=backend)
     return out, cache
 
 
@@ -83,10 +84,10 @@ class ContiguousContext:
   def token_valid(self):
     return None
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
-             target=None):
-    # Per-sequence offsets into a contiguous cache: the XLA path (a reference;
-    # the engine's paged path is the one with kernels).
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
+             backend: Backend = Backend()):
+    # Per-sequence offsets into a contiguous cache: the XLA path on every
+    # backend (a reference; the engine's paged path is the one with kernels).
     stack, layer = cache  # {name: [L, B, S, ...]}
     B, T = q.shape[:2]
     rows = jnp.arange(B)[:, None]
@@ -94,7 +95,7 @@ class ContiguousContext:
     stack = {n: stack[n].at[layer, rows, pos].set(new[n].astype(stack[n].dtype)) for n in stack}
     k, v = _split({n: stack[n][layer] for n in stack}, latent_dim, head_axis=2)
     out = ops.attention(q, k, v, q_positions=pos, kv_lengths=self.starts + T,
-                        window=window, sinks=sinks, scale=scale, target=target)
+                        window=window, sinks=sinks, scale=scale)
     return out, (stack, layer)
 
 
@@ -132,9 +133,9 @@ class PagedContext:
   def token_valid(self):
     return self.valid[None]
 
-  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale, impl=None,
-             target=None):
-    kw = dict(latent_dim=latent_dim, scale=scale, impl=impl, target=target)
+  def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
+             backend: Backend = Backend()):
+    kw = dict(latent_dim=latent_dim, scale=scale, backend=backend)
     if self.mesh is None or self.head_axis is None:
       return self._attend_local(q, new, cache, window=window, sinks=sinks, **kw)
     return self._attend_per_head_shard(q, new, cache, window, sinks, kw)
@@ -167,7 +168,7 @@ class PagedContext:
       sinks if has_sinks else jnp.zeros((), jnp.float32))
     return out, (stack, layer)
 
-  def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, impl, target):
+  def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, backend):
     stack, layer = cache
     layout = _layout(latent_dim is not None, stack)
     page_size = layout.page_size(stack)
@@ -181,5 +182,5 @@ class PagedContext:
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
         v_head_dim=latent_dim, layer=layer, k_scale=k_scale, v_scale=v_scale,
-        implementation=impl, target=target)
+        backend=backend)
     return out[None], (stack, layer)

@@ -11,32 +11,31 @@ from __future__ import annotations
 from einops import rearrange
 import jax.numpy as jnp
 
+from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm, unpack_linear
 from jaxinfer.models.layouts import AbsorbedMLA
 from jaxinfer.models.quant import QuantizedWeight, dense
 
 
-def out_proj(out, wo, target=None):
+def out_proj(out, wo, backend: Backend = Backend()):
   """[B, T, N, H] x [N, H, D] (or its `PackedLinear`) -> [B, T, D] as one
   [B, T, N*H] x [N*H, D] matmul, so the weight is read in its stored layout
   (the einsum made XLA:CPU transpose wo into a copy every step)."""
-  return linear(out, wo, in_dims=2, target=target).astype(out.dtype)
+  return linear(out, wo, in_dims=2, backend=backend).astype(out.dtype)
 
 
 def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """Grouped-query attention with optional biases, q/k norm and sinks."""
-  t = cfg.kernel_target
-  q, k, v = linear(x, p["wq"], target=t), linear(x, p["wk"], target=t), linear(x, p["wv"], target=t)
+  q, k, v = (linear(x, p[name], backend=cfg.backend) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
     q, k = rms_norm(q, p["q_norm"], cfg.norm_eps), rms_norm(k, p["k_norm"], cfg.norm_eps)
   q, k = (apply_rope(a, cos, sin, cfg.rope_interleave) for a in (q, k))
   out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, sinks=p.get("sinks"),
-                          scale=cfg.softmax_scale(), impl=cfg.attention_impl,
-                          target=cfg.kernel_target)
-  out = out_proj(out, p["wo"], cfg.kernel_target)
+                          scale=cfg.softmax_scale(), backend=cfg.backend)
+  out = out_proj(out, p["wo"], cfg.backend)
   if cfg.o_bias:
     out = out + p["bo"]
   return out, cache
@@ -95,13 +94,13 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """
   R, Hn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
   if cfg.q_lora_rank:
-    q = linear(x, p["wq_a"], target=cfg.kernel_target)
-    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"], target=cfg.kernel_target)
+    q = linear(x, p["wq_a"], backend=cfg.backend)
+    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"], backend=cfg.backend)
   else:
-    q = linear(x, p["wq"], target=cfg.kernel_target)
+    q = linear(x, p["wq"], backend=cfg.backend)
   q_nope, q_rope = q[..., :Hn], q[..., Hn:]
   q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-  kv = linear(x, p["wkv_a"], target=cfg.kernel_target)  # [B, T, R + Hr]
+  kv = linear(x, p["wkv_a"], backend=cfg.backend)  # [B, T, R + Hr]
   c = rms_norm(kv[..., :R], p["kv_norm"], cfg.norm_eps)
   k_rope = apply_rope(kv[:, :, None, R:], cos, sin, cfg.rope_interleave)[:, :, 0]
   w_uk, w_uv = absorbed_weights(cfg, p)  # [N, Hn, R], [N, R, Hv]
@@ -114,7 +113,7 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     k = jnp.concatenate([k_nope, k_rope_n], axis=-1)
     q = jnp.concatenate([q_nope, q_rope], axis=-1)
     out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale,
-                            impl=cfg.attention_impl, target=cfg.kernel_target)
+                            backend=cfg.backend)
   else:
     q_lat = jnp.einsum("BTNH,NHR->BTNR", q_nope, w_uk)
     q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
@@ -123,9 +122,9 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     # Mosaic MLA decode) can take the step.
     window = 0 if cfg.window_choices() == (0,) else window
     out_lat, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
-                                impl=cfg.attention_impl, target=cfg.kernel_target)
+                                backend=cfg.backend)
     out = jnp.einsum("BTNR,NRH->BTNH", out_lat, w_uv)
-  return out_proj(out, p["wo"], cfg.kernel_target), cache
+  return out_proj(out, p["wo"], cfg.backend), cache
 
 
 def attention(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import ops
+from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig, RopeScaling, yarn_get_mscale
 from jaxinfer.models import quant, quant_cpu
 from jaxinfer.models.layouts import FusedMLP
@@ -64,22 +65,23 @@ def unpack_linear(w):
   return jnp.transpose(w.wt).reshape(*w.in_shape, *w.out_shape)
 
 
-def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | None = None):
+def linear(x, w, in_dims: int = 1, preferred_element_type=None, backend: Backend = Backend()):
   """x [..., *In] times w [*In, *Out] (or its `PackedLinear`) -> [..., *Out],
   contracting the last in_dims dims of x. A `QuantizedWeight` is
-  dequantized inside the step: per tile by the Pallas kernel for a GPU
-  target when the weight is marked for it (`quant.kernel_ready`), else
-  whole (one layer's matrix) to x's dtype. On a CPU target, a packed or
+  dequantized inside the step: per tile by the Pallas kernel when the
+  backend builds for GPUs and the weight is marked for it
+  (`quant.kernel_ready`), else whole (one layer's matrix) to x's dtype. On
+  a CPU target, a packed or
   quantized weight meets a few rows (`ROW_REDUCE_ROWS`) as one
   multiply-reduce instead (`row_reduce_matmul`)."""
-  if quant.kernel_ready(w) and ops.resolve(None, target)[0] == "pallas":
-    y = _kernel_linear(x.reshape(-1, w.dims[1]), w, target)
+  if quant.kernel_ready(w) and backend.on_gpu():
+    y = _kernel_linear(x.reshape(-1, w.dims[1]), w, backend)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
     return y if preferred_element_type is None else y.astype(preferred_element_type)
   if isinstance(w, (PackedLinear, QuantizedWeight)):
     xi = x.reshape(*x.shape[:x.ndim - in_dims], -1)
     rows = math.prod(xi.shape[:-1])
-    if _row_reduce(w, rows, target):
+    if _row_reduce(w, rows, backend):
       y = row_reduce_matmul(xi.reshape(rows, -1), w).astype(preferred_element_type or x.dtype)
       y = y.reshape(*xi.shape[:-1], -1)
     else:
@@ -101,8 +103,8 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, target: str | No
 ROW_REDUCE_ROWS = {"float": (2, 8), "quantized": (1, 1)}
 
 
-def _row_reduce(w, rows: int, target) -> bool:
-  if ops.resolve_target(target) != "cpu":
+def _row_reduce(w, rows: int, backend: Backend) -> bool:
+  if backend.on_gpu():
     return False
   lo, hi = ROW_REDUCE_ROWS["quantized" if isinstance(w, QuantizedWeight) else "float"]
   return lo <= rows <= hi and (not isinstance(w, QuantizedWeight) or quant_cpu.reducible(w))
@@ -122,11 +124,11 @@ def row_reduce_matmul(x2, w):
   return jnp.sum(wt[:, None, :] * x2[None], axis=-1).T
 
 
-def _kernel_linear(x2, w: QuantizedWeight, target):
+def _kernel_linear(x2, w: QuantizedWeight, backend: Backend):
   """x2 [M, In] @ w [Out, In] on the quantized kernel."""
   def call(x2, values, scale, scale2):
     return ops.quantized_matmul(x2, values, scale, block=w.block, packed=quant.PACKING.get(w.method),
-                                scale2=scale2, target=target)
+                                scale2=scale2, backend=backend)
   return quantized_call(w, call, x2)
 
 
@@ -271,6 +273,6 @@ def mlp(cfg: ModelConfig, p, x):
   if isinstance(p, FusedMLP):
     gate, up = jnp.split(linear(x, p.w_gate_up), 2, axis=-1)
   else:
-    t = cfg.kernel_target
-    gate, up = linear(x, p["w_gate"], target=t), linear(x, p["w_up"], target=t)
-  return linear(glu(cfg, gate, up), p["w_down"], target=cfg.kernel_target)
+    b = cfg.backend
+    gate, up = linear(x, p["w_gate"], backend=b), linear(x, p["w_up"], backend=b)
+  return linear(glu(cfg, gate, up), p["w_down"], backend=cfg.backend)

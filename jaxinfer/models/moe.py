@@ -13,7 +13,7 @@ outputs:
            sorted copies, a loop per expert over its rows only
 
 `cfg.moe_impl` stays a config field (users and tests pick the reference
-path through the config, as they pick `attention_impl`); `with_impl` turns
+path through the config, as they pick the attention kernels in `cfg.backend`); `with_impl` turns
 it into the params' type once, where a block is entered, so the layer
 itself never reads it.
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxinfer import ops
+from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import ep_dispatch, quant
 from jaxinfer.models.layers import mlp
@@ -82,10 +82,10 @@ class InRankExpertParallel:
   plan: ExpertParallel
 
 
-def _exchange(ep: ExpertParallel, tokens_per_rank: int, target: str) -> dict:
+def _exchange(ep: ExpertParallel, tokens_per_rank: int, backend: Backend) -> dict:
   """The plan's exchange for this many tokens per rank: strategy and options."""
   strategy = ep.strategy
-  if strategy == "auto" and target == "gpu":
+  if strategy == "auto" and backend.on_gpu():
     strategy = "ragged"
   elif strategy == "auto":
     strategy = "replicated" if tokens_per_rank <= ep.replicated_max_tokens else "all_to_all"
@@ -133,7 +133,7 @@ def _rank_moe(cfg, experts, router_p, x, ok, *, axes, n, e_local, strategy, coun
   elif strategy == "ragged":
     y = ep_dispatch.ragged_all_to_all(cfg, experts, x, idx, weights, ok, axes, n, e_local,
                                       dispatch_dtype=dispatch_dtype,
-                                      emulate=ops.resolve_target(cfg.kernel_target) != "gpu")
+                                      emulate=not cfg.backend.on_gpu())
   else:
     y = ep_dispatch.capacity_all_to_all(cfg, experts, x, idx, weights, ok, axes, n, e_local,
                                         capacity_factor=capacity_factor,
@@ -169,7 +169,7 @@ def moe_ep(cfg: ModelConfig, p, x, ep, valid=None, count=None):
   ok = jnp.pad(ok, (0, pad))  # the alignment padding is not real tokens either
   per_rank = xt.shape[0] // n
   experts, router = _split_params(p)
-  exchange = _exchange(ep, per_rank, ops.resolve_target(cfg.kernel_target))
+  exchange = _exchange(ep, per_rank, cfg.backend)
 
   def per_rank_fn(x_l, ok_l, experts_l, router_p):
     return _rank_moe(cfg, experts_l, router_p, x_l, ok_l, axes=ep.axes, n=n, e_local=E // n,
@@ -194,7 +194,7 @@ def _moe_in_rank(cfg, p, x, ep: "InRankExpertParallel", valid, count):
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   experts, router = _split_params(p)
   plan = ep.plan
-  exchange = _exchange(plan, B * T, ops.resolve_target(cfg.kernel_target))
+  exchange = _exchange(plan, B * T, cfg.backend)
   out, counts = _rank_moe(cfg, experts, router, xt, ok, axes=plan.axes, n=plan.size,
                           e_local=p["w_gate"].shape[0], count=count, **exchange,
                           token0=jax.lax.axis_index(plan.axes) * B * T)

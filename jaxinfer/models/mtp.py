@@ -65,7 +65,7 @@ def apply_with_counts(cfg: ModelConfig, params, m: int, h, next_tokens, cos, sin
   dtype = cfg.compute_dtype()
   e = rms_norm(params["embed"][next_tokens].astype(dtype), p["enorm"], cfg.norm_eps)
   x = jnp.concatenate([e, rms_norm(h.astype(dtype), p["hnorm"], cfg.norm_eps)], axis=-1)
-  x = linear(x, p["eh_proj"], target=cfg.kernel_target)
+  x = linear(x, p["eh_proj"], backend=cfg.backend)
   x, cache, counts = block(cfg, is_moe(cfg), p["block"], x, cos, sin, ctx, 0,
                            None if cache is None else (cache, m), ep, count_experts)
   return x, None if cache is None else cache[0], counts

@@ -5,7 +5,7 @@ moves 1.25x at larger batches; the ragged one moves exactly the routed rows."""
 import pytest
 
 from benchlib import ep_bytes
-from jaxinfer import gpu_compile, presets
+from jaxinfer import Backend, gpu_compile, presets
 
 
 def test_collective_bytes_reads_sync_and_async_forms():
@@ -27,7 +27,7 @@ def test_collective_bytes_reads_sync_and_async_forms():
 def test_exchange_bytes_against_routed_on_eight_h100s(t):
   cfg = presets.get("tiny_moe", dtype="bfloat16")  # 8 experts, top-2, D = 128
   mesh = gpu_compile.mesh({"data": 2, "expert": 4})
-  (row,) = ep_bytes.report(cfg, mesh, (t,), target="gpu")
+  (row,) = ep_bytes.report(cfg, mesh, (t,), backend=Backend(target="gpu"))
   assert row["routed_bytes"] == 2 * t * 2 * 128 * 2
   assert row["before"]["ratio"] == pytest.approx(8.0)  # n: every copy's worst case
   assert row["ragged"]["ratio"] == 1.0 and row["ragged"]["send_buffer_bytes"] > 0

@@ -2,9 +2,9 @@
 decode, speculative MTP, the attention-DP `shard_map` step with expert
 parallelism and the Qwen3-VL image step (with its vision encoder) are
 compiled into H100 executables on this CPU machine from abstract params
-(`benchlib.gpu_plan`), with the config's kernel target set to "gpu":
+(`benchlib.gpu_plan`), with the config's backend target set to "gpu":
 the compiled HLO must hold the Pallas Triton kernels, not the XLA
-fallback. Also the ops target contract and gpu_plan's fit verdicts."""
+fallback. Also the Backend target contract and gpu_plan's fit verdicts."""
 
 import dataclasses
 import json
@@ -19,7 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import FIXTURES
 from benchlib import gpu_plan, sharding_report
-from jaxinfer import gpu_compile, ops, presets, sharding
+from jaxinfer import Backend, gpu_compile, ops, presets, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import sampling_extras, steps
 from jaxinfer.engine.steps import Ranks
@@ -42,14 +42,14 @@ def _ragged(page_size, target, implementation=None, D=64):
   def fn(q, kp, vp, kv_lens, table, cu):
     return ops.ragged_paged_attention(q, kp, vp, kv_lens=kv_lens, page_table=table,
                                       cu_q_lens=cu, max_q=2, scale=0.125,
-                                      implementation=implementation, target=target)
+                                      backend=Backend(attention=implementation, target=target))
   with gpu_compile.lowering(mesh):
     return jax.jit(fn).lower(*args).compile().as_text()
 
 
 def test_gpu_target_compiles_the_kernel_in_a_cpu_process():
   assert jax.default_backend() == "cpu"
-  assert ops.resolve(None, "gpu") == ("pallas", False)
+  assert Backend(target="gpu").attention_kernel() == ("pallas", False)
   assert gpu_plan.TRITON_CALL in _ragged(16, "gpu")
   assert gpu_plan.TRITON_CALL not in _ragged(16, "cpu")  # XLA path
   assert gpu_plan.TRITON_CALL not in _ragged(16, None)  # this process: CPU
@@ -76,12 +76,12 @@ def test_paged_tiling_from_shapes():
                                                num_warps=8)
 
 
-def test_bad_kernel_target_raises_naming_the_field():
-  with pytest.raises(ValueError, match="kernel_target"):
-    presets.get("tiny_dense", kernel_target="tpu")
+def test_bad_backend_target_raises_naming_the_field():
+  with pytest.raises(ValueError, match="Backend.target"):
+    presets.get("tiny_dense", backend=Backend(target="tpu"))
   with pytest.raises(ValueError, match="target"):
-    ops.resolve(None, "cuda")
-  cfg = presets.get("tiny_dense", kernel_target="gpu")
+    Backend(target="cuda")
+  cfg = presets.get("tiny_dense", backend=Backend(target="gpu"))
   assert hash(cfg) != hash(presets.get("tiny_dense"))  # a distinct static jit argument
 
 

@@ -18,7 +18,7 @@ import pytest
 from benchlib import gpu_cases
 import pallas_kernels as pk
 from conftest import ON_GPU, subprocess_env
-from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
+from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -137,7 +137,7 @@ if mpa.available() is None:
 
   @pytest.mark.parametrize("model", ENGINE_MODELS)
   def test_engine_decodes_on_the_mosaic_kernel(monkeypatch, model):
-    """attention_impl="mosaic" (CPU: interpreted): decode steps go through the
+    """Backend(attention="mosaic") (CPU: interpreted): decode steps go through the
     Mosaic kernel (GQA or MLA, counted at trace time), prompt steps through
     the Pallas path, and every greedy token is the argmax of a float32 full
     forward up to bfloat16 rounding of the logits."""
@@ -145,14 +145,15 @@ if mpa.available() is None:
     route, preset = ENGINE_MODELS[model]
     real = getattr(ops, route)
     monkeypatch.setattr(ops, route, lambda *a: calls.append(1) or real(*a))
-    cfg = presets.get(dtype="bfloat16", num_layers=2, attention_impl="mosaic", **preset)
+    cfg = presets.get(dtype="bfloat16", num_layers=2, backend=Backend(attention="mosaic"),
+                      **preset)
     params = models.init_params(cfg, jax.random.key(0))
     prompts = [[5, 17, 99], list(range(40, 61))]
     eng = Engine(cfg, params, EngineConfig(page_size=16, num_pages=16, max_num_seqs=2,
                                            max_num_batched_tokens=32))
     outs = eng.generate(prompts, SamplingParams(max_tokens=4))
     assert calls, "no decode step reached the Mosaic kernel"
-    f32 = dataclasses.replace(cfg, dtype="float32", attention_impl="xla")
+    f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     for prompt, out in zip(prompts, outs):
       ids = prompt + out.token_ids

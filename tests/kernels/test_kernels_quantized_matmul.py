@@ -11,7 +11,7 @@ from jax.experimental import pallas as pl
 
 import jaxinfer
 from conftest import ON_GPU
-from jaxinfer import models, ops, sharding
+from jaxinfer import Backend, models, ops, sharding
 from jaxinfer.config import QuantConfig
 from jaxinfer.models import quant
 from pallas_kernels.quantized_grouped_matmul import (quantized_grouped_matmul,
@@ -128,10 +128,12 @@ def _interpret_kernels(monkeypatch):
 
     def interpreted(*a, _real=real, _name=name, **kw):
       calls[_name] += 1
-      return _real(*a, **dict(kw, target="cpu"))
+      return _real(*a, **dict(kw, backend=Backend(target="cpu")))
 
     monkeypatch.setattr(ops, name, interpreted)
-  monkeypatch.setattr(ops, "resolve", lambda impl, target=None: ("pallas", True))
+  # Every backend but an explicit CPU target reads as a GPU one, its kernels interpreted.
+  monkeypatch.setattr(Backend, "on_gpu", lambda self: self.target != "cpu")
+  monkeypatch.setattr(Backend, "attention_kernel", lambda self: ("pallas", True))
   return calls
 
 

@@ -13,7 +13,8 @@ import pytest
 
 from conftest import float32_model as _model, random_prompts
 from benchlib import kv_quant
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, models, presets, run, sharding
+from jaxinfer import (Backend, Engine, EngineConfig, MTPConfig, SamplingParams, models, presets,
+                      run, sharding)
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
 from jaxinfer.kv.pool import KV_CACHE_DTYPES, quantize
 from jaxinfer.models import transformer
@@ -160,8 +161,8 @@ def test_engine_quantized_kv_pallas_interpret_equals_xla(name, kind):
   # path dequantizes after its gather: the same greedy tokens.
   cfg, params = _model(name)
   prompts = _prompts(cfg, [1, 13, 30])
-  outs = {impl: _generate(dataclasses.replace(cfg, attention_impl=impl), params, prompts,
-                          kv_cache_dtype=kind)[1] for impl in ("xla", "pallas")}
+  outs = {impl: _generate(dataclasses.replace(cfg, backend=Backend(attention=impl)), params,
+                          prompts, kv_cache_dtype=kind)[1] for impl in ("xla", "pallas")}
   assert outs["pallas"] == outs["xla"]
   # (Agreement with the full-precision cache is measured on the trained
   # default model below: random weights give near-tied logits.)

@@ -93,7 +93,7 @@ def _has_dot(fn, *args) -> bool:
 def test_linear_takes_the_reduce_for_few_rows_on_cpu_and_the_dot_otherwise():
   w = layers.pack_linear(jnp.asarray(np.ones((64, 48), np.float32)))
   q = layers.pack_linear(_weight("int8", (1, 0), (64, 48)))
-  lin = lambda x, w, target=None: layers.linear(x, w, target=target)
+  lin = lambda x, w, target=None: layers.linear(x, w, backend=jaxinfer.Backend(target=target))
   lo_f, hi_f = layers.ROW_REDUCE_ROWS["float"]
   lo_q, hi_q = layers.ROW_REDUCE_ROWS["quantized"]
   x = lambda n: jnp.ones((n, 64), jnp.float32)

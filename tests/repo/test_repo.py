@@ -14,7 +14,7 @@ ROOT = pathlib.Path(__file__).parents[2]
 
 # Lower index = lower layer. A module may import its own layer or lower ones.
 LAYERS = [
-    ("pallas_kernels", 0), ("jaxinfer/config.py", 1), ("jaxinfer/hf_config.py", 1),
+    ("pallas_kernels", 0), ("jaxinfer/backend.py", 0), ("jaxinfer/config.py", 1), ("jaxinfer/hf_config.py", 1),
     ("jaxinfer/presets.py", 1), ("jaxinfer/ops.py", 1), ("jaxinfer/xla_attention.py", 1),
     ("jaxinfer/models", 2),
     ("jaxinfer/kv/pool.py", 1), ("jaxinfer/kv/contexts.py", 2), ("jaxinfer/kv", 3),
@@ -25,7 +25,7 @@ LAYERS = [
     # The experiments' benchmark library (imported as `benchlib`): above the library.
     ("experiments/benchlib", 6),
 ]
-MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
+MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.backend": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
                 "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.xla_attention": 1,
                 "jaxinfer.models": 2,
                 "jaxinfer.kv.pool": 1, "jaxinfer.kv.contexts": 2, "jaxinfer.kv": 3,

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from benchlib import gpu_plan
-from jaxinfer import Engine, EngineConfig, SamplingParams, gpu_compile, models, presets, sharding
+from jaxinfer import (Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, presets,
+                      sharding)
 from jaxinfer.engine import steps
 from jaxinfer.models.moe_ep import plan_from_params
 
@@ -91,7 +92,7 @@ def test_tp_pallas_engine_greedy_equals_single_device_xla(cfg, axes):
   config = EngineConfig(page_size=8, num_pages=32, max_num_batched_tokens=32)
   sp = SamplingParams(max_tokens=4)
   ref = [o.token_ids for o in Engine(cfg, params, config).generate(prompts, sp)]
-  pallas = dataclasses.replace(cfg, attention_impl="pallas")
+  pallas = dataclasses.replace(cfg, backend=Backend(attention="pallas"))
   eng = Engine(pallas, params, config, mesh=sharding.make_mesh(axes), layout="tp")
   assert eng._model.heads["head_axis"] == "tensor"
   assert [o.token_ids for o in eng.generate(prompts, sp)] == ref

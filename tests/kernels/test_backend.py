@@ -1,0 +1,80 @@
+"""`Backend`: validation naming the bad value, resolution against this (CPU)
+process, its place in `ModelConfig` (static, saved, kept by `to_hf`), and
+the Mosaic decode choice `ops.mosaic_decode_kernel`."""
+
+import dataclasses
+import json
+
+import jax
+import pytest
+
+import jaxinfer
+from jaxinfer import Backend, ModelConfig, hf_config, ops, presets
+from jaxinfer.checkpoint.orbax_io import config_from_dict, config_to_dict
+from pallas_kernels import mosaic_paged_attention as mpa
+
+
+def test_bad_values_raise_naming_the_field_and_the_value():
+  with pytest.raises(ValueError, match=r"Backend.attention .*'triton'"):
+    Backend(attention="triton")
+  with pytest.raises(ValueError, match=r"Backend.target .*'tpu'"):
+    Backend(target="tpu")
+  with pytest.raises(TypeError):
+    Backend("pallas")  # keyword-only
+  with pytest.raises(ValueError, match="backend must be a jaxinfer.Backend, got str"):
+    presets.get("tiny_dense", backend="pallas")
+
+
+def test_resolution_on_this_cpu_process():
+  assert jax.default_backend() == "cpu"
+  assert Backend().resolved_target() == "cpu" and not Backend().on_gpu()
+  assert Backend(target="gpu").resolved_target() == "gpu" and Backend(target="gpu").on_gpu()
+  # (attention kernel, interpret): auto is Pallas for a GPU target, XLA otherwise.
+  assert Backend().attention_kernel() == ("xla", True)
+  assert Backend(target="gpu").attention_kernel() == ("pallas", False)
+  assert Backend(attention="pallas").attention_kernel() == ("pallas", True)
+  assert Backend(attention="xla", target="gpu").attention_kernel() == ("xla", False)
+  assert Backend(attention="mosaic", target="gpu").attention_kernel() == ("mosaic", False)
+
+
+def test_a_frozen_hashable_value_and_a_distinct_static_config():
+  assert jaxinfer.Backend is jaxinfer.backend.Backend
+  assert Backend(target="gpu") == Backend(target="gpu") != Backend()
+  assert len({Backend(), Backend(), Backend(attention="xla")}) == 2
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    Backend().target = "gpu"
+  cfg = presets.get("tiny_dense")
+  assert cfg.backend == Backend()
+  gpu = dataclasses.replace(cfg, backend=Backend(target="gpu"))
+  assert hash(gpu) != hash(cfg) and gpu != cfg
+
+
+def test_saved_configs_keep_the_backend_and_read_the_old_fields():
+  cfg = presets.get("tiny_moe", backend=Backend(attention="pallas", target="cpu"))
+  assert config_from_dict(json.loads(json.dumps(config_to_dict(cfg)))) == cfg
+  old = {k: v for k, v in config_to_dict(cfg).items() if k != "backend"}
+  old.update(attention_impl="mosaic", kernel_target="gpu")  # saved before Backend
+  assert config_from_dict(old).backend == Backend(attention="mosaic", target="gpu")
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])
+def test_to_hf_round_trip_keeps_the_backend(name):
+  cfg = presets.get(name, backend=Backend(attention="xla", target="gpu"))
+  hf = hf_config.to_hf(cfg)
+  assert "backend" not in hf and ModelConfig.from_hf(hf).backend == Backend()
+  assert dataclasses.replace(ModelConfig.from_hf(hf), backend=cfg.backend) == cfg
+
+
+def test_mosaic_decode_kernel_choice():
+  gqa = dict(q_shape=(8, 8, 64), dtype="bfloat16", k_pages_shape=(2, 64, 16, 64), values_dim=64)
+  mla = dict(q_shape=(8, 16, 96), dtype="bfloat16", k_pages_shape=(1, 64, 64, 96), latent_dim=64)
+  # Only decode-only steps, and MLA's kernel has no window, sinks or quantized pages.
+  assert ops.mosaic_decode_kernel(**gqa, max_q=2) == (None, "max_q 2 > 1: not a decode-only step")
+  for bad in (dict(window=128), dict(sinks=True), dict(quantized=True)):
+    kernel, why = ops.mosaic_decode_kernel(**mla, **bad)
+    assert kernel is None and "window" in why
+  # float32 queries: no wgmma inputs, on any jax.
+  assert ops.mosaic_decode_kernel(**dict(gqa, dtype="float32"))[0] is None
+  missing = mpa.available()  # jax < 0.11: no Mosaic GPU kernels, named
+  assert ops.mosaic_decode_kernel(**gqa) == ((None, missing) if missing else ("gqa", None))
+  assert ops.mosaic_decode_kernel(**mla) == ((None, missing) if missing else ("mla", None))
