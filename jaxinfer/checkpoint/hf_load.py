@@ -23,7 +23,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxinfer.checkpoint import hf_names, hf_names_vision, hf_quant
+from jaxinfer.checkpoint import hf_names, hf_quant
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.safetensors_header import read_header
 from jaxinfer.config import ModelConfig, QuantConfig
@@ -172,10 +172,6 @@ class _Reader:
     return src.convert(*arrays)
 
 
-def _path_key(kp) -> tuple:
-  return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)
-
-
 def _is_leaf(x) -> bool:
   return is_spec(x) or isinstance(x, QuantizedWeight)
 
@@ -216,12 +212,12 @@ def _place(host, sharding):
   return jax.device_put(host, sharding) if sharding is not None else jax.tree.map(jnp.asarray, host)
 
 
-def _load_tree(specs, sources_for, reader: _Reader, shardings, dtype, q: QuantConfig | None):
-  """Fills every spec leaf from sources_for(leaf path) -> Source or [Source per layer]."""
+def _load_tree(specs, sources: dict, reader: _Reader, shardings, dtype, q: QuantConfig | None):
+  """Fills every spec leaf from sources[leaf path]: a Source or [Source per layer]."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(specs, is_leaf=_is_leaf)
   leaves = []
   for i, (kp, spec) in enumerate(flat):
-    srcs = sources_for(_path_key(kp))
+    srcs = sources[hf_names.path_key(kp)]
     sharding = shardings[i] if isinstance(shardings, list) else shardings
     if isinstance(spec, QuantizedWeight):
       leaves.append(_place(_quantized_leaf(spec, srcs, reader, q), sharding))
@@ -307,30 +303,12 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
     if cfg.num_mtp_layers and not reader.has(f"model.layers.{cfg.num_layers}.eh_proj.weight"):
       cfg = dataclasses.replace(cfg, num_mtp_layers=0)  # checkpoint without MTP weights
     specs = param_specs(cfg, dtype)
-    top = hf_names.top_sources(cfg)
-    lm = hf_names.lm_prefix(cfg)
-    vision = hf_names_vision.vision_sources(cfg.vision, cfg.d_model) if cfg.vision else {}
-    seg_sources = [
-        [hf_names.block_sources(cfg, f"{lm}.layers.{i}", is_moe, reader.has, reader.shape)
-         for i in range(first, first + n)]
-        for is_moe, first, n in cfg.segments()]
-    mtp = [hf_names.mtp_sources(cfg, d, reader.has) for d in range(cfg.num_mtp_layers)]
-    for _, dup in mtp:
-      reader.used.update(n for n in dup if reader.has(n))
-
-    def sources_for(key):
-      if key[0] == "layers":
-        return [layer[key[2:]] for layer in seg_sources[key[1]]]
-      if key[0] == "mtp":
-        return [m[0][key[1:]] for m in mtp]
-      if key[0] == "vision":
-        return vision[key[1:]]
-      return top[key]
-
+    sources = hf_names.model_sources(cfg, reader.has, reader.shape)
+    reader.used.update(n for n in hf_names.mtp_duplicates(cfg) if reader.has(n))
     flat_shardings = shardings
     if shardings is not None and not isinstance(shardings, jax.sharding.Sharding):
       flat_shardings = jax.tree.leaves(shardings, is_leaf=lambda x: isinstance(x, QuantizedWeight))
-    params = _load_tree(specs, sources_for, reader, flat_shardings, dtype, cfg.quant)
+    params = _load_tree(specs, sources, reader, flat_shardings, dtype, cfg.quant)
     unexpected = sorted(n for n in reader.index if n not in reader.used
                         and not n.endswith(_IGNORED_SUFFIXES))
     if unexpected:

@@ -1,9 +1,13 @@
-"""Per-architecture maps from HF tensor names to jaxinfer param leaves.
+"""HF tensor names of every param leaf, read off the weight declarations.
 
-`block_sources(cfg, prefix, is_moe, has)` gives, for every leaf of one block
-(keyed by its path in the block spec tree), a `Source`: the HF tensors it is
-built from, their expected shapes, and the conversion. HF linear weights are
-[out, in]; ours are [in, out] with heads split out (`[D, N, H]`, `[N, H, D]`).
+`model_sources(cfg, has, shape)` gives, for every leaf of `param_specs(cfg)`
+(keyed by its path; a list over the layers of a stacked leaf), a `Source`:
+the HF tensors it is built from, their expected shapes, and the conversion.
+Which leaves exist and where HF keeps them is declared once, in
+`models.weights`; this module turns each declared layout into a conversion
+(HF linear weights are [out, in]; ours are [in, out] with heads split out,
+`[D, N, H]`, `[N, H, D]`) and picks the checkpoint's own layout of the
+routed experts where one architecture has several on disk.
 
 Expert weights: every layout transformers 5 itself reads.
   per expert  `experts.{e}.gate_proj/up_proj/down_proj.weight` (Mixtral: w1/w3/w2,
@@ -25,13 +29,15 @@ Expert weights: every layout transformers 5 itself reads.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
-from einops import rearrange
+import jax
 import numpy as np
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.weights import Stacked, Weight, block_weights, model_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,13 +45,14 @@ class WeightRef:
   """Where a projection leaf lives as an [out, in] matrix, for checkpoints
   that store it quantized (`hf_quant`): the HF weight tensors (one per expert
   when `stacked`), each [*lead, out, in]; `rows` of out the leaf takes (a
-  fused gate/up)."""
+  fused gate/up); `target`: its `QUANT_TARGETS` entry."""
   names: tuple[str, ...]
   out: int  # rows of each tensor
   d_in: int
   lead: tuple[int, ...] = ()  # dims inside each tensor before [out, in]
   rows: slice | None = None
   stacked: bool = False
+  target: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,89 +63,61 @@ class Source:
   ref: WeightRef | None = None  # projections: the matrix a quantized checkpoint holds
 
 
-def _one(name, shape, fn=lambda w: w, ref=None):
+def _same(w: Weight, name: str) -> Source:
+  """Stored as ours; with `part`, that slice of a last axis twice as wide.
+  Quantized, such a tensor is [*lead, out, in] like any other."""
+  if w.part is None:
+    shape, fn = w.shape, lambda a: a
+  else:
+    shape, fn = (*w.shape[:-1], 2 * w.shape[-1]), lambda a: a[..., w.part]
+  ref = None
+  if w.quant is not None:
+    ref = WeightRef((name,), shape[-1], math.prod(w.shape[w.lead:-1]), w.shape[:w.lead], w.part,
+                    target=w.quant)
   return Source((name,), (tuple(shape),), fn, ref)
 
 
-def _linear(name, d_in, out_shape):
-  """HF linear [prod(out_shape), d_in] -> ours [d_in, *out_shape]."""
-  n_out = int(np.prod(out_shape))
-  return _one(name, (n_out, d_in), lambda w: w.T.reshape(d_in, *out_shape),
-              WeightRef((name,), n_out, d_in))
+def _linear(w: Weight, name: str) -> Source:
+  """nn.Linear [out, in] (per expert where the name holds {e}, else with the
+  expert dims first) -> ours [*lead, *in, *out]."""
+  split = w.lead + w.in_dims
+  n_in, n_out = math.prod(w.shape[w.lead:split]), math.prod(w.shape[split:])
+  rows = 2 * n_out if w.part is not None else n_out
+  per_expert = "{e}" in name
+  inner = () if per_expert else w.shape[:w.lead]  # dims inside each tensor before [out, in]
+  ours = w.shape[w.lead:] if per_expert else w.shape
+  shape = w.hf_shape or (*inner, rows, n_in)
+
+  def one(a):
+    a = a.reshape(*inner, rows, n_in)
+    if w.part is not None:
+      a = a[..., w.part, :]
+    return np.swapaxes(a, -1, -2).reshape(ours)
+
+  names = tuple(name.format(e=e) for e in range(w.shape[0])) if per_expert else (name,)
+  ref = None if w.quant is None else WeightRef(names, rows, n_in, inner, w.part, per_expert,
+                                               w.quant)
+  if not per_expert:
+    return Source(names, (tuple(shape),), one, ref)
+  return Source(names, (tuple(shape),) * len(names),
+                lambda *ws: np.stack([one(a) for a in ws]), ref)
 
 
-def _linear_out(name, in_shape, d_out):
-  """HF linear [d_out, prod(in_shape)] -> ours [*in_shape, d_out]."""
-  n_in = int(np.prod(in_shape))
-  return _one(name, (d_out, n_in), lambda w: w.T.reshape(*in_shape, d_out),
-              WeightRef((name,), d_out, n_in))
-
-
-def _mla_kv_scale(cfg: ModelConfig, a: str, has: Callable[[str], bool]) -> Source:
-  """MLA's one latent-cache scale. ModelOpt exports put k_scale (and v_scale)
-  on kv_a_proj_with_mqa, compressed-tensors on the attention module; the
-  cached latent row is read as both K and V, so it takes the larger."""
-  base = f"{a}.kv_a_proj_with_mqa" if cfg.quant.layout == "modelopt" else a
-  shape = () if cfg.quant.layout == "modelopt" else (1,)
-  names = tuple(f"{base}.{kv}_scale" for kv in ("k", "v") if kv == "k" or has(f"{base}.{kv}_scale"))
-  return Source(names, (shape,) * len(names), lambda *s: np.max([np.reshape(x, ()) for x in s]))
-
-
-def _attn_sources(cfg: ModelConfig, a: str, has: Callable[[str], bool]) -> dict:
-  D, N, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads
-  if cfg.attention == "mla":
-    R, Hr, Hn, Hv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    s = {}
-    if cfg.q_lora_rank:
-      Rq = cfg.q_lora_rank
-      s[("wq_a",)] = _linear(f"{a}.q_a_proj.weight", D, (Rq,))
-      s[("q_norm",)] = _one(f"{a}.q_a_layernorm.weight", (Rq,))
-      s[("wq_b",)] = _linear(f"{a}.q_b_proj.weight", Rq, (N, Hn + Hr))
-    else:
-      s[("wq",)] = _linear(f"{a}.q_proj.weight", D, (N, Hn + Hr))
-    s[("wkv_a",)] = _linear(f"{a}.kv_a_proj_with_mqa.weight", D, (R + Hr,))
-    s[("kv_norm",)] = _one(f"{a}.kv_a_layernorm.weight", (R,))
-    s[("wkv_b",)] = _linear(f"{a}.kv_b_proj.weight", R, (N, Hn + Hv))
-    s[("wo",)] = _linear_out(f"{a}.o_proj.weight", (N, Hv), D)
-    if cfg.quant is not None and cfg.quant.kv_cache:
-      s[("kv_scale",)] = _mla_kv_scale(cfg, a, has)
-    return s
-  H = cfg.head_dim
-  s = {("wq",): _linear(f"{a}.q_proj.weight", D, (N, H)),
-       ("wk",): _linear(f"{a}.k_proj.weight", D, (K, H)),
-       ("wv",): _linear(f"{a}.v_proj.weight", D, (K, H)),
-       ("wo",): _linear_out(f"{a}.o_proj.weight", (N, H), D)}
-  if cfg.qkv_bias:
-    for ours, hf, heads in (("bq", "q_proj", N), ("bk", "k_proj", K), ("bv", "v_proj", K)):
-      s[(ours,)] = _one(f"{a}.{hf}.bias", (heads * H,), lambda b, heads=heads: b.reshape(heads, H))
-  if cfg.o_bias:
-    s[("bo",)] = _one(f"{a}.o_proj.bias", (D,))
-  if cfg.qk_norm:
-    s[("q_norm",)] = _one(f"{a}.q_norm.weight", (H,))
-    s[("k_norm",)] = _one(f"{a}.k_norm.weight", (H,))
-  if cfg.attention_sinks:
-    s[("sinks",)] = _one(f"{a}.sinks", (N,))
-  if cfg.quant is not None and cfg.quant.kv_cache:  # per-layer KV cache scales
-    if cfg.quant.layout == "modelopt":  # scalars on the k / v projections
-      s[("k_scale",)] = _one(f"{a}.k_proj.k_scale", ())
-      s[("v_scale",)] = _one(f"{a}.v_proj.v_scale", ())
-    else:  # compressed-tensors: [1] on the attention module
-      s[("k_scale",)] = _one(f"{a}.k_scale", (1,), lambda x: x.reshape(()))
-      s[("v_scale",)] = _one(f"{a}.v_scale", (1,), lambda x: x.reshape(()))
-  return s
-
-
-def _dense_sources(m: str, D: int, F: int, names=("gate_proj", "up_proj", "down_proj"), key=()):
-  g, u, d = names
-  return {(*key, "w_gate"): _linear(f"{m}.{g}.weight", D, (F,)),
-          (*key, "w_up"): _linear(f"{m}.{u}.weight", D, (F,)),
-          (*key, "w_down"): _linear(f"{m}.{d}.weight", F, (D,))}
-
-
-def _stack_experts(name_fmt: str, E: int, shape, fn) -> Source:
-  names = tuple(name_fmt.format(e=e) for e in range(E))
-  return Source(names, (tuple(shape),) * E, lambda *ws: np.stack([fn(w) for w in ws]),
-                WeightRef(names, shape[0], shape[1], stacked=True))
+def source(w: Weight, prefix: str, has: Callable[[str], bool]) -> Source:
+  """The Source of declared weight w under module `prefix` ('' at the top)."""
+  join = lambda n: f"{prefix}.{n}" if prefix else n
+  if w.layout == "max":
+    names = [join(n) for n in w.hf]
+    names = names[:1] + [n for n in names[1:] if has(n)]
+    return Source(tuple(names), (w.hf_shape,) * len(names),
+                  lambda *s: np.max([np.reshape(x, ()) for x in s]))
+  if w.layout == "flat":
+    return Source((join(w.hf),), ((math.prod(w.shape),),), lambda a: a.reshape(w.shape))
+  if w.layout == "same":
+    return _same(w, join(w.hf))
+  if w.layout == "linear":
+    return _linear(w, join(w.hf))
+  raise ValueError(f"weight {w.hf}: unknown HF layout {w.layout!r}")
 
 
 def _published_vl_layout(cfg: ModelConfig, x: str, shape: Callable | None) -> bool:
@@ -163,106 +142,87 @@ def _published_vl_layout(cfg: ModelConfig, x: str, shape: Callable | None) -> bo
   return published[0]
 
 
-def _fused_experts(cfg: ModelConfig, x: str, shape: Callable | None) -> dict:
-  """Fused `gate_up_proj` / `down_proj`: transformers 5's in-memory layout,
-  or (Qwen3-VL-MoE only) the published one."""
-  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
-  s = {}
-  if cfg.model_type == "qwen3_vl_moe" and _published_vl_layout(cfg, x, shape):
-    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., :F])
-    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., F:])
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D))
-    return s
-  gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
-  s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
-                        lambda w: rearrange(w[:, :F], "E F D -> E D F"), gu(slice(0, F)))
-  s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, 2 * F, D),
-                      lambda w: rearrange(w[:, F:], "E F D -> E D F"), gu(slice(F, 2 * F)))
-  s[("w_down",)] = _one(f"{x}.down_proj", (E, D, F), lambda w: rearrange(w, "E D F -> E F D"),
-                        WeightRef((f"{x}.down_proj",), D, F, (E,)))
-  return s
+def _fused_experts(cfg: ModelConfig, mlp: dict, x: str, prefix: str,
+                   shape: Callable | None) -> dict:
+  """The experts at module x (relative to prefix) as fused `gate_up_proj` /
+  `down_proj`: transformers 5's in-memory layout, or (Qwen3-VL-MoE only)
+  the published one, which no quantized layout is known for."""
+  F = cfg.moe_ffn_dim
+  gu, down = f"{x}.gate_up_proj", f"{x}.down_proj"
+  if cfg.model_type == "qwen3_vl_moe" and _published_vl_layout(cfg, f"{prefix}.{x}", shape):
+    as_stored = lambda k, hf, part=None: dataclasses.replace(mlp[k], hf=hf, layout="same",
+                                                             part=part, quant=None)
+    return dict(w_gate=as_stored("w_gate", gu, slice(0, F)),
+                w_up=as_stored("w_up", gu, slice(F, 2 * F)), w_down=as_stored("w_down", down))
+  linear = lambda k, hf, part=None: dataclasses.replace(mlp[k], hf=hf, part=part)
+  return dict(w_gate=linear("w_gate", gu, slice(0, F)), w_up=linear("w_up", gu, slice(F, 2 * F)),
+              w_down=linear("w_down", down))
 
 
-def _moe_sources(cfg: ModelConfig, prefix: str, has: Callable[[str], bool],
-                 shape: Callable | None = None) -> dict:
-  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
+def _checkpoint_moe(cfg: ModelConfig, tree, prefix: str, has: Callable[[str], bool],
+                    shape: Callable | None):
+  """A tree's declared MoE groups (the dicts with a router) in the layout
+  this checkpoint holds: Mixtral under `block_sparse_moe` (transformers 5
+  renames it `mlp` on load), per-expert tensors fused where the checkpoint
+  fuses them."""
+  if not isinstance(tree, dict):
+    return tree
+  if "router" not in tree:
+    return {k: _checkpoint_moe(cfg, v, prefix, has, shape) for k, v in tree.items()}
+  mlp = tree
   if cfg.model_type == "mixtral" and has(f"{prefix}.block_sparse_moe.gate.weight"):
-    m, expert_names = f"{prefix}.block_sparse_moe", ("w1", "w3", "w2")
-  elif cfg.model_type == "mixtral":  # transformers 5 renames block_sparse_moe to mlp on load
-    m, expert_names = f"{prefix}.mlp", ("w1", "w3", "w2")
-  else:
-    m, expert_names = f"{prefix}.mlp", ("gate_proj", "up_proj", "down_proj")
-  router = f"{m}.router" if cfg.model_type == "gpt_oss" else f"{m}.gate"
-  s = {("router",): _linear(f"{router}.weight", D, (E,))}
-  if cfg.router_bias:
-    s[("router_bias",)] = _one(f"{router}.bias", (E,))
-  if cfg.router == "sigmoid_grouped":
-    s[("score_bias",)] = _one(f"{router}.e_score_correction_bias", (E,))
-  x = f"{m}.experts"
-  if cfg.model_type == "gpt_oss":
-    # Quantized (MXFP4) the same tensors are [E, out, in]: gate/up interleave rows.
-    gu = lambda rows: WeightRef((f"{x}.gate_up_proj",), 2 * F, D, (E,), rows)
-    s[("w_gate",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 0::2],
-                          gu(slice(0, None, 2)))
-    s[("w_up",)] = _one(f"{x}.gate_up_proj", (E, D, 2 * F), lambda w: w[..., 1::2],
-                        gu(slice(1, None, 2)))
-    s[("w_down",)] = _one(f"{x}.down_proj", (E, F, D), ref=WeightRef((f"{x}.down_proj",), D, F, (E,)))
-    s[("b_gate",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 0::2])
-    s[("b_up",)] = _one(f"{x}.gate_up_proj_bias", (E, 2 * F), lambda b: b[..., 1::2])
-    s[("b_down",)] = _one(f"{x}.down_proj_bias", (E, D))
-  elif has(f"{x}.gate_up_proj"):
-    s.update(_fused_experts(cfg, x, shape))
-  else:
-    g, u, d = expert_names
-    s[("w_gate",)] = _stack_experts(x + ".{e}." + g + ".weight", E, (F, D), lambda w: w.T)
-    s[("w_up",)] = _stack_experts(x + ".{e}." + u + ".weight", E, (F, D), lambda w: w.T)
-    s[("w_down",)] = _stack_experts(x + ".{e}." + d + ".weight", E, (D, F), lambda w: w.T)
-  if cfg.num_shared_experts:
-    s.update(_dense_sources(f"{m}.shared_experts", D, F * cfg.num_shared_experts, key=("shared",)))
-  return s
+    mlp = jax.tree.map(lambda w: dataclasses.replace(w, hf="block_sparse_moe" + w.hf[len("mlp"):]),
+                       mlp)
+  if "{e}" in mlp["w_gate"].hf:
+    x = mlp["w_gate"].hf.split(".{e}.")[0]
+    if has(f"{prefix}.{x}.gate_up_proj"):
+      mlp = {**mlp, **_fused_experts(cfg, mlp, x, prefix, shape)}
+  return mlp
+
+
+def path_key(kp) -> tuple:
+  """A jax key path -> the plain tuple of its dict keys and sequence indices."""
+  return tuple(getattr(k, "key", getattr(k, "idx", None)) for k in kp)
+
+
+def _sources(cfg: ModelConfig, tree: dict, prefix: str, has: Callable[[str], bool],
+             shape: Callable | None) -> dict:
+  """Path -> Source for every leaf of a declaration tree under `prefix`
+  (a list of them, one per copy, for a leaf under a `Stacked` node)."""
+  out = {}
+  leaves = jax.tree_util.tree_flatten_with_path(_checkpoint_moe(cfg, tree, prefix, has, shape))[0]
+  for kp, node in leaves:
+    if isinstance(node, Stacked):
+      copies = [_sources(cfg, node.tree, node.prefix.format(i=node.first + j), has, shape)
+                for j in range(node.count)]
+      out.update({(*path_key(kp), *k): [c[k] for c in copies] for k in copies[0]})
+    else:
+      out[path_key(kp)] = source(node, prefix, has)
+  return out
+
+
+def model_sources(cfg: ModelConfig, has: Callable[[str], bool],
+                  shape: Callable[[str], tuple | None] | None = None) -> dict:
+  """Sources of every leaf of `param_specs(cfg)`, keyed by its path.
+  `has(name)`: the checkpoint holds the tensor; `shape(name)`: its shape (or
+  None), which picks between fused-expert layouts (None: the published one)."""
+  return _sources(cfg, model_weights(cfg), "", has, shape)
 
 
 def block_sources(cfg: ModelConfig, prefix: str, is_moe: bool, has: Callable[[str], bool],
                   shape: Callable[[str], tuple | None] | None = None) -> dict:
-  """Sources of every leaf of the block at `prefix` (e.g. 'model.layers.3').
-  `has(name)`: the checkpoint holds the tensor; `shape(name)`: its shape (or
-  None), which picks between fused-expert layouts (None: the published one)."""
-  D = cfg.d_model
-  s = {("attn_norm",): _one(f"{prefix}.input_layernorm.weight", (D,)),
-       ("mlp_norm",): _one(f"{prefix}.post_attention_layernorm.weight", (D,))}
-  s.update({("attn", *k): v for k, v in _attn_sources(cfg, f"{prefix}.self_attn", has).items()})
-  mlp = (_moe_sources(cfg, prefix, has, shape) if is_moe
-         else _dense_sources(f"{prefix}.mlp", D, cfg.ffn_dim))
-  s.update({("mlp", *k): v for k, v in mlp.items()})
-  return s
-
-
-def lm_prefix(cfg: ModelConfig) -> str:
-  """Where the language model's tensors live ('model', or Qwen3-VL's 'model.language_model')."""
-  return "model.language_model" if cfg.vision is not None else "model"
+  """Sources of every leaf of the block at `prefix` (e.g. 'model.layers.3')."""
+  return _sources(cfg, block_weights(cfg, is_moe), prefix, has, shape)
 
 
 def top_sources(cfg: ModelConfig) -> dict:
-  D, V, p = cfg.d_model, cfg.vocab_size, lm_prefix(cfg)
-  s = {("embed",): _one(f"{p}.embed_tokens.weight", (V, D)),
-       ("final_norm",): _one(f"{p}.norm.weight", (D,))}
-  if not cfg.tie_embeddings:
-    s[("lm_head",)] = _one("lm_head.weight", (V, D), lambda w: w.T)
-  return s
+  """Sources of the unstacked language-model leaves (embed, final_norm, lm_head)."""
+  return {(k,): source(w, "", lambda _: False)
+          for k, w in model_weights(cfg).items() if isinstance(w, Weight)}
 
 
-def mtp_sources(cfg: ModelConfig, depth: int, has: Callable[[str], bool]) -> tuple[dict, tuple[str, ...]]:
-  """DeepSeek MTP module `depth` lives at model.layers.{num_layers + depth}.
-
-  Returns its sources and the names it holds that duplicate shared weights
-  (embed_tokens, shared_head.head): consumed, not loaded.
-  """
-  D = cfg.d_model
-  p = f"model.layers.{cfg.num_layers + depth}"
-  is_moe = cfg.is_moe and cfg.num_layers not in cfg.dense_layers
-  s = {("enorm",): _one(f"{p}.enorm.weight", (D,)),
-       ("hnorm",): _one(f"{p}.hnorm.weight", (D,)),
-       ("eh_proj",): _linear(f"{p}.eh_proj.weight", 2 * D, (D,)),
-       ("norm",): _one(f"{p}.shared_head.norm.weight", (D,))}
-  s.update({("block", *k): v for k, v in block_sources(cfg, p, is_moe, has).items()})
-  return s, (f"{p}.embed_tokens.weight", f"{p}.shared_head.head.weight")
+def mtp_duplicates(cfg: ModelConfig) -> list[str]:
+  """The tensors each DeepSeek MTP module holds that duplicate shared weights
+  (embed_tokens, shared_head.head): consumed, not loaded."""
+  return [f"model.layers.{cfg.num_layers + d}.{n}" for d in range(cfg.num_mtp_layers)
+          for n in ("embed_tokens.weight", "shared_head.head.weight")]

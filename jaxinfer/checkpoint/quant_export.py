@@ -63,31 +63,12 @@ def save_safetensors(tensors: dict[str, np.ndarray], path: str) -> None:
       f.write(b)
 
 
-def _target(key: tuple, is_moe: bool) -> str | None:
-  if key[0] == "attn":
-    return f"attn.{key[1]}"
-  if key[:2] == ("mlp", "shared"):
-    return f"shared.{key[2]}"
-  if key[0] == "mlp" and key[1] in ("w_gate", "w_up", "w_down"):
-    return f"{'experts' if is_moe else 'mlp'}.{key[1]}"
-  if key == ("eh_proj",):
-    return "mtp.eh_proj"
-  return None
-
-
 def _weights(cfg: ModelConfig, targets, has) -> dict[str, hf_names.WeightRef]:
   """HF weight name -> its WeightRef, for every targeted projection."""
   out = {}
-  for is_moe, first, n in cfg.segments():
-    for i in range(first, first + n):
-      for key, src in hf_names.block_sources(cfg, f"model.layers.{i}", is_moe, has).items():
-        if src.ref is not None and _target(key, is_moe) in targets and has(src.ref.names[0]):
-          out.update({name: src.ref for name in src.ref.names})
-  for d in range(cfg.num_mtp_layers):
-    for key, src in hf_names.mtp_sources(cfg, d, has)[0].items():
-      is_moe = cfg.layer_is_moe(cfg.num_layers + d)
-      t = _target(key[1:], is_moe) if key[0] == "block" else _target(key, is_moe)
-      if src.ref is not None and t in targets and has(src.ref.names[0]):
+  for srcs in hf_names.model_sources(cfg, has).values():
+    for src in srcs if isinstance(srcs, list) else [srcs]:
+      if src.ref is not None and src.ref.target in targets and has(src.ref.names[0]):
         out.update({name: src.ref for name in src.ref.names})
   return out
 

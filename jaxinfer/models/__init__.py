@@ -1,5 +1,6 @@
 """Functional model definitions: pure functions over param pytrees.
 
+  weights      every weight declared once: shape, logical axes, init, HF tensor
   specs        the abstract param tree (shape, dtype, logical axes, init)
   layers       RMSNorm, RoPE, gated MLP
   layouts      typed alternative param layouts (fused MLP, absorbed MLA, split

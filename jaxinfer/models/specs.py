@@ -2,7 +2,8 @@
 
 `param_specs(cfg)` is the single source of shapes, dtypes, logical axes and
 initializers; `init_params`, the shardings and checkpoint restore all derive
-from it, so they cannot drift apart.
+from it, so they cannot drift apart. It is read off the weight declarations
+of `models.weights`, which name each leaf's HF tensors too (`checkpoint.hf_names`).
 
 Tree layout (nested dicts; segment blocks stacked on a leading `layers` axis):
   embed [V, D]; final_norm [D]; lm_head [D, V] (untied only)
@@ -27,14 +28,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.config import ModelConfig, QuantConfig, VisionConfig
+from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models.quant import QuantizedWeight
+from jaxinfer.models.weights import Stacked, Weight, model_weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,69 +61,6 @@ def _stack(tree, n: int):
       tree, is_leaf=is_spec)
 
 
-def _attn_specs(cfg: ModelConfig, P: Callable) -> dict:
-  D, N, K = cfg.d_model, cfg.num_heads, cfg.num_kv_heads
-  if cfg.attention == "mla":
-    R, Hr, Hn, Hv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
-    p = {}
-    if cfg.q_lora_rank:
-      Rq = cfg.q_lora_rank
-      p.update(wq_a=P((D, Rq), ("embed", "q_lora")), q_norm=P((Rq,), ("q_lora",), "ones"),
-               wq_b=P((Rq, N, Hn + Hr), ("q_lora", "q_heads", "head_dim")))
-    else:
-      p["wq"] = P((D, N, Hn + Hr), ("embed", "q_heads", "head_dim"))
-    p.update(wkv_a=P((D, R + Hr), ("embed", "kv_lora")), kv_norm=P((R,), ("kv_lora",), "ones"),
-             wkv_b=P((R, N, Hn + Hv), ("kv_lora", "q_heads", "head_dim")),
-             wo=P((N, Hv, D), ("q_heads", "head_dim", "embed")))
-    if cfg.quant is not None and cfg.quant.kv_cache:  # the latent cache's scale (see below)
-      p["kv_scale"] = ParamSpec((), jnp.dtype(jnp.float32), (), "ones")
-    return p
-  H = cfg.head_dim
-  p = dict(wq=P((D, N, H), ("embed", "q_heads", "head_dim")),
-           wk=P((D, K, H), ("embed", "kv_heads", "head_dim")),
-           wv=P((D, K, H), ("embed", "kv_heads", "head_dim")),
-           wo=P((N, H, D), ("q_heads", "head_dim", "embed")))
-  if cfg.qkv_bias:
-    p.update(bq=P((N, H), ("q_heads", "head_dim"), "zeros"),
-             bk=P((K, H), ("kv_heads", "head_dim"), "zeros"),
-             bv=P((K, H), ("kv_heads", "head_dim"), "zeros"))
-  if cfg.o_bias:
-    p["bo"] = P((D,), ("embed",), "zeros")
-  if cfg.qk_norm:
-    p.update(q_norm=P((H,), ("head_dim",), "ones"), k_norm=P((H,), ("head_dim",), "ones"))
-  if cfg.attention_sinks:
-    p["sinks"] = P((N,), ("q_heads",), "zeros")
-  if cfg.quant is not None and cfg.quant.kv_cache:
-    # The checkpoint's per-layer KV cache scales (float32 whatever the dtype):
-    # the Engine's quantized cache reads them (`kv.scales`); the forward does not.
-    p.update(k_scale=ParamSpec((), jnp.dtype(jnp.float32), (), "ones"),
-             v_scale=ParamSpec((), jnp.dtype(jnp.float32), (), "ones"))
-  return p
-
-
-def _dense_mlp_specs(D: int, F: int, P: Callable) -> dict:
-  return dict(w_gate=P((D, F), ("embed", "mlp")), w_up=P((D, F), ("embed", "mlp")),
-              w_down=P((F, D), ("mlp", "embed")))
-
-
-def _moe_specs(cfg: ModelConfig, P: Callable) -> dict:
-  D, E, F = cfg.d_model, cfg.num_experts, cfg.moe_ffn_dim
-  p = dict(router=P((D, E), ("embed", None)),
-           w_gate=P((E, D, F), ("expert", "embed", "mlp")),
-           w_up=P((E, D, F), ("expert", "embed", "mlp")),
-           w_down=P((E, F, D), ("expert", "mlp", "embed")))
-  if cfg.router_bias:
-    p["router_bias"] = P((E,), (None,), "zeros")
-  if cfg.router == "sigmoid_grouped":
-    p["score_bias"] = P((E,), (None,), "zeros")
-  if cfg.expert_bias:
-    p.update(b_gate=P((E, F), ("expert", "mlp"), "zeros"), b_up=P((E, F), ("expert", "mlp"), "zeros"),
-             b_down=P((E, D), ("expert", "embed"), "zeros"))
-  if cfg.num_shared_experts:
-    p["shared"] = _dense_mlp_specs(D, F * cfg.num_shared_experts, P)
-  return p
-
-
 def quantized_spec(spec: ParamSpec, q: QuantConfig, in_dims: int = 1, lead: int = 0):
   """A float weight's spec [*lead, *In, *Out] -> a `QuantizedWeight` of specs:
   values [*lead, Out, In] in the storage dtype, scales over its blocks (a
@@ -144,81 +82,27 @@ def quantized_spec(spec: ParamSpec, q: QuantConfig, in_dims: int = 1, lead: int 
                          in_shape=tuple(in_shape), out_shape=tuple(out_shape))
 
 
-def _quantize_block(q: QuantConfig | None, tree: dict, is_moe: bool) -> dict:
-  """Replaces the block's targeted projections by quantized specs."""
-  if q is None:
-    return tree
-  attn = {k: quantized_spec(v, q, 2 if k == "wo" else 1) if q.quantizes(f"attn.{k}") else v
-          for k, v in tree["attn"].items()}
-  mlp = dict(tree["mlp"])
-  group = "experts" if is_moe else "mlp"
-  for k in ("w_gate", "w_up", "w_down"):
-    if q.quantizes(f"{group}.{k}"):
-      mlp[k] = quantized_spec(mlp[k], q, lead=1 if is_moe else 0)
-    if "shared" in mlp and q.quantizes(f"shared.{k}"):
-      mlp["shared"] = {**mlp["shared"], k: quantized_spec(mlp["shared"][k], q)}
-  return {**tree, "attn": attn, "mlp": mlp}
+def _spec(w: Weight, dtype, q: QuantConfig | None):
+  spec = ParamSpec(w.shape, jnp.dtype(w.dtype) if w.dtype else dtype, w.axes, w.init)
+  if q is not None and w.quant is not None and q.quantizes(w.quant):
+    return quantized_spec(spec, q, w.in_dims, w.lead)
+  return spec
 
 
-def block_specs(cfg: ModelConfig, is_moe: bool, dtype) -> dict:
-  """Specs of one transformer block (unstacked)."""
-  P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
-  D = cfg.d_model
-  tree = dict(attn_norm=P((D,), ("embed",), "ones"), mlp_norm=P((D,), ("embed",), "ones"),
-              attn=_attn_specs(cfg, P),
-              mlp=_moe_specs(cfg, P) if is_moe else _dense_mlp_specs(D, cfg.ffn_dim, P))
-  return _quantize_block(cfg.quant, tree, is_moe)
-
-
-def _merger_specs(vc: VisionConfig, D: int, P, postshuffle: bool) -> dict:
-  C4 = vc.hidden_size * vc.spatial_merge_size ** 2
-  norm = C4 if postshuffle else vc.hidden_size
-  return dict(norm_w=P((norm,), (None,), "ones"), norm_b=P((norm,), (None,), "zeros"),
-              fc1=P((C4, C4), (None, None)), b1=P((C4,), (None,), "zeros"),
-              fc2=P((C4, D), (None, "embed")), b2=P((D,), ("embed",), "zeros"))
-
-
-def vision_specs(vc: VisionConfig, D: int, dtype) -> dict:
-  """Specs of params["vision"] (vision weights are small: replicated)."""
-  P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
-  C, F, N, H = vc.hidden_size, vc.intermediate_size, vc.num_heads, vc.head_dim
-  block = dict(norm1_w=P((C,), (None,), "ones"), norm1_b=P((C,), (None,), "zeros"),
-               norm2_w=P((C,), (None,), "ones"), norm2_b=P((C,), (None,), "zeros"),
-               wqkv=P((C, 3, N, H), (None, None, None, None)),
-               bqkv=P((3, N, H), (None, None, None), "zeros"),
-               wo=P((N, H, C), (None, None, None)), bo=P((C,), (None,), "zeros"),
-               fc1=P((C, F), (None, None)), b1=P((F,), (None,), "zeros"),
-               fc2=P((F, C), (None, None)), b2=P((C,), (None,), "zeros"))
-  tree = dict(patch_w=P((vc.patch_dim, C), (None, None)), patch_b=P((C,), (None,), "zeros"),
-              pos_embed=P((vc.num_position_embeddings, C), (None, None)),
-              blocks=_stack(block, vc.depth), merger=_merger_specs(vc, D, P, False))
-  if vc.deepstack_indexes:
-    tree["deepstack"] = _stack(_merger_specs(vc, D, P, True), len(vc.deepstack_indexes))
-  return tree
+def _specs(tree, dtype, q: QuantConfig | None):
+  """A declaration (sub)tree -> its specs, `Stacked` runs stacked."""
+  def one(node):
+    if isinstance(node, Stacked):
+      return _stack(_specs(node.tree, dtype, q), node.count)
+    return _spec(node, dtype, q)
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (Weight, Stacked)))
 
 
 def param_specs(cfg: ModelConfig, dtype=None) -> dict:
-  """The abstract param tree of `cfg` (see the module docstring)."""
+  """The abstract param tree of `cfg` (see the module docstring), from the
+  declarations of `weights.model_weights`."""
   dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
-  P = lambda shape, axes, init="normal": ParamSpec(tuple(shape), dtype, axes, init)
-  D, V = cfg.d_model, cfg.vocab_size
-  tree = dict(embed=P((V, D), ("vocab", "embed")), final_norm=P((D,), ("embed",), "ones"),
-              layers=tuple(_stack(block_specs(cfg, moe, dtype), n) for moe, _, n in cfg.segments()))
-  if not cfg.tie_embeddings:
-    tree["lm_head"] = P((D, V), ("embed", "vocab"))
-  if cfg.num_mtp_layers:
-    # DeepSeek-V3 MTP: the block after the last main layer is MoE.
-    is_moe = cfg.is_moe and cfg.num_layers not in cfg.dense_layers
-    eh_proj = P((2 * D, D), (None, "embed"))
-    if cfg.quant is not None and cfg.quant.quantizes("mtp.eh_proj"):
-      eh_proj = quantized_spec(eh_proj, cfg.quant)
-    mtp = dict(enorm=P((D,), ("embed",), "ones"), hnorm=P((D,), ("embed",), "ones"),
-               eh_proj=eh_proj, norm=P((D,), ("embed",), "ones"),
-               block=block_specs(cfg, is_moe, dtype))
-    tree["mtp"] = _stack(mtp, cfg.num_mtp_layers)
-  if cfg.vision is not None:
-    tree["vision"] = vision_specs(cfg.vision, D, dtype)
-  return tree
+  return _specs(model_weights(cfg), dtype, cfg.quant)
 
 
 def abstract_params(cfg: ModelConfig, dtype=None):

@@ -1,6 +1,6 @@
 """Qwen3-VL's vision tower: pixels -> LM-width visual tokens + DeepStack features.
 
-Pure functions over params["vision"] (`specs.vision_specs`). Patches arrive
+Pure functions over params["vision"] (`weights.vision_weights`). Patches arrive
 flattened [N, C * Tp * P * P] in 2x2-merge-block order (`vision_inputs`),
 so each run of merge**2 consecutive patches becomes one LM token.
 
