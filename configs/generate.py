@@ -15,9 +15,10 @@ def get_config() -> config_dict.ConfigDict:
   c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset name (random weights)
   c.hf_dir = config_dict.placeholder(str)  # HF checkpoint directory (overrides --model)
   c.checkpoint_dir = config_dict.placeholder(str)  # orbax checkpoint from checkpoint.save
-  c.prompt = config_dict.placeholder(tuple)  # None: the script's two code prompts
+  # None: the script's two code prompts; a string: one prompt (commas and all)
+  c.prompt = config_dict.placeholder(str)
   c.prompts_file = config_dict.placeholder(str)  # a file with one prompt per line
-  c.prompt_ids = config_dict.placeholder(tuple)  # one prompt as token ids (any model)
+  c.prompt_ids = config_dict.placeholder(str)  # one prompt as comma-separated token ids
   c.max_tokens = 96  # tokens to generate per prompt
   c.num_draft_tokens = 3
   c.decode_steps = 1  # decode steps per dispatch when not speculating (EngineConfig.decode_steps)

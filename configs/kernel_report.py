@@ -12,7 +12,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/kernel_report.py"
-  c.cases = config_dict.placeholder(tuple)  # case names (default: every case of gpu_cases)
+  c.cases = config_dict.placeholder(str)  # comma-separated case names; None: every case
   c.ptxas = True  # run ptxas -v on each kernel's PTX for spill counts
   c.json_out = "experiments/results/kernel_report_h100.json"  # write the report here ('' to skip)
   c.lock()

@@ -13,7 +13,8 @@ def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/repeat_tests.py"
   c.runs = 20  # runs at most
-  c.tests = config_dict.placeholder(tuple)  # None: the script's multi-device and serving test files
+  # Comma-separated test files or ids; None: the script's multi-device and serving test files.
+  c.tests = config_dict.placeholder(str)
   c.workers = 2  # pytest -n
   c.until_s = 0  # start no run after this many seconds (0: no limit)
   c.keep_going = False  # go on after a run that did not pass

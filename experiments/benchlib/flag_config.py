@@ -87,10 +87,13 @@ def apply_config(config, flag_values: flags.FlagValues, script: str) -> dict:
 
 
 def _parse(flag, name, value):
-  """value -> what the flag itself would hold (a list flag holds strings)."""
+  """value -> what the flag itself would hold (a list flag holds strings; a
+  multi flag, `--prompt=a --prompt=b`, a list of its parser's values)."""
   if isinstance(value, (tuple, list)):
     value = [str(v) for v in value]
   try:
+    if isinstance(flag, flags.MultiFlag):
+      return [flag.parser.parse(v) for v in (value if isinstance(value, list) else [value])]
     return flag.parser.parse(value)
   except (ValueError, TypeError) as e:
     raise ValueError(f"--config.{name}={value!r}: {e}") from None

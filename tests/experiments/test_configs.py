@@ -162,6 +162,11 @@ def test_overrides_and_precedence():
   # A default config: overridden without naming it; a None field set from the command line.
   out = _parse("experiments/gpu_day.py", "--config.budget_s=300", "--config.out_dir=/tmp/g")
   assert out["values"]["budget_s"] == 300.0 and out["values"]["out_dir"] == "/tmp/g"
+  # A None field of a list flag takes a comma-separated string, as the flag does.
+  out = _parse("experiments/repeat_tests.py", "--config.tests=tests/a.py,tests/b.py")
+  assert out["values"]["tests"] == ["tests/a.py", "tests/b.py"]
+  out = _parse("experiments/generate.py", "--config.prompt=def f(a, b):")  # a multi flag
+  assert out["values"]["prompt"] == ["def f(a, b):"]
 
 
 def test_a_field_no_flag_consumes_is_an_error():
