@@ -21,16 +21,13 @@ import importlib.util
 import os
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from benchlib import flag_config
 from benchlib.decode import run_decode_bench
 
 _HAVE_HF = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "bench_decode.py"),
-    "benchmark shapes (configs/bench_decode.py[:preset]); override with --config.<field>=")
+_CONFIG = flag_config.define_config(__file__)  # configs/bench_decode.py[:preset]
 _MODEL = flags.DEFINE_string("model", "bench_dense", "preset name (jaxinfer.presets)")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "decode batch sizes")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt tokens before decoding")

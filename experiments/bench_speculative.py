@@ -23,7 +23,7 @@ import os
 from absl import app, flags
 import jax
 
-from benchlib import results
+from benchlib import flag_config, results
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding, training
 
@@ -39,6 +39,7 @@ flags.DEFINE_enum("layout", "dp_attn_ep", list(sharding.LAYOUTS), "sharding layo
 flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices for --mesh")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "bench_speculative"),
                     "output prefix (.json, .png)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def cell(cfg, params, prompts, batch: int, K: int, max_tokens: int, repeats: int,
@@ -89,6 +90,7 @@ def _plot(rows, path):
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   if FLAGS.cpu_devices:  # before anything initialises JAX's backends
     jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None

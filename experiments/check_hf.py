@@ -24,6 +24,7 @@ from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
+from benchlib import flag_config
 from jaxinfer import checkpoint, models
 from jaxinfer.checkpoint import hf_build
 
@@ -37,6 +38,7 @@ _BATCH = flags.DEFINE_integer("batch", 2, "sequences")
 _SEED = flags.DEFINE_integer("seed", 0, "weights and tokens seed")
 _TOLERANCE = flags.DEFINE_float("tolerance", 1e-4, "largest relative error accepted "
                                 "(float32 parity measures ~1e-6)")
+_CONFIG = flag_config.define_config(__file__)
 
 def _transformers():
   try:
@@ -76,6 +78,7 @@ def check(path: str, name: str, torch, transformers) -> float:
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   torch, transformers = _transformers()
   print(f"transformers {transformers.__version__}, torch {torch.__version__}")
   if _HF_DIR.value:

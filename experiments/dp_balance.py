@@ -14,7 +14,7 @@ import os
 from absl import app, flags
 import jax
 
-from benchlib import dp_balance, results
+from benchlib import dp_balance, flag_config, results
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, run, sharding
 
@@ -32,10 +32,12 @@ flags.DEFINE_integer("max_num_batched_tokens", 128, "engine: token budget per ra
 flags.DEFINE_integer("max_num_seqs", 8, "engine: sequences per rank")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "dp_balance"),
                     "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh))
   cfg, params, _ = run.load_default_model()

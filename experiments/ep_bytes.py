@@ -15,7 +15,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")  # compile-only GPUs; nothing runs
 
 from absl import app, flags  # noqa: E402
 
-from benchlib import ep_bytes, results  # noqa: E402
+from benchlib import ep_bytes, flag_config, results  # noqa: E402
 from benchlib.sharding_report import parse_mesh  # noqa: E402
 from jaxinfer import Backend, gpu_compile, presets  # noqa: E402
 
@@ -25,10 +25,12 @@ flags.DEFINE_string("mesh", "data=2,expert=4", "the expert-parallel mesh of H100
 flags.DEFINE_list("tokens", ["1", "2", "4", "8", "16", "32", "64"], "tokens per rank")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "ep_bytes"),
                     "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg = presets.get(FLAGS.preset, dtype="bfloat16")
   mesh = gpu_compile.mesh(parse_mesh(FLAGS.mesh))
   rows = ep_bytes.report(cfg, mesh, [int(t) for t in FLAGS.tokens],

@@ -15,6 +15,7 @@
 from absl import app, flags
 import jax
 
+from benchlib import flag_config
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding
 from jaxinfer.tokenizer import load_tokenizer
@@ -47,6 +48,7 @@ _MESH = flags.DEFINE_string("mesh", None, "run the Engine sharded on a mesh of a
 _LAYOUT = flags.DEFINE_enum("layout", "tp", list(sharding.LAYOUTS), "sharding layout (with --mesh)")
 _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU devices (XLA's "
                                     "host platform device count) for --mesh on a CPU machine")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def _model():
@@ -105,6 +107,7 @@ def _print_summary(s: dict, spec) -> None:
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   if _CPU_DEVICES.value:  # before anything initialises JAX's backends
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   mesh = sharding.make_mesh(parse_mesh(_MESH.value)) if _MESH.value else None

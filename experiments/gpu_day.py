@@ -26,7 +26,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from benchlib import gpu_day  # noqa: E402
+from benchlib import flag_config, gpu_day  # noqa: E402
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results", "gpu"),
                                "where the JSON, plot and logs go")
@@ -39,6 +39,7 @@ _PART_JSON = flags.DEFINE_string("part_json", None, "internal: the part's JSON f
 _DEADLINE_IN_S = flags.DEFINE_float("deadline_in_s", None, "internal: the part's time box")
 _ROOFLINE_JSON = flags.DEFINE_string("roofline_json", None,
                                      "internal: the kernels part's JSON (its measured roofline)")
+_CONFIG = flag_config.define_config(__file__)
 
 EXPERIMENTS = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(EXPERIMENTS)
@@ -80,6 +81,7 @@ def _spawn(part, part_json, deadline, roofline_json):
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   if _PART.value:
     return run_part()
   start = time.monotonic()

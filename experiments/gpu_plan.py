@@ -18,6 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
 
+from benchlib import flag_config
 from benchlib.gpu_plan import run_gpu_plan
 from jaxinfer.gpu_compile import TARGETS
 from jaxinfer.sharding import LAYOUTS
@@ -38,10 +39,12 @@ _SPECULATIVE = flags.DEFINE_integer("speculative", 3, "MTP draft tokens of the s
                                     "step (MTP models; 0: none)")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "write the report as JSON here "
                                 "(e.g. experiments/results/gpu_plan_<preset>.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   run_gpu_plan(model=_PRESET.value, mesh=_MESH.value, layout=_LAYOUT.value, gpu=_GPU.value,
                hosts=_HOSTS.value, dtype=_DTYPE.value, json_out=_JSON_OUT.value,
                batch=_BATCH.value, context=_CONTEXT.value, prefill_tokens=_PREFILL.value,

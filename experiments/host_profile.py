@@ -10,17 +10,19 @@ Writes experiments/results/host_profile_<model>[_decode_steps<n>].json.
 
 from absl import app, flags
 
-from benchlib import host_profile, results
+from benchlib import flag_config, host_profile, results
 from benchlib.decode import machine_info
 
 _MODEL = flags.DEFINE_string("model", "bench_moe", "preset")
 _BATCH = flags.DEFINE_integer("batch", 8, "decoding sequences")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "EngineConfig.decode_steps")
 _OUT = flags.DEFINE_string("out", None, "output prefix (default experiments/results/host_profile_<model>)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   n = _DECODE_STEPS.value
   r = host_profile.run(_MODEL.value, _BATCH.value, decode_steps=n)
   for part, v in r["in_engine"].items():

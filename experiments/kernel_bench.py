@@ -14,6 +14,7 @@ import os
 
 from absl import app, flags
 
+from benchlib import flag_config
 from benchlib.kernels import KERNELS, SHAPES, run_kernel_bench
 
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"subset of {','.join(KERNELS)}")
@@ -28,10 +29,12 @@ _WARMUP = flags.DEFINE_integer("warmup", 3, "untimed calls after the compiling o
 _PEERS = flags.DEFINE_bool("peers", True, "also time the peer implementations")
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results"),
                                "where the JSON and the plot go")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   run_kernel_bench(kernels=_KERNELS.value, shapes=_SHAPES.value, dtype=_DTYPE.value,
                    interpret=_INTERPRET.value, repeats=_REPEATS.value, warmup=_WARMUP.value,
                    peers=_PEERS.value, out_dir=_OUT_DIR.value)

@@ -16,16 +16,19 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from absl import app, flags
 
+from benchlib import flag_config
 from benchlib.kernel_report import HEADER, run_report
 
 _CASES = flags.DEFINE_list("cases", None, "case names (default: every case of gpu_cases)")
 _PTXAS = flags.DEFINE_bool("ptxas", True, "run ptxas -v on each kernel's PTX for spill counts")
 _JSON_OUT = flags.DEFINE_string("json_out", "experiments/results/kernel_report_h100.json",
                                 "write the report here ('' to skip)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   print(HEADER)
   run_report(names=_CASES.value, ptxas=_PTXAS.value, json_out=_JSON_OUT.value or None)
 

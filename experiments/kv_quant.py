@@ -13,7 +13,7 @@ import os
 
 from absl import app, flags
 
-from benchlib import kv_quant, results
+from benchlib import flag_config, kv_quant, results
 from jaxinfer import Backend, EngineConfig, run
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
@@ -22,10 +22,12 @@ _TEACHER = flags.DEFINE_bool("teacher", True, "also next-token agreement on the 
 _IMPL = flags.DEFINE_enum("impl", "xla", ["xla", "pallas"], "attention implementation")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "kv_quant"),
                            "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg, params, tokenizer = run.load_default_model()
   cfg = dataclasses.replace(cfg, backend=Backend(attention=_IMPL.value))
   prompts = kv_quant.stdlib_prompts(tokenizer.encode, _NUM_PROMPTS.value)

@@ -23,7 +23,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from absl import app, flags  # noqa: E402
 import ray  # noqa: E402
 
-from benchlib import results  # noqa: E402
+from benchlib import flag_config, results  # noqa: E402
 from jaxinfer import EngineConfig, run  # noqa: E402
 from jaxinfer.serving.cluster import Cluster  # noqa: E402
 from jaxinfer.serving.ray_cluster import measure_transfer  # noqa: E402
@@ -37,10 +37,12 @@ _TRANSPORTS = flags.DEFINE_list("kv_transport", ["jax", "object_store"], "transp
 _RAY_CPUS = flags.DEFINE_integer("ray_cpus", 2, "CPUs of the local Ray")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results",
                                                "kv_transfer_bench"), "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   if _MODEL.value == "default":
     cfg, params, _ = run.load_default_model()
   else:

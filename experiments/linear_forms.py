@@ -29,6 +29,8 @@ import sys
 
 from absl import app, flags
 
+from benchlib import flag_config
+
 _KINDS = flags.DEFINE_list("weights", ["float32", "int8", "fp8", "int4"], "float32 and quant methods")
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64", "128", "512"], "row counts")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed runs per cell (median)")
@@ -41,10 +43,12 @@ _ENGINE_FLAGS = flags.DEFINE_string("engine_xla_flags", "", "';'-separated XLA_F
 _ROUNDS = flags.DEFINE_integer("rounds", 2, "interleaved rounds of the engine processes")
 _CHILD = flags.DEFINE_bool("child", False, "internal: measure in this process, print JSON rows")
 _ENGINE_CELL = flags.DEFINE_string("engine_cell", None, "internal: weights,batch,setting")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   if _ENGINE_CELL.value:
     from benchlib import linear_forms
     weights, batch, setting = _ENGINE_CELL.value.split(",")

@@ -6,7 +6,7 @@ a Server QPS search.
   python experiments/mlperf_harness.py                                # all three scenarios
   python experiments/mlperf_harness.py --scenarios=Server --search    # highest valid Server QPS
   python experiments/mlperf_harness.py --mode=accuracy
-  python experiments/mlperf_harness.py --config=configs/mlperf_gpt_oss.py --config.scenarios=Server
+  python experiments/mlperf_harness.py --config=configs/mlperf_default_model_mtp.py --config.scenarios=Server
   python experiments/serve.py --fixed_step_shapes --max_num_seqs=8 --max_num_batched_tokens=64 &
   python experiments/mlperf_harness.py --scenarios=Server --server_url=http://127.0.0.1:8000
       # over HTTP: each sample a streaming /v1/completions request (`serving.mlperf_http`)
@@ -34,7 +34,6 @@ import shutil
 
 from absl import app, flags
 import jax
-from ml_collections import config_flags
 
 from benchlib import flag_config, results
 from benchlib.sharding_report import parse_mesh
@@ -48,9 +47,7 @@ LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175),
           "deepseek-r1": ((2000, 80), (1500, 15)), "gpt-oss-120b": ((3000, 80), (2000, 15))}
 
 FLAGS = flags.FLAGS
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "mlperf_default_model.py"),
-    "experiment config (configs/mlperf_*.py); override a field with --config.<field>=")
+_CONFIG = flag_config.define_config(__file__, "mlperf_default_model.py")  # or configs/mlperf_*.py
 flags.DEFINE_list("scenarios", ["Offline", "Server", "Interactive"], "LoadGen scenarios")
 flags.DEFINE_enum("mode", "performance", ["performance", "accuracy"], "LoadGen mode")
 flags.DEFINE_string("dataset", "", "JSONL of prompts ({'tokens': [...]} or {'text': ...}); "

@@ -12,17 +12,19 @@ Writes experiments/results/moe_prefill.json.
 
 from absl import app, flags
 
-from benchlib import moe_prefill, results
+from benchlib import flag_config, moe_prefill, results
 from benchlib.decode import machine_info
 
 _MODEL = flags.DEFINE_string("model", "bench_moe", "preset with MoE layers")
 _TOKENS = flags.DEFINE_list("tokens", ["512"], "prefill tokens per call")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per variant (median)")
 _OUT = flags.DEFINE_string("out", "experiments/results/moe_prefill", "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   rows = []
   for t in map(int, _TOKENS.value):
     for r in moe_prefill.run(_MODEL.value, t, _REPEATS.value):

@@ -18,13 +18,14 @@ from absl import app, flags
 import jax
 import jax.numpy as jnp
 
-from benchlib import kernels
+from benchlib import flag_config, kernels
 import pallas_kernels as pk
 from pallas_kernels import mosaic_paged_attention as mpa
 
 _OUT = flags.DEFINE_string("out", "/tmp/mosaic_tune.json", "the JSON written")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "CPU: tiny shapes, interpret mode")
 _REPEATS = flags.DEFINE_integer("repeats", 10, "timed samples per variant")
+_CONFIG = flag_config.define_config(__file__)
 
 SHAPES = [dict(B=8, S=8192, ps=16), dict(B=64, S=8192, ps=16), dict(B=1, S=32768, ps=64),
           dict(B=64, S=1024, ps=64), dict(B=8, S=8192, ps=64)]  # N 32 / K 8 / D 128
@@ -71,6 +72,7 @@ def tune_shape(shape, *, N, K, D, dtype, interpret, repeats, roof, variants=VARI
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   dry = _DRY_RUN.value
   why = mpa.available()
   if why:

@@ -11,16 +11,18 @@ import os
 
 from absl import app, flags
 
-from benchlib import quant_error, results
+from benchlib import flag_config, quant_error, results
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("methods", list(quant_error.METHODS), "weight formats to measure")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "quant_error"),
                     "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   rows = quant_error.report(tuple(FLAGS.methods))
   print("| method | block | logits rel. error | argmax agreement | bytes vs float32 |")
   print("|---|---|---|---|---|")

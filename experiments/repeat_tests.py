@@ -23,6 +23,8 @@ import time
 
 from absl import app, flags
 
+from benchlib import flag_config
+
 MULTI_DEVICE_AND_SERVING = [
     "tests/sharding/test_sharding.py", "tests/sharding/test_spec_mesh.py", "tests/sharding/test_tp_kernel_sharding.py",
     "tests/sharding/test_multihost.py", "tests/engine/test_eplb.py", "tests/gpu/test_ep_bytes.py",
@@ -37,6 +39,7 @@ _WORKERS = flags.DEFINE_integer("workers", 2, "pytest -n")
 _UNTIL_S = flags.DEFINE_integer("until_s", 0, "start no run after this many seconds (0: no limit)")
 _KEEP_GOING = flags.DEFINE_bool("keep_going", False, "go on after a run that did not pass")
 _OUT = flags.DEFINE_string("out", None, "JSON lines (default experiments/results/repeat_tests.jsonl)")
+_CONFIG = flag_config.define_config(__file__)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +67,7 @@ def run_once(tests, workers) -> dict:
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True).stdout.strip()
   dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,

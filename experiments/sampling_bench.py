@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from benchlib import results
+from benchlib import flag_config, results
 from jaxinfer.engine import sampling
 
 FLAGS = flags.FLAGS
@@ -28,6 +28,7 @@ flags.DEFINE_integer("top_k", 50, "every row's top_k")
 flags.DEFINE_float("top_p", 0.9, "every row's top_p")
 flags.DEFINE_integer("repeats", 30, "timed calls per variant (alternated)")
 flags.DEFINE_string("out", "experiments/results/sampling_bench", "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def _time(fn, *args) -> float:
@@ -38,6 +39,7 @@ def _time(fn, *args) -> float:
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cap = sampling.top_k_cap([sampling.SamplingParams(temperature=1.0, top_k=FLAGS.top_k)])
   rows = []
   for B in map(int, FLAGS.batches):

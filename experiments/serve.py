@@ -32,6 +32,7 @@ import jax
 import jax.monitoring
 import uvicorn
 
+from benchlib import flag_config
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run
 from jaxinfer.serving import openai_protocol
 from jaxinfer.serving.cluster import Cluster
@@ -84,6 +85,7 @@ _WORKER_CPU_DEVICES = flags.DEFINE_integer("worker_cpu_devices", None, "--backen
                                            "devices per worker process (default: XLA's)")
 _RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "--backend=ray: a running Ray cluster "
                                    "(default: start one on this host)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def load(model_dir: str | None):
@@ -152,6 +154,7 @@ def warm_up(backend, cache: dict) -> None:
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cache = compilation_cache()  # before anything compiles, warm-up or not
   cfg, params, tok, template, name = load(_MODEL_DIR.value)
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None

@@ -42,7 +42,6 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 import jax  # noqa: E402
-from ml_collections import config_flags  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchlib import flag_config, results  # noqa: E402
@@ -54,9 +53,7 @@ from jaxinfer.serving.ray_worker import WorkerSpec, host_tree  # noqa: E402
 from jaxinfer.serving.worker import Worker  # noqa: E402
 
 FLAGS = flags.FLAGS
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "serving topology (configs/serving_topologies.py:<name>); "
-    "override a field with --config.<field>=")
+_CONFIG = flag_config.define_config(__file__, "serving_topologies.py")  # [:shared|tp2|dp_ep2]
 flags.DEFINE_list("experiments", ["routing", "disagg", "faults"], "which experiments to run")
 flags.DEFINE_string("model", "tiny_dense", "a preset (random weights, float32) or 'default' "
                     "(the bundled trained model); small and fast by default, so that four "

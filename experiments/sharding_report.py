@@ -14,6 +14,7 @@ and per forward, PartitionSpecs and shard shapes); --json_out writes the dict.
 
 from absl import app, flags
 
+from benchlib import flag_config
 from benchlib.sharding_report import run_sharding_report
 from jaxinfer.sharding import LAYOUTS
 
@@ -30,10 +31,12 @@ _REDUNDANT_EXPERTS = flags.DEFINE_integer(
 _JSON_OUT = flags.DEFINE_string("json_out", None, "write the report as JSON here")
 _QUANT = flags.DEFINE_string("quant", None, "weight format: fp8, nvfp4, mxfp4, int8, int4 "
                              "(jaxinfer.presets.QUANT); default: unquantized in --dtype")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   run_sharding_report(model=_MODEL.value, mesh=_MESH.value, layout=_LAYOUT.value,
                       dtype=_DTYPE.value, kv_tokens=_KV_TOKENS.value,
                       batch_tokens=_BATCH_TOKENS.value,

@@ -27,7 +27,7 @@ import os
 
 from absl import app, flags
 
-from benchlib import results, sim_calibration, sim_scale
+from benchlib import flag_config, results, sim_calibration, sim_scale
 from jaxinfer import run
 from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE
 
@@ -86,6 +86,7 @@ _SLOWDOWN = flags.DEFINE_float("slowdown", 1.0, "scale: pareto sensitivity, roof
                                "times this (a system reaching 1/slowdown of the roofline)")
 _EXPERIMENTS = flags.DEFINE_list("experiments", ["anchors", "ep", "pareto", "routing", "balance"],
                                  "scale: which studies")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def measured_acceptance(k: int = 3) -> tuple[float, ...]:
@@ -232,6 +233,7 @@ def scale_main():
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   calibrate_check_main() if _MODE.value == "calibrate_check" else scale_main()
 
 

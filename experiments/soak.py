@@ -16,6 +16,7 @@ import os
 
 from absl import app, flags
 
+from benchlib import flag_config
 from jaxinfer import run
 from jaxinfer.serving.soak import SoakConfig, soak
 
@@ -24,10 +25,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "traffic and fault seed")
 _DRAFTS = flags.DEFINE_integer("num_draft_tokens", 2, "MTP drafts in the speculative half")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "soak"),
                            "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg, params, tokenizer = run.load_default_model()
   runs = []
   for spec in (0, _DRAFTS.value):

@@ -20,6 +20,7 @@ from absl import app, flags
 import jax
 import numpy as np
 
+from benchlib import flag_config
 from jaxinfer import models, presets, training
 from jaxinfer.checkpoint import orbax_io
 
@@ -49,6 +50,7 @@ flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "..", "jaxinf
                     "checkpoint directory (replaced)")
 flags.DEFINE_string("log", os.path.join(os.path.dirname(__file__), "results", "train_tiny.json"),
                     "JSON log (a .png plot is written beside it)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def model_config():
@@ -165,6 +167,7 @@ def _evaluate(cfg, params, held):
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg = model_config()
   train, train_files = training.load_corpus(held_out=False)
   held, held_files = training.load_corpus(held_out=True)

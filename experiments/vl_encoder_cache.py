@@ -14,7 +14,7 @@ import os
 import jax.numpy as jnp
 from absl import app, flags
 
-from benchlib import results, vl_encoder
+from benchlib import flag_config, results, vl_encoder
 from jaxinfer import EngineConfig, checkpoint, vision_inputs
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,10 +31,12 @@ _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 16, "text tokens per prompt")
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 8, "greedy tokens per request")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results",
                                                "vl_encoder_cache"), "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg, params = checkpoint.load_hf(_MODEL_DIR.value, dtype=jnp.float32)
   proc = None
   if _PROCESSOR.value:

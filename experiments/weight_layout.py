@@ -13,16 +13,18 @@ is `experiments/bench_decode.py --weight_layout=in_out` against
 
 from absl import app, flags
 
-from benchlib import results
+from benchlib import flag_config, results
 from benchlib.decode import machine_info
 from jaxinfer.engine import weight_layout
 
 _SHAPES = flags.DEFINE_list("shapes", ["1024x5632", "2816x1024"], "d_in x d_out shapes")
 _OUT = flags.DEFINE_string("out", "experiments/results/weight_layout", "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   rows = []
   for shape in _SHAPES.value:
     d_in, d_out = map(int, shape.split("x"))

@@ -23,9 +23,12 @@ import sys
 
 from absl import app, flags
 
+from benchlib import flag_config
+
 _MODELS = flags.DEFINE_list("models", ["bench_dense", "bench_moe"], "presets (jaxinfer.presets)")
 _OUT = flags.DEFINE_string("out", None, "output JSON (default experiments/results/weights_memory.json)")
 _ONE = flags.DEFINE_string("one", None, "internal: measure this preset in this process, print JSON")
+_CONFIG = flag_config.define_config(__file__)
 
 
 def _status(key: str) -> int:
@@ -65,6 +68,7 @@ def measure(model: str) -> dict:
 
 def main(argv):
   del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   if _ONE.value:
     print(json.dumps(measure(_ONE.value)))
     return

@@ -1,7 +1,10 @@
-"""configs/*.py: every config loads, names its script, and that script's own
-flag parsing consumes every field (`--config=` + `benchlib.flag_config`,
-run in a subprocess without the experiment); default configs equal the
-flags' defaults, so a script behaves the same with and without one."""
+"""configs/ is the one configuration system of the experiments: every
+`experiments/*.py` script takes a config with `--config=` (by default one in
+configs/ whose fields are the flags' defaults, so a script behaves the same
+with and without it), every config in configs/ loads and names its script,
+and that script's own flag parsing consumes every field (`--config=` +
+`benchlib.flag_config`, run in a subprocess per script without the
+experiment)."""
 
 import importlib.util
 import json
@@ -21,25 +24,34 @@ ROOT = pathlib.Path(__file__).parents[2]
 _PYTHONPATH = os.pathsep.join(p for p in (str(ROOT / "experiments"), os.environ.get("PYTHONPATH"))
                               if p)
 CONFIGS = sorted(p.name for p in (ROOT / "configs").glob("*.py"))
+SCRIPTS = sorted(f"experiments/{p.name}" for p in (ROOT / "experiments").glob("*.py"))
 # Parameterised configs: file -> the arguments (`--config=file.py:arg`) to check.
 ARGS = {"bench_decode.py": ["", "bench_moe"], "serving_topologies.py": ["", "tp2", "dp_ep2"]}
 
-# Imports the script as a module (its flags, no `app.run`), parses argv like
-# the script would, applies the config and prints the result.
+# Imports the script as a module (its flags, no `app.run`), then for each argv
+# (a JSON list of lists) parses it as the script would, applies the config and
+# prints the result. `--config.<field>=` overrides are defined from sys.argv
+# when the script defines --config, so they may appear in one argv only.
 _PARSE = """
 import importlib.util, json, sys
 from absl import flags
 from benchlib import flag_config
-path, argv = sys.argv[1], sys.argv[2:]
+path, argvs = sys.argv[1], json.loads(sys.argv[2])
+sys.argv = [path, *argvs[0]]
 spec = importlib.util.spec_from_file_location("script_under_test", path)
 sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # absl: flags' module
 spec.loader.exec_module(module)
 FLAGS = flags.FLAGS
-FLAGS([path, *argv])
-applied = flag_config.apply_config(FLAGS["config"].value, FLAGS, path)
 names = [f.name for f in FLAGS.get_flags_for_module("script_under_test") if f.name != "config"]
-print(json.dumps(dict(applied=applied, values={n: FLAGS[n].value for n in names},
-                      defaults={n: FLAGS[n].default for n in names}), default=str))
+out = []
+for argv in argvs:
+  FLAGS.unparse_flags()
+  FLAGS([path, *argv])
+  applied = flag_config.apply_config(FLAGS["config"].value, FLAGS, path)
+  out.append(dict(applied=applied, values={n: FLAGS[n].value for n in names},
+                  defaults={n: FLAGS[n].default for n in names}))
+print(json.dumps(dict(rounds=out, config_default=FLAGS["config"].default_as_str,
+                      config_module=FLAGS.find_module_defining_flag("config")), default=str))
 """
 
 
@@ -51,47 +63,72 @@ def _load(name, arg=""):
   return module.get_config(*([arg] if arg else []))
 
 
-def _parse(script, *argv):
-  proc = subprocess.run([sys.executable, "-c", _PARSE, str(ROOT / script), *argv], cwd=ROOT,
-                        capture_output=True, text=True, timeout=300,
+def _parse_rounds(script, *argvs, prelude=""):
+  proc = subprocess.run([sys.executable, "-c", prelude + _PARSE, str(ROOT / script),
+                         json.dumps(argvs)],
+                        cwd=ROOT, capture_output=True, text=True, timeout=300,
                         env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _cases():
+def _parse(script, *argv):
+  return _parse_rounds(script, list(argv))["rounds"][0]
+
+
+def _configs_of(script):
+  """(spec, ConfigDict) of every config in configs/ whose `script` is `script`."""
   for name in CONFIGS:
     for arg in ARGS.get(name, [""]):
-      yield pytest.param(name, arg, id=f"{name}:{arg}" if arg else name)
+      cfg = _load(name, arg)
+      if cfg.script == script:
+        yield f"configs/{name}" + (f":{arg}" if arg else ""), cfg
 
 
-def test_every_config_file_is_checked():
-  assert set(CONFIGS) >= {"mlperf_default_model.py", "mlperf_deepseek_r1.py",
-                          "mlperf_deepseek_r1_dp_ep.py",
-                          "mlperf_llama3_1_405b.py", "mlperf_gpt_oss.py",
-                          "serving_topologies.py", "bench_decode.py"}
+def test_every_config_names_a_script():
+  for name in CONFIGS:
+    cfg = _load(name)
+    assert cfg.script in SCRIPTS, (name, cfg.script)
 
 
-@pytest.mark.parametrize("name,arg", list(_cases()))
-def test_script_consumes_every_field(name, arg):
-  cfg = _load(name, arg)
-  assert (ROOT / cfg.script).exists(), cfg.script
-  spec = f"configs/{name}" + (f":{arg}" if arg else "")
-  out = _parse(cfg.script, f"--config={spec}")
-  fields = {k: v for k, v in cfg.items() if k != "script" and v is not None}
-  assert set(out["applied"]) == set(fields)
-  for k, v in fields.items():  # the flag holds the field (list flags: strings)
-    want = [str(x) for x in v] if isinstance(v, tuple) else v
-    assert out["values"][k] == want, k
+def test_every_script_has_a_config():
+  # configs/ is the one configuration system: no experiment without a config.
+  assert len(SCRIPTS) >= 27
+  named = {_load(name).script for name in CONFIGS}
+  assert set(SCRIPTS) <= named, sorted(set(SCRIPTS) - named)
 
 
-def test_default_configs_equal_the_flag_defaults():
-  for name, script in (("mlperf_default_model.py", "experiments/mlperf_harness.py"),
-                       ("bench_decode.py", "experiments/bench_decode.py")):
-    out = _parse(script)  # no --config: the script's default config
-    assert out["applied"], name
-    assert {k: out["defaults"][k] for k in out["applied"]} == out["applied"], name
-    assert out["values"] == out["defaults"], name
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_script_takes_its_configs(script):
+  configs = list(_configs_of(script))
+  assert configs, f"{script}: no config in configs/"
+  out = _parse_rounds(script, [], *([f"--config={spec}"] for spec, _ in configs))
+  # --config is the script's flag, by default a config of configs/ for this script.
+  assert out["config_module"] == "script_under_test", out["config_module"]
+  default = pathlib.Path(out["config_default"].strip("'\""))
+  assert default.parent == ROOT / "configs" and default.exists(), default
+  assert _load(default.name).script == script
+  # No --config: the default config, whose fields are the flags' defaults.
+  first = out["rounds"][0]
+  assert first["applied"], script
+  assert {k: first["defaults"][k] for k in first["applied"]} == first["applied"], script
+  assert first["values"] == first["defaults"], script
+  # Each config: the script's flags consume every field and hold its value.
+  for (spec, cfg), got in zip(configs, out["rounds"][1:]):
+    fields = {k: v for k, v in cfg.items() if k != "script" and v is not None}
+    assert set(got["applied"]) == set(fields), spec
+    for k, v in fields.items():  # the flag holds the field (list flags: strings)
+      want = [str(x) for x in v] if isinstance(v, tuple) else v
+      assert got["values"][k] == want, (spec, k)
+
+
+@pytest.mark.parametrize("script", ["experiments/gpu_day.py", "experiments/mosaic_tune.py"])
+def test_gpu_scripts_run_without_ml_collections(script):
+  # The lent GPU machine's image has no ml_collections and nothing can be
+  # installed there: the script parses, and runs on its flags' defaults.
+  out = _parse_rounds(script, [], prelude="import sys; sys.modules['ml_collections'] = None\n")
+  assert out["rounds"][0]["applied"] == {}
+  assert out["rounds"][0]["values"] == out["rounds"][0]["defaults"]
 
 
 def test_mlperf_configs_set_the_same_fields():
@@ -99,8 +136,21 @@ def test_mlperf_configs_set_the_same_fields():
   assert len(keys) == 5 and all(k == keys[0] for k in keys)
 
 
+def test_mlperf_configs_run_the_bundled_model():
+  # Each is named for what it runs: the bundled model (no model_dir), and the
+  # limits or serving its name adds to mlperf_default_model.py.
+  for name in CONFIGS:
+    if name.startswith("mlperf_"):
+      assert name.startswith("mlperf_default_model"), name
+      assert "model_dir" not in _load(name), name
+  assert _load("mlperf_default_model_405b_limits.py").limits == "llama3.1-405b"
+  assert _load("mlperf_default_model_gpt_oss_limits.py").limits == "gpt-oss-120b"
+  assert _load("mlperf_default_model_mtp.py").speculative == 3
+
+
 def test_overrides_and_precedence():
-  out = _parse("experiments/mlperf_harness.py", "--config=configs/mlperf_gpt_oss.py",
+  out = _parse("experiments/mlperf_harness.py",
+               "--config=configs/mlperf_default_model_gpt_oss_limits.py",
                "--config.scenarios=Server", "--config.server_qps=2", "--max_tokens=4")
   v = out["values"]
   assert v["scenarios"] == ["Server"] and v["server_qps"] == 2.0 and v["limits"] == "gpt-oss-120b"
@@ -109,6 +159,14 @@ def test_overrides_and_precedence():
                "--config.batches=1,8", "--config.threads=2")
   assert out["values"]["model"] == "bench_moe"
   assert out["values"]["batches"] == ["1", "8"] and out["values"]["threads"] == 2
+  # A default config: overridden without naming it; a None field set from the command line.
+  out = _parse("experiments/gpu_day.py", "--config.budget_s=300", "--config.out_dir=/tmp/g")
+  assert out["values"]["budget_s"] == 300.0 and out["values"]["out_dir"] == "/tmp/g"
+  # A None field of a list flag takes a comma-separated string, as the flag does.
+  out = _parse("experiments/repeat_tests.py", "--config.tests=tests/a.py,tests/b.py")
+  assert out["values"]["tests"] == ["tests/a.py", "tests/b.py"]
+  out = _parse("experiments/generate.py", "--config.prompt=def f(a, b):")  # a multi flag
+  assert out["values"]["prompt"] == ["def f(a, b):"]
 
 
 def test_a_field_no_flag_consumes_is_an_error():

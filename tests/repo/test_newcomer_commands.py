@@ -55,7 +55,7 @@ def test_mlperf_harness_short_run(tmp_path):
 
 def test_mlperf_harness_deepseek_r1_dp_ep_mtp(tmp_path):
   # The R1-style config: attention DP + wide EP on 8 simulated devices, MTP K = 3.
-  out = _run(["experiments/mlperf_harness.py", "--config=configs/mlperf_deepseek_r1_dp_ep.py",
+  out = _run(["experiments/mlperf_harness.py", "--config=configs/mlperf_default_model_mtp_dp_ep.py",
               "--scenarios=Offline", "--num_samples=8", "--max_tokens=8",
               "--min_duration_ms=500", "--min_query_count=8", f"--out={tmp_path}"])
   assert out.returncode == 0, out.stderr[-3000:]

@@ -1,0 +1,18 @@
+"""Host memory (RSS) of an Engine's weights on CPU against the weight bytes,
+for bench_dense and bench_moe (random weights).
+
+`experiments/weights_memory.py`'s default config (its fields are the flags' defaults):
+
+  python experiments/weights_memory.py --config=configs/weights_memory.py --config.<field>=
+"""
+
+from ml_collections import config_dict
+
+
+def get_config() -> config_dict.ConfigDict:
+  c = config_dict.ConfigDict()
+  c.script = "experiments/weights_memory.py"
+  c.models = ("bench_dense", "bench_moe")  # presets (jaxinfer.presets)
+  c.out = config_dict.placeholder(str)
+  c.lock()
+  return c
