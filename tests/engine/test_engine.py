@@ -376,7 +376,8 @@ def test_dp_balance_splits_a_lone_prefill(policy):
   busy = _dp_core(policy)
   for _ in range(4):
     busy.submit(list(range(1, 201)))
-  assert all(sum(s.num_tokens for s in sch) == 128 for sch in scheduler.schedule_ranks(busy.schedulers, [0] * 4, busy.config))
+  per_rank = scheduler.schedule_ranks(busy.schedulers, [0] * 4, busy.config)
+  assert all(sum(s.num_tokens for s in sch) == 128 for sch in per_rank)
   with pytest.raises(ValueError, match="dp_balance must be one of"):
     EngineConfig(dp_balance="even")
 
