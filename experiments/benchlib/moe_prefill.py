@@ -31,7 +31,7 @@ import numpy as np
 
 from jaxinfer import models, presets
 from jaxinfer.models import moe, moe_core, transformer
-from jaxinfer.models.layouts import DenseExperts
+from jaxinfer.models.layouts import DenseExperts, WeightForm
 
 
 @jax.tree_util.register_dataclass
@@ -52,7 +52,7 @@ def layer(cfg, seed: int = 0):
   params = models.init_params(cfg, jax.random.key(seed))
   moe_seg = next(i for i, (is_moe, _, _) in enumerate(cfg.segments()) if is_moe)
   p = jax.tree.map(lambda w: w[0], params["layers"][moe_seg]["mlp"])
-  split = transformer.step_layout(cfg, params, split_experts=True)["layers"][moe_seg][0]["mlp"]
+  split = transformer.step_layout(cfg, params, WeightForm(split_experts=True))["layers"][moe_seg][0]["mlp"]
   unfused = dataclasses.replace(split, w_gate_up=tuple(
       _GateUp(g, u) for g, u in zip(p["w_gate"], p["w_up"])))
   return p, split, unfused

@@ -48,7 +48,6 @@ from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.vision_inputs import ProcessorConfig
 
 
-_UNROLL_MIN_BYTES = 64 << 20  # EngineConfig.unroll_layers=None: unroll on CPU from here
 DP_BALANCE = ("split", "none")
 
 
@@ -102,7 +101,8 @@ class EngineConfig:
   # like the plain ones when async_scheduling is on).
   speculative: speculative.MTPConfig | None = None
   # Run the layers unrolled over per-layer weight arrays in the step's layout
-  # (`models.transformer.step_layout`) instead of scanning the stacked ones.
+  # (`models.transformer.step_layout`, `weight_layout.choose`) instead of
+  # scanning the stacked ones.
   # None: on the CPU backend when the layer weights reach 64 MiB, where the
   # scan's weight copies dominate a step; smaller models keep the scan's
   # faster compile. Keeps a second copy of the layer weights while the
@@ -184,7 +184,7 @@ class EngineConfig:
 def _stacked_params(engine: "Engine"):
   """The inverse of `Engine._set_params`: its step params, stacked and placed."""
   params = quant.without_kernel(engine._model.params)
-  if not engine._unroll:
+  if engine._form is None:
     return params
   params = transformer.stacked_layout(engine.cfg, params)
   if engine.mesh is None:
@@ -284,10 +284,9 @@ class Engine:
       params = sharding.shard_params(cfg, params, mesh, layout)
     self.cfg = cfg
     self.config = config = config or EngineConfig()
-    self._unroll = config.unroll_layers
-    if self._unroll is None:
-      layer_bytes = sum(w.nbytes for w in jax.tree.leaves(params["layers"]))
-      self._unroll = jax.default_backend() == "cpu" and layer_bytes >= _UNROLL_MIN_BYTES
+    # How the steps hold the weights, chosen once (`weight_layout.choose`).
+    self._form = weight_layout.choose(cfg, config, params, mesh,
+                                      expert_parallel=plan_from_params(params) is not None)
     # Attention data parallelism (dp_attn_ep): each rank of the batch axes owns
     # whole requests and its own slice of the page pool; otherwise one rank.
     self._dp_axes = sharding.dp_axes(mesh, layout) if mesh is not None else ()
@@ -335,10 +334,8 @@ class Engine:
     (`params` rebuilds the stacked tree), and their placement."""
     ep = plan_from_params(params)
     step_params = params
-    if self._unroll:  # unsharded: quantized codes unpacked, floats as cpu_weight_layout picks
-      step_params = transformer.step_layout(
-          self.cfg, params, split_experts=ep is None, transpose_projections=self.mesh is None,
-          float_layout=weight_layout.resolve(self.cfg, self.config.cpu_weight_layout, self.mesh))
+    if self._form is not None:  # unrolled, per-layer weights in the form chosen at load
+      step_params = transformer.step_layout(self.cfg, params, self._form)
     # Quantized weights go to the per-tile dequantizing kernels on a GPU target:
     # held whole on one device or per rank under attention DP, else per device
     # as their shardings split them.

@@ -13,6 +13,11 @@ machine, and not by a little:
 
 So `EngineConfig.cpu_weight_layout="auto"` times both on this machine,
 once per process and shape, at the model's widest projection.
+
+`choose` makes the whole choice once, when an Engine loads its weights:
+scanned stacked layers, or unrolled per-layer weights in one
+`layouts.WeightForm` (experts split, projections transposed, which way the
+float ones sit), which the Engine keeps.
 """
 
 from __future__ import annotations
@@ -26,8 +31,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.layouts import WeightForm
 
 LAYOUTS = ("auto", "in_out", "out_in")
+# EngineConfig.unroll_layers=None: unroll on the CPU backend from this many
+# layer weight bytes, where the scan's per-step weight copies dominate a
+# step; smaller models keep the scan's faster compile.
+UNROLL_MIN_BYTES = 64 << 20
 # Below this many weight bytes per projection the choice cannot matter
 # (the weights sit in cache): "in_out", with no timing.
 MIN_PROBE_BYTES = 4 << 20
@@ -35,6 +45,23 @@ MIN_PROBE_BYTES = 4 << 20
 # they come from memory as a step's do, not from cache.
 PROBE_BYTES = 96 << 20
 PROBE_ROWS = (1, 8, 32)
+
+
+def choose(cfg: ModelConfig, config, params, mesh=None, *,
+           expert_parallel: bool = False) -> WeightForm | None:
+  """The weight form of an Engine's steps, chosen once at load (config: its
+  `EngineConfig`; params: the stacked weights as placed): None to scan the
+  stacked layers, else the unrolled steps' `WeightForm`: experts split
+  unless expert-parallel, projections transposed when unsharded, float
+  ones as `resolve` picks for this machine."""
+  unroll = config.unroll_layers
+  if unroll is None:
+    layer_bytes = sum(w.nbytes for w in jax.tree.leaves(params["layers"]))
+    unroll = jax.default_backend() == "cpu" and layer_bytes >= UNROLL_MIN_BYTES
+  if not unroll:
+    return None
+  return WeightForm(split_experts=not expert_parallel, transposed=mesh is None,
+                    floats_in_out=resolve(cfg, config.cpu_weight_layout, mesh) == "in_out")
 
 
 def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:

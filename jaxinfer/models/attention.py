@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm, unpack_linear
-from jaxinfer.models.layouts import AbsorbedMLA
+from jaxinfer.models.layouts import AbsorbedMLA, WeightForm
 from jaxinfer.models.quant import QuantizedWeight, dense
 
 
@@ -56,18 +56,17 @@ def absorbed_weights(cfg: ModelConfig, p):
 _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a": 1}  # -> in_dims
 
 
-def step_layout(cfg: ModelConfig, p, transpose_projections: bool = False,
-                float_layout: str = "out_in"):
-  """One layer's attention weights as the engine's step reads them: MLA's
-  as an `AbsorbedMLA` (up-projections pre-transposed); with
-  transpose_projections, the projections as `layers.PackedLinear` (float
-  ones only with float_layout "out_in"; quantized ones always)."""
+def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
+  """One layer's attention weights in the step's `WeightForm`: MLA's as an
+  `AbsorbedMLA` (up-projections pre-transposed); with form.transposed, the
+  projections as `layers.PackedLinear` (float ones unless
+  form.floats_in_out; quantized ones always)."""
   if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
-  if transpose_projections:
+  if form.transposed:
     packed = {k: pack_linear(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS
-              and (float_layout == "out_in" or isinstance(v, QuantizedWeight))}
+              and (not form.floats_in_out or isinstance(v, QuantizedWeight))}
     p = p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
   return p
 

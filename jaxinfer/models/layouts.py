@@ -17,6 +17,9 @@ key presence or a mode string:
 
 `layers.PackedLinear` (a projection stored transposed) is the fifth.
 
+`WeightForm` names which of them an unrolled step holds (one value per
+Engine).
+
 Each is a flax `struct.dataclass` (a registered pytree: `jax.tree`, `jit`,
 `scan`, `device_put` see its arrays) and also reads as a read-only mapping
 over its set fields (`p["wo"]`, `"router" in p`), so code that only reads
@@ -113,3 +116,28 @@ class DenseExperts(Mapping):
 
   def __len__(self):
     return len(self.params)
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightForm:
+  """The per-layer form an unrolled step holds its weights in: one value,
+  chosen once when an Engine loads them (`engine.weight_layout.choose`; None
+  there: the stacked tree, scanned) and kept for the Engine's life.
+  `transformer.step_layout` puts stacked params into it and
+  `transformer.stacked_layout` takes them back.
+
+  split_experts: each routed expert its own array (`SplitExperts`; not for
+    expert-parallel params, whose `moe_ep` wants them stacked)
+  transposed: projections stored [Out, In] (`layers.PackedLinear`, unsharded
+    params): quantized ones with their codes unpacked, float ones unless
+    floats_in_out
+  floats_in_out: float projections kept [In, Out] as loaded (XLA:CPU's
+    matmul speed for the two differs by machine: `engine.weight_layout`)"""
+  split_experts: bool = False
+  transposed: bool = False
+  floats_in_out: bool = False
+
+  def __post_init__(self):
+    for f in dataclasses.fields(self):
+      if not isinstance(getattr(self, f.name), bool):
+        raise ValueError(f"WeightForm.{f.name} must be a bool, got {getattr(self, f.name)!r}")

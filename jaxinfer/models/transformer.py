@@ -21,7 +21,7 @@ from jaxinfer.models import attention as attn_lib
 from jaxinfer.models import moe as moe_lib
 from jaxinfer.models.layers import (fuse_gate_up, linear, mlp, mrope_cos_sin, pack_linear, rms_norm,
                                    rope_cos_sin, unpack_linear)
-from jaxinfer.models.layouts import FusedMLP, SplitExperts
+from jaxinfer.models.layouts import FusedMLP, SplitExperts, WeightForm
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.models.quant import QuantizedWeight
 
@@ -127,19 +127,16 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
 _EXPERT_KEYS = ("w_gate", "w_up", "w_down")
 
 
-def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
-                transpose_projections: bool = False, float_layout: str = "out_in"):
-  """Params as `init_params` makes them -> the layout the engine's CPU step
-  reads: each segment a tuple of per-layer trees (`trunk` runs them
+def step_layout(cfg: ModelConfig, params, form: WeightForm = WeightForm()):
+  """Params as `init_params` makes them -> the engine's unrolled CPU step's
+  `WeightForm`: each segment a tuple of per-layer trees (`trunk` runs them
   unrolled), MLA's attention an `AbsorbedMLA` (`attention.step_layout`),
   dense and shared MLPs a `FusedMLP` (gate and up one [D, 2F] matrix), and
-  with split_experts each MoE layer a `SplitExperts` (each routed expert its
-  own array: `moe` then runs only the chosen experts; not for
-  expert-parallel params, whose `moe_ep` wants them stacked), and with
-  transpose_projections the projections (attention, dense and shared MLPs,
-  lm_head) stored transposed (`layers.PackedLinear`; unsharded params),
-  quantized ones with their codes unpacked (`quant_cpu`); float_layout
-  "in_out" keeps float projections [In, Out] (only quantized ones change).
+  with form.split_experts each MoE layer a `SplitExperts` (each routed
+  expert its own array: `moe` then runs only the chosen experts), and with
+  form.transposed the projections (attention, dense and shared MLPs,
+  lm_head) stored transposed (`layers.PackedLinear`), quantized ones with
+  their codes unpacked (`quant_cpu`), float ones unless form.floats_in_out.
   Same outputs. (`layouts` has the types.)
 
   Why: a scanned layer slices its weights out of the stack with a
@@ -148,12 +145,9 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
   the copies took longer than the matmuls). Per-layer arrays in the wanted
   layout are read in place. Costs a longer compile; the Engine keeps only
   this layout (`stacked_layout` is the inverse)."""
-  if float_layout not in ("out_in", "in_out"):
-    raise ValueError(f"step_layout: float_layout must be 'out_in' or 'in_out', got {float_layout!r}")
-
-  def pack(w):  # float weights stay [In, Out] with "in_out"; quantized ones always pack
-    keep = float_layout == "in_out" and not isinstance(w, QuantizedWeight)
-    return pack_linear(w) if transpose_projections and not keep else w
+  def pack(w):  # float weights stay [In, Out] with floats_in_out; quantized ones always pack
+    keep = form.floats_in_out and not isinstance(w, QuantizedWeight)
+    return pack_linear(w) if form.transposed and not keep else w
 
   def fused(p):
     if any(isinstance(p[k], QuantizedWeight) for k in _EXPERT_KEYS):
@@ -161,15 +155,14 @@ def step_layout(cfg: ModelConfig, params, split_experts: bool = False,
     return FusedMLP(w_gate_up=pack(fuse_gate_up(p["w_gate"], p["w_up"])), w_down=pack(p["w_down"]))
 
   def layer_layout(layer, is_moe):
-    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], transpose_projections,
-                                                   float_layout)}
+    layer = {**layer, "attn": attn_lib.step_layout(cfg, layer["attn"], form)}
     mlp = layer["mlp"]
     if not is_moe:
       mlp = fused(mlp)
     else:
       if cfg.num_shared_experts:
         mlp = {**mlp, "shared": fused(mlp["shared"])}
-      if split_experts and not isinstance(mlp["w_down"], QuantizedWeight):
+      if form.split_experts and not isinstance(mlp["w_down"], QuantizedWeight):
         rest = {k: v for k, v in mlp.items() if k not in _EXPERT_KEYS}
         E = mlp["w_down"].shape[0]
         mlp = SplitExperts(w_down=tuple(mlp["w_down"][e] for e in range(E)),

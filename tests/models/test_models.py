@@ -9,6 +9,7 @@ import pytest
 
 from conftest import FIXTURES, HF_FIXTURES
 from jaxinfer import ModelConfig, models, presets
+from jaxinfer.models.layouts import WeightForm
 
 ARCH_CONFIGS = {
     "tiny_dense": presets.get("tiny_dense"),
@@ -134,8 +135,8 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   from jaxinfer.models import transformer
   from jaxinfer.models.layers import PackedLinear
   cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
-  step = transformer.step_layout(cfg, params, split_experts=split_experts,
-                                 transpose_projections=transpose, float_layout=float_layout)
+  step = transformer.step_layout(cfg, params, WeightForm(
+      split_experts=split_experts, transposed=transpose, floats_in_out=float_layout == "in_out"))
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
   packed = [isinstance(w, PackedLinear) for w in attn.values()]
@@ -154,8 +155,8 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   assert _rel(jnp.concatenate([out1, out2], axis=1), want[:, :10]) < 1e-5
   with pytest.raises(ValueError, match="already in the step layout"):
     transformer.step_layout(cfg, step)
-  with pytest.raises(ValueError, match="float_layout must be"):
-    transformer.step_layout(cfg, params, float_layout="rows")
+  with pytest.raises(ValueError, match="floats_in_out must be a bool"):
+    WeightForm(floats_in_out="rows")
 
 
 @pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
@@ -166,8 +167,8 @@ def test_stacked_layout_inverts_step_layout(name):
   cfg, params, _ = _setup(ARCH_CONFIGS[name], seed=6, T=2)
   for split_experts, transpose, layout in [(False, False, "out_in"), (True, True, "out_in"),
                                            (False, True, "out_in"), (True, True, "in_out")]:
-    step = transformer.step_layout(cfg, params, split_experts=split_experts,
-                                   transpose_projections=transpose, float_layout=layout)
+    step = transformer.step_layout(cfg, params, WeightForm(
+        split_experts=split_experts, transposed=transpose, floats_in_out=layout == "in_out"))
     back = transformer.stacked_layout(cfg, step)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
