@@ -4,7 +4,7 @@
 (keyed by its path; a list over the layers of a stacked leaf), a `Source`:
 the HF tensors it is built from, their expected shapes, and the conversion.
 Which leaves exist and where HF keeps them is declared once, in
-`models.weights`; this module turns each declared layout into a conversion
+`models.weights`; this module turns each declared storage form into a conversion
 (HF linear weights are [out, in]; ours are [in, out] with heads split out,
 `[D, N, H]`, `[N, H, D]`) and picks the checkpoint's own layout of the
 routed experts where one architecture has several on disk.
@@ -106,18 +106,18 @@ def _linear(w: Weight, name: str) -> Source:
 def source(w: Weight, prefix: str, has: Callable[[str], bool]) -> Source:
   """The Source of declared weight w under module `prefix` ('' at the top)."""
   join = lambda n: f"{prefix}.{n}" if prefix else n
-  if w.layout == "max":
+  if w.stored == "max":
     names = [join(n) for n in w.hf]
     names = names[:1] + [n for n in names[1:] if has(n)]
     return Source(tuple(names), (w.hf_shape,) * len(names),
                   lambda *s: np.max([np.reshape(x, ()) for x in s]))
-  if w.layout == "flat":
+  if w.stored == "flat":
     return Source((join(w.hf),), ((math.prod(w.shape),),), lambda a: a.reshape(w.shape))
-  if w.layout == "same":
+  if w.stored == "same":
     return _same(w, join(w.hf))
-  if w.layout == "linear":
+  if w.stored == "linear":
     return _linear(w, join(w.hf))
-  raise ValueError(f"weight {w.hf}: unknown HF layout {w.layout!r}")
+  raise ValueError(f"weight {w.hf}: unknown HF storage {w.stored!r}")
 
 
 def _published_vl_layout(cfg: ModelConfig, x: str, shape: Callable | None) -> bool:
@@ -150,7 +150,7 @@ def _fused_experts(cfg: ModelConfig, mlp: dict, x: str, prefix: str,
   F = cfg.moe_ffn_dim
   gu, down = f"{x}.gate_up_proj", f"{x}.down_proj"
   if cfg.model_type == "qwen3_vl_moe" and _published_vl_layout(cfg, f"{prefix}.{x}", shape):
-    as_stored = lambda k, hf, part=None: dataclasses.replace(mlp[k], hf=hf, layout="same",
+    as_stored = lambda k, hf, part=None: dataclasses.replace(mlp[k], hf=hf, stored="same",
                                                              part=part, quant=None)
     return dict(w_gate=as_stored("w_gate", gu, slice(0, F)),
                 w_up=as_stored("w_up", gu, slice(F, 2 * F)), w_down=as_stored("w_down", down))

@@ -9,7 +9,7 @@ everything else from it, so neither branches on the architecture again:
 `checkpoint.hf_names` (the HF tensors of every leaf).
 
 A weight's `hf` names its tensor relative to the enclosing `Stacked` prefix
-(`model.layers.{i}`), absolute outside one; `layout` says how HF stores it:
+(`model.layers.{i}`), absolute outside one; `stored` says how HF stores it:
   same    as ours; with `part`, ours is that slice of the last axis of a
           tensor twice as wide (a fused gate/up projection)
   flat    ours flattened ([N, H] head biases; a scalar scale stored as [1])
@@ -37,7 +37,7 @@ class Weight:
   axes: tuple[str | None, ...]
   init: str = "normal"  # normal (fan-in scaled) | ones | zeros
   hf: str | tuple[str, ...] = ""
-  layout: str = "same"  # same | flat | linear | max (module docstring)
+  stored: str = "same"  # same | flat | linear | max (module docstring)
   in_dims: int = 1
   part: slice | None = None
   hf_shape: tuple[int, ...] | None = None
@@ -65,7 +65,7 @@ class Stacked:
 
 
 def _linear(module: str, shape, axes, quant: str | None = None, in_dims: int = 1) -> Weight:
-  return Weight(tuple(shape), axes, hf=f"{module}.weight", layout="linear", in_dims=in_dims,
+  return Weight(tuple(shape), axes, hf=f"{module}.weight", stored="linear", in_dims=in_dims,
                 quant=quant)
 
 
@@ -73,8 +73,8 @@ def _ones(hf: str, shape, axes) -> Weight:
   return Weight(tuple(shape), axes, "ones", hf=hf)
 
 
-def _zeros(hf: str, shape, axes, layout: str = "same", part: slice | None = None) -> Weight:
-  return Weight(tuple(shape), axes, "zeros", hf=hf, layout=layout, part=part)
+def _zeros(hf: str, shape, axes, stored: str = "same", part: slice | None = None) -> Weight:
+  return Weight(tuple(shape), axes, "zeros", hf=hf, stored=stored, part=part)
 
 
 def _kv_scales(cfg: ModelConfig, a: str) -> dict:
@@ -84,7 +84,7 @@ def _kv_scales(cfg: ModelConfig, a: str) -> dict:
   kv_a_proj_with_mqa), compressed-tensors [1] on the attention module. MLA's
   one latent cache row is read as K and V, so its scale is the larger."""
   modelopt = cfg.quant.layout == "modelopt"
-  scale = lambda hf, layout="same": Weight((), (), "ones", hf=hf, layout=layout,
+  scale = lambda hf, stored="same": Weight((), (), "ones", hf=hf, stored=stored,
                                            hf_shape=() if modelopt else (1,), dtype="float32")
   if cfg.attention == "mla":
     base = f"{a}.kv_a_proj_with_mqa" if modelopt else a
@@ -265,7 +265,7 @@ def vision_weights(vc: VisionConfig, D: int) -> dict:
   C, p = vc.hidden_size, "model.visual"
   patch = (C, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
   tree = dict(patch_w=Weight((vc.patch_dim, C), (None, None), hf=f"{p}.patch_embed.proj.weight",
-                             layout="linear", hf_shape=patch),
+                             stored="linear", hf_shape=patch),
               patch_b=_zeros(f"{p}.patch_embed.proj.bias", (C,), (None,)),
               pos_embed=Weight((vc.num_position_embeddings, C), (None, None),
                                hf=f"{p}.pos_embed.weight"),
