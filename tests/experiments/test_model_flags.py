@@ -5,10 +5,13 @@ colour only on a terminal and never with NO_COLOR."""
 import io
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
 from benchlib import cli, model_flags
+from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).parents[2]
 SCRIPTS = sorted((ROOT / "experiments").glob("*.py"))
@@ -64,3 +67,15 @@ def test_bold_only_on_a_terminal_without_no_color(monkeypatch):
   assert cli.bold("x", _Tty()) == "x"
   monkeypatch.setenv("NO_COLOR", "")  # no-color.org: set and empty means colour
   assert cli.bold("x", _Tty()) == "\033[1mx\033[0m"
+
+
+def test_old_spellings_still_work_with_a_warning():
+  # --model_dir (serve.py's and mlperf_harness.py's old flag) is --hf_dir.
+  env = subprocess_env(drop=("XLA_FLAGS",))
+  out = subprocess.run([sys.executable, "experiments/generate.py",
+                        f"--model_dir={ROOT / 'tests/fixtures/hf/llama'}", "--prompt_ids=1,2,3",
+                        "--max_tokens=2", "--num_draft_tokens=0", "--num_pages=16"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "--model_dir is deprecated: use --hf_dir=" in out.stderr
+  assert "model: hf_dir=" in out.stdout and "llama" in out.stdout
