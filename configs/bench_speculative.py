@@ -12,6 +12,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/bench_speculative.py"
+  c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset (random weights)
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.batches = ("1", "4", "16")  # concurrent requests
   c.draft_tokens = ("0", "1", "2", "3")  # K values (0 = plain decoding)
   c.max_tokens = 128  # tokens generated per request

@@ -13,6 +13,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/dp_balance.py"
+  c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset (random weights)
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.cpu_devices = 8  # simulated CPU devices
   c.mesh = "data=2,expert=4"  # the dp_attn_ep mesh
   c.rounds = 3  # alternating timed runs per policy

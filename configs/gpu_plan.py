@@ -13,7 +13,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/gpu_plan.py"
-  c.preset = "llama3_8b"  # model preset (jaxinfer.presets)
+  c.model = "llama3_8b"  # a preset name of jaxinfer.presets
   c.mesh = "data=1"  # mesh axes, e.g. data=4,expert=8
   c.layout = "tp"  # sharding layout
   c.hosts = 1  # hosts the mesh's devices are spread over

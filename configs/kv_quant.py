@@ -12,6 +12,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/kv_quant.py"
+  c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset (random weights)
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.max_tokens = 32  # greedy tokens per prompt
   c.num_prompts = 32  # prompts cut from stdlib sources
   c.teacher = True  # also next-token agreement on the reference text

@@ -12,7 +12,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/kv_transfer_bench.py"
-  c.model = "default"  # 'default' (the bundled model) or a preset
+  c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset (random weights)
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.num_pages = ("1", "4", "16", "64", "256")  # pages per transfer
   c.repeats = 5  # timed transfers per size (best reported)
   c.page_size = 16  # KV page size

@@ -36,6 +36,8 @@ def get_config() -> config_dict.ConfigDict:
   c.num_samples = 32
   c.prompt_bytes = 96
   c.max_tokens = 32
+  # Model: the bundled trained tiny_moe (--hf_dir / --checkpoint_dir: placeholders, unset)
+  c.model = "default"
   # Engine
   c.max_num_seqs = 8
   c.max_num_batched_tokens = 64

@@ -14,7 +14,9 @@ def get_config() -> config_dict.ConfigDict:
   c.script = "experiments/serve.py"
   c.host = "127.0.0.1"  # address to listen on
   c.port = 8000  # port to listen on
-  c.model_dir = config_dict.placeholder(str)
+  c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset (random weights)
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.model_name = config_dict.placeholder(str)
   c.max_queue = 256  # requests held at once (queued or generating); beyond it a request gets 429
   c.max_body_bytes = 1048576  # largest request body

@@ -18,6 +18,8 @@ def get_config() -> config_dict.ConfigDict:
   c.out = ""  # output prefix (default results/sim_calibration or results/sim_scale)
   c.seed = 0  # seed of workloads and MTP acceptance draws
   c.model = "tiny_dense"
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.max_num_seqs = 8  # calibrate_check: engine sequences
   c.max_num_batched_tokens = 32  # calibrate_check: token budget
   c.num_pages = 512  # calibrate_check: KV pages

@@ -12,6 +12,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/soak.py"
+  c.model = "default"  # 'default' (the bundled trained tiny_moe) or a preset (random weights)
+  c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
+  c.checkpoint_dir = config_dict.placeholder(str)  # an orbax checkpoint (overrides --model)
   c.minutes = 10.0  # traffic time, split between plain and speculative
   c.seed = 0  # traffic and fault seed
   c.num_draft_tokens = 2  # MTP drafts in the speculative half

@@ -12,7 +12,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/vl_encoder_cache.py"
-  c.model_dir = config_dict.placeholder(str)  # None: tests/fixtures/hf_vl/qwen3_vl
+  c.model = "default"  # --hf_dir, when given, overrides it
+  c.hf_dir = config_dict.placeholder(str)  # None: tests/fixtures/hf_vl/qwen3_vl
+  c.checkpoint_dir = config_dict.placeholder(str)
   c.processor_json = config_dict.placeholder(str)  # None: tests/fixtures/hf_vl/processor.json
   c.max_pixels = 4096  # resized image area bound
   c.num_requests = 32  # image requests

@@ -20,15 +20,15 @@ of it reached; prefill tokens/s at --prefill_len (batch 1) with ours / HF.
 import importlib.util
 import os
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config, model_flags
 from benchlib.decode import run_decode_bench
 
 _HAVE_HF = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
 _CONFIG = flag_config.define_config(__file__)  # configs/bench_decode.py[:preset]
-_MODEL = flags.DEFINE_string("model", "bench_dense", "preset name (jaxinfer.presets)")
+_MODEL = model_flags.define_preset("bench_dense")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "decode batch sizes")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt tokens before decoding")
 _PREFILL_LEN = flags.DEFINE_integer("prefill_len", 512, "prompt tokens of the prefill rows")
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

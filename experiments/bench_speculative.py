@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 import jax
 
-from benchlib import flag_config, results
+from benchlib import cli, flag_config, model_flags, results
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding, training
 
 FLAGS = flags.FLAGS
+_MODEL = model_flags.define()  # a model with MTP modules (the bundled one has one)
 flags.DEFINE_list("batches", ["1", "4", "16"], "concurrent requests")
 flags.DEFINE_list("draft_tokens", ["0", "1", "2", "3"], "K values (0 = plain decoding)")
 flags.DEFINE_integer("max_tokens", 128, "tokens generated per request")
@@ -95,7 +96,8 @@ def main(argv):
     jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh)) if FLAGS.mesh else None
   layout = FLAGS.layout if mesh is not None else None
-  cfg, params, _ = run.load_default_model()
+  model = _MODEL.load()
+  cfg, params = model.cfg, model.params
   batches = [int(b) for b in FLAGS.batches]
   ks = sorted(int(k) for k in FLAGS.draft_tokens)
   if ks[0] != 0:
@@ -139,4 +141,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

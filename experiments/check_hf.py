@@ -24,7 +24,7 @@ from absl import app, flags
 import jax.numpy as jnp
 import numpy as np
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 from jaxinfer import checkpoint, models
 from jaxinfer.checkpoint import hf_build
 
@@ -98,4 +98,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

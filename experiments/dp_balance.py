@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 import jax
 
-from benchlib import dp_balance, flag_config, results
+from benchlib import cli, dp_balance, flag_config, model_flags, results
 from benchlib.sharding_report import parse_mesh
-from jaxinfer import EngineConfig, run, sharding
+from jaxinfer import EngineConfig, sharding
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("cpu_devices", 8, "simulated CPU devices")
@@ -32,6 +32,7 @@ flags.DEFINE_integer("max_num_batched_tokens", 128, "engine: token budget per ra
 flags.DEFINE_integer("max_num_seqs", 8, "engine: sequences per rank")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "dp_balance"),
                     "output prefix (.json)")
+_MODEL = model_flags.define()
 _CONFIG = flag_config.define_config(__file__)
 
 
@@ -40,7 +41,8 @@ def main(argv):
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
   mesh = sharding.make_mesh(parse_mesh(FLAGS.mesh))
-  cfg, params, _ = run.load_default_model()
+  model = _MODEL.load()
+  cfg, params = model.cfg, model.params
   config = EngineConfig(page_size=16, num_pages=256, max_num_seqs=FLAGS.max_num_seqs,
                         max_num_batched_tokens=FLAGS.max_num_batched_tokens)
   w = dp_balance.Workload(num_requests=FLAGS.num_requests, long_every=FLAGS.long_every,
@@ -66,4 +68,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

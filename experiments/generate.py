@@ -12,19 +12,15 @@
 """
 
 
-from absl import app, flags
+from absl import flags
 import jax
 
-from benchlib import flag_config
+from benchlib import cli, flag_config, model_flags
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, MTPConfig, SamplingParams, run, sharding
 from jaxinfer.tokenizer import load_tokenizer
 
-_MODEL = flags.DEFINE_string("model", "default",
-                             "'default' (the bundled trained tiny_moe) or a preset name "
-                             "(random weights)")
-_HF_DIR = flags.DEFINE_string("hf_dir", None, "HF checkpoint directory (overrides --model)")
-_CKPT = flags.DEFINE_string("checkpoint_dir", None, "orbax checkpoint from checkpoint.save")
+_MODEL = model_flags.define()
 _PROMPT = flags.DEFINE_multi_string(
     "prompt", ["def read_lines(path):\n    \"\"\"Return the lines of a text file.\"\"\"\n",
                "class Stack:\n    def __init__(self):\n"], "a prompt (repeatable)")
@@ -51,21 +47,12 @@ _CPU_DEVICES = flags.DEFINE_integer("cpu_devices", 0, "simulate this many CPU de
 _CONFIG = flag_config.define_config(__file__)
 
 
-def _model():
-  """-> (source description, cfg, params, tokenizer or None) from the flags."""
-  if not _HF_DIR.value and not _CKPT.value and _MODEL.value == "default":
-    cfg, params, tok = run.load_default_model()
-    return dict(model="default: tiny_moe trained on the Python stdlib"), cfg, params, tok
-  source = dict(hf_dir=_HF_DIR.value) if _HF_DIR.value else (
-      dict(checkpoint_dir=_CKPT.value) if _CKPT.value else dict(preset=_MODEL.value))
-  return (source, *run.load_model(**source), None)
-
-
-def _prompts(cfg, tok):
+def _prompts(model):
   """-> (tokenizer or None, prompts as token ids) from the flags."""
   if _PROMPT_IDS.value:
     return None, [[int(i) for i in _PROMPT_IDS.value]]
-  tok = tok or load_tokenizer(cfg, _HF_DIR.value)
+  # No tokenizer: load_tokenizer's error says what to give instead.
+  tok = model.tokenizer or load_tokenizer(model.cfg, model.source.get("hf_dir"))
   texts = _PROMPT.value
   if _PROMPTS_FILE.value:
     with open(_PROMPTS_FILE.value) as f:
@@ -77,7 +64,7 @@ def _print_outputs(res, tok) -> None:
   for i, out in enumerate(res.outputs):
     if tok:
       print(f"\n--- [{i}] prompt + completion ({out.finish_reason}) ---\n"
-            f"{tok.decode(out.prompt_token_ids)}\033[1m{tok.decode(out.token_ids)}\033[0m")
+            f"{tok.decode(out.prompt_token_ids)}{cli.bold(tok.decode(out.token_ids))}")
     else:
       print(f"\n[{i}] prompt: {out.prompt_token_ids}\n[{i}] completion "
             f"({out.finish_reason}): {out.token_ids}")
@@ -111,8 +98,9 @@ def main(argv):
   if _CPU_DEVICES.value:  # before anything initialises JAX's backends
     jax.config.update("jax_num_cpu_devices", _CPU_DEVICES.value)
   mesh = sharding.make_mesh(parse_mesh(_MESH.value)) if _MESH.value else None
-  source, cfg, params, tok = _model()
-  tok, prompts = _prompts(cfg, tok)
+  model = _MODEL.load()
+  cfg, params = model.cfg, model.params
+  tok, prompts = _prompts(model)
   sampling = [SamplingParams(max_tokens=_MAX_TOKENS.value, temperature=_TEMPERATURE.value,
                              top_k=_TOP_K.value, top_p=_TOP_P.value, seed=_SEED.value + i)
               for i in range(len(prompts))]
@@ -127,7 +115,7 @@ def main(argv):
                        engine_config=engine_config, mesh=mesh,
                        layout=_LAYOUT.value if mesh is not None else None)
 
-  print(f"model: {source} ({cfg.model_type}, {cfg.attention}, "
+  print(f"model: {model.name} ({cfg.model_type}, {cfg.attention}, "
         f"{'MoE' if cfg.is_moe else 'dense'}, {cfg.compute_dtype().name})")
   if mesh is not None:
     print(f"mesh: {dict(mesh.shape)} over {mesh.devices.size} {jax.devices()[0].platform} devices, "
@@ -138,4 +126,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

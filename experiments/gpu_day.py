@@ -26,7 +26,7 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from benchlib import flag_config, gpu_day  # noqa: E402
+from benchlib import cli, flag_config, gpu_day  # noqa: E402
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results", "gpu"),
                                "where the JSON, plot and logs go")
@@ -136,4 +136,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

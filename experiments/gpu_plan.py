@@ -2,10 +2,10 @@
 params, KV, temporaries (memory_analysis) against the GPU's memory, FLOPs and
 bytes from shapes, and a roofline step time; or what does not fit, by how much.
 
-  python experiments/gpu_plan.py --preset=deepseek_v3 --mesh=data=4,expert=8 \
+  python experiments/gpu_plan.py --model=deepseek_v3 --mesh=data=4,expert=8 \
       --layout=dp_attn_ep --hosts=4                       # 4 hosts x 8 H100
-  python experiments/gpu_plan.py --preset=llama3_1_405b --mesh=tensor=8 --layout=tp
-  python experiments/gpu_plan.py --preset=llama3_8b --mesh=data=1 --speculative=0
+  python experiments/gpu_plan.py --model=llama3_1_405b --mesh=tensor=8 --layout=tp
+  python experiments/gpu_plan.py --model=llama3_8b --mesh=data=1 --speculative=0
 
 Needs the GPU compile toolchain (`pip install -e ".[gpu-compile]"`); nothing is
 allocated (abstract params, pool and batches).
@@ -16,14 +16,14 @@ import os
 # Compile-only GPUs need no GPU: keep the CUDA plugin from trying to start one.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config, model_flags
 from benchlib.gpu_plan import run_gpu_plan
 from jaxinfer.gpu_compile import TARGETS
 from jaxinfer.sharding import LAYOUTS
 
-_PRESET = flags.DEFINE_string("preset", "llama3_8b", "model preset (jaxinfer.presets)")
+_MODEL = model_flags.define_preset("llama3_8b")
 _MESH = flags.DEFINE_string("mesh", "data=1", "mesh axes, e.g. data=4,expert=8")
 _LAYOUT = flags.DEFINE_enum("layout", "tp", list(LAYOUTS), "sharding layout")
 _HOSTS = flags.DEFINE_integer("hosts", 1, "hosts the mesh's devices are spread over")
@@ -45,7 +45,7 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  run_gpu_plan(model=_PRESET.value, mesh=_MESH.value, layout=_LAYOUT.value, gpu=_GPU.value,
+  run_gpu_plan(model=_MODEL.value, mesh=_MESH.value, layout=_LAYOUT.value, gpu=_GPU.value,
                hosts=_HOSTS.value, dtype=_DTYPE.value, json_out=_JSON_OUT.value,
                batch=_BATCH.value, context=_CONTEXT.value, prefill_tokens=_PREFILL.value,
                page_size=_PAGE_SIZE.value, kv_pages=_KV_PAGES.value,
@@ -53,4 +53,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

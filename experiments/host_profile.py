@@ -8,12 +8,12 @@ alone (`benchlib.host_profile`).
 Writes experiments/results/host_profile_<model>[_decode_steps<n>].json.
 """
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, host_profile, results
+from benchlib import cli, flag_config, host_profile, model_flags, results
 from benchlib.decode import machine_info
 
-_MODEL = flags.DEFINE_string("model", "bench_moe", "preset")
+_MODEL = model_flags.define_preset("bench_moe")
 _BATCH = flags.DEFINE_integer("batch", 8, "decoding sequences")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "EngineConfig.decode_steps")
 _OUT = flags.DEFINE_string("out", None, "output prefix (default experiments/results/host_profile_<model>)")
@@ -46,4 +46,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

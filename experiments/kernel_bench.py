@@ -12,9 +12,9 @@ the float32 reference, and t_ours / t_peer for every peer that ran.
 
 import os
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 from benchlib.kernels import KERNELS, SHAPES, run_kernel_bench
 
 _KERNELS = flags.DEFINE_list("kernels", list(KERNELS), f"subset of {','.join(KERNELS)}")
@@ -41,4 +41,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -14,9 +14,9 @@ import os
 # Compile-only GPUs need no GPU: keep the CUDA plugin from trying to start one.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 from benchlib.kernel_report import HEADER, run_report
 
 _CASES = flags.DEFINE_list("cases", None, "case names (default: every case of gpu_cases)")
@@ -34,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

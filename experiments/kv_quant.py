@@ -11,10 +11,10 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, kv_quant, results
-from jaxinfer import Backend, EngineConfig, run
+from benchlib import cli, flag_config, kv_quant, model_flags, results
+from jaxinfer import Backend, EngineConfig
 
 _MAX_TOKENS = flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 _NUM_PROMPTS = flags.DEFINE_integer("num_prompts", 32, "prompts cut from stdlib sources")
@@ -22,13 +22,15 @@ _TEACHER = flags.DEFINE_bool("teacher", True, "also next-token agreement on the 
 _IMPL = flags.DEFINE_enum("impl", "xla", ["xla", "pallas"], "attention implementation")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "kv_quant"),
                            "output prefix (.json)")
+_MODEL = model_flags.define()
 _CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg, params, tokenizer = run.load_default_model()
+  model = _MODEL.load()
+  cfg, params, tokenizer = model.cfg, model.params, model.need_tokenizer()
   cfg = dataclasses.replace(cfg, backend=Backend(attention=_IMPL.value))
   prompts = kv_quant.stdlib_prompts(tokenizer.encode, _NUM_PROMPTS.value)
   config = EngineConfig(page_size=16, num_pages=2048, max_num_seqs=32)
@@ -48,4 +50,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -20,16 +20,16 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import ray  # noqa: E402
 
-from benchlib import flag_config, results  # noqa: E402
-from jaxinfer import EngineConfig, run  # noqa: E402
+from benchlib import cli, flag_config, model_flags, results  # noqa: E402
+from jaxinfer import EngineConfig  # noqa: E402
 from jaxinfer.serving.cluster import Cluster  # noqa: E402
 from jaxinfer.serving.ray_cluster import measure_transfer  # noqa: E402
 from jaxinfer.serving.ray_worker import WorkerSpec, host_tree  # noqa: E402
 
-_MODEL = flags.DEFINE_string("model", "default", "'default' (the bundled model) or a preset")
+_MODEL = model_flags.define()
 _PAGES = flags.DEFINE_list("num_pages", ["1", "4", "16", "64", "256"], "pages per transfer")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed transfers per size (best reported)")
 _PAGE_SIZE = flags.DEFINE_integer("page_size", 16, "KV page size")
@@ -43,10 +43,8 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  if _MODEL.value == "default":
-    cfg, params, _ = run.load_default_model()
-  else:
-    cfg, params = run.load_model(preset=_MODEL.value, dtype="float32")
+  model = _MODEL.load(dtype="float32")
+  cfg, params = model.cfg, model.params
   sizes = [int(n) for n in _PAGES.value]
   config = EngineConfig(page_size=_PAGE_SIZE.value, num_pages=max(sizes) + 8)
   ray.init(num_cpus=_RAY_CPUS.value, include_dashboard=False, log_to_driver=False)
@@ -67,7 +65,7 @@ def main(argv):
   for r in rows:
     print(f"{r['kv_transport']:>12} {r['pages']:6d} {r['bytes']:10d} {r['seconds'] * 1e3:8.2f} "
           f"{r['bytes_per_s'] / 1e6:8.1f}")
-  results.write(_OUT.value, rows, model=_MODEL.value, page_size=_PAGE_SIZE.value,
+  results.write(_OUT.value, rows, model=model.name, page_size=_PAGE_SIZE.value,
                 path="jax: offer on the prefill process's transfer server, pull + scatter in "
                 "the decode process; object_store: device_get, Ray object, device_put + scatter",
                 note="2-core dev machine shared with other jobs; both processes and the "
@@ -75,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

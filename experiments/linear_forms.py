@@ -27,9 +27,9 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 
 _KINDS = flags.DEFINE_list("weights", ["float32", "int8", "fp8", "int4"], "float32 and quant methods")
 _ROWS = flags.DEFINE_list("rows", ["1", "2", "4", "8", "16", "32", "64", "128", "512"], "row counts")
@@ -103,4 +103,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

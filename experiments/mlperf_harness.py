@@ -21,7 +21,7 @@ Latency limits are a model's published Server / Interactive TTFT and TPOT
 to a small model on a small machine. The dataset is `--num_samples`
 held-out stdlib prompts (never trained on) or a JSONL file of
 {"tokens": [...]} or {"text": "..."} rows (`--dataset`), with "images":
-[paths] for a vision model (`--model_dir`, e.g. Qwen3-VL; one image
+[paths] for a vision model (`--hf_dir`, e.g. Qwen3-VL; one image
 placeholder id in "tokens", or "<image>" in "text", per image:
 `serving.workloads.read_prompts`).
 """
@@ -32,15 +32,14 @@ import json
 import os
 import shutil
 
-from absl import app, flags
+from absl import flags
 import jax
 
-from benchlib import flag_config, results
+from benchlib import cli, flag_config, model_flags, results
 from benchlib.sharding_report import parse_mesh
-from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, checkpoint, run, sharding,
+from jaxinfer import (Engine, EngineConfig, MTPConfig, SamplingParams, sharding,
                       training, vision_inputs)
 from jaxinfer.serving import mlperf, mlperf_http, workloads
-from jaxinfer.tokenizer import HFTokenizer
 
 # (TTFT ms, TPOT ms) 99th-percentile limits: Server, Interactive.
 LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175), (4500, 80)),
@@ -52,8 +51,7 @@ flags.DEFINE_list("scenarios", ["Offline", "Server", "Interactive"], "LoadGen sc
 flags.DEFINE_enum("mode", "performance", ["performance", "accuracy"], "LoadGen mode")
 flags.DEFINE_string("dataset", "", "JSONL of prompts ({'tokens': [...]} or {'text': ...}); "
                     "default: held-out stdlib prompts")
-flags.DEFINE_string("model_dir", "", "an HF checkpoint to serve instead of the default model "
-                    "(a vision model takes a --dataset with images)")
+_MODEL = model_flags.define()  # a vision model (--hf_dir) takes a --dataset with images
 flags.DEFINE_string("processor_json", "", "vision models: ProcessorConfig fields as JSON "
                     "(default: the vision tower's patch sizes, HF's pixel bounds)")
 flags.DEFINE_integer("num_samples", 32, "held-out prompts in the default dataset")
@@ -95,15 +93,6 @@ def _dataset(cfg, tokenizer):
   encode = tokenizer.encode if tokenizer is not None else None
   prompts, images = workloads.read_prompts(FLAGS.dataset, encode=encode, vision=cfg.vision)
   return prompts, images if any(i is not None for i in images) else None
-
-
-def _model():
-  """-> (cfg, params, tokenizer or None): --model_dir's HF checkpoint, else the default model."""
-  if not FLAGS.model_dir:
-    return run.load_default_model()
-  cfg, params = checkpoint.load_hf(FLAGS.model_dir)
-  has_tok = os.path.exists(os.path.join(FLAGS.model_dir, "tokenizer.json"))
-  return cfg, params, HFTokenizer(FLAGS.model_dir) if has_tok else None
 
 
 def _engine(cfg, params):
@@ -232,8 +221,9 @@ def main(argv):
   flag_config.apply_config(_CONFIG.value, FLAGS, __file__)
   if FLAGS.cpu_devices:  # before anything initialises JAX's backends
     jax.config.update("jax_num_cpu_devices", FLAGS.cpu_devices)
-  cfg, params, tokenizer = _model()
-  prompts, images = _dataset(cfg, tokenizer)
+  model = _MODEL.load()
+  cfg, params = model.cfg, model.params
+  prompts, images = _dataset(cfg, model.tokenizer)
   rows, found = [], None
   if FLAGS.search and images is not None:
     raise ValueError("--search: datasets with images run the scenarios only")
@@ -251,11 +241,11 @@ def main(argv):
   name = "search" if FLAGS.search else f"scenarios_{FLAGS.mode}"
   results.write(os.path.join(FLAGS.out, name), rows, None, search=found, limits=FLAGS.limits,
                 latency_scale=FLAGS.latency_scale, max_tokens=FLAGS.max_tokens,
-                num_samples=len(prompts), model=FLAGS.model_dir or "default (tiny_moe trained)",
+                num_samples=len(prompts), model=model.name,
                 images=images is not None,
                 mesh=FLAGS.mesh or None, layout=FLAGS.layout if FLAGS.mesh else None,
                 speculative=FLAGS.speculative, server_url=FLAGS.server_url or None)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

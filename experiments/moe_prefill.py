@@ -10,12 +10,12 @@ dense reference and timed in one run, interleaved.
 Writes experiments/results/moe_prefill.json.
 """
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, moe_prefill, results
+from benchlib import cli, flag_config, model_flags, moe_prefill, results
 from benchlib.decode import machine_info
 
-_MODEL = flags.DEFINE_string("model", "bench_moe", "preset with MoE layers")
+_MODEL = model_flags.define_preset("bench_moe")  # a preset with MoE layers
 _TOKENS = flags.DEFINE_list("tokens", ["512"], "prefill tokens per call")
 _REPEATS = flags.DEFINE_integer("repeats", 5, "timed calls per variant (median)")
 _OUT = flags.DEFINE_string("out", "experiments/results/moe_prefill", "output prefix (.json)")
@@ -39,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

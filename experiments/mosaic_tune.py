@@ -14,11 +14,11 @@ import json
 import statistics
 import types
 
-from absl import app, flags
+from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchlib import flag_config, kernels
+from benchlib import cli, flag_config, kernels
 import pallas_kernels as pk
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -100,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, quant_error, results
+from benchlib import cli, flag_config, quant_error, results
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("methods", list(quant_error.METHODS), "weight formats to measure")
@@ -33,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -21,9 +21,9 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 
 MULTI_DEVICE_AND_SERVING = [
     "tests/sharding/test_sharding.py", "tests/sharding/test_spec_mesh.py", "tests/sharding/test_tp_kernel_sharding.py",
@@ -89,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

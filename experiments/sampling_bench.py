@@ -16,9 +16,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, results
+from benchlib import cli, flag_config, results
 from jaxinfer.engine import sampling
 
 FLAGS = flags.FLAGS
@@ -73,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

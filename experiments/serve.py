@@ -2,7 +2,8 @@
 
   python experiments/serve.py                               # the bundled default model on :8000
   python experiments/serve.py --port=8001 --api_key=secret --max_queue=32
-  python experiments/serve.py --model_dir=path/to/hf        # tokenizer.json + chat template from it
+  python experiments/serve.py --hf_dir=path/to/hf          # tokenizer.json + chat template from it
+  python experiments/serve.py --model=tiny_moe              # a preset, random weights (byte tokens)
   python experiments/serve.py --backend=ray --workers=2     # a Ray cluster: a process per worker
   python experiments/serve.py --backend=ray --workers=1 --worker_processes=2 --worker_cpu_devices=2
       # one worker over 2 processes (a jax.distributed group, one 4-device tp mesh)
@@ -25,27 +26,25 @@ processes sharing one tensor-parallel mesh (`serving.ray_group`).
 from __future__ import annotations
 
 import os
+import sys
 import time
 
-from absl import app, flags, logging
+from absl import flags
 import jax
 import jax.monitoring
 import uvicorn
 
-from benchlib import flag_config
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, run
+from benchlib import cli, flag_config, model_flags
+from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams
 from jaxinfer.serving import openai_protocol
 from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.http_server import make_app
-from jaxinfer.tokenizer import load_tokenizer
 
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "address to listen on")
 _PORT = flags.DEFINE_integer("port", 8000, "port to listen on")
-_MODEL_DIR = flags.DEFINE_string("model_dir", None, "HF checkpoint directory (config.json, "
-                                 "*.safetensors, tokenizer.json, tokenizer_config.json); "
-                                 "default: the bundled trained tiny model (byte tokenizer)")
+_MODEL = model_flags.define()  # --model, --hf_dir (tokenizer.json, tokenizer_config.json), ...
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "the model id clients send (default: "
-                                  "'default', or the model directory's name)")
+                                  "'default', the preset, or the checkpoint directory's name)")
 _API_KEY = flags.DEFINE_string("api_key", os.environ.get("JAXINFER_API_KEY"),
                                "require 'Authorization: Bearer <key>' (default: "
                                "$JAXINFER_API_KEY; unset: no key)")
@@ -88,16 +87,14 @@ _RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "--backend=ray: a runnin
 _CONFIG = flag_config.define_config(__file__)
 
 
-def load(model_dir: str | None):
-  """-> (cfg, params, tokenizer, chat template, model name)."""
-  if model_dir is None:
-    cfg, params, tok = run.load_default_model()
-    template = openai_protocol.ChatTemplate(openai_protocol.BUILTIN_CHAT_TEMPLATE)
-    return cfg, params, tok, template, "default"
-  cfg, params = run.load_model(hf_dir=model_dir)
-  template = openai_protocol.ChatTemplate(*openai_protocol.load_chat_template(model_dir))
-  name = os.path.basename(os.path.normpath(model_dir))
-  return cfg, params, load_tokenizer(cfg, model_dir), template, name
+def load():
+  """-> (model_flags.Model, chat template, model name) from the model flags."""
+  model = _MODEL.load()
+  hf_dir = model.source.get("hf_dir")
+  template = openai_protocol.ChatTemplate(*(openai_protocol.load_chat_template(hf_dir) if hf_dir
+                                            else (openai_protocol.BUILTIN_CHAT_TEMPLATE,)))
+  where = next(iter(model.source.values()), "default")  # the preset or directory
+  return model, template, os.path.basename(os.path.normpath(where))
 
 
 def ray_cluster(config: EngineConfig):
@@ -108,7 +105,12 @@ def ray_cluster(config: EngineConfig):
     ray.init(address=_RAY_ADDRESS.value, include_dashboard=False)
   env = ({} if _WORKER_CPU_DEVICES.value is None else
          {"XLA_FLAGS": f"--xla_force_host_platform_device_count={_WORKER_CPU_DEVICES.value}"})
-  specs = [WorkerSpec(model="default", checkpoint=_MODEL_DIR.value, config=config,
+  source = _MODEL.source()
+  if "checkpoint_dir" in source:
+    raise ValueError("--backend=ray serves the bundled model, a preset or an --hf_dir, "
+                     "not a --checkpoint_dir")
+  specs = [WorkerSpec(model=source.get("preset", "default"), checkpoint=source.get("hf_dir"),
+                      config=config,
                       name=f"worker{k}", num_cpus=_WORKER_CPUS.value, env=env,
                       num_processes=_WORKER_PROCESSES.value, layout="tp")
            for k in range(_WORKERS.value)]
@@ -147,16 +149,17 @@ def warm_up(backend, cache: dict) -> None:
     backend.generate([[1 + k] * n for k in range(copies) for n in (8, 100, 400)],
                      SamplingParams(max_tokens=16))
     what = "the programs of a few requests"
-  logging.info("warm-up: compiled %s in %.1f s (persistent cache %s: %d hits, %d misses)", what,
-               time.perf_counter() - start, _CACHE_DIR.value or "off", cache["hits"],
-               cache["misses"])
+  print(f"warm-up: compiled {what} in {time.perf_counter() - start:.1f} s (persistent cache "
+        f"{_CACHE_DIR.value or 'off'}: {cache['hits']} hits, {cache['misses']} misses)",
+        file=sys.stderr, flush=True)
 
 
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cache = compilation_cache()  # before anything compiles, warm-up or not
-  cfg, params, tok, template, name = load(_MODEL_DIR.value)
+  model, template, name = load()
+  cfg, params, tok = model.cfg, model.params, model.need_tokenizer()
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
   config = EngineConfig(max_num_seqs=_MAX_SEQS.value, max_num_batched_tokens=_TOKEN_BUDGET.value,
                         kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
@@ -185,4 +188,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

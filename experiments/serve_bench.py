@@ -38,14 +38,15 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_force_host_platform_device_count=8").strip()
 
+import sys  # noqa: E402
 import time  # noqa: E402
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchlib import flag_config, results  # noqa: E402
-from jaxinfer import EngineConfig, run, sharding  # noqa: E402
+from benchlib import cli, flag_config, model_flags, results  # noqa: E402
+from jaxinfer import EngineConfig, sharding  # noqa: E402
 from jaxinfer.serving import workloads  # noqa: E402
 from jaxinfer.serving.cluster import Cluster, percentiles  # noqa: E402
 from jaxinfer.serving.disagg import DisaggConfig  # noqa: E402
@@ -55,9 +56,9 @@ from jaxinfer.serving.worker import Worker  # noqa: E402
 FLAGS = flags.FLAGS
 _CONFIG = flag_config.define_config(__file__, "serving_topologies.py")  # [:shared|tp2|dp_ep2]
 flags.DEFINE_list("experiments", ["routing", "disagg", "faults"], "which experiments to run")
-flags.DEFINE_string("model", "tiny_dense", "a preset (random weights, float32) or 'default' "
-                    "(the bundled trained model); small and fast by default, so that four "
-                    "workers sharing two CPU cores can be driven near saturation")
+# A preset (random weights, float32) by default, small and fast, so that four
+# workers sharing two CPU cores can be driven near saturation.
+_MODEL = model_flags.define(default="tiny_dense")
 flags.DEFINE_list("backend", ["local"], "local (workers in this process), ray (Ray actors, "
                   "a process each) or local,ray (both, in one run)")
 flags.DEFINE_integer("ray_cpus", 2, "--backend=ray: CPUs of the local Ray")
@@ -294,10 +295,8 @@ def _plot(rows, path):
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, FLAGS, __file__)
-  if FLAGS.model == "default":
-    cfg, params, _ = run.load_default_model()
-  else:
-    cfg, params = run.load_model(preset=FLAGS.model, dtype="float32")
+  model = _MODEL.load(dtype="float32")
+  cfg, params = model.cfg, model.params
   if set(FLAGS.backend) - {"local", "ray"} or not FLAGS.backend:
     raise ValueError(f"--backend: choose from local, ray; got {FLAGS.backend}")
   known = {"routing": routing, "disagg": disagg, "faults": faults}
@@ -305,7 +304,7 @@ def main(argv):
   if unknown:
     raise ValueError(f"--experiments: unknown {sorted(unknown)}; choose from {sorted(known)}")
   if FLAGS.warmup:
-    print("warm-up pass (untimed: compiles the step programs)", flush=True)
+    print("warm-up pass (untimed: compiles the step programs)", file=sys.stderr, flush=True)
     for name in FLAGS.experiments:
       known[name](cfg, params)
   rows = []
@@ -318,7 +317,8 @@ def main(argv):
       "experiments", "routers", "rates", "workers", "devices_per_worker", "layout", "sessions",
       "turns", "think_s", "long_fractions", "disagg_rate", "system_len", "user_len",
       "reply_len", "max_tokens", "page_size", "max_num_batched_tokens", "max_num_seqs",
-      "max_local_prefill_length", "model", "backend", "disagg_roles", "ray_cpus", "kv_transport")},
+      "max_local_prefill_length", "model", "hf_dir", "checkpoint_dir", "backend", "disagg_roles",
+      "ray_cpus", "kv_transport")},
       note="--backend=ray: a local Ray; on the 2-core dev machine all worker processes and "
       "the driver share 2 cores with other jobs" if "ray" in FLAGS.backend else None)
   for cluster in _RAY.values():
@@ -359,4 +359,4 @@ def _summary(all_rows):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

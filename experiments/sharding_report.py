@@ -12,13 +12,13 @@ Prints a table (GiB per device by param group, KV pool, collectives per layer ki
 and per forward, PartitionSpecs and shard shapes); --json_out writes the dict.
 """
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config, model_flags
 from benchlib.sharding_report import run_sharding_report
 from jaxinfer.sharding import LAYOUTS
 
-_MODEL = flags.DEFINE_string("model", "deepseek_v3", "preset name (jaxinfer.presets)")
+_MODEL = model_flags.define_preset("deepseek_v3")
 _MESH = flags.DEFINE_string("mesh", "data=8,expert=32", "mesh axes, e.g. data=8,expert=36")
 _LAYOUT = flags.DEFINE_enum("layout", "dp_attn_ep", list(LAYOUTS), "sharding layout")
 _KV_TOKENS = flags.DEFINE_integer("kv_tokens", 0, "tokens held by the whole KV pool")
@@ -45,4 +45,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

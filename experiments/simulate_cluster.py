@@ -25,10 +25,9 @@ from __future__ import annotations
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, results, sim_calibration, sim_scale
-from jaxinfer import run
+from benchlib import cli, flag_config, model_flags, results, sim_calibration, sim_scale
 from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
@@ -38,8 +37,7 @@ _OUT = flags.DEFINE_string("out", "", "output prefix (default results/sim_calibr
                            "results/sim_scale)")
 _SEED = flags.DEFINE_integer("seed", 0, "seed of workloads and MTP acceptance draws")
 # calibrate_check
-_MODEL = flags.DEFINE_string("model", "tiny_dense", "calibrate_check: a preset (random "
-                             "weights, float32) or 'default' (the bundled trained model)")
+_MODEL = model_flags.define(default="tiny_dense")  # calibrate_check: float32 unless default
 _MAX_NUM_SEQS = flags.DEFINE_integer("max_num_seqs", 8, "calibrate_check: engine sequences")
 _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 32, "calibrate_check: token budget")
 _NUM_PAGES = flags.DEFINE_integer("num_pages", 512, "calibrate_check: KV pages")
@@ -173,10 +171,8 @@ def _plot_scale(rows, path, limits):
 
 
 def calibrate_check_main():
-  if _MODEL.value == "default":
-    cfg, params, _ = run.load_default_model()
-  else:
-    cfg, params = run.load_model(preset=_MODEL.value, dtype="float32")
+  model = _MODEL.load(dtype="float32")
+  cfg, params = model.cfg, model.params
   out = sim_calibration.calibrate_check(
       cfg=cfg, params=params, num_pages=_NUM_PAGES.value, max_num_seqs=_MAX_NUM_SEQS.value,
       max_num_batched_tokens=_BUDGET.value, tolerance=_TOLERANCE.value,
@@ -200,7 +196,7 @@ def calibrate_check_main():
                                                  r["mean_ttft_ms_ratio_per_round"])) + ")")
   results.write(_OUT.value or os.path.join(RESULTS, "sim_calibration"), out["rows"],
                 lambda rows, path: _plot_calibration(rows, path, out["steps"]),
-                model=_MODEL.value, calibration=c)
+                model=model.name, calibration=c)
 
 
 def scale_main():
@@ -238,4 +234,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -14,10 +14,9 @@ import dataclasses
 import json
 import os
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
-from jaxinfer import run
+from benchlib import cli, flag_config, model_flags
 from jaxinfer.serving.soak import SoakConfig, soak
 
 _MINUTES = flags.DEFINE_float("minutes", 10.0, "traffic time, split between plain and speculative")
@@ -25,13 +24,15 @@ _SEED = flags.DEFINE_integer("seed", 0, "traffic and fault seed")
 _DRAFTS = flags.DEFINE_integer("num_draft_tokens", 2, "MTP drafts in the speculative half")
 _OUT = flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "soak"),
                            "output prefix (.json)")
+_MODEL = model_flags.define()
 _CONFIG = flag_config.define_config(__file__)
 
 
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg, params, tokenizer = run.load_default_model()
+  model = _MODEL.load()
+  cfg, params, tokenizer = model.cfg, model.params, model.need_tokenizer()
   runs = []
   for spec in (0, _DRAFTS.value):
     config = SoakConfig(seconds=_MINUTES.value * 30, seed=_SEED.value + spec, speculative=spec)
@@ -43,10 +44,10 @@ def main(argv):
                                                 "restarts", "stalls", "steps", "tokens",
                                                 "violations")}
   with open(_OUT.value + ".json", "w") as f:
-    json.dump(dict(model="default (tiny_moe trained, MLA + MTP)", total=total, runs=runs,
+    json.dump(dict(model=model.name, total=total, runs=runs,
                    machine="2-core CPU dev machine, shared with other jobs"), f, indent=1)
   print(json.dumps(total))
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -16,11 +16,11 @@ import os
 import shutil
 import time
 
-from absl import app, flags
+from absl import flags
 import jax
 import numpy as np
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 from jaxinfer import models, presets, training
 from jaxinfer.checkpoint import orbax_io
 
@@ -203,4 +203,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -3,7 +3,7 @@
 Writes <out>.json.
 
   python experiments/vl_encoder_cache.py
-  python experiments/vl_encoder_cache.py --model_dir=path/to/Qwen3-VL --num_requests=64
+  python experiments/vl_encoder_cache.py --hf_dir=path/to/Qwen3-VL --num_requests=64
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import json
 import os
 
 import jax.numpy as jnp
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, results, vl_encoder
-from jaxinfer import EngineConfig, checkpoint, vision_inputs
+from benchlib import cli, flag_config, model_flags, results, vl_encoder
+from jaxinfer import EngineConfig, vision_inputs
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FIXTURE = os.path.join(_ROOT, "tests", "fixtures", "hf_vl")
-_MODEL_DIR = flags.DEFINE_string("model_dir", os.path.join(_FIXTURE, "qwen3_vl"),
-                                 "Qwen3-VL HF checkpoint (default: the tiny random test fixture)")
+# A Qwen3-VL HF checkpoint (--hf_dir; default: the tiny random test fixture).
+_MODEL = model_flags.define(hf_dir=os.path.join(_FIXTURE, "qwen3_vl"))
 _PROCESSOR = flags.DEFINE_string("processor_json", os.path.join(_FIXTURE, "processor.json"),
                                  "ProcessorConfig fields as JSON (None: the model's defaults)")
 _MAX_PIXELS = flags.DEFINE_integer("max_pixels", 4096, "resized image area bound")
@@ -37,7 +37,8 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg, params = checkpoint.load_hf(_MODEL_DIR.value, dtype=jnp.float32)
+  model = _MODEL.load(dtype=jnp.float32)
+  cfg, params = model.cfg, model.params
   proc = None
   if _PROCESSOR.value:
     with open(_PROCESSOR.value) as f:
@@ -55,9 +56,9 @@ def main(argv):
           f"{r['total_tokens_per_s']:.1f} | {r['output_tokens_per_s']:.1f} |")
   print(f"cache / no cache tokens/s: {out['speedup']:.2f}x; same tokens: {out['same_tokens']}")
   rows = out.pop("rows")
-  results.write(_OUT.value, rows, None, model=os.path.basename(_MODEL_DIR.value.rstrip("/")),
+  results.write(_OUT.value, rows, None, model=os.path.basename(model.source["hf_dir"].rstrip("/")),
                 **out)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

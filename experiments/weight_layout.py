@@ -11,9 +11,9 @@ is `experiments/bench_decode.py --weight_layout=in_out` against
 `--weight_layout=out_in`.
 """
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config, results
+from benchlib import cli, flag_config, results
 from benchlib.decode import machine_info
 from jaxinfer.engine import weight_layout
 
@@ -43,4 +43,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

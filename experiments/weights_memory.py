@@ -21,9 +21,9 @@ import os
 import subprocess
 import sys
 
-from absl import app, flags
+from absl import flags
 
-from benchlib import flag_config
+from benchlib import cli, flag_config
 
 _MODELS = flags.DEFINE_list("models", ["bench_dense", "bench_moe"], "presets (jaxinfer.presets)")
 _OUT = flags.DEFINE_string("out", None, "output JSON (default experiments/results/weights_memory.json)")
@@ -89,4 +89,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -70,7 +70,8 @@ def run_engine(cfg: ModelConfig, params, *, prompts, sampling, engine_config: En
 
   With warmup, an identical run on a throwaway engine first compiles the step
   programs, so the timed run measures serving, not compilation. mesh and
-  layout (together, or neither) shard the engine as `Engine` does.
+  layout (together, or neither) shard the engine as `Engine` does. progress:
+  a bar of finished requests on stderr, shown only when stderr is a terminal.
   """
   def engine():
     return Engine(cfg, params, engine_config, mesh=mesh, layout=layout)
@@ -78,7 +79,9 @@ def run_engine(cfg: ModelConfig, params, *, prompts, sampling, engine_config: En
   if warmup:
     engine().generate(prompts, sampling)
   eng = engine()
-  bar = tqdm.tqdm(total=len(prompts), desc="requests", disable=not progress, leave=False)
+  # A bar only on a terminal (disable=None: off when stderr is piped or redirected).
+  bar = tqdm.tqdm(total=len(prompts), desc="requests", disable=None if progress else True,
+                  leave=False)
   t0 = time.perf_counter()
   outs = eng.generate(prompts, sampling, progress=lambda n: bar.update(1))
   wall = time.perf_counter() - t0

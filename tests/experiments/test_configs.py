@@ -137,12 +137,13 @@ def test_mlperf_configs_set_the_same_fields():
 
 
 def test_mlperf_configs_run_the_bundled_model():
-  # Each is named for what it runs: the bundled model (no model_dir), and the
+  # Each is named for what it runs: the bundled model (no checkpoint), and the
   # limits or serving its name adds to mlperf_default_model.py.
   for name in CONFIGS:
     if name.startswith("mlperf_"):
       assert name.startswith("mlperf_default_model"), name
-      assert "model_dir" not in _load(name), name
+      cfg = _load(name)
+      assert cfg.model == "default" and "hf_dir" not in cfg and "model_dir" not in cfg, name
   assert _load("mlperf_default_model_405b_limits.py").limits == "llama3.1-405b"
   assert _load("mlperf_default_model_gpt_oss_limits.py").limits == "gpt-oss-120b"
   assert _load("mlperf_default_model_mtp.py").speculative == 3
