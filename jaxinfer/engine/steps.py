@@ -55,10 +55,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import images, logprobs, sampling_extras, scheduler
+from jaxinfer.engine import images, logprobs, sampling, sampling_extras, scheduler
 from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.logprobs import step_logprobs
-from jaxinfer.engine.sampling import argmax, request_keys, sample, top_k_cap
+from jaxinfer.engine.sampling import argmax, request_keys, sample
 from jaxinfer.engine.scheduler import Scheduled, bucket
 from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models.moe_core import ExpertCount
@@ -436,7 +436,7 @@ def sampler_mode(busy) -> tuple[bool, int]:
   k_cap) as `steps.step` and `speculative.spec_step` take them."""
   chunks = [s for scheduled in busy for s in scheduled]
   greedy = all_greedy(chunks)
-  return greedy, 0 if greedy else top_k_cap(s.request.sampling for s in chunks)
+  return greedy, 0 if greedy else sampling.top_k_cap(s.request.sampling for s in chunks)
 
 
 def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
