@@ -41,6 +41,17 @@ HELP = {
 PRESET_HELP = "a preset name of jaxinfer.presets (its shapes; random weights where run)"
 
 
+def _spelled(name: str, value, old: str, old_value):
+  """--name's value, or its deprecated spelling --old's when given (with a
+  warning; both given and different: an error naming them)."""
+  if not old_value:
+    return value
+  logging.log_first_n(logging.WARNING, f"--{old} is deprecated: use --{name}=%s", 1, old_value)
+  if flags.FLAGS[name].present and value != old_value:
+    raise ValueError(f"--{name}={value} and --{old}={old_value} disagree: give --{name} only")
+  return old_value
+
+
 @dataclasses.dataclass(frozen=True)
 class Model:
   """A loaded model: `name` says where it came from (for reports)."""
@@ -68,14 +79,7 @@ class ModelFlags:
 
   def hf_path(self) -> str | None:
     """--hf_dir, or its deprecated spelling --model_dir (with a warning)."""
-    if self.model_dir.value:
-      logging.log_first_n(logging.WARNING, "--model_dir is deprecated: use --hf_dir=%s", 1,
-                          self.model_dir.value)
-      if flags.FLAGS["hf_dir"].present and self.hf_dir.value != self.model_dir.value:
-        raise ValueError(f"--hf_dir={self.hf_dir.value} and --model_dir={self.model_dir.value} "
-                         "disagree: give --hf_dir only")
-      return self.model_dir.value
-    return self.hf_dir.value
+    return _spelled("hf_dir", self.hf_dir.value, "model_dir", self.model_dir.value)
 
   def source(self) -> dict:
     """{} for the bundled model, else `run.load_model`'s one keyword."""
@@ -127,14 +131,7 @@ class PresetFlags:
   @property
   def value(self) -> str:
     """The preset: --model, or its deprecated spelling --preset (with a warning)."""
-    if not self.preset.value:
-      return self.model.value
-    logging.log_first_n(logging.WARNING, "--preset is deprecated: use --model=%s", 1,
-                        self.preset.value)
-    if flags.FLAGS["model"].present and self.model.value != self.preset.value:
-      raise ValueError(f"--model={self.model.value} and --preset={self.preset.value} disagree: "
-                       "give --model only")
-    return self.preset.value
+    return _spelled("model", self.model.value, "preset", self.preset.value)
 
 
 def define_preset(default: str) -> PresetFlags:
