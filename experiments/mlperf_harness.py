@@ -16,8 +16,8 @@ these flags' defaults) sets the flags it names; a flag given on the command
 line wins over it (`benchlib.flag_config`).
 
 Latency limits are a model's published Server / Interactive TTFT and TPOT
-99th-percentile limits (`--limits`, from mlperf.conf via
-../shared/reference/serving_facts.md), times `--latency_scale` to map them
+99th-percentile limits (`--limits`: `LIMITS`, as MLPerf Inference's
+mlperf.conf sets them), times `--latency_scale` to map them
 to a small model on a small machine. The dataset is `--num_samples`
 held-out stdlib prompts (never trained on) or a JSONL file of
 {"tokens": [...]} or {"text": "..."} rows (`--dataset`), with "images":
