@@ -5,7 +5,9 @@ Same layout and meaning as `paged_attention` (q [B, N, D] or [B, Q, N, D],
 pages [K, P, page_size, D], lengths, page_indices; window, sinks), written
 with `plgpu.kernel` instead of Pallas Triton (deprecated in jax 0.11).
 
-One program per (KV head, sequence, split), one warpgroup:
+One program per (KV head, work item, split), one warpgroup; here a work
+item is a sequence (`mosaic_ragged_attention` cuts a mixed step's tokens
+into items of whole tokens, `launch` runs either):
 
   rows    the Q queries x G query heads of the KV head (row = q * G + g),
           padded to the 64 rows of a wgmma tile (Q * G <= 64); each KV page
@@ -104,37 +106,40 @@ def unsupported(q_shape, dtype, pages_shape, *, values_dim=None, quantized=False
   return None
 
 
-def _check(q4, k_pages, v_pages, slots, num_splits, block_keys):
+def check_call(q4, k_pages, v_pages, slots, num_splits, block_keys,
+               name="mosaic_paged_attention"):
   """The kernel's own limits, as named ValueErrors / TypeErrors."""
   for ok, what, got in ((isinstance(slots, int) and slots >= 2, "slots", slots),
                         (isinstance(num_splits, int) and num_splits >= 1, "num_splits",
                          num_splits)):
     if not ok:
-      raise ValueError(f"mosaic_paged_attention: {what} must be an int >= "
+      raise ValueError(f"{name}: {what} must be an int >= "
                        f"{2 if what == 'slots' else 1}, got {got!r}")
   bad = unsupported(q4.shape, q4.dtype, k_pages.shape, slots=slots, block_keys=block_keys,
                     values_dim=None if v_pages is None else v_pages.shape[-1])
   if bad:
-    raise bad[0](f"mosaic_paged_attention: {bad[1]}")
+    raise bad[0](f"{name}: {bad[1]}")
 
 
-def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
+def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
           v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
-  """One (KV head, sequence, split): stream the split's blocks of pages.
-  glob_ref [2] int32: the pools' layer and the window (0: none), either traced."""
-  Q, G, D, ps, ppb, slots, num_splits, scale = dims
+  """One (KV head, work item, split): stream the split's blocks of pages.
+  item_ref [I, 3] int32: the item's sequence, the position of its row 0's
+  query and the end of its keys (0: an empty item); glob_ref [2] int32:
+  the pools' layer and the window (0: none), either traced."""
+  G, D, ps, ppb, slots, num_splits, scale = dims
   keys = ps * ppb
-  kh, b, split = lax.axis_index("heads"), lax.axis_index("seqs"), lax.axis_index("splits")
+  kh, i, split = lax.axis_index("heads"), lax.axis_index("items"), lax.axis_index("splits")
   layer, window = glob_ref[0], glob_ref[1]
-  length = len_ref[b]
+  b, pos0, end = item_ref[i, 0], item_ref[i, 1], item_ref[i, 2]
   # Blocks wholly before every row's window are skipped.
   first_blk = jnp.where(window > 0,
-                        lax.div(jnp.maximum(length - Q - window + 1, 0), jnp.int32(keys)), 0)
-  last_blk = lax.div(length + keys - 1, jnp.int32(keys))
-  per = lax.div(last_blk - first_blk + num_splits - 1, jnp.int32(num_splits))
+                        lax.div(jnp.maximum(pos0 - window + 1, 0), jnp.int32(keys)), 0)
+  last_blk = lax.div(end + keys - 1, jnp.int32(keys))
+  per = lax.div(jnp.maximum(last_blk - first_blk, 0) + num_splits - 1, jnp.int32(num_splits))
   lo = first_blk + split * per
   hi = jnp.minimum(lo + per, last_blk)
-  plgpu.copy_gmem_to_smem(q_ref.at[b, kh], q_smem, q_bar.at[0])
+  plgpu.copy_gmem_to_smem(q_ref.at[i, kh], q_smem, q_bar.at[0])
 
   def issue(blk, slot):
     for j in range(ppb):
@@ -150,7 +155,7 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref,
   wg = plgpu.Layout.WGMMA
   row = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 0, layout=wg)
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 1, layout=wg)
-  q_pos = length - Q + lax.div(row, jnp.int32(G))
+  q_pos = pos0 + lax.div(row, jnp.int32(G))
 
   def step(blk, carry):
     acc, m_i, l_i = carry
@@ -162,7 +167,8 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref,
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
     k_pos = blk * keys + col
-    visible = (k_pos <= q_pos) & ((window == 0) | (q_pos - k_pos < window))  # keys < length too
+    # Causal: keys < end too for every row that is a query (padding rows are dropped).
+    visible = (k_pos <= q_pos) & (k_pos < end) & ((window == 0) | (q_pos - k_pos < window))
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
     p_smem[...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
@@ -178,8 +184,8 @@ def _body(dims, q_ref, k_ref, v_ref, len_ref, tab_ref, glob_ref, o_ref, lse_ref,
 
   o_smem[...], lse_smem[...] = finish(*lax.fori_loop(lo, hi, step, softmax_init(D)))
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, b, kh])
-  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, kh])
+  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[split, i, kh])
+  plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, i, kh])
   plgpu.wait_smem_to_gmem(0)
 
 
@@ -227,6 +233,52 @@ def merge_lse(o, lse, sinks=None, group=1):
   return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
+def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, scale,
+           num_splits, slots, block_keys, interpret):
+  """The kernel over work items: rows [I, K, ROWS, D] (item i's query rows
+  of each KV head, row = token * G + query head in the group), pools [L, K,
+  P, ps, D], items [I, 3] int32 (sequence, position of row 0's query, end
+  of its keys), page_indices [B, pages] -> (normalised outputs [W, I, K,
+  ROWS, D], log-sum-exps [W, I, K, ROWS]) of the W = num_splits splits,
+  float32 (`merge_lse` joins them)."""
+  I, K, _, D = rows.shape
+  ps = k_pages.shape[-2]
+  ppb = pages_per_block(ps, block_keys)
+  table = page_indices.astype(jnp.int32)
+  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
+  keys = ps * ppb
+  tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  dims = (G, D, ps, ppb, slots, num_splits, float(scale))
+  kernel = plgpu.kernel(
+      lambda *refs: _body(dims, *refs),
+      out_type=(jax.ShapeDtypeStruct((num_splits, I, K, ROWS, D), jnp.float32),
+                jax.ShapeDtypeStruct((num_splits, I, K, ROWS), jnp.float32)),
+      scratch_types=(plgpu.SMEM((ROWS, D), rows.dtype, transforms=tiles),
+                     plgpu.SMEM((slots, keys, D), rows.dtype, transforms=tiles),
+                     plgpu.SMEM((slots, keys, D), rows.dtype, transforms=tiles),
+                     plgpu.SMEM((ROWS, keys), rows.dtype, transforms=tiles),
+                     plgpu.SMEM((ROWS, D), jnp.float32),
+                     plgpu.SMEM((ROWS,), jnp.float32),
+                     plgpu.Barrier(num_barriers=1),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots)),
+      grid=(K, I, num_splits), grid_names=("heads", "items", "splits"),
+      interpret=_INTERPRETER() if interpret else False)
+  glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+  return kernel(rows, k_pages, v_pages, items.astype(jnp.int32), table, glob)
+
+
+def stacked_pools(k_pages, v_pages, layer, name):
+  """Pools with a layer axis ([L, K, P, ps, D]) and the layer to read:
+  unstacked pools get one (layer 0)."""
+  if layer is None:
+    k_pages, v_pages, layer = k_pages[None], None if v_pages is None else v_pages[None], 0
+  if k_pages.ndim != 5:
+    raise ValueError(f"{name}: with layer, pools must be [L, K, P, page_size, D]"
+                     f", got {k_pages.shape}")
+  return k_pages, v_pages, layer
+
+
 def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_scale=None,
                            window=0, sinks=None, num_splits=1, slots=2, block_keys=MIN_KEYS,
                            layer=None, interpret=False):
@@ -241,43 +293,21 @@ def mosaic_paged_attention(q, k_pages, v_pages, lengths, page_indices, *, sm_sca
   """
   squeeze = q.ndim == 3
   q4 = q[:, None] if squeeze else q
-  if layer is None:
-    k_pages, v_pages, layer = k_pages[None], None if v_pages is None else v_pages[None], 0
-  if k_pages.ndim != 5:
-    raise ValueError(f"mosaic_paged_attention: with layer, pools must be [L, K, P, page_size, D]"
-                     f", got {k_pages.shape}")
+  k_pages, v_pages, layer = stacked_pools(k_pages, v_pages, layer, "mosaic_paged_attention")
   view = lambda x: None if x is None else jax.ShapeDtypeStruct(x.shape[1:], x.dtype)
   validate_paged(q4, view(k_pages), view(v_pages), lengths, page_indices, window=window,
                  sinks=sinks, name="mosaic_paged_attention")
-  _check(q4, k_pages, v_pages, slots, num_splits, block_keys)
+  check_call(q4, k_pages, v_pages, slots, num_splits, block_keys)
   B, Q, N, D = q4.shape
-  _, K, _, ps, _ = k_pages.shape
-  G, ppb = N // K, pages_per_block(ps, block_keys)
+  K = k_pages.shape[1]
+  G = N // K
   scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
   rows = q4.reshape(B, Q, K, G, D).transpose(0, 2, 1, 3, 4).reshape(B, K, Q * G, D)
   rows = jnp.pad(rows, ((0, 0), (0, 0), (0, ROWS - Q * G), (0, 0)))
-  table = page_indices.astype(jnp.int32)
-  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
-  keys = ps * ppb
-  tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  dims = (Q, G, D, ps, ppb, slots, num_splits, float(scale))
-  kernel = plgpu.kernel(
-      lambda *refs: _body(dims, *refs),
-      out_type=(jax.ShapeDtypeStruct((num_splits, B, K, ROWS, D), jnp.float32),
-                jax.ShapeDtypeStruct((num_splits, B, K, ROWS), jnp.float32)),
-      scratch_types=(plgpu.SMEM((ROWS, D), q4.dtype, transforms=tiles),
-                     plgpu.SMEM((slots, keys, D), q4.dtype, transforms=tiles),
-                     plgpu.SMEM((slots, keys, D), q4.dtype, transforms=tiles),
-                     plgpu.SMEM((ROWS, keys), q4.dtype, transforms=tiles),
-                     plgpu.SMEM((ROWS, D), jnp.float32),
-                     plgpu.SMEM((ROWS,), jnp.float32),
-                     plgpu.Barrier(num_barriers=1),
-                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
-                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots)),
-      grid=(K, B, num_splits), grid_names=("heads", "seqs", "splits"),
-      interpret=_INTERPRETER() if interpret else False)
-  glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
-  o, lse = kernel(rows, k_pages, v_pages, lengths.astype(jnp.int32), table, glob)
+  lengths = lengths.astype(jnp.int32)
+  items = jnp.stack([jnp.arange(B, dtype=jnp.int32), lengths - Q, lengths], axis=1)
+  o, lse = launch(rows, k_pages, v_pages, items, page_indices, layer, window, G=G, scale=scale,
+                  num_splits=num_splits, slots=slots, block_keys=block_keys, interpret=interpret)
   out = merge_lse(o, lse, sinks, G)[:, :, :Q * G]
   out = out.reshape(B, K, Q, G, D).transpose(0, 2, 1, 3, 4).reshape(B, Q, N, D).astype(q.dtype)
   return out[:, 0] if squeeze else out

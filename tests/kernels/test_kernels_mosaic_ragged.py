@@ -1,0 +1,181 @@
+"""The Mosaic GPU ragged (mixed prefill + decode) kernel: its work items
+(plain jnp, every jax line), parity with the float32 reference in Mosaic
+GPU's interpret mode on CPU (jax >= 0.11; `TestMosaicRaggedGpu` runs the
+same cases compiled where a GPU is present), named errors, and the H100
+compile of the gate's mixed-step cases with shared memory and planned HBM
+bytes."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from benchlib import gpu_cases
+import pallas_kernels as pk
+from conftest import ON_GPU
+from jaxinfer import gpu_compile
+from pallas_kernels import mosaic_paged_attention as mpa
+from pallas_kernels import mosaic_ragged_attention as mra
+
+CASES = [  # N, K, D, ps, pps, q_lens, kv_lens, pad tokens, extra
+    (8, 2, 64, 16, 8, [1, 37, 5, 1], [40, 100, 5, 128], 3, {}),        # decode + chunks + padding
+    (4, 1, 64, 16, 6, [20, 1], [90, 33], 0, dict(window=24, sinks=True)),  # window hides blocks
+    (8, 2, 128, 16, 10, [3, 1, 18], [150, 160, 18], 2, dict(num_splits=3)),  # split-K
+    (16, 1, 64, 32, 4, [9, 0, 1], [70, 0, 128], 1, dict(slots=3)),    # GQA 16: 4 tokens an item
+    (2, 2, 64, 8, 12, [70, 2], [96, 2], 0, dict(layered=True)),       # MHA: 64 tokens an item
+]
+
+
+def _inputs(rng, N, K, D, ps, pps, q_lens, kv_lens, pad, layers=0):
+  B = len(q_lens)
+  T = sum(q_lens) + pad
+  P = B * pps + 2
+  pool = (layers, K, P, ps, D) if layers else (K, P, ps, D)
+  q = jnp.asarray(rng.normal(size=(T, N, D)), jnp.bfloat16)
+  kp = jnp.asarray(rng.normal(size=pool), jnp.bfloat16)
+  vp = jnp.asarray(rng.normal(size=pool), jnp.bfloat16)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  table = jnp.asarray(rng.permutation(P)[:B * pps].reshape(B, pps), jnp.int32)
+  return q, kp, vp, jnp.asarray(kv_lens, jnp.int32), table, cu
+
+
+@pytest.mark.parametrize("group,q_lens,kv_lens,T", [
+    (4, [1, 37, 5, 1], [40, 100, 5, 128], 47), (16, [9, 0, 1], [70, 0, 128], 11),
+    (1, [130, 1], [200, 1], 140), (64, [1] * 8, [3] * 8, 8)])
+def test_work_items_hold_every_token_once(group, q_lens, kv_lens, T):
+  """Each real token is in exactly one item, at its own position; the
+  static item bound holds; unused items are empty (end 0)."""
+  per = mra.tokens_per_item(group)
+  I = mra.max_items(T, len(q_lens), group)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  items, first, item_cu = map(np.asarray, mra.work_items(
+      cu, jnp.asarray(kv_lens, jnp.int32), per_item=per, num_items=I))
+  assert int(item_cu[-1]) <= I
+  held = {}
+  for i, (b, pos0, end) in enumerate(items):
+    assert 0 <= end - pos0 <= per if end else True
+    for u in range(end - pos0 if end else 0):
+      t = int(first[i]) + u
+      assert t not in held
+      held[t] = (b, pos0 + u)
+  want = {int(cu[b]) + r: (b, kv_lens[b] - q_lens[b] + r)
+          for b in range(len(q_lens)) for r in range(q_lens[b])}
+  assert held == want
+
+
+def _rel(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(out).all(), "NaN/inf in kernel output"
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
+
+
+if mpa.available() is None:
+
+  class TestMosaicRagged:
+    interpret = True
+
+    @pytest.mark.parametrize("case", range(len(CASES)))
+    def test_matches_reference(self, case):
+      N, K, D, ps, pps, q_lens, kv_lens, pad, extra = CASES[case]
+      extra = dict(extra)
+      rng = np.random.default_rng(case)
+      layers = 3 if extra.pop("layered", False) else 0
+      q, kp, vp, kl, table, cu = _inputs(rng, N, K, D, ps, pps, q_lens, kv_lens, pad, layers)
+      sinks = jnp.asarray(rng.normal(size=(N,)), jnp.float32) if extra.pop("sinks", 0) else None
+      max_q = max(q_lens)
+      layer = jnp.int32(1) if layers else None
+      out = jax.jit(lambda q, kp, vp, kl, table, cu, layer: mra.mosaic_ragged_attention(
+          q, kp, vp, kl, table, cu, max_q=max_q, sinks=sinks, layer=layer,
+          interpret=self.interpret, **extra))(q, kp, vp, kl, table, cu, layer)
+      f32 = lambda x: x.astype(jnp.float32)
+      kp1, vp1 = (kp[1], vp[1]) if layers else (kp, vp)
+      ref = pk.ragged_paged_attention_reference(f32(q), f32(kp1), f32(vp1), kl, table, cu,
+                                                max_q=max_q, sinks=sinks,
+                                                window=extra.get("window", 0))
+      assert out.shape == q.shape and out.dtype == q.dtype
+      assert _rel(out, ref) <= 2e-2
+      if pad:
+        assert not np.asarray(out[-pad:], np.float32).any()
+
+    @pytest.mark.parametrize("change,exc,match", [
+        (dict(dtype=jnp.float32), TypeError, "bfloat16 or float16"),
+        (dict(D=80), ValueError, "multiple of 64"),
+        (dict(N=130, K=1), ValueError, "130 > 64 rows"),
+        (dict(cu=3), ValueError, "cu_q_lens"),
+        (dict(max_q=0), ValueError, "max_q"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+    ])
+    def test_bad_inputs_are_named(self, change, exc, match):
+      dims = dict(N=4, K=2, D=64, dtype=jnp.bfloat16, cu=2, max_q=2)
+      kw = {k: change.pop(k) for k in ("num_splits",) if k in change}
+      dims.update(change)
+      q = jnp.zeros((3, dims["N"], dims["D"]), dims["dtype"])
+      pages = jnp.zeros((dims["K"], 4, 16, dims["D"]), dims["dtype"])
+      with pytest.raises(exc, match=f"mosaic_ragged_attention: .*{match}"):
+        mra.mosaic_ragged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
+                                    jnp.zeros((1, 4), jnp.int32),
+                                    jnp.arange(dims["cu"], dtype=jnp.int32),
+                                    max_q=dims["max_q"], interpret=True, **kw)
+
+  if ON_GPU:
+
+    class TestMosaicRaggedGpu(TestMosaicRagged):
+      interpret = False
+
+  GATE = [c for c in gpu_cases.CASES
+          if c.kernel == "ragged" and c.D == c.Dv and not c.kv_dtype and "h100" in c.gpus]
+
+  def _planned_keys(case):
+    """Keys the kernel's blocks read for the case's step (the prefill chunk
+    at the end of its context, the rest decode), and the minimum (each KV
+    byte once per KV head)."""
+    G = case.N // case.K
+    per = mra.tokens_per_item(G)
+    keys = case.ps * mpa.pages_per_block(case.ps)
+    blocks = lambda end: -(-end // keys) * keys
+    chunk = case.prefill_tokens
+    start = case.ctx - chunk
+    prefill = sum(blocks(start + min(chunk, (j + 1) * per)) for j in range(-(-chunk // per)))
+    return (case.B - 1) * blocks(case.ctx) + prefill, case.B * case.ctx
+
+  @pytest.mark.parametrize("case", GATE, ids=lambda c: c.name)
+  def test_gate_mixed_steps_compile_on_mosaic(case):
+    """Every unquantized GQA mixed-step case of the H100 gate (`gpu_cases`:
+    a 512+-token chunk beside decode rows, 32k-page stacked pools) compiles
+    on the Mosaic kernel within Hopper's shared memory. Planned HBM bytes:
+    decode rows read each KV byte once per KV head; the chunk's items each
+    stream the keys up to their last query (FlashAttention's query blocks of
+    64 // G tokens), and the test pins that sum."""
+    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
+    s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    c = case
+    pool = (c.layers, c.K, gpu_cases.POOL_PAGES, c.ps, c.D)
+    args = (s((c.T, c.N, c.D)), s(pool), s(pool), s((c.B,), jnp.int32),
+            s((c.B, c.pages_per_seq), jnp.int32), s((c.B + 1,), jnp.int32),
+            s((c.N,), jnp.float32) if c.sinks else None, s((), jnp.int32))
+    fn = lambda q, kp, vp, kl, tab, cu, sinks, layer: mra.mosaic_ragged_attention(
+        q, kp, vp, kl, tab, cu, max_q=c.prefill_tokens, window=c.window, sinks=sinks,
+        layer=layer, sm_scale=1 / math.sqrt(c.D))
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(fn).lower(*args)
+    assert "mosaic_gpu" in lowered.as_text()
+    lowered.compile()
+    assert mpa.smem_bytes(c.D, c.ps, 2) <= mpa.SMEM_BYTES
+    planned, minimum = _planned_keys(c)
+    decode_only = (c.B - 1) * -(-c.ctx // 64) * 64
+    assert decode_only <= 1.1 * (c.B - 1) * c.ctx
+    assert minimum < planned <= minimum * (1 + c.prefill_tokens // mra.tokens_per_item(
+        c.N // c.K) / c.B), planned / minimum
+
+else:
+
+  def test_older_jax_gets_a_named_error():
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match=r"jax >= 0.11 needed"):
+      mra.mosaic_ragged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
+                                  jnp.zeros((1, 4), jnp.int32), jnp.asarray([0, 2], jnp.int32),
+                                  max_q=2)
