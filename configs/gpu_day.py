@@ -17,5 +17,7 @@ def get_config() -> config_dict.ConfigDict:
   c.dry_run = False  # CPU, tiny shapes, Pallas interpreted
   c.budget_s = 450.0  # the whole run's time box, seconds
   c.parts = ("tests", "kernels", "engine")  # subset of tests,kernels,engine
+  # the kernels part's kernels, in this order (first measured first)
+  c.kernels = ("flash", "paged", "mla", "ragged", "qmatmul", "gmm")
   c.lock()
   return c

@@ -12,7 +12,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/kernel_bench.py"
-  c.kernels = ("flash", "paged", "mla", "ragged", "qmatmul")
+  c.kernels = ("flash", "paged", "mla", "ragged", "qmatmul", "gmm")
   c.shapes = "default"
   c.dtype = config_dict.placeholder(str)  # input dtype (default: bfloat16 on GPU, else float32)
   c.interpret = config_dict.placeholder(bool)

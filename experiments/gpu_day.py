@@ -26,13 +26,15 @@ import time  # noqa: E402
 
 from absl import app, flags  # noqa: E402
 
-from benchlib import cli, flag_config, gpu_day  # noqa: E402
+from benchlib import cli, flag_config, gpu_day, kernels  # noqa: E402
 
 _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__), "results", "gpu"),
                                "where the JSON, plot and logs go")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "CPU, tiny shapes, Pallas interpreted")
 _BUDGET_S = flags.DEFINE_float("budget_s", 450.0, "the whole run's time box, seconds")
 _PARTS = flags.DEFINE_list("parts", list(gpu_day.PARTS), f"subset of {','.join(gpu_day.PARTS)}")
+_KERNELS = flags.DEFINE_list("kernels", list(kernels.KERNELS),
+                             "the kernels part's kernels, in this order (first measured first)")
 # Set by the run for the process of one part; not for users.
 _PART = flags.DEFINE_enum("part", None, list(gpu_day.PARTS), "internal: run this part only")
 _PART_JSON = flags.DEFINE_string("part_json", None, "internal: the part's JSON file")
@@ -51,7 +53,8 @@ def run_part():
   record = {}
   save = lambda: gpu_day.write_json(_PART_JSON.value, record)
   if _PART.value == "kernels":
-    gpu_day.run_kernels_part(record, save, deadline=deadline, dry_run=_DRY_RUN.value)
+    gpu_day.run_kernels_part(record, save, deadline=deadline, dry_run=_DRY_RUN.value,
+                             which=_KERNELS.value)
   else:
     kernels = gpu_day.read_json(_ROOFLINE_JSON.value) if _ROOFLINE_JSON.value else None
     gpu_day.run_engine_part(record, save, deadline=deadline, dry_run=_DRY_RUN.value,
@@ -62,7 +65,7 @@ def _spawn(part, part_json, deadline, roofline_json):
   """The part in a child process, killed past its deadline -> (status, returncode)."""
   cmd = [sys.executable, os.path.abspath(__file__), f"--part={part}", f"--part_json={part_json}",
          f"--deadline_in_s={max(deadline - time.monotonic(), 1.0):.1f}",
-         f"--dry_run={_DRY_RUN.value}"]
+         f"--dry_run={_DRY_RUN.value}", f"--kernels={','.join(_KERNELS.value)}"]
   if roofline_json:
     cmd.append(f"--roofline_json={roofline_json}")
   # jaxinfer from this checkout, benchlib for the part and its pytest child.
@@ -88,6 +91,9 @@ def main(argv):
   unknown = set(_PARTS.value) - set(gpu_day.PARTS)
   if unknown:
     raise app.UsageError(f"--parts: unknown {sorted(unknown)}; choose from {gpu_day.PARTS}")
+  unknown = set(_KERNELS.value) - set(kernels.KERNELS)
+  if unknown:
+    raise app.UsageError(f"--kernels: unknown {sorted(unknown)}; choose from {kernels.KERNELS}")
   os.makedirs(_OUT_DIR.value, exist_ok=True)
   env = gpu_day.environment()
   if not _DRY_RUN.value and env["platform"] != "gpu":

@@ -3,11 +3,18 @@
 One small frozen value, held by `ModelConfig.backend` (so static in every
 jitted step) and handed unchanged to every `jaxinfer.ops` call:
 
-  attention  "xla" (pure JAX), "pallas" (`pallas_kernels`), "mosaic"
-             (opt-in, Hopper, jax >= 0.11: "pallas", but decode-only paged
-             steps on the Mosaic GPU kernels where they take the shapes,
-             `ops.mosaic_decode_kernel`), or None: Pallas for a GPU target,
-             XLA otherwise.
+  attention  "xla" (pure JAX), "pallas" (`pallas_kernels`, Pallas
+             Triton on GPUs), "mosaic" (Hopper, jax >= 0.11: paged steps on
+             the Mosaic GPU kernels where they take the shapes,
+             `ops.mosaic_kernel`, the rest "pallas"), or None: "mosaic" for
+             a Hopper GPU target on a jax with Mosaic GPU, "pallas" for other
+             GPU targets (A100, jax 0.10), XLA otherwise.
+  grouped_matmul
+             the unquantized MoE expert matmul: "xla" (`lax.ragged_dot`),
+             "mosaic" (jax's Hopper kernel `ragged_dot_mgpu`, where
+             `ops.mosaic_grouped_matmul` takes the shapes), or None: "mosaic"
+             where attention None picks "mosaic", else "xla". Quantized
+             experts always take the Pallas quantized kernel on GPUs.
   target     the device the program is built for: "gpu" (Pallas kernels
              compiled through Triton, even when this process runs on CPU:
              programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -17,7 +24,10 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
 The target is part of the value, not read from the process, because a
 program's kernels must match the devices it is compiled for, and a CPU
 process can build GPU programs. Bad values raise ValueError on construction.
-This module imports nothing from jaxinfer: `config` and `ops` both hold it.
+The default resolution happens when a program is traced (`attention_kernel`),
+so a CPU process building for a compile-only H100 (`jaxinfer.gpu_compile`)
+gets what the H100 would. This module imports nothing from jaxinfer:
+`config` and `ops` both hold it.
 """
 
 from __future__ import annotations
@@ -26,8 +36,29 @@ import dataclasses
 
 import jax
 
+from pallas_kernels import mosaic_paged_attention
+
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
+GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
+HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
+
+
+def hopper_target() -> bool:
+  """Whether the GPU programs are built for now is a Hopper: inside
+  `gpu_compile.lowering` the compile target's device (the abstract mesh's),
+  else this process's first GPU (compute capability 9.x)."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if device is not None:
+    return any(kind in device.device_kind for kind in HOPPER_KINDS)
+  gpus = [d for d in jax.devices() if d.platform == "gpu"]
+  return bool(gpus) and str(getattr(gpus[0], "compute_capability", "")).startswith("9.")
+
+
+def mosaic_default() -> bool:
+  """Whether attention None picks "mosaic" for a GPU target: this jax has
+  Mosaic GPU kernels and the target is a Hopper."""
+  return mosaic_paged_attention.available() is None and hopper_target()
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,11 +68,15 @@ class Backend:
 
   attention: str | None = None
   target: str | None = None
+  grouped_matmul: str | None = None
 
   def __post_init__(self):
     if self.attention is not None and self.attention not in ATTENTION_KERNELS:
       raise ValueError(f"Backend.attention must be None or one of {ATTENTION_KERNELS}, "
                        f"got {self.attention!r}")
+    if self.grouped_matmul is not None and self.grouped_matmul not in GROUPED_MATMULS:
+      raise ValueError(f"Backend.grouped_matmul must be None or one of {GROUPED_MATMULS}, "
+                       f"got {self.grouped_matmul!r}")
     if self.target is not None and self.target not in TARGETS:
       raise ValueError(f"Backend.target must be None or one of {TARGETS}, got {self.target!r}")
 
@@ -58,8 +93,19 @@ class Backend:
     return self.resolved_target() == "gpu"
 
   def attention_kernel(self) -> tuple[str, bool]:
-    """-> (attention kernel, interpret): `attention`, or for None Pallas on a
-    GPU target and XLA otherwise; Pallas kernels are interpreted unless the
-    target is "gpu"."""
+    """-> (attention kernel, interpret): `attention`, or for None on a GPU
+    target "mosaic" where `mosaic_default()` holds, else "pallas", and XLA
+    otherwise; kernels are interpreted unless the target is "gpu"."""
     gpu = self.on_gpu()
-    return self.attention or ("pallas" if gpu else "xla"), not gpu
+    if self.attention:
+      return self.attention, not gpu
+    if not gpu:
+      return "xla", True
+    return ("mosaic" if mosaic_default() else "pallas"), False
+
+  def grouped_matmul_kernel(self) -> str:
+    """The unquantized MoE matmul: `grouped_matmul`, or for None "mosaic"
+    on a GPU target where `mosaic_default()` holds, else "xla"."""
+    if self.grouped_matmul:
+      return self.grouped_matmul
+    return "mosaic" if self.on_gpu() and mosaic_default() else "xla"

@@ -9,9 +9,11 @@ None: the process's default backend).
 With a GPU target and attention None, a shape the GPU kernel cannot tile
 (`paged_attention.tile_error`) runs the XLA path instead; an explicit
 "pallas" raises the kernel's ValueError. GPU tiling of the paged kernel comes
-from shapes alone (`paged_tiling`). "mosaic" sends decode-only paged steps to
-the Mosaic GPU kernels where they take the shapes (`mosaic_decode_kernel`),
-every other step to "pallas".
+from shapes alone (`paged_tiling`). "mosaic" (None's choice on a Hopper
+target with jax >= 0.11) sends paged steps to the Mosaic GPU kernels where
+they take the shapes (`mosaic_kernel`), every other step to "pallas"; the
+unquantized MoE matmul goes to jax's `ragged_dot_mgpu` under the Backend's
+grouped_matmul "mosaic" (`grouped_matmul`, `mosaic_grouped_matmul`).
 
   causal_attention        full causal self-attention (prefill without a cache)
   attention               queries at arbitrary positions over a padded KV range (XLA)
@@ -32,8 +34,14 @@ from jaxinfer.kv.pool import kernel_dims
 import pallas_kernels
 from pallas_kernels import mosaic_mla_attention as mosaic_mla
 from pallas_kernels import mosaic_paged_attention as mosaic
+from pallas_kernels import mosaic_ragged_attention as mosaic_ragged
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
+
+try:  # jax's Hopper grouped matmul (Mosaic GPU; jax >= 0.11 takes it on Hopper)
+  from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _ragged_dot_mgpu
+except ImportError:  # a jax without it
+  _ragged_dot_mgpu = None
 
 _BLOCK_Q, _BLOCK_K = 64, 128  # XLA attention blocks (queries, keys)
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
@@ -59,6 +67,39 @@ def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block, packed=Non
   return pallas_kernels.quantized_grouped_matmul(xs, codes, scale, group_sizes, block=block,
                                                  packed=packed, scale2=scale2,
                                                  interpret=not backend.on_gpu())
+
+
+def mosaic_grouped_matmul(xs_shape, w_shape, dtype, w_dtype) -> tuple[dict | None, str | None]:
+  """(ragged_dot_mgpu's tiling, None) when jax's Hopper grouped matmul
+  takes xs [R, In] times w [E, In, Out], else (None, why): same bfloat16 /
+  float16 dtypes, In a multiple of 64, Out of 64, a jax that has it."""
+  if _ragged_dot_mgpu is None:
+    return None, f"jax {jax.__version__} has no Mosaic GPU ragged_dot (jax >= 0.11 needed)"
+  if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or jnp.dtype(w_dtype) != jnp.dtype(dtype):
+    return None, f"xs {jnp.dtype(dtype)} and w {jnp.dtype(w_dtype)} must be one of bf16 / f16"
+  In, Out = w_shape[-2:]
+  if In % 64 or Out % 64:
+    return None, f"w's [In, Out] = [{In}, {Out}] must be multiples of 64"
+  block_n = 128 if Out % 128 == 0 else 64
+  return dict(block_m=64, block_n=block_n, block_k=64, max_concurrent_steps=4,
+              grid_block_n=1), None
+
+
+def grouped_matmul(xs, w, group_sizes, *, backend: Backend = Backend()):
+  """`lax.ragged_dot` of xs [R, In] (rows sorted by expert, group_sizes [E])
+  with the experts' w [E, In, Out] -> [R, Out]; rows past sum(group_sizes)
+  are 0. Under grouped_matmul "mosaic" (`Backend.grouped_matmul_kernel`),
+  jax's Hopper kernel `ragged_dot_mgpu` where `mosaic_grouped_matmul`
+  takes the shapes (TMA + wgmma, persistent over the SMs) on a GPU target,
+  else XLA's (the Mosaic kernel has no interpreter: a CPU target runs XLA)."""
+  if backend.grouped_matmul_kernel() == "mosaic" and backend.on_gpu():
+    tiling, _ = mosaic_grouped_matmul(xs.shape, w.shape, xs.dtype, w.dtype)
+    if tiling is not None:
+      out = _ragged_dot_mgpu.ragged_dot(xs, w, group_sizes=group_sizes.astype(jnp.int32),
+                                        **tiling)
+      rows = jnp.arange(xs.shape[0], dtype=jnp.int32)[:, None]
+      return jnp.where(rows < jnp.sum(group_sizes), out, 0)  # the kernel leaves them unwritten
+  return jax.lax.ragged_dot(xs, w, group_sizes)
 
 
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
@@ -132,6 +173,37 @@ def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
   return xla_attention.dense(q, k, v, q_positions, kv_lengths, window, sinks, scale)
 
 
+def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
+                 values_dim=None, latent_dim=None, window=0, sinks: bool = False,
+                 quantized: bool = False,
+                 backend: Backend = Backend()) -> tuple[str, bool, dict]:
+  """The kernel `ragged_paged_attention` runs a step on, from shapes alone:
+  -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
+  (`mosaic_kernel`), "pallas", or "xla" (the choice, or attention None's
+  fallback where `tile_error` says the GPU kernel cannot tile the shapes).
+  Arguments as `mosaic_kernel`'s; page_table_shape [B, pages_per_seq]."""
+  impl, interpret = backend.attention_kernel()
+  if impl == "mosaic":
+    kernel, _ = mosaic_kernel(q_shape, dtype, k_pages_shape, values_dim=values_dim,
+                              latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
+                              quantized=quantized)
+    if kernel:
+      return f"mosaic_{kernel}", interpret, {}
+    impl = "pallas"
+  if impl != "pallas" or interpret:
+    return impl, interpret, {}
+  page_size, kv_heads = k_pages_shape[-2], k_pages_shape[-4]
+  dv = latent_dim if values_dim is None else values_dim
+  tiling = paged_tiling(page_table_shape[0], kv_heads, page_table_shape[1], page_size,
+                        num_q_heads=q_shape[1], max_q=max_q, head_dim=q_shape[-1],
+                        value_dim=dv, values_from_keys=values_dim is None,
+                        quantized_kv=quantized)
+  if backend.attention is None and tile_error(q_shape[-1], dv, page_size,
+                                              tiling["pages_per_compute_block"]):
+    return "xla", interpret, {}
+  return "pallas", interpret, tiling
+
+
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
                            k_scale=None, v_scale=None, backend: Backend = Backend()):
@@ -152,31 +224,20 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
-  "mosaic": decode-only steps (max_q 1) on `mosaic_paged_attention` (GQA)
-  or `mosaic_mla_attention` (MLA's latent pool) where their `unsupported`
-  finds nothing against the shapes; other steps "pallas".
+  "mosaic" (the default on a Hopper target, `Backend`): GQA steps on
+  `mosaic_paged_attention` (decode-only) or `mosaic_ragged_attention`
+  (mixed), decode-only MLA steps on `mosaic_mla_attention`, where their
+  `unsupported` finds nothing against the shapes (`mosaic_kernel`); other
+  steps "pallas".
   """
-  impl, interpret = backend.attention_kernel()
-  if impl == "mosaic":
-    out = _mosaic_decode(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                         sinks, scale, v_head_dim, layer, k_scale, interpret)
-    if out is not None:
-      return out
-    impl = "pallas"
-  if impl == "pallas":
-    tiling = {}
-    if not interpret:
-      dims = kernel_dims(k_pages)
-      page_size = dims["slot"]
-      dv = v_head_dim if v_pages is None else v_pages.shape[-1]
-      tiling = paged_tiling(page_table.shape[0], dims["kv_head"], page_table.shape[1],
-                            page_size, num_q_heads=q.shape[1], max_q=max_q,
-                            head_dim=q.shape[-1], value_dim=dv, values_from_keys=v_pages is None,
-                            quantized_kv=k_scale is not None)
-      why = tile_error(q.shape[-1], dv, page_size, tiling["pages_per_compute_block"])
-      if why and backend.attention is None:
-        impl = "xla"
-  if impl == "pallas":
+  kernel, interpret, tiling = paged_kernel(
+      q.shape, q.dtype, k_pages.shape, page_table.shape, max_q=max_q,
+      values_dim=None if v_pages is None else v_pages.shape[-1], latent_dim=v_head_dim,
+      window=window, sinks=sinks is not None, quantized=k_scale is not None, backend=backend)
+  if kernel.startswith("mosaic"):
+    return _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
+                        window, sinks, scale, v_head_dim, layer, interpret)
+  if kernel == "pallas":
     return pallas_kernels.ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
         window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, k_scale=k_scale,
@@ -189,10 +250,16 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
                            window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
 
 
-def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks, scale,
-                   layer, interpret):
-  """A decode-only step (one token a sequence) on the Mosaic GPU kernel:
-  tokens laid out per sequence, attended, and put back in token order."""
+def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
+                   scale, layer, interpret):
+  """A GQA step on the Mosaic GPU kernels: decode-only steps (one token a
+  sequence) laid out per sequence on `mosaic_paged_attention` with split-K
+  for small batches; any other step on `mosaic_ragged_attention`'s work
+  items."""
+  if max_q > 1:
+    return mosaic_ragged.mosaic_ragged_attention(
+        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
+        window=window, sinks=sinks, layer=layer, interpret=interpret)
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
   dims = kernel_dims(k_pages)
   splits = 1
@@ -205,25 +272,27 @@ def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, 
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 
-def mosaic_decode_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=None,
-                         max_q: int = 1, window=0, sinks: bool = False,
-                         quantized: bool = False) -> tuple[str | None, str | None]:
-  """Which Mosaic GPU kernel takes a paged step under
-  `Backend(attention="mosaic")`: ("mla", None) for MLA's latent pool on
-  `mosaic_mla_attention`, ("gqa", None) for GQA pages on
-  `mosaic_paged_attention`, or (None, why) when neither does (the step then
-  runs "pallas"). Only decode-only steps (max_q 1) qualify.
+def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=None,
+                  max_q: int = 1, window=0, sinks: bool = False,
+                  quantized: bool = False) -> tuple[str | None, str | None]:
+  """Which Mosaic GPU kernel takes a paged step where the attention kernel
+  is "mosaic": ("gqa", None) for GQA pages (`mosaic_paged_attention` for
+  decode-only steps, `mosaic_ragged_attention` for mixed ones), ("mla",
+  None) for a decode-only step over MLA's latent pool
+  (`mosaic_mla_attention`), or (None, why) when none does (the step then
+  runs "pallas").
 
   q_shape [T, N, Hk] (the step's tokens); k_pages_shape [(L,) K, P,
   page_size, Hk]; values_dim: the value pages' head dim, or None for MLA's
   latent pool (keys and values in one pool, the values its first latent_dim
-  columns); window: an int, or a traced one (a scanned layer's); sinks:
-  the layer has attention sinks; quantized: fp8 / int8 pages. The MLA
-  kernel takes no window, sinks or quantized pages."""
-  if max_q != 1:
-    return None, f"max_q {max_q} > 1: not a decode-only step"
+  columns); max_q: the step's most query tokens a sequence; window: an int,
+  or a traced one (a scanned layer's); sinks: the layer has attention
+  sinks; quantized: fp8 / int8 pages. The MLA kernel takes decode-only
+  steps without window, sinks or quantized pages."""
   page_size = k_pages_shape[-2]  # [..., K, P, page_size, Hk]
   if values_dim is None:
+    if max_q != 1:
+      return None, f"MLA step with max_q {max_q} > 1: the Mosaic MLA kernel decodes only"
     if not isinstance(window, int) or window or sinks or quantized:
       return None, "a window (or a traced one), sinks or quantized latent pages"
     bad = mosaic_mla.unsupported(q_shape[-1], latent_dim, page_size, dtype)
@@ -233,21 +302,14 @@ def mosaic_decode_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, late
   return ("gqa", None) if bad is None else (None, bad[1])
 
 
-def _mosaic_decode(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
-                   scale, v_head_dim, layer, k_scale, interpret):
-  """The step on the Mosaic GPU kernel `mosaic_decode_kernel` picks, or None
-  when it picks none."""
-  kernel, _ = mosaic_decode_kernel(
-      q.shape, q.dtype, k_pages.shape, values_dim=None if v_pages is None else v_pages.shape[-1],
-      latent_dim=v_head_dim, max_q=max_q, window=window, sinks=sinks is not None,
-      quantized=k_scale is not None)
-  if kernel == "mla":
+def _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
+                 sinks, scale, v_head_dim, layer, interpret):
+  """The step on the Mosaic GPU kernel `paged_kernel` picked."""
+  if kernel == "mosaic_mla":
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
                               layer, interpret)
-  if kernel == "gqa":
-    return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, window, sinks,
-                          scale, layer, interpret)
-  return None
+  return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
+                        sinks, scale, layer, interpret)
 
 
 def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,

@@ -40,7 +40,8 @@ _PLOT_RESERVE_S = 10.0
 # pytest selections: on a GPU the GPU subclasses of every kernel test file;
 # the dry run takes a few interpret-mode cases of the same files.
 TEST_FILES = ("tests/kernels/test_kernels_flash.py", "tests/kernels/test_kernels_paged.py",
-              "tests/kernels/test_kernels_quantized_matmul.py", "tests/kernels/test_kernels_mosaic.py")
+              "tests/kernels/test_kernels_quantized_matmul.py", "tests/kernels/test_kernels_mosaic.py",
+              "tests/kernels/test_kernels_mosaic_ragged.py", "tests/kernels/test_grouped_matmul.py")
 GPU_SELECTION = "Gpu"
 DRY_SELECTION = "not Gpu and (bf16_causal_window or lengths_edge_cases or test_bf16_activations)"
 _RESULT_LINE = re.compile(r"^(tests/\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
@@ -153,11 +154,13 @@ def run_tests_part(record: dict, save, *, deadline: float, dry_run: bool, repo_r
 # ----------------------------------------------------------------------------- kernels part
 
 
-def run_kernels_part(record: dict, save, *, deadline: float, dry_run: bool) -> None:
-  """The kernel sweep into `record` (kernels.sweep's result layout)."""
+def run_kernels_part(record: dict, save, *, deadline: float, dry_run: bool,
+                     which=kernels.KERNELS) -> None:
+  """The kernel sweep of `which` kernels, in that order, into `record`
+  (kernels.sweep's result layout)."""
   env, dev = kernels.bench_env()
   shapes, repeats, warmup = ("tiny", 2, 1) if dry_run else ("gpu_day", 10, 2)
-  record.update(kernels.new_result(env, dev, kernels=kernels.KERNELS, shapes=shapes,
+  record.update(kernels.new_result(env, dev, kernels=tuple(which), shapes=shapes,
                                    repeats=repeats, warmup=warmup))
   kernels.sweep(record, env, shapes=shapes, repeats=repeats, warmup=warmup, save=save,
                 deadline=deadline)

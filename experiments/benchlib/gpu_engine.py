@@ -79,15 +79,18 @@ CONVENTIONS = {
            "as decode at that batch; mean_accepted_length: tokens per sequence per verify step "
            "(Engine.stats, over the untimed and the timed run); same_tokens_as_plain: "
            "match_fraction against plain greedy decoding of the same prompts",
-    "mosaic": "decode under Backend attention mosaic (the Mosaic GPU kernels on decode-only "
-              "steps, Pallas elsewhere), same prompts as decode at that batch; kernel: "
-              "'mosaic' where ops.mosaic_decode_kernel picks a Mosaic kernel for the "
+    "mosaic": "decode under Backend(attention='mosaic', grouped_matmul='mosaic') (the "
+              "Mosaic GPU kernels on GQA steps and MLA decode steps, jax's ragged_dot_mgpu "
+              "for unquantized experts, Pallas / XLA elsewhere), same prompts as decode at "
+              "that batch; kernel: "
+              "'mosaic' where ops.mosaic_kernel picks a Mosaic kernel for the "
               "step's shapes, else why not (the step then ran Pallas); speedup_vs_pallas: "
               "tokens_per_s / decode's; identical / match_fraction: greedy tokens against "
               "decode's",
 }
 
-_PALLAS = Backend(attention="pallas")  # every run's kernels, Mosaic and XLA entries aside
+# every run's kernels, Mosaic and XLA entries aside (explicit: a Hopper's default is Mosaic)
+_PALLAS = Backend(attention="pallas", grouped_matmul="xla")
 _MIN_COMPILE_LEFT_S = 20.0  # never start a compile-heavy step with less left (real run)
 
 
@@ -422,8 +425,8 @@ class _Model:
   def mosaic(self, b: int) -> dict:
     """Decode at batch b under Backend attention "mosaic", against decode's run."""
     s = self.s
-    cfg = dataclasses.replace(self.cfg, backend=dataclasses.replace(self.cfg.backend,
-                                                                    attention="mosaic"))
+    cfg = dataclasses.replace(self.cfg, backend=dataclasses.replace(
+        self.cfg.backend, attention="mosaic", grouped_matmul="mosaic"))
     entry, got = _measure(cfg, self.params, s, b, s.prompt_len, s.new_tokens)
     entry.update(kernel=mosaic_kernel(cfg, s, b))
     plain = self.out["decode"].get(f"batch_{b}", {})
@@ -435,16 +438,16 @@ class _Model:
 
 def mosaic_kernel(cfg: ModelConfig, s: Shapes, batch: int) -> str:
   """'mosaic' when a decode step of this config runs a Mosaic GPU kernel,
-  else why not: `ops.mosaic_decode_kernel` asked with the step's shapes,
+  else why not: `ops.mosaic_kernel` asked with the step's shapes,
   as `ops.ragged_paged_attention` asks it."""
   window = 0 if cfg.window_choices() == (0,) else max(cfg.window_choices())
   if cfg.attention == "mla":  # one latent pool: the keys, the values its first R columns
     K, H, kw = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dict(latent_dim=cfg.kv_lora_rank)
   else:
     K, H, kw = cfg.num_kv_heads, cfg.head_dim, dict(values_dim=cfg.head_dim)
-  kernel, why = ops.mosaic_decode_kernel((batch, cfg.num_heads, H), cfg.compute_dtype(),
-                                         (K, batch, s.page_size, H), window=window,
-                                         sinks=cfg.attention_sinks, **kw)
+  kernel, why = ops.mosaic_kernel((batch, cfg.num_heads, H), cfg.compute_dtype(),
+                                  (K, batch, s.page_size, H), window=window,
+                                  sinks=cfg.attention_sinks, **kw)
   return "mosaic" if kernel else f"pallas ({why})"
 
 

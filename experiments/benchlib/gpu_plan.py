@@ -51,6 +51,7 @@ from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.sim.cost import param_counts
 
 TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
+MOSAIC_CALL = 'custom_call_target="mosaic_gpu'  # the Mosaic GPU kernels' (mosaic_gpu_v2)
 _GB = 1e9
 
 
@@ -383,7 +384,8 @@ def collectives(hlo: str) -> dict:
 
 def compile_program(lowered, hbm_bytes: float, pool=None) -> dict:
   """Compiles a Lowered step -> memory_analysis per device, peak vs HBM,
-  whether the Pallas kernels are in it (`TRITON_CALL`), `kernel_gathers`
+  whether the Pallas kernels are in it (`TRITON_CALL`), how many Mosaic GPU
+  kernel calls (`MOSAIC_CALL`: attention and grouped matmuls), `kernel_gathers`
   (of `pool`, the step's abstract page pool) and the `collectives`."""
   pool_shapes = {a.shape for a in jax.tree.leaves(pool)} if pool is not None else ()
   compiled = lowered.compile()
@@ -391,6 +393,7 @@ def compile_program(lowered, hbm_bytes: float, pool=None) -> dict:
   hlo = compiled.as_text()
   return dict(memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
+              mosaic_kernels=hlo.count(MOSAIC_CALL),
               quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
               quantized_grouped_kernel="jit(_quantized_grouped_matmul)" in hlo,
               kernel_all_gathers=kernel_gathers(hlo, pool_shapes), quantized_gathers=quantized_gathers(hlo),

@@ -14,6 +14,10 @@ that can run here, and a float32 reference used only to check every output:
           `ragged_paged_attention_reference`
   qmatmul weight-only quantized matmul (fp8 / int4 / MXFP4 codes): the XLA
           form that dequantizes W and then dots, and a bf16 W dot
+  gmm     the MoE grouped matmul (ragged_dot) through `ops.grouped_matmul`
+          on jax's Hopper kernel `ragged_dot_mgpu`: XLA's `ragged_dot`
+
+The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper).
 
 The decode kernels also run as "ours_split": the same kernel with split-K
 (`num_splits`) sized to give the GPU about two programs per SM.
@@ -53,12 +57,15 @@ import jax.numpy as jnp
 import pallas_kernels as pk
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
+from pallas_kernels import mosaic_ragged_attention as mra
+from jaxinfer import Backend, ops
 from jaxinfer.models import quant
 
-KERNELS = ("flash", "paged", "mla", "ragged", "qmatmul")
+KERNELS = ("flash", "paged", "mla", "ragged", "qmatmul", "gmm")
 SHAPES = ("default", "gpu_day", "tiny")
 CONTEXTS = (512, 2048, 8192, 32768)
-PRIMARY = {"flash": "tflops", "paged": "gbps", "mla": "gbps", "ragged": "gbps", "qmatmul": "gbps"}
+PRIMARY = {"flash": "tflops", "paged": "gbps", "mla": "gbps", "ragged": "gbps", "qmatmul": "gbps",
+           "gmm": "tflops"}
 CONVENTIONS = {
     "time_s": "median over `repeats` samples of (wall time of `inner` back-to-back jitted calls, "
               "block_until_ready at the end) / inner; first_call_s: the first call, compilation "
@@ -396,6 +403,11 @@ def _ragged_case(env, *, name, seqs, ps, N, K, D):
 
   impls = {"ours": Impl(functools.partial(pk.ragged_paged_attention, max_q=max_q,
                                           interpret=env.interpret))}
+  impls["ours_mosaic"] = Impl(
+      functools.partial(mra.mosaic_ragged_attention, max_q=max_q),
+      skip=_mosaic_skip(env, mpa.unsupported((1, 1, N, D), env.dtype, (K, 1, ps, D),
+                                             values_dim=D)),
+      note=f"Mosaic GPU work items of {mra.tokens_per_item(N // K)} tokens (TMA + wgmma)")
   reference = functools.partial(pk.ragged_paged_attention_reference, max_q=max_q)
   temp = f32_kv + 3 * 4.0 * B * N * max_q * pps * ps
   if env.peers:
@@ -418,9 +430,10 @@ def _geometric(lo, hi, n):
 def _ragged_cases(env, shapes):
   if shapes == "tiny":
     mixes = [("tiny", [(8, 32), (1, 48), (1, 64), (3, 20)])]
-  elif shapes == "gpu_day":
+  elif shapes == "gpu_day":  # a mixed step, and a prefill-bound one (two 2k chunks)
     mixes = [("mix32", [(128, n) for n in (1024, 2048, 4096, 8192)]
-              + [(1, n) for n in _geometric(512, 8192, 28)])]
+              + [(1, n) for n in _geometric(512, 8192, 28)]),
+             ("prefill2x2k", [(2048, 2048), (2048, 4096), (1, 1024), (1, 2048)])]
   else:  # prefill chunks of 128 tokens (at the end of their KV) among decodes
     mixes = [("mix32", [(128, n) for n in (1024, 2048, 4096, 8192)]
               + [(1, n) for n in _geometric(512, 8192, 28)]),
@@ -506,8 +519,49 @@ def _qmatmul_cases(env, shapes):
   return [_qmatmul_case(env, **s) for s in specs]
 
 
+# ----------------------------------------------------------------------------- gmm
+
+
+def _gmm_case(env, *, name, M, E, In, Out):
+  """MoE grouped matmul: M routed rows sorted over E experts (random sizes)
+  times w [E, In, Out]."""
+  item = jnp.dtype(env.dtype).itemsize
+
+  def make_args(key):
+    kx, kw, kg = jax.random.split(key, 3)
+    cuts = jnp.sort(jax.random.randint(kg, (E - 1,), 0, M + 1))
+    sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), cuts.dtype), cuts,
+                                      jnp.full((1,), M, cuts.dtype)])).astype(jnp.int32)
+    return (_normal(kx, (M, In), env.dtype), _normal(kw, (E, In, Out), env.dtype) * 0.05,
+            sizes)
+
+  mosaic = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
+  tiling, why = ops.mosaic_grouped_matmul((M, In), (E, In, Out), env.dtype, env.dtype)
+  impls = {"ours": Impl(lambda x, w, g: ops.grouped_matmul(x, w, g, backend=mosaic),
+                        skip=_mosaic_skip(env, None if tiling else (ValueError, why))
+                        if env.gpu else "",
+                        note="jax's ragged_dot_mgpu through ops.grouped_matmul (CPU: XLA)")}
+  if env.peers:
+    impls["xla_ragged_dot"] = Impl(jax.lax.ragged_dot, note="XLA's ragged_dot")
+  reference = Impl(lambda x, w, g: jax.lax.ragged_dot(x, w, g), temp_bytes=4.0 * M * Out)
+  return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->{Out}", series=name, context=M,
+              shape=dict(M=M, E=E, In=In, Out=Out), flops=2.0 * M * In * Out,
+              bytes=item * (E * In * Out + M * (In + Out)), make_args=make_args, impls=impls,
+              reference=reference)
+
+
+def _gmm_cases(env, shapes):
+  if shapes == "tiny":
+    specs = [dict(name="tiny", M=40, E=4, In=64, Out=128)]
+  else:  # DeepSeek-V3 under EP 8 (32 local experts), GPT-OSS-120B's 128 experts
+    specs = [dict(name="dsv3_ep8_up", M=M, E=32, In=7168, Out=2048) for M in (256, 4096)]
+    specs += [dict(name="dsv3_ep8_down", M=4096, E=32, In=2048, Out=7168),
+              dict(name="gptoss_up", M=4096, E=128, In=2880, Out=2880)]
+  return [_gmm_case(env, **s) for s in specs]
+
+
 _BUILDERS = {"flash": _flash_cases, "paged": _paged_cases, "mla": _mla_cases,
-             "ragged": _ragged_cases, "qmatmul": _qmatmul_cases}
+             "ragged": _ragged_cases, "qmatmul": _qmatmul_cases, "gmm": _gmm_cases}
 
 
 # ----------------------------------------------------------------------------- timing

@@ -35,9 +35,10 @@ import numpy as np
 from jaxinfer import eplb, sharding
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import speculative, warmup, weight_layout
-from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput,  # noqa: F401 (API)
+from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput, prefill_chunk,  # noqa: F401 (API)
                                   forward, forward_attribute)
 from jaxinfer.engine.images import Images, per_prompt
+from jaxinfer.engine import steps
 from jaxinfer.engine.steps import PlainRunner, Ranks, StepModel
 from jaxinfer.engine.sampling import SamplingParams
 from jaxinfer.engine.spec_runner import SpecRunner
@@ -322,6 +323,10 @@ class Engine:
     vision = {k: v for k, v in self._model.params.items() if k == "vision"}
     self.images = Images(cfg, vision, config.image_processor, config.encoder_cache_tokens)
     self._runner = self._new_runner()  # builds, dispatches and reads the steps
+    # Which kernels the steps run (Engine.stats): read off the shapes as the ops read them.
+    self.kernels = steps.kernel_choice(cfg, self.pool, num_seqs=config.max_num_seqs,
+                                       pages_per_seq=self.max_pages_per_seq,
+                                       max_q=prefill_chunk(config))
 
   def _new_runner(self):
     if self._spec is not None:
@@ -535,6 +540,10 @@ class Engine:
     step time's floor when the device keeps up), dp_ranks, requests_per_rank; with
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
-    spec_acceptance_per_position and spec_drafted_per_position."""
+    spec_acceptance_per_position and spec_drafted_per_position; kernels: the
+    attention kernels of decode-only and mixed steps and the MoE matmul
+    (`steps.kernel_choice`: "mosaic_gqa" / "mosaic_mla" / "pallas" / "xla",
+    "mosaic" / "xla")."""
     return dict(**self.core.stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
+                kernels=dict(self.kernels),
                 **self.images.stats(), **self._runner.stats())

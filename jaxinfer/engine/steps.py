@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import numpy as np
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import images, logprobs, sampling, sampling_extras, scheduler
 from jaxinfer.engine.core import HostCore
@@ -437,6 +438,33 @@ def sampler_mode(busy) -> tuple[bool, int]:
   chunks = [s for scheduled in busy for s in scheduled]
   greedy = all_greedy(chunks)
   return greedy, 0 if greedy else sampling.top_k_cap(s.request.sampling for s in chunks)
+
+
+def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
+                  max_q: int) -> dict[str, str]:
+  """The kernels the steps run, from shapes alone, as the ops pick them:
+  the attention of decode-only steps ("decode") and of steps with up to
+  max_q tokens a sequence ("mixed"), `ops.paged_kernel`'s names; for MoE
+  models the unquantized experts' matmul ("grouped_matmul": "mosaic" or
+  "xla", with why not Mosaic where the Backend asked for it)."""
+  k_pages, v_pages = jax.eval_shape(pool.layout.kernel_pools, pool[0])
+  windows = cfg.window_choices()
+  kw = dict(values_dim=None if v_pages is None else v_pages.shape[-1],
+            latent_dim=cfg.kv_lora_rank if v_pages is None else None,
+            window=0 if windows == (0,) else max(windows), sinks=cfg.attention_sinks,
+            quantized=bool(pool.layout.scale_names), backend=cfg.backend)
+  q_shape, dtype = (num_seqs, cfg.num_heads, k_pages.shape[-1]), cfg.compute_dtype()
+  out = {name: ops.paged_kernel(q_shape, dtype, k_pages.shape, (num_seqs, pages_per_seq),
+                                max_q=q, **kw)[0]
+         for name, q in (("decode", 1), ("mixed", max_q))}
+  if cfg.is_moe:
+    kernel = cfg.backend.grouped_matmul_kernel() if cfg.backend.on_gpu() else "xla"
+    if kernel == "mosaic":
+      _, why = ops.mosaic_grouped_matmul((1, cfg.d_model), (1, cfg.d_model, cfg.moe_ffn_dim),
+                                         dtype, dtype)
+      kernel = f"xla ({why})" if why else kernel
+    out["grouped_matmul"] = kernel
+  return out
 
 
 def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:

@@ -100,14 +100,15 @@ def physical_ids(p, idx, token):
 def _grouped_matmul(cfg: ModelConfig, xs, w, sizes):
   """xs [R, In] sorted by expert times each expert's w [E, In, Out]: the
   quantized grouped kernel for weights marked for it on a GPU backend (tile by
-  tile), else `ragged_dot` (a quantized w dequantized whole first)."""
+  tile), else `ops.grouped_matmul` (XLA's ragged_dot, or jax's Hopper kernel
+  under the Backend's grouped_matmul; a quantized w dequantized whole first)."""
   if quant.kernel_ready(w, grouped=True) and cfg.backend.on_gpu():
     def call(xs, values, scale, scale2, sizes):
       return ops.quantized_grouped_matmul(xs, values, scale, sizes, block=w.block,
                                           packed=quant.PACKING.get(w.method), scale2=scale2,
                                           backend=cfg.backend)
     return quantized_call(w, call, xs, sizes)
-  return jax.lax.ragged_dot(xs, dense(w, xs.dtype), sizes)
+  return ops.grouped_matmul(xs, dense(w, xs.dtype), sizes, backend=cfg.backend)
 
 
 def grouped_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):

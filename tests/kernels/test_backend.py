@@ -1,6 +1,7 @@
 """`Backend`: validation naming the bad value, resolution against this (CPU)
 process, its place in `ModelConfig` (static, saved, kept by `to_hf`), and
-the Mosaic decode choice `ops.mosaic_decode_kernel`."""
+the Mosaic kernel choice `ops.mosaic_kernel` and the defaults a Hopper
+compile target gets."""
 
 import dataclasses
 import json
@@ -9,7 +10,7 @@ import jax
 import pytest
 
 import jaxinfer
-from jaxinfer import Backend, ModelConfig, hf_config, ops, presets
+from jaxinfer import Backend, ModelConfig, gpu_compile, hf_config, ops, presets
 from jaxinfer.checkpoint.orbax_io import config_from_dict, config_to_dict
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -65,16 +66,32 @@ def test_to_hf_round_trip_keeps_the_backend(name):
   assert dataclasses.replace(ModelConfig.from_hf(hf), backend=cfg.backend) == cfg
 
 
-def test_mosaic_decode_kernel_choice():
+def test_mosaic_kernel_choice():
   gqa = dict(q_shape=(8, 8, 64), dtype="bfloat16", k_pages_shape=(2, 64, 16, 64), values_dim=64)
   mla = dict(q_shape=(8, 16, 96), dtype="bfloat16", k_pages_shape=(1, 64, 64, 96), latent_dim=64)
-  # Only decode-only steps, and MLA's kernel has no window, sinks or quantized pages.
-  assert ops.mosaic_decode_kernel(**gqa, max_q=2) == (None, "max_q 2 > 1: not a decode-only step")
+  # MLA's kernel decodes only, without window, sinks or quantized pages.
+  assert ops.mosaic_kernel(**mla, max_q=2)[1].startswith("MLA step with max_q 2 > 1")
   for bad in (dict(window=128), dict(sinks=True), dict(quantized=True)):
-    kernel, why = ops.mosaic_decode_kernel(**mla, **bad)
+    kernel, why = ops.mosaic_kernel(**mla, **bad)
     assert kernel is None and "window" in why
   # float32 queries: no wgmma inputs, on any jax.
-  assert ops.mosaic_decode_kernel(**dict(gqa, dtype="float32"))[0] is None
+  assert ops.mosaic_kernel(**dict(gqa, dtype="float32"))[0] is None
   missing = mpa.available()  # jax < 0.11: no Mosaic GPU kernels, named
-  assert ops.mosaic_decode_kernel(**gqa) == ((None, missing) if missing else ("gqa", None))
-  assert ops.mosaic_decode_kernel(**mla) == ((None, missing) if missing else ("mla", None))
+  for max_q in (1, 2, 64):  # GQA: decode-only and mixed steps alike
+    assert ops.mosaic_kernel(**gqa, max_q=max_q) == ((None, missing) if missing else ("gqa", None))
+  assert ops.mosaic_kernel(**mla) == ((None, missing) if missing else ("mla", None))
+
+
+def test_default_kernels_follow_the_target_gpu():
+  """attention / grouped_matmul None: Mosaic for a Hopper target on a jax
+  with Mosaic GPU, Triton (and XLA's ragged_dot) for an A100 or on jax
+  0.10, read from the compile target while a program is lowered for it."""
+  hopper = mpa.available() is None
+  for gpu, mosaic in (("h100", hopper), ("a100", False)):
+    with gpu_compile.lowering(gpu_compile.mesh({"data": 1}, gpu=gpu)):
+      assert jaxinfer.backend.hopper_target() == (gpu == "h100")
+      assert Backend(target="gpu").attention_kernel() == ("mosaic" if mosaic else "pallas", False)
+      assert Backend(target="gpu").grouped_matmul_kernel() == ("mosaic" if mosaic else "xla")
+      assert Backend(target="gpu", grouped_matmul="xla").grouped_matmul_kernel() == "xla"
+  with pytest.raises(ValueError, match=r"Backend.grouped_matmul .*'triton'"):
+    Backend(grouped_matmul="triton")

@@ -176,6 +176,6 @@ else:
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     pages = jnp.zeros((2, 4, 16, 64), jnp.bfloat16)
     with pytest.raises(NotImplementedError, match=r"jax >= 0.11 needed"):
-      mra.mosaic_ragged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
+      mra.mosaic_ragged_attention(q, pages, pages, jnp.full((1,), 2, jnp.int32),
                                   jnp.zeros((1, 4), jnp.int32), jnp.asarray([0, 2], jnp.int32),
                                   max_q=2)
