@@ -95,9 +95,11 @@ def grouped_matmul(xs, w, group_sizes, *, backend: Backend = Backend()):
   if backend.grouped_matmul_kernel() == "mosaic" and backend.on_gpu():
     tiling, _ = mosaic_grouped_matmul(xs.shape, w.shape, xs.dtype, w.dtype)
     if tiling is not None:
-      out = _ragged_dot_mgpu.ragged_dot(xs, w, group_sizes=group_sizes.astype(jnp.int32),
-                                        **tiling)
-      rows = jnp.arange(xs.shape[0], dtype=jnp.int32)[:, None]
+      R = xs.shape[0]
+      padded = jnp.pad(xs, ((0, -R % 8), (0, 0)))  # its TMA tiles take rows in 8s
+      out = _ragged_dot_mgpu.ragged_dot(padded, w, group_sizes=group_sizes.astype(jnp.int32),
+                                        **tiling)[:R]
+      rows = jnp.arange(R, dtype=jnp.int32)[:, None]
       return jnp.where(rows < jnp.sum(group_sizes), out, 0)  # the kernel leaves them unwritten
   return jax.lax.ragged_dot(xs, w, group_sizes)
 
