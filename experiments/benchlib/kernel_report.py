@@ -11,7 +11,10 @@ GPU on this CPU machine and the report gives
       kernel's PTX from an XLA dump of the same compile);
   from the shapes  (`traffic`): useful and tiled FLOPs, planned HBM bytes
       following the kernel's tiling, the minimum bytes, planned / minimum, and
-      the H100 roofline max(FLOPs / peak, bytes / bandwidth) at both.
+      the H100 roofline max(FLOPs / peak, bytes / bandwidth) at both;
+  Mosaic  (`mosaic_report`) the Mosaic GPU kernel a Hopper runs the case on,
+      its shared memory and planned / minimum bytes beside the Triton ones
+      (the tests compile every such case for H100: tests/kernels/).
 
 Context lengths (an assumption, not a measurement): every sequence of a
 paged / MLA case holds `ctx` keys (its Q new tokens included); in a ragged
@@ -33,7 +36,9 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchlib import gpu_cases, gpu_executable, results, traffic
-from jaxinfer import gpu_compile
+from jaxinfer import gpu_compile, ops
+from pallas_kernels import mosaic_mla_attention as mma
+from pallas_kernels import mosaic_paged_attention as mpa
 
 L2_BYTES = {"h100": 50e6, "a100": 40e6}  # datasheet L2 sizes, for the notes only
 
@@ -179,6 +184,30 @@ def _notes(case: gpu_cases.KernelCase, t: traffic.Traffic) -> list[str]:
   return notes
 
 
+def mosaic_report(case: gpu_cases.KernelCase) -> dict:
+  """The Mosaic GPU kernel the case would run on a Hopper (`ops.mosaic_kernel`):
+  its shared memory (the kernel's own formula) and planned / minimum HBM
+  bytes (`traffic.mosaic_traffic`), beside the Triton figures; or why it
+  does not take the case. Registers: not read (the Mosaic kernel's cubin is
+  inside the custom call, not in the executable's kernel list)."""
+  mla = case.kernel == "mla" or case.D != case.Dv
+  q_shape = (case.B, case.N, case.D)
+  pool = (1, case.ps, case.D) if mla else (case.K, 1, case.ps, case.D)
+  kernel, why = ops.mosaic_kernel(q_shape, case.dtype, pool,
+                                  values_dim=None if mla else case.Dv,
+                                  latent_dim=case.Dv if mla else None,
+                                  max_q=case.prefill_tokens or case.Q, window=case.window,
+                                  sinks=case.sinks, quantized=bool(case.kv_dtype))
+  if kernel is None:
+    return dict(kernel=None, why=why)
+  t = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=case.K, D=case.D, Dv=case.Dv,
+                             ps=case.ps, window=case.window, latent=mla)
+  smem = mma.smem_bytes(case.D, case.Dv, 2) if mla else mpa.smem_bytes(case.D, case.ps, 2)
+  return dict(kernel="mosaic_" + kernel, smem_bytes=smem, planned_bytes=t.planned_bytes,
+              minimum_bytes=t.minimum_bytes, planned_over_minimum=t.ratio,
+              kv_over_minimum=t.planned["kv"] / t.minimum["kv"], tiling=t.tiling)
+
+
 def case_report(case: gpu_cases.KernelCase, *, ptxas: bool = True) -> dict:
   """One case: compile it, read the executable, add the shape figures."""
   with tempfile.TemporaryDirectory() as tmp:
@@ -191,7 +220,8 @@ def case_report(case: gpu_cases.KernelCase, *, ptxas: bool = True) -> dict:
                 Dv=case.Dv, ps=case.ps, ctx=case.ctx, window=case.window, sinks=case.sinks,
                 prefill_tokens=case.prefill_tokens, blocks=case.blocks())
   return dict(name=case.name, kernel=case.kernel, model=case.model, gpu=case.gpus[0],
-              shapes=shapes, executable=facts, **shape_report(case))
+              shapes=shapes, executable=facts, **shape_report(case),
+              mosaic=mosaic_report(case) if case.kernel != "flash" else None)
 
 
 def run_report(*, names: Iterable[str] | None = None, ptxas: bool = True,

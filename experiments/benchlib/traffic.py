@@ -12,6 +12,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from pallas_kernels import mosaic_mla_attention as mma
+from pallas_kernels import mosaic_paged_attention as mpa
+from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels.flash_attention import BlockSizes
 from pallas_kernels.paged_attention import item_sizes, max_rows
 
@@ -136,6 +139,45 @@ def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv
                 pages_per_split=pages_per_split, ppcb=ppcb, programs=programs, G=G)
   return Traffic(attention_flops(seqs, N=N, D=D, Dv=Dv, window=window), float(tiled),
                  planned, minimum, tiling)
+
+
+def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv: int,
+                   ps: int, window: int = 0, latent: bool = False, e: int = 2) -> Traffic:
+  """The Mosaic GPU kernels' KV traffic, one split (`pallas_kernels.
+  mosaic_paged_attention` / `mosaic_ragged_attention`; latent: MLA's
+  `mosaic_mla_attention` over one latent pool of D columns, values its
+  first Dv). GQA: a sequence's q tokens are items of 64 // G tokens (one
+  item for a decode step's Q x G <= 64 rows), each loading its keys from
+  the window's first block to its last query in blocks of `keys` (whole
+  pages, >= 64 keys); MLA: each sequence's Q x N query rows are row blocks
+  of 64, each loading every key block. kv counts those loads; q and out
+  the tiles once. minimum as `paged_traffic`'s."""
+  G, rows = N // K, mpa.ROWS
+  if latent:
+    K, keys = 1, mma.KEYS
+  else:
+    keys = ps * mpa.pages_per_block(ps)
+  blocks = lambda lo, hi: max(-(-hi // keys) - lo // keys, 0) * keys
+  kv_tokens, items = 0, 0
+  for q, kv in seqs:
+    if latent:
+      row_blocks = -(-q * N // rows)
+      kv_tokens += row_blocks * blocks(0, kv)
+      items += row_blocks
+      continue
+    per = mra.tokens_per_item(G)  # a decode / verify step's Q x G <= 64 rows: one item
+    for j in range(-(-q // per)):
+      pos0, end = kv - q + j * per, kv - q + min(q, (j + 1) * per)
+      kv_tokens += blocks(max(pos0 - window + 1, 0) if window else 0, end)
+      items += 1
+  tok_bytes = (D if latent else D + Dv) * e
+  T = sum(q for q, _ in seqs)
+  planned = dict(kv=K * kv_tokens * tok_bytes, q=T * N * D * e, out=T * N * Dv * e)
+  minimum = dict(kv=K * sum(min_kv_tokens(q, kv, window) for q, kv in seqs) * tok_bytes,
+                 q=T * N * D * e, out=T * N * Dv * e)
+  return Traffic(attention_flops(seqs, N=N, D=D, Dv=Dv, window=window),
+                 float(K * kv_tokens * rows * 2 * (D + Dv)), planned, minimum,
+                 dict(keys_per_block=keys, items=items, G=G))
 
 
 def _pow2(n: int) -> int:

@@ -51,6 +51,30 @@ def test_mla_with_128_heads_reads_the_latent_twice():
   assert t.planned["kv"] == 2 * t.minimum["kv"] == 2 * 4 * 4096 * 576 * 2
 
 
+def test_mosaic_traffic_by_hand():
+  # GQA 4 (N=8, K=2), pages of 16 -> blocks of 64 keys. Decode of 100 keys: one item,
+  # 2 blocks = 128 keys per KV head. A 40-token chunk ending at key 100: items of 16
+  # tokens ending at 76, 92, 100 -> 2 + 2 + 2 blocks.
+  t = traffic.mosaic_traffic([(1, 100), (40, 100)], N=8, K=2, D=64, Dv=64, ps=16)
+  assert t.tiling["items"] == 4 and t.tiling["keys_per_block"] == 64
+  assert t.planned["kv"] == 2 * (128 + 3 * 128) * 128 * 2
+  assert t.minimum["kv"] == 2 * 200 * 128 * 2
+  # MLA, 128 heads: two 64-row blocks each read the latent (32-key steps).
+  m = traffic.mosaic_traffic([(1, 4096)], N=128, K=1, D=576, Dv=512, ps=64, latent=True)
+  assert m.planned["kv"] == 2 * m.minimum["kv"]
+
+
+def test_mosaic_beside_triton_in_the_report():
+  row = kernel_report.mosaic_report(gpu_cases.get("llama8b_decode_ps16"))
+  assert row["kernel"] in ("mosaic_gqa", None)
+  if row["kernel"]:  # jax >= 0.11: decode reads each KV byte once per KV head
+    assert row["kv_over_minimum"] == 1.0 and row["smem_bytes"] <= 227 * 1024
+  else:
+    assert "jax >= 0.11" in row["why"]
+  mixed = kernel_report.mosaic_report(gpu_cases.get("dsv3_mla_mixed_512p_31d"))
+  assert mixed["kernel"] is None and "decodes only" in mixed["why"]
+
+
 def test_flash_traffic_by_hand():
   # T = S = 128, blocks of 64: query block 0 sees key block 0, block 1 sees both.
   t = traffic.flash_traffic(B=1, T=128, S=128, N=1, K=1, D=64, Dv=64)

@@ -10,7 +10,8 @@ import jax
 import pytest
 
 import jaxinfer
-from jaxinfer import Backend, ModelConfig, gpu_compile, hf_config, ops, presets
+from jaxinfer import (Backend, Engine, EngineConfig, ModelConfig, gpu_compile, hf_config, models,
+                      ops, presets)
 from jaxinfer.checkpoint.orbax_io import config_from_dict, config_to_dict
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -95,3 +96,18 @@ def test_default_kernels_follow_the_target_gpu():
       assert Backend(target="gpu", grouped_matmul="xla").grouped_matmul_kernel() == "xla"
   with pytest.raises(ValueError, match=r"Backend.grouped_matmul .*'triton'"):
     Backend(grouped_matmul="triton")
+
+
+def test_engine_stats_name_the_kernels_the_steps_run():
+  """Engine.stats()["kernels"], read off the shapes as the ops read them:
+  XLA on this CPU process; an explicit "mosaic" takes GQA steps of head dim
+  64 (interpreted on CPU, jax >= 0.11) and MLA decode, Pallas otherwise."""
+  small = EngineConfig(page_size=16, num_pages=16, max_num_seqs=2, max_num_batched_tokens=32)
+  cfg = presets.get("tiny_moe")
+  eng = Engine(cfg, models.init_params(cfg, jax.random.key(0)), small)
+  assert eng.stats()["kernels"] == {"decode": "xla", "mixed": "xla", "grouped_matmul": "xla"}
+  cfg = presets.get("tiny_dense", head_dim=64, dtype="bfloat16",
+                    backend=Backend(attention="mosaic"))
+  eng = Engine(cfg, models.init_params(cfg, jax.random.key(0)), small)
+  want = "pallas" if mpa.available() else "mosaic_gqa"
+  assert eng.stats()["kernels"] == {"decode": want, "mixed": want}

@@ -138,9 +138,10 @@ if mpa.available() is None:
   @pytest.mark.parametrize("model", ENGINE_MODELS)
   def test_engine_decodes_on_the_mosaic_kernel(monkeypatch, model):
     """Backend(attention="mosaic") (CPU: interpreted): decode steps go through the
-    Mosaic kernel (GQA or MLA, counted at trace time), prompt steps through
-    the Pallas path, and every greedy token is the argmax of a float32 full
-    forward up to bfloat16 rounding of the logits."""
+    Mosaic kernel (GQA or MLA, counted at trace time; GQA prompt steps too,
+    on the ragged kernel, MLA's on the Pallas path), and every greedy token
+    is the argmax of a float32 full forward up to bfloat16 rounding of the
+    logits."""
     calls = []
     route, preset = ENGINE_MODELS[model]
     real = getattr(ops, route)
