@@ -25,6 +25,7 @@ from jaxinfer.engine import sampling_extras, steps
 from jaxinfer.engine.steps import Ranks
 from jaxinfer.models import vision
 from jaxinfer.models.moe_ep import plan_from_params
+from pallas_kernels import mosaic_paged_attention as mpa
 
 RESULTS = pathlib.Path(__file__).parents[2] / "experiments" / "results"
 SMALL = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
@@ -49,8 +50,13 @@ def _ragged(page_size, target, implementation=None, D=64):
 
 def test_gpu_target_compiles_the_kernel_in_a_cpu_process():
   assert jax.default_backend() == "cpu"
+  # Outside a lowering for an H100 this CPU process targets no Hopper: Triton.
   assert Backend(target="gpu").attention_kernel() == ("pallas", False)
-  assert gpu_plan.TRITON_CALL in _ragged(16, "gpu")
+  # For an H100 the default is Mosaic GPU where this jax has it (>= 0.11), else Triton.
+  auto = _ragged(16, "gpu")
+  mosaic = mpa.available() is None
+  assert (gpu_plan.MOSAIC_CALL in auto) == mosaic and (gpu_plan.TRITON_CALL in auto) != mosaic
+  assert gpu_plan.TRITON_CALL in _ragged(16, "gpu", implementation="pallas")
   assert gpu_plan.TRITON_CALL not in _ragged(16, "cpu")  # XLA path
   assert gpu_plan.TRITON_CALL not in _ragged(16, None)  # this process: CPU
 
@@ -93,7 +99,8 @@ def _plan(model, mesh, layout, hosts=1, workload=SMALL, **kw):
 
 
 def _check(program, max_gathers=0):
-  assert program["triton_kernels"], program["name"]  # the real kernels, not XLA
+  # the real kernels, not XLA: Triton, or on jax >= 0.11 Mosaic GPU (an H100's default)
+  assert program["triton_kernels"] or program["mosaic_kernels"], program["name"]
   assert program["kernel_all_gathers"] <= max_gathers, program["name"]
   assert 0 < program["peak_bytes"] < 80e9 and program["fits"]
   assert program["cost"]["flops"] > 0 and program["roofline"]["step_s"] > 0
