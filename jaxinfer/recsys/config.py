@@ -27,6 +27,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.backend import Backend
 from jaxinfer.models.specs import ParamSpec, is_spec
 
 
@@ -53,6 +54,7 @@ class HSTUConfig:
   head_hidden: int = 32
   dtype: str = "float32"
   table_dtype: str = "float32"
+  backend: Backend = Backend()  # attention: jagged Pallas kernel on GPU, XLA elsewhere
 
   def __post_init__(self):
     for f in ("num_items", "num_actions", "embed_dim", "num_layers", "num_heads", "qk_dim",

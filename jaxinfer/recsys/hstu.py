@@ -27,8 +27,9 @@ Tokens are one user's contextual token (its pooled sparse features:
 (item + the "unknown" action 0). A final LayerNorm, then the head scores a
 candidate c: logit = w2 . SiLU([h_c, e_c] W1 + b1) + b2, with e_c its item row.
 
-The attention here is the XLA form (a [T, T] mask over the packed tokens, for
-tests and small batches); `pallas_kernels.hstu_attention` is the kernel form.
+The attention is `ops.hstu_attention` under cfg.backend: the jagged Pallas
+kernel (`pallas_kernels.hstu_attention`) on GPU, a dense [T, T] XLA form
+elsewhere. Padding tokens (past offsets[B]) form one padding user.
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxinfer import ops
 from jaxinfer.recsys import tables as tables_lib
 from jaxinfer.recsys.batch import JaggedBatch
 from jaxinfer.recsys.config import HSTUConfig
 
 _LN_EPS = 1e-6
-_LOG_BUCKET = 0.301  # the reference: ln(|dt|) / 0.301
 
 
 def layer_norm(x, w=None, b=None):
@@ -65,31 +66,7 @@ def token_layout(batch: JaggedBatch):
   return seg, jnp.minimum(pos, history[seg])
 
 
-def time_bucket(cfg: HSTUConfig, dt):
-  dt = jnp.maximum(jnp.abs(dt.astype(jnp.float32)), 1.0)
-  return jnp.clip(jnp.floor(jnp.log(dt) / _LOG_BUCKET), 0, cfg.time_buckets).astype(jnp.int32)
-
-
-def attention_bias_and_mask(cfg: HSTUConfig, batch: JaggedBatch):
-  """The mask [T, T] and the rab's (position, time bucket) index pair [T, T] each."""
-  seg, cpos = token_layout(batch)
-  T = seg.shape[0]
-  diag = jnp.eye(T, dtype=bool)
-  mask = (seg[:, None] == seg[None, :]) & ((cpos[:, None] > cpos[None, :]) | diag)
-  rel = jnp.clip(cpos[:, None] - cpos[None, :], 0, cfg.max_seq_len - 1)
-  ts = batch.timestamps
-  return mask, rel, time_bucket(cfg, ts[:, None] - ts[None, :])
-
-
-def hstu_attention_xla(q, k, v, bias, mask, *, alpha: float, n: int):
-  """q/k [T, N, A], v [T, N, H], bias [T, T] (shared by heads), mask [T, T] -> [T, N, H]."""
-  s = jnp.einsum("TNA,SNA->NTS", q, k, preferred_element_type=jnp.float32,
-                 precision=lax.Precision.HIGHEST) * alpha + bias[None]
-  a = jnp.where(mask[None], jax.nn.silu(s) / n, 0.0)
-  return jnp.einsum("NTS,SNH->TNH", a, v.astype(jnp.float32), precision=lax.Precision.HIGHEST)
-
-
-def hstu_layer(cfg: HSTUConfig, p: dict, x, mask, rel, tb):
+def hstu_layer(cfg: HSTUConfig, p: dict, x, seg, cpos, timestamps):
   """One HSTU layer on x [T, D] with its params p (one slice of the stacked layers)."""
   T = x.shape[0]
   N, A, H = cfg.num_heads, cfg.qk_dim, cfg.v_dim
@@ -98,11 +75,11 @@ def hstu_layer(cfg: HSTUConfig, p: dict, x, mask, rel, tb):
   uvqk = jax.nn.silu(jnp.dot(h, p["w_uvqk"], preferred_element_type=jnp.float32,
                              precision=lax.Precision.HIGHEST) + p["b_uvqk"])
   u, v, q, k = jnp.split(uvqk, [N * H, 2 * N * H, 2 * N * H + N * A], axis=-1)
-  bias = p["pos_bias"][rel].astype(jnp.float32) + p["time_bias"][tb].astype(jnp.float32)
-  attn = hstu_attention_xla(q.reshape(T, N, A).astype(dt), k.reshape(T, N, A).astype(dt),
-                            v.reshape(T, N, H).astype(dt), bias, mask, alpha=cfg.alpha,
-                            n=cfg.max_seq_len)
-  o = (layer_norm(attn.reshape(T, N * H)) * u).astype(dt)
+  attn = ops.hstu_attention(
+      q.reshape(T, N, A).astype(dt), k.reshape(T, N, A).astype(dt), v.reshape(T, N, H).astype(dt),
+      segment_ids=seg, positions=cpos, timestamps=timestamps, pos_bias=p["pos_bias"],
+      time_bias=p["time_bias"], alpha=cfg.alpha, n=cfg.max_seq_len, backend=cfg.backend)
+  o = (layer_norm(attn.reshape(T, N * H).astype(jnp.float32)) * u).astype(dt)
   y = jnp.dot(o, p["w_o"], preferred_element_type=jnp.float32,
               precision=lax.Precision.HIGHEST) + p["b_o"]
   return (x.astype(jnp.float32) + y).astype(x.dtype)
@@ -131,10 +108,10 @@ def forward(cfg: HSTUConfig, params: dict, batch: JaggedBatch):
 
 
 def _trunk(cfg: HSTUConfig, params, x, batch):
-  mask, rel, tb = attention_bias_and_mask(cfg, batch)
+  seg, cpos = token_layout(batch)
 
   def body(x, p):
-    return hstu_layer(cfg, p, x, mask, rel, tb), None
+    return hstu_layer(cfg, p, x, seg, cpos, batch.timestamps), None
 
   x, _ = lax.scan(body, x.astype(jnp.float32), params["layers"])
   return layer_norm(x, params["out_norm_w"], params["out_norm_b"])

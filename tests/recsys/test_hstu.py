@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import hstu_reference as ref
+from jaxinfer.backend import Backend
 from jaxinfer.recsys import batch as batch_lib, config, hstu
 from jaxinfer.recsys.batch import User
 
@@ -122,3 +123,13 @@ def test_bad_input_raises_value_error_naming_it(model):
         batch_lib.pack(cfg, bad)
       else:
         batch_lib.validate(cfg, bad)
+
+
+def test_pallas_kernel_path_equals_xla_path(model, score_fn):
+  # The model on the jagged Pallas kernel (interpret mode on CPU) == its XLA form.
+  cfg, params = model
+  b = batch_lib.pack(cfg, _users(cfg, seed=3), token_bucket=128)
+  kcfg = dataclasses.replace(cfg, backend=Backend(attention="pallas"))
+  got = np.asarray(jax.jit(lambda p, b: hstu.score(kcfg, p, b))(params, b))
+  want = np.asarray(score_fn(params, b))
+  assert _rel(got, want) <= 1e-5
