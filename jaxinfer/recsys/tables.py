@@ -5,7 +5,10 @@ A table is one of these types, and `lookup` follows the type (no mode flag):
   QuantTable             int8 / float8_e4m3fn rows [R, D] with a float32 scale
                          per row [R]: row r = values[r] * scales[r]
   RowSharded             a table's rows split over a mesh axis (contiguous
-                         blocks); a lookup is two all-to-all exchanges
+                         blocks); a lookup is two all-to-all exchanges; the
+                         hottest rows may be replicated on every device
+                         (`plan_hot_rows`, `replicate_hot_rows`: EPLB-style),
+                         their lookups local
   TableWise              a group of tables, whole tables split over a mesh axis
                          (`lookup_many` looks the whole group up at once)
 
@@ -94,16 +97,20 @@ def check_ids(name: str, ids, rows: int) -> None:
 
 # ------------------------------------------------------------------ sharded tables
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=("table",),
-                   meta_fields=("rows", "mesh", "axis"))
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=("table", "hot_ids", "hot_rows"), meta_fields=("rows", "mesh", "axis"))
 @dataclasses.dataclass(frozen=True)
 class RowSharded:
   """One table's rows in contiguous blocks over mesh axis `axis` (rows padded
-  to a multiple of its size): device d holds rows [d R', (d + 1) R')."""
+  to a multiple of its size): device d holds rows [d R', (d + 1) R').
+  With hot rows (`replicate_hot_rows`), copies of the hottest rows sit on
+  every device and their ids never cross the exchange."""
   table: object  # [R', D] float, or a QuantTable of [R', D] values and [R'] scales
   rows: int
   mesh: Mesh
   axis: str
+  hot_ids: object = None  # [H] int32, sorted: the replicated rows' ids
+  hot_rows: object = None  # [H, D] (or a QuantTable): those rows, replicated
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=("tables",),
@@ -165,18 +172,30 @@ def _rowwise_lookup(t: RowSharded, ids):
   per = t.table.shape[0] // d  # rows per device
   a2a = lambda x: lax.all_to_all(x, t.axis, 0, 0, tiled=True)
 
-  def local(tab, my_ids):  # tab [per, D] (this device's rows), my_ids [m]
+  def local(tab, my_ids, hot_ids, hot_rows):  # tab [per, D] (this device's rows), my_ids [m]
     me = lax.axis_index(t.axis)
     owner = my_ids // per
-    send = jnp.where(owner[None, :] == jnp.arange(d)[:, None], my_ids[None, :], -1)  # [d, m]
-    recv = a2a(send)  # [d, m]: the ids each source asks of my rows (-1: none)
+    hot, slot = _hot_slots(hot_ids, my_ids)
+    ask = (owner[None, :] == jnp.arange(d)[:, None]) & ~hot[None, :]
+    recv = a2a(jnp.where(ask, my_ids[None, :], -1))  # [d, m]: ids asked of my rows (-1: none)
     got = gather_rows(tab, jnp.clip(recv - me * per, 0, per - 1))  # [d, m, D]
     back = a2a(jnp.where((recv >= 0)[..., None], got, 0.0))  # [d, m, D]: row from owner d
-    return jnp.take_along_axis(back, owner[None, :, None], axis=0)[0]
+    rows = jnp.take_along_axis(back, owner[None, :, None], axis=0)[0]
+    if hot_rows is None:
+      return rows
+    return jnp.where(hot[:, None], gather_rows(hot_rows, slot), rows)
 
-  out = jax.shard_map(local, mesh=t.mesh, in_specs=(P(t.axis), P(t.axis)),
-                      out_specs=P(t.axis))(t.table, _pad_to(ids, m * d))
+  out = jax.shard_map(local, mesh=t.mesh, in_specs=(P(t.axis), P(t.axis), P(), P()),
+                      out_specs=P(t.axis))(t.table, _pad_to(ids, m * d), t.hot_ids, t.hot_rows)
   return _replicated(out[:n], t.mesh)
+
+
+def _hot_slots(hot_ids, ids):
+  """-> (is hot [n] bool, slot [n] int32 in hot_ids) for ids [n]."""
+  if hot_ids is None:
+    return jnp.zeros(ids.shape, bool), jnp.zeros(ids.shape, jnp.int32)
+  slot = jnp.clip(jnp.searchsorted(hot_ids, ids), 0, hot_ids.shape[0] - 1).astype(jnp.int32)
+  return hot_ids[slot] == ids, slot
 
 
 def _tablewise_lookup(t: TableWise, ids_by_name: dict) -> dict:
@@ -257,3 +276,43 @@ def place_params(params: dict, mesh: Mesh, axis: str, *, row_wise=()) -> dict:
   rest = {k: v for k, v in params.items() if k != "tables"}
   rest = jax.device_put(rest, NamedSharding(mesh, P()))
   return {**rest, "tables": shard_tables(params["tables"], mesh, axis, row_wise=row_wise)}
+
+
+# ------------------------------------------------------------------ hot rows (EPLB-style)
+
+def plan_hot_rows(ids_trace, num_hot: int) -> np.ndarray:
+  """The `num_hot` most looked-up ids of a trace, sorted (int32): the rows to
+  replicate, as EPLB replicates the hottest experts."""
+  ids, counts = np.unique(np.asarray(ids_trace).ravel(), return_counts=True)
+  if num_hot < 1:
+    raise ValueError(f"num_hot must be >= 1, got {num_hot}")
+  top = ids[np.argsort(-counts, kind="stable")[:num_hot]]
+  return np.sort(top).astype(np.int32)
+
+
+def replicate_hot_rows(sharded: RowSharded, table, hot_ids) -> RowSharded:
+  """`sharded` (of the unsharded `table`) with copies of rows `hot_ids` on every device."""
+  hot_ids = np.asarray(hot_ids)
+  check_ids("hot_ids", hot_ids, sharded.rows)
+  if np.any(np.diff(hot_ids) <= 0):
+    raise ValueError("hot_ids must be sorted and distinct (plan_hot_rows makes them)")
+  idx = jnp.asarray(hot_ids, jnp.int32)
+  rows = _map_table(lambda x: x[idx], table)
+  put = lambda x: jax.device_put(x, NamedSharding(sharded.mesh, P()))
+  return dataclasses.replace(sharded, hot_ids=put(idx), hot_rows=_map_table(put, rows))
+
+
+def exchange_load(ids, rows: int, devices: int, hot_ids=None) -> np.ndarray:
+  """Ids each device's rows serve in a row-wise lookup of `ids` ([devices] counts;
+  hot ids are served locally and not counted)."""
+  ids = np.asarray(ids).ravel()
+  if hot_ids is not None:
+    ids = ids[~np.isin(ids, np.asarray(hot_ids))]
+  per = -(-rows // devices)
+  return np.bincount(ids // per, minlength=devices)
+
+
+def imbalance(load) -> float:
+  """(max - mean) / mean of per-device load (0: even), EPLB's measure."""
+  load = np.asarray(load, np.float64)
+  return float((load.max() - load.mean()) / max(load.mean(), 1e-12))
