@@ -14,9 +14,10 @@ A table is one of these types, and `lookup` follows the type (no mode flag):
 
 Sharded lookups run in `shard_map` (all-to-all exchanges over the axis) and
 return exactly the rows a single-device gather returns: every row travels
-whole, nothing is summed; the model after them runs replicated. `lookup_many(tables, ids_by_name)` looks up a dict
-of tables (or a `TableWise` group) by name; `pooled` sums bags of rows into
-one row per bag (the `EmbeddingBag` sum of torchrec's `EmbeddingBagCollection`).
+whole, nothing is summed; the model after them runs replicated.
+`lookup_many(tables, ids_by_name)` looks up a dict of tables (or a
+`TableWise` group) by name; `pooled` sums bags of rows into one row per bag
+(the `EmbeddingBag` sum of torchrec's `EmbeddingBagCollection`).
 """
 
 from __future__ import annotations
