@@ -106,7 +106,8 @@ def _hstu_kernel(q_ref, k_ref, v_ref, segq_ref, posq_ref, tsq_ref, segk_ref, pos
 def _check(q, k, v, segment_ids, positions, timestamps, pos_bias, time_bias, alpha, n):
   for name, x in (("q", q), ("k", k), ("v", v)):
     if getattr(x, "ndim", None) != 3:
-      raise ValueError(f"{name} must be rank 3 ([T, N, A|H]), got shape {getattr(x, 'shape', None)}")
+      raise ValueError(f"{name} must be rank 3 ([T, N, A|H]), got shape "
+                       f"{getattr(x, 'shape', None)}")
     if not jnp.issubdtype(x.dtype, jnp.floating):
       raise TypeError(f"{name} must have a floating dtype, got {x.dtype}")
   T, N, A = q.shape

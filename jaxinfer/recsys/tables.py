@@ -32,8 +32,8 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-QUANT_DTYPES = {"int8": (jnp.int8, 127.0),
-                "float8_e4m3fn": (jnp.float8_e4m3fn, float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max))}
+_FP8_MAX = float(ml_dtypes.finfo(ml_dtypes.float8_e4m3fn).max)  # 448
+QUANT_DTYPES = {"int8": (jnp.int8, 127.0), "float8_e4m3fn": (jnp.float8_e4m3fn, _FP8_MAX)}
 
 
 @jax.tree_util.register_dataclass
@@ -99,7 +99,8 @@ def check_ids(name: str, ids, rows: int) -> None:
 # ------------------------------------------------------------------ sharded tables
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   data_fields=("table", "hot_ids", "hot_rows"), meta_fields=("rows", "mesh", "axis"))
+                   data_fields=("table", "hot_ids", "hot_rows"),
+                   meta_fields=("rows", "mesh", "axis"))
 @dataclasses.dataclass(frozen=True)
 class RowSharded:
   """One table's rows in contiguous blocks over mesh axis `axis` (rows padded

@@ -62,9 +62,9 @@ def test_loadgen_valid_and_scores_equal_direct_scoring(served, scenario, tmp_pat
   qps, duration = (200.0, 1000) if scenario == "Server" else (4000.0, 500)
   summary = mlperf.run_loadgen(sut, scenario=scenario, outdir=str(tmp_path), target_qps=qps,
                                latency_ms=80.0, min_duration_ms=duration, min_query_count=500)
-  print(scenario, {k: summary.get(k) for k in ("Result is", "Scheduled samples per second",
-                                              "Samples per second", "99.00 percentile latency (ns)")},
-        sut.measured())
+  keys = ("Result is", "Scheduled samples per second", "Samples per second",
+          "99.00 percentile latency (ns)")
+  print(scenario, {k: summary.get(k) for k in keys}, sut.measured())
   assert summary["valid"], summary
   assert summary["Scenario"] == scenario and len(sut.scores) >= 500
   if scenario == "Server":
