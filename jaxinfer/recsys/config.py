@@ -64,9 +64,11 @@ class HSTUConfig:
         raise ValueError(f"HSTUConfig.{f} must be an int >= 1, got {v!r}")
     if self.max_seq_len < 2:
       raise ValueError(f"HSTUConfig.max_seq_len must be >= 2, got {self.max_seq_len}")
-    if not all(isinstance(r, int) and r >= 1 for r in self.user_feature_rows):
-      raise ValueError(f"HSTUConfig.user_feature_rows must be ints >= 1, got "
-                       f"{self.user_feature_rows!r}")
+    rows = self.user_feature_rows
+    if not rows or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 1
+                           for r in rows):
+      raise ValueError(f"HSTUConfig.user_feature_rows must be a non-empty tuple of ints >= 1 "
+                       f"(the contextual token pools them), got {rows!r}")
 
   @property
   def alpha(self) -> float:

@@ -133,3 +133,15 @@ def test_pallas_kernel_path_equals_xla_path(model, score_fn):
   got = np.asarray(jax.jit(lambda p, b: hstu.score(kcfg, p, b))(params, b))
   want = np.asarray(score_fn(params, b))
   assert _rel(got, want) <= 1e-5
+
+
+def test_config_rejects_bad_fields_and_presets_have_the_benchmarks_dims():
+  with pytest.raises(ValueError, match="user_feature_rows"):
+    config.HSTUConfig(num_items=10, user_feature_rows=())
+  with pytest.raises(ValueError, match="num_heads"):
+    config.HSTUConfig(num_items=10, num_heads=0)
+  with pytest.raises(ValueError, match="unknown recsys preset"):
+    config.get("dlrm_v2")
+  big = config.get("dlrm_v3")
+  assert (big.num_layers, big.num_heads, big.embed_dim, big.num_items) == (5, 4, 512, 10**9)
+  assert config.get("tiny_hstu", num_layers=1).num_layers == 1
