@@ -11,13 +11,17 @@ logits of its candidates. The batcher takes queued requests in arrival order
 while their tokens fit the budget (and the user slots last), packs them into
 one token axis (`recsys.batch.pack`) at fixed buckets, so every batch runs
 one compiled program, scores them and answers each query. The SUT keeps the
-scores it sent (`scores`) for the metrics (`recsys.metrics`).
+scores it sent (`scores`); `accuracy_run` scores every sample once in
+LoadGen's accuracy mode and computes NE / AUC / accuracy (`recsys.metrics`)
+from the scores LoadGen logged.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import json
+import os
 import queue
 import threading
 import time
@@ -26,7 +30,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxinfer.recsys import hstu
+from jaxinfer.recsys import hstu, metrics, synthetic
 from jaxinfer.recsys.batch import User, pack
 from jaxinfer.recsys.config import HSTUConfig
 from jaxinfer.serving import mlperf
@@ -155,3 +159,64 @@ class DlrmSUT:
     span = max(t[1] for t in self.times.values() if t[1]) - min(t[0] for t in self.times.values())
     return dict(samples_per_s=lat.size / max(span, 1e-9), mean_batch=float(
         np.mean(self.batch_sizes)), **{f"p{q}_ms": float(np.percentile(lat, q)) for q in (50, 99)})
+
+
+def parse_scores_log(path: str) -> dict[int, np.ndarray]:
+  """LoadGen's mlperf_log_accuracy.json (accuracy mode: the bytes each response
+  handed LoadGen, hex) -> {sample index: float32 logits}, what MLPerf scores."""
+  with open(path) as f:
+    entries = json.load(f)
+  out = {}
+  for e in entries:
+    z = np.frombuffer(bytes.fromhex(e["data"]), dtype="<f4").copy()
+    if e["qsl_idx"] in out and not np.array_equal(out[e["qsl_idx"]], z):
+      raise ValueError(f"{path}: sample {e['qsl_idx']} logged twice with different scores")
+    out[e["qsl_idx"]] = z
+  return out
+
+
+def accuracy_run(sut: DlrmSUT, labels: Sequence[np.ndarray], *, outdir: str) -> dict:
+  """A LoadGen accuracy-mode (Offline) run: every sample once; NE / AUC /
+  accuracy of the logged scores against `labels` (per sample, per candidate)."""
+  if len(labels) != len(sut.prompts):
+    raise ValueError(f"labels: {len(labels)} label arrays for {len(sut.prompts)} samples")
+  summary = mlperf.run_loadgen(sut, scenario="Offline", mode="accuracy", outdir=outdir,
+                               min_duration_ms=0, min_query_count=len(sut.prompts))
+  logged = parse_scores_log(os.path.join(outdir, "mlperf_log_accuracy.json"))
+  idx = sorted(logged)
+  y = np.concatenate([np.asarray(labels[i]) for i in idx])
+  z = np.concatenate([logged[i] for i in idx])
+  return dict(samples=len(idx), summary=summary, **metrics.evaluate(y, z))
+
+
+def run_benchmark(cfg: HSTUConfig, params, *, outdir: str, num_samples: int = 256,
+                  scenarios: Sequence[str] = ("Server", "Offline"), server_qps: float = 200.0,
+                  offline_qps: float = 4000.0, latency_ms: float = 80.0, token_budget: int = 256,
+                  max_users: int = 16, min_duration_ms: int = 1000, min_query_count: int = 500,
+                  seed: int = 0) -> list[dict]:
+  """LoadGen runs of `cfg` on the synthetic data set (`recsys.synthetic`, the
+  benchmark's shape: 5M users, 1% of the items; `num_samples` of them spread
+  over the users): each scenario in performance mode, then one accuracy run
+  (NE / AUC / accuracy from LoadGen's log). -> one row per run."""
+  spec = synthetic.for_model(cfg, num_users=5_000_000, seed=seed)
+  step = spec.num_users // num_samples
+  users, labels = zip(*(synthetic.sample(spec, i * step) for i in range(num_samples)))
+  scorer = Scorer(cfg, params, Buckets.for_samples(users, token_budget=token_budget,
+                                                   max_users=max_users))
+  rows = []
+  for scenario in scenarios:
+    sut = DlrmSUT(scorer, users)
+    s = mlperf.run_loadgen(
+        sut, scenario=scenario, outdir=os.path.join(outdir, scenario),
+        target_qps=server_qps if scenario == "Server" else offline_qps, latency_ms=latency_ms,
+        min_duration_ms=min_duration_ms, min_query_count=min_query_count, seed=seed)
+    lg_rate = s.get("Samples per second") or s.get("Completed samples per second")
+    rows.append(dict(scenario=scenario, mode="performance", valid=s["valid"],
+                     loadgen_samples_per_s=lg_rate,
+                     loadgen_p99_ms=s.get("99.00 percentile latency (ns)", float("nan")) / 1e6,
+                     **sut.measured()))
+  acc = accuracy_run(DlrmSUT(scorer, users), labels, outdir=os.path.join(outdir, "accuracy"))
+  # Accuracy mode is not judged for performance (LoadGen's summary says INVALID).
+  rows.append(dict(scenario="Offline", mode="accuracy", samples=acc["samples"], ne=acc["ne"],
+                   auc=acc["auc"], accuracy=acc["accuracy"]))
+  return rows

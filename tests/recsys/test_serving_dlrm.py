@@ -88,3 +88,19 @@ def test_tiny_model_metrics_on_synthetic_labels_equal_scikit_learn(served):
   assert m["ne"] == pytest.approx(skm.log_loss(y, p) / skm.log_loss(y, np.full_like(p, y.mean())),
                                   rel=1e-9)
   print(f"tiny random model on synthetic labels: {m}")
+
+
+def test_accuracy_mode_metrics_come_from_loadgens_log(served, tmp_path):
+  cfg, scorer, users, labels = served
+  sut = dlrm.DlrmSUT(scorer, users)
+  out = dlrm.accuracy_run(sut, labels, outdir=str(tmp_path))
+  assert out["samples"] == len(users)
+  logged = dlrm.parse_scores_log(str(tmp_path / "mlperf_log_accuracy.json"))
+  assert sorted(logged) == list(range(len(users)))
+  for i in sorted(logged)[::12]:  # LoadGen logged what the SUT scored
+    np.testing.assert_allclose(logged[i], scorer([users[i]])[0], rtol=1e-5, atol=1e-6)
+  y = np.concatenate([labels[i] for i in sorted(logged)])
+  z = np.concatenate([logged[i] for i in sorted(logged)])
+  assert out["auc"] == pytest.approx(skm.roc_auc_score(y, z), rel=1e-9)
+  with pytest.raises(ValueError, match="label arrays"):
+    dlrm.accuracy_run(sut, labels[:3], outdir=str(tmp_path))
