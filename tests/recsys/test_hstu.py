@@ -42,6 +42,12 @@ def _users(cfg, seed=0):
   return [random_user(cfg, rng, h, c) for h, c in shapes]
 
 
+def _pack(cfg, users):
+  # One set of buckets: every batch of these tests runs the same compiled program.
+  return batch_lib.pack(cfg, users, token_bucket=128, user_bucket=8, target_bucket=24,
+                        feature_bucket=16)
+
+
 def _rel(a, b):
   return float(np.max(np.abs(np.asarray(a) - b)) / np.max(np.abs(b)))
 
@@ -66,18 +72,18 @@ def test_forward_equals_float64_reference_on_jagged_batch(model, score_fn):
 def test_scores_do_not_depend_on_batch_mates_or_other_candidates(model, score_fn):
   cfg, params = model
   users = _users(cfg, seed=1)
-  together = np.asarray(score_fn(params, batch_lib.pack(cfg, users, token_bucket=128)))
+  together = np.asarray(score_fn(params, _pack(cfg, users)))
   u = users[3]
-  alone = np.asarray(score_fn(params, batch_lib.pack(cfg, [u], token_bucket=128)))
+  alone = np.asarray(score_fn(params, _pack(cfg, [u])))
   start = sum(len(x.candidates) for x in users[:3])
   np.testing.assert_allclose(alone[:1], together[start:start + 1], rtol=1e-6, atol=1e-6)
   # The 8-candidate user: each candidate scored alone gives its score among all 8.
   big = users[1]
-  all8 = np.asarray(score_fn(params, batch_lib.pack(cfg, [big], token_bucket=128)))[:8]
+  all8 = np.asarray(score_fn(params, _pack(cfg, [big])))[:8]
   for c in (0, 5):
     one = dataclasses.replace(big, candidates=[big.candidates[c]])
     np.testing.assert_allclose(
-        np.asarray(score_fn(params, batch_lib.pack(cfg, [one], token_bucket=128)))[0], all8[c],
+        np.asarray(score_fn(params, _pack(cfg, [one])))[0], all8[c],
         rtol=1e-6, atol=1e-6)
 
 
@@ -85,10 +91,10 @@ def test_history_matters_and_is_causal(model):
   cfg, params = model
   u = _users(cfg)[4]
   b = batch_lib.pack(cfg, [u])
-  h = np.asarray(jax.jit(lambda p, b: hstu.forward(cfg, p, b))(params, b))
+  fwd = jax.jit(lambda p, b: hstu.forward(cfg, p, b))
+  h = np.asarray(fwd(params, b))
   changed = dataclasses.replace(u, items=[*u.items[:-1], (u.items[-1] + 1) % cfg.num_items])
-  h2 = np.asarray(jax.jit(lambda p, b: hstu.forward(cfg, p, b))(
-      params, batch_lib.pack(cfg, [changed])))
+  h2 = np.asarray(fwd(params, batch_lib.pack(cfg, [changed])))
   last_hist = len(u.items)  # token index of the last history event (ctx token first)
   np.testing.assert_array_equal(h[:last_hist], h2[:last_hist])  # earlier tokens: causal
   assert np.max(np.abs(h[last_hist:] - h2[last_hist:])) > 1e-4  # it and the candidates see it
