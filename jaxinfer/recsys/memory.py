@@ -66,8 +66,8 @@ def _abstract_table(sds, quant: str | None):
 
 
 def _place(x, mesh, spec):
-  pad = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec))
-  return jax.tree.map(pad, x)
+  put = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(put, x)
 
 
 def abstract_placed_params(cfg: HSTUConfig, mesh, axis: str, *, row_wise, quant=None) -> dict:
