@@ -133,8 +133,9 @@ def hstu_attention(q, k, v, *, segment_ids, positions, timestamps, pos_bias, tim
                    n, block_q=None, block_k=None, interpret=False):
   """Jagged HSTU attention (module docstring). q/k [T, N, A], v [T, N, H];
   segment_ids / positions / timestamps [T] int; pos_bias [P], time_bias [Bt]
-  float -> [T, N, H] in q.dtype. Keys must precede or equal their visible
-  queries in token order (true of packed users with target-aware positions)."""
+  float -> [T, N, H] in q.dtype. Each user's tokens are one contiguous run of
+  equal segment ids, and keys precede or equal their visible queries in token
+  order (true of packed users with target-aware positions)."""
   _check(q, k, v, segment_ids, positions, timestamps, pos_bias, time_bias, alpha, n)
   default = BlockSizes()
   blocks = BlockSizes(block_q=default.block_q if block_q is None else block_q,

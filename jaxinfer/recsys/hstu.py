@@ -118,7 +118,8 @@ def _trunk(cfg: HSTUConfig, params, x, batch):
 
 
 def score(cfg: HSTUConfig, params: dict, batch: JaggedBatch):
-  """Candidate logits [C] (float32; sigmoid for the click probability)."""
+  """Candidate logits [C] (float32; sigmoid for the click probability) of a
+  batch as `batch.pack` makes it (checked on the host: `batch.validate`)."""
   x, cand_rows = embed(cfg, params["tables"], batch)
   h = _trunk(cfg, params, x, batch)[batch.target_index]
   hp = params["head"]
