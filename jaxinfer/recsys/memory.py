@@ -48,9 +48,11 @@ class Plan:
 
   def summary(self) -> str:
     m = self.memory
+    share = self.table_bytes / self.devices
     verdict = ("fits" if self.fits else
                f"DOES NOT FIT: {m.peak_bytes / GB:.1f} GB > {self.hbm_bytes / GB:.0f} GB "
-               f"({(m.peak_bytes - self.hbm_bytes) / GB:.1f} GB over)")
+               f"({(m.peak_bytes - self.hbm_bytes) / GB:.1f} GB over); the embedding tables "
+               f"alone are {share / GB:.1f} GB a device")
     return (f"{self.devices} x {self.gpu}, tables {self.quant or 'unquantized'} "
             f"({self.table_bytes / 1e12:.3f} TB in all): per device arguments "
             f"{m.argument_bytes / GB:.2f} GB, temporaries {m.temp_bytes / GB:.2f} GB, "

@@ -30,6 +30,7 @@ def test_on_8_h100s_bf16_tables_do_not_fit_and_say_so(cfg):
   assert not p.fits
   assert p.memory.argument_bytes > memory.table_bytes(cfg) / 8 > 80e9
   assert "DOES NOT FIT" in p.summary() and "GB over" in p.summary()
+  assert "the embedding tables alone are 128.8 GB a device" in p.summary()
   # int8 rows halve the tables: 8 H100s then hold them (checked without compiling).
   assert memory.per_device_table_bytes(cfg, 8, "int8") < 0.85 * 80e9
 
