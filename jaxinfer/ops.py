@@ -18,6 +18,7 @@ grouped_matmul "mosaic" (`grouped_matmul`, `mosaic_grouped_matmul`).
   causal_attention        full causal self-attention (prefill without a cache)
   attention               queries at arbitrary positions over a padded KV range (XLA)
   ragged_paged_attention  an engine step's mixed batch over the page pool
+  hstu_attention          HSTU's pointwise SiLU attention over packed jagged users (DLRMv3)
 """
 
 from __future__ import annotations
@@ -147,6 +148,19 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
   index = jnp.argmax(jnp.asarray(window_choices, jnp.int32) == window)
   return jax.lax.switch(index, [lambda q, k, v, s, w=w: flash(w)(q, k, v, sinks=s)
                                 for w in window_choices], q, k, v, sinks)
+
+
+def hstu_attention(q, k, v, *, segment_ids, positions, timestamps, pos_bias, time_bias, alpha,
+                   n, backend: Backend = Backend()):
+  """HSTU attention over packed jagged users (`pallas_kernels.hstu_attention`'s
+  semantics): q/k [T, N, A], v [T, N, H] -> [T, N, H]. XLA runs the dense
+  [T, T] form (`hstu_attention_reference`); Pallas the jagged kernel, which
+  visits only each user's own key blocks."""
+  impl, interpret = backend.attention_kernel()
+  fn = pallas_kernels.hstu_attention_reference if impl == "xla" else functools.partial(
+      pallas_kernels.hstu_attention, interpret=interpret)
+  return fn(q, k, v, segment_ids=segment_ids, positions=positions, timestamps=timestamps,
+            pos_bias=pos_bias, time_bias=time_bias, alpha=alpha, n=n)
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale):

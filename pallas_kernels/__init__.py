@@ -12,6 +12,8 @@
   ragged_paged_attention   an engine step's mixed prefill + decode batch in one call
   quantized_matmul         weight-only fp8 / int8 / packed 4-bit matmul, dequantized per tile
   quantized_grouped_matmul the same over MoE experts (ragged_dot semantics)
+  hstu_attention           DLRMv3's HSTU SiLU attention over packed jagged users (position
+                           and time biases, causal + target-aware masks)
 
 This package imports nothing from `jaxinfer`; `jaxinfer/ops.py` picks kernels.
 All kernels run on CPU in Pallas interpret mode (`interpret=True`) and lower
@@ -25,6 +27,7 @@ from pallas_kernels.paged_attention import paged_attention, paged_attention_refe
 from pallas_kernels.ragged_paged_attention import (ragged_paged_attention,
                                                    ragged_paged_attention_reference)
 from pallas_kernels.flash_attention import flash_attention, flash_attention_reference
+from pallas_kernels.hstu_attention import hstu_attention, hstu_attention_reference
 from pallas_kernels.quantized_grouped_matmul import (quantized_grouped_matmul,
                                                      quantized_grouped_matmul_reference)
 from pallas_kernels.quantized_matmul import (dequantize_reference, quantized_matmul,

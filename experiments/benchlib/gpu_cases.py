@@ -200,3 +200,45 @@ def _ragged(fn, mla):
   return lambda q, kp, vp, kv_lens, tables, cu, sinks, layer, s: fn(
       q, kp, vp, kv_lens, tables, cu, sinks=sinks, layer=layer, k_scale=s,
       v_scale=None if mla else s)
+
+
+@dataclasses.dataclass(frozen=True)
+class HstuCase:
+  """A `pallas_kernels.hstu_attention` call at DLRMv3 shapes: T packed tokens of
+  a batch of users, N heads, A q/k and H value head dims, P position-bias
+  entries (the max sequence length), Bt time buckets + 1."""
+
+  name: str
+  T: int
+  N: int = 4
+  A: int = 128
+  H: int = 128
+  P: int = 4096
+  Bt: int = 129
+  dtype: str = "bfloat16"
+  gpus: tuple[str, ...] = ("h100",)
+
+
+HSTU_CASES = (
+    # bf16, the preset's compute dtype (a float32 case compiles too, in ~10 s on 2 cores).
+    HstuCase("dlrmv3_hstu_8k_tokens_bf16", T=8192),
+    HstuCase("dlrmv3_hstu_odd_1500_tokens", T=1500),
+    HstuCase("a100_dlrmv3_hstu_8k_tokens", T=8192, gpus=("a100",)),
+)
+
+
+def build_hstu(case: HstuCase, sharding=None):
+  """-> (fn, abstract args) of one `HstuCase`, as `build` for `KernelCase`."""
+  dt = jnp.dtype(case.dtype)
+  S = lambda shape, d=dt: jax.ShapeDtypeStruct(shape, d, sharding=sharding)
+  T, N = case.T, case.N
+  ints = [S((T,), jnp.int32) for _ in range(3)]
+  args = (S((T, N, case.A)), S((T, N, case.A)), S((T, N, case.H)), *ints,
+          S((case.P,), jnp.float32), S((case.Bt,), jnp.float32))
+
+  def fn(q, k, v, seg, pos, ts, pos_bias, time_bias):
+    return pk.hstu_attention(q, k, v, segment_ids=seg, positions=pos, timestamps=ts,
+                             pos_bias=pos_bias, time_bias=time_bias,
+                             alpha=1 / math.sqrt(case.A), n=float(case.P))
+
+  return fn, args

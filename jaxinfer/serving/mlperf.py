@@ -176,8 +176,11 @@ def run_loadgen(sut: SUTRecord, *, scenario: str, outdir: str, mode: str = "perf
                 target_qps: float = 1.0, ttft_ms: float | None = None,
                 tpot_ms: float | None = None, min_duration_ms: int = 10_000,
                 min_query_count: int = 1, max_query_count: int = 0,
-                performance_sample_count: int | None = None, seed: int = 0) -> dict:
-  """Runs one LoadGen test; -> the parsed summary (`parse_summary`)."""
+                performance_sample_count: int | None = None, seed: int = 0,
+                latency_ms: float | None = None) -> dict:
+  """Runs one LoadGen test; -> the parsed summary (`parse_summary`).
+  `sut.prompts` is the QSL's samples. latency_ms: a query-latency p99 limit
+  instead of token latencies (non-LLM benchmarks, e.g. DLRMv3's 80 ms Server)."""
   if scenario not in SCENARIOS:
     raise ValueError(f"scenario must be one of {SCENARIOS}, got {scenario!r}")
   if mode not in ("performance", "accuracy"):
@@ -186,7 +189,10 @@ def run_loadgen(sut: SUTRecord, *, scenario: str, outdir: str, mode: str = "perf
   settings = lg.TestSettings()
   settings.scenario = lg.TestScenario.Offline if scenario == "Offline" else lg.TestScenario.Server
   settings.mode = lg.TestMode.PerformanceOnly if mode == "performance" else lg.TestMode.AccuracyOnly
-  settings.use_token_latencies = True
+  settings.use_token_latencies = latency_ms is None
+  if latency_ms is not None:
+    settings.server_target_latency_ns = int(latency_ms * 1e6)
+    settings.server_target_latency_percentile = 0.99
   settings.min_duration_ms = int(min_duration_ms)
   settings.min_query_count = int(min_query_count)
   if max_query_count:

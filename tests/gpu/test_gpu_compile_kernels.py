@@ -45,3 +45,16 @@ def test_kernel_compiles_for_gpu(case):
   assert "__gpu$xla.gpu.triton" in text  # the Pallas kernel, not an XLA fallback
   mem = gpu_compile.MemoryReport.of(compiled)
   assert 0 < mem.peak_bytes < gpu_compile.target(gpu).hbm_bytes
+
+
+@pytest.mark.parametrize("case", gpu_cases.HSTU_CASES, ids=lambda c: c.name)
+def test_hstu_attention_compiles_for_gpu(case):
+  # DLRMv3's jagged HSTU attention (packed users, in-kernel bias gathers).
+  gpu = case.gpus[0]
+  mesh = gpu_compile.mesh({"data": 1}, gpu=gpu)
+  fn, args = gpu_cases.build_hstu(case, NamedSharding(mesh, P()))
+  with gpu_compile.lowering(mesh):
+    compiled = jax.jit(fn).lower(*args).compile()
+  assert "__gpu$xla.gpu.triton" in compiled.as_text()
+  mem = gpu_compile.MemoryReport.of(compiled)
+  assert 0 < mem.peak_bytes < gpu_compile.target(gpu).hbm_bytes

@@ -20,7 +20,7 @@ LAYERS = [
     ("jaxinfer/kv/pool.py", 1), ("jaxinfer/kv/contexts.py", 2), ("jaxinfer/kv", 3),
     ("jaxinfer/checkpoint", 3), ("jaxinfer/tokenizer.py", 1),
     ("jaxinfer/vision_inputs.py", 1), ("jaxinfer/sharding.py", 3), ("jaxinfer/eplb.py", 3),
-    ("jaxinfer/engine", 4), ("jaxinfer/run.py", 5), ("jaxinfer/training.py", 3),
+    ("jaxinfer/engine", 4), ("jaxinfer/recsys", 4), ("jaxinfer/run.py", 5), ("jaxinfer/training.py", 3),
     ("jaxinfer/serving", 5), ("jaxinfer/sim", 5), ("jaxinfer/gpu_compile.py", 3),
     # The experiments' benchmark library (imported as `benchlib`): above the library.
     ("experiments/benchlib", 6),
@@ -31,7 +31,7 @@ MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.backend": 0, "jaxinfer.config": 1
                 "jaxinfer.kv.pool": 1, "jaxinfer.kv.contexts": 2, "jaxinfer.kv": 3,
                 "jaxinfer.checkpoint": 3, "jaxinfer.tokenizer": 1,
                 "jaxinfer.vision_inputs": 1, "jaxinfer.sharding": 3, "jaxinfer.eplb": 3,
-                "jaxinfer.engine": 4, "jaxinfer.run": 5, "jaxinfer.training": 3,
+                "jaxinfer.engine": 4, "jaxinfer.recsys": 4, "jaxinfer.run": 5, "jaxinfer.training": 3,
                 "jaxinfer.serving": 5, "jaxinfer.sim": 5, "jaxinfer.gpu_compile": 3,
                 "benchlib": 6}
 # Within a layer: (importer, what it must not import).

@@ -1,0 +1,54 @@
+"""DLRMv3 under MLPerf LoadGen (`jaxinfer.serving.dlrm.run_benchmark`): a
+random model of a recsys preset (default the tiny one) scoring the synthetic
+data set of the benchmark's shape; Server (80 ms p99) and Offline in
+performance mode, then an accuracy run with NE / AUC / accuracy from
+LoadGen's log. Writes <out>.json.
+
+  python experiments/dlrm_loadgen.py
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+from absl import flags
+import jax
+
+from benchlib import cli, flag_config, results
+from jaxinfer.recsys import config
+from jaxinfer.serving import dlrm
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("preset", "tiny_hstu", "recsys preset (jaxinfer.recsys.config.PRESETS)")
+flags.DEFINE_list("scenarios", ["Server", "Offline"], "LoadGen scenarios (performance mode)")
+flags.DEFINE_integer("num_samples", 256, "synthetic users in the QSL")
+flags.DEFINE_float("server_qps", 200.0, "Server target QPS")
+flags.DEFINE_float("offline_qps", 4000.0, "Offline expected QPS")
+flags.DEFINE_float("latency_ms", 80.0, "Server p99 latency limit (MLPerf v6.0 DLRMv3: 80 ms)")
+flags.DEFINE_integer("token_budget", 256, "tokens per packed batch")
+flags.DEFINE_integer("max_users", 16, "users per packed batch")
+flags.DEFINE_integer("min_duration_ms", 1000, "LoadGen minimum duration")
+flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "dlrm_loadgen"),
+                    "output prefix (.json)")
+_CONFIG = flag_config.define_config(__file__)
+
+
+def main(argv):
+  del argv
+  flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
+  cfg = config.get(FLAGS.preset)
+  params = config.init_params(cfg, jax.random.key(0))
+  with tempfile.TemporaryDirectory() as outdir:
+    rows = dlrm.run_benchmark(
+        cfg, params, outdir=outdir, num_samples=FLAGS.num_samples, scenarios=FLAGS.scenarios,
+        server_qps=FLAGS.server_qps, offline_qps=FLAGS.offline_qps, latency_ms=FLAGS.latency_ms,
+        token_budget=FLAGS.token_budget, max_users=FLAGS.max_users,
+        min_duration_ms=FLAGS.min_duration_ms)
+  for r in rows:
+    print(r)
+  results.write(FLAGS.out, rows, preset=FLAGS.preset)
+
+
+if __name__ == "__main__":
+  cli.run(main)

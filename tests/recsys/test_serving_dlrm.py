@@ -1,0 +1,106 @@
+"""DLRMv3 serving on the tiny model: the token-budget batcher, LoadGen Server
+(80 ms p99) and Offline runs VALID, and NE / AUC / accuracy of the served
+scores on the synthetic labels equal to scikit-learn's."""
+
+import collections
+
+import jax
+import mlperf_loadgen  # noqa: F401  (the test-core extra installs mlcommons-loadgen)
+import numpy as np
+import pytest
+from sklearn import metrics as skm
+
+from jaxinfer.recsys import config, metrics, synthetic
+from jaxinfer.serving import dlrm, mlperf
+
+
+@pytest.fixture(scope="module")
+def served():
+  cfg = config.tiny()
+  params = config.init_params(cfg, jax.random.key(0))
+  spec = synthetic.for_model(cfg, num_users=5_000_000, item_fraction=0.01, seed=0)
+  data = [synthetic.sample(spec, i) for i in range(0, 5_000_000, 5_000_000 // 96)]
+  users = [u for u, _ in data]
+  labels = [y for _, y in data]
+  scorer = dlrm.Scorer(cfg, params, dlrm.Buckets.for_samples(users, token_budget=256,
+                                                             max_users=16))
+  return cfg, scorer, users, labels
+
+
+def test_take_batch_packs_in_order_up_to_the_budget():
+  pending = collections.deque((q, i) for q, i in enumerate([0, 1, 2, 3, 0]))
+  sizes = [40, 30, 50, 10]
+  assert dlrm.take_batch(pending, sizes, token_budget=100, max_users=8) == [(0, 0), (1, 1)]
+  assert dlrm.take_batch(pending, sizes, token_budget=100, max_users=2) == [(2, 2), (3, 3)]
+  assert dlrm.take_batch(pending, sizes, token_budget=100, max_users=8) == [(4, 0)]
+  assert not pending
+
+
+def test_synthetic_users_have_the_benchmarks_shape(served):
+  cfg, _, users, labels = served
+  spec = synthetic.for_model(cfg, num_users=5_000_000)
+  assert spec.used_items == cfg.num_items // 100  # 1% of the items
+  assert max(u.num_tokens for u in users) <= cfg.max_seq_len
+  assert len({len(u.items) for u in users}) > 5  # jagged
+  items = np.concatenate([u.items for u in users])
+  assert np.all(items % 100 == 0) and np.all(items < cfg.num_items)
+  u, y = synthetic.sample(spec, 4_999_999)  # streamed: any user on demand, reproducibly
+  assert synthetic.sample(spec, 4_999_999)[0] == u and np.array_equal(synthetic.sample(
+      spec, 4_999_999)[1], y)
+  assert 0.2 < np.mean(np.concatenate(labels)) < 0.8
+  with pytest.raises(ValueError, match="user index"):
+    synthetic.sample(spec, 5_000_000)
+
+
+@pytest.mark.usefixtures("optimized")  # time goes into running batches, not compiling
+@pytest.mark.parametrize("scenario", ["Server", "Offline"])
+def test_loadgen_valid_and_scores_equal_direct_scoring(served, scenario, tmp_path):
+  cfg, scorer, users, labels = served
+  sut = dlrm.DlrmSUT(scorer, users)
+  # Offline is VALID once it runs past min_duration: it gets 1.1 x expected qps x
+  # duration samples, at ~2000 samples/s here (optimised XLA:CPU, 2 cores).
+  qps, duration = (200.0, 1000) if scenario == "Server" else (4000.0, 500)
+  summary = mlperf.run_loadgen(sut, scenario=scenario, outdir=str(tmp_path), target_qps=qps,
+                               latency_ms=80.0, min_duration_ms=duration, min_query_count=500)
+  keys = ("Result is", "Scheduled samples per second", "Samples per second",
+          "99.00 percentile latency (ns)")
+  print(scenario, {k: summary.get(k) for k in keys}, sut.measured())
+  assert summary["valid"], summary
+  assert summary["Scenario"] == scenario and len(sut.scores) >= 500
+  if scenario == "Server":
+    assert summary["99.00 percentile latency (ns)"] <= 80e6
+  # Every served query carries the scores of its user scored alone.
+  for index in {i for i, _ in sut.scores.values()}:
+    want = scorer([users[index]])[0]
+    got = [z for i, z in sut.scores.values() if i == index]
+    np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-6)
+  assert max(sut.batch_sizes) > 1  # requests were packed together
+
+
+def test_tiny_model_metrics_on_synthetic_labels_equal_scikit_learn(served):
+  cfg, scorer, users, labels = served
+  z = np.concatenate([s for i in range(0, len(users), 8) for s in scorer(users[i:i + 8])])
+  y = np.concatenate(labels)
+  m = metrics.evaluate(y, z)
+  p = 1 / (1 + np.exp(-z.astype(np.float64)))
+  assert m["auc"] == pytest.approx(skm.roc_auc_score(y, z), rel=1e-9)
+  assert m["accuracy"] == pytest.approx(skm.accuracy_score(y, p > 0.5), rel=1e-12)
+  assert m["ne"] == pytest.approx(skm.log_loss(y, p) / skm.log_loss(y, np.full_like(p, y.mean())),
+                                  rel=1e-9)
+  print(f"tiny random model on synthetic labels: {m}")
+
+
+def test_accuracy_mode_metrics_come_from_loadgens_log(served, tmp_path):
+  cfg, scorer, users, labels = served
+  sut = dlrm.DlrmSUT(scorer, users)
+  out = dlrm.accuracy_run(sut, labels, outdir=str(tmp_path))
+  assert out["samples"] == len(users)
+  logged = dlrm.parse_scores_log(str(tmp_path / "mlperf_log_accuracy.json"))
+  assert sorted(logged) == list(range(len(users)))
+  for i in sorted(logged)[::12]:  # LoadGen logged what the SUT scored
+    np.testing.assert_allclose(logged[i], scorer([users[i]])[0], rtol=1e-5, atol=1e-6)
+  y = np.concatenate([labels[i] for i in sorted(logged)])
+  z = np.concatenate([logged[i] for i in sorted(logged)])
+  assert out["auc"] == pytest.approx(skm.roc_auc_score(y, z), rel=1e-9)
+  with pytest.raises(ValueError, match="label arrays"):
+    dlrm.accuracy_run(sut, labels[:3], outdir=str(tmp_path))
