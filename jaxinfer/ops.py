@@ -14,6 +14,7 @@ the Mosaic GPU kernels where they take the shapes (`mosaic_decode_kernel`),
 every other step to "pallas".
 
   causal_attention        full causal self-attention (prefill without a cache)
+  full_attention          every query sees every key (diffusion transformers)
   attention               queries at arbitrary positions over a padded KV range (XLA)
   ragged_paged_attention  an engine step's mixed batch over the page pool
 """
@@ -104,6 +105,23 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
   index = jnp.argmax(jnp.asarray(window_choices, jnp.int32) == window)
   return jax.lax.switch(index, [lambda q, k, v, s, w=w: flash(w)(q, k, v, sinks=s)
                                 for w in window_choices], q, k, v, sinks)
+
+
+def full_attention(q, k, v, *, scale, backend: Backend = Backend()):
+  """Unmasked attention: q [B, T, N, Hk], k [B, S, K, Hk], v [B, S, K, Hv]
+  -> [B, T, N, Hv] in q's dtype (a video DiT's self- and cross-attention).
+
+  GPU: the flash kernel without causality; XLA: every query placed after the
+  last key (position S - 1), so the causal XLA form, blocked past one block,
+  masks nothing. Head dims below 16 run XLA (as `causal_attention`)."""
+  impl, interpret = backend.attention_kernel()
+  small = min(q.shape[-1], v.shape[-1]) < 16
+  if impl == "xla" or (not interpret and small and backend.attention is None):
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    pos = jnp.full((B, T), S - 1, jnp.int32)
+    return _attention_xla(q, k, v, pos, jnp.full((B,), S, jnp.int32), 0, None, scale)
+  return pallas_kernels.flash_attention(q, k, v, causal=False, sm_scale=scale,
+                                        interpret=interpret)
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale):
