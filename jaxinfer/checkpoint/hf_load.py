@@ -318,11 +318,12 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
 
 
 def load_declared(path: str, decl: dict, dtype, *, shardings=None, nonfinite: str = "error",
-                  ignored: tuple[str, ...] = ()):
+                  unread: tuple[str, ...] = ()):
   """The params of a declaration tree (`models.weights.Weight` / `Stacked`
   leaves) from the safetensors files of directory `path`, with `load_hf`'s
   checks: a missing, misshapen, non-float or non-finite tensor, and a tensor
-  no leaf reads (unless its name ends with one of `ignored`), raise
+  no leaf reads (unless its name starts with one of `unread`: parts of the
+  checkpoint this model does not run, e.g. a VAE's encoder), raise
   CheckpointError naming it. A model family other than the decoder LLMs
   (e.g. `diffusion.wan_weights`) loads through this."""
   if nonfinite not in NONFINITE:
@@ -339,7 +340,7 @@ def load_declared(path: str, decl: dict, dtype, *, shardings=None, nonfinite: st
       flat_shardings = jax.tree.leaves(shardings)
     params = _load_tree(specs, sources, reader, flat_shardings, dtype, None)
     unexpected = sorted(n for n in reader.index if n not in reader.used
-                        and not n.endswith(_IGNORED_SUFFIXES + tuple(ignored)))
+                        and not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(unread))
     if unexpected:
       more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
       raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:5]}{more}")

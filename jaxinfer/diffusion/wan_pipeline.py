@@ -9,7 +9,8 @@ the conditional and unconditional passes are one batched DiT call
 UniPC step (`unipc`). Timesteps fall monotonically, so the experts' steps
 are a prefix and a suffix: two `lax.scan`s in one jitted program, each over
 its expert's params. The denoiser is `wan_dit.forward`, or with a mesh the
-sequence- and CFG-parallel pass of `wan_parallel`.
+sequence- and CFG-parallel pass of `wan_parallel`. `generate` decodes the
+result with the VAE (`wan_vae`) into frames in [0, 1], as output_type="np".
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer.diffusion import unipc, wan_dit, wan_parallel
+from jaxinfer.diffusion import unipc, wan_dit, wan_parallel, wan_vae
 from jaxinfer.diffusion.wan_config import WanConfig
 
 
@@ -111,3 +112,17 @@ def denoise(cfg: WanConfig, sampler: SamplerConfig, params_high, params_low, lat
   if mesh is not None:
     wan_parallel.check_mesh(cfg, mesh, latents.shape, batch=2 * latents.shape[0])
   return _denoise(cfg, sampler, params_high, params_low, latents, text, neg_text, mesh)
+
+
+def to_frames(video):
+  """VAE output [B, 3, F, H, W] in [-1, 1] -> frames [B, F, H, W, 3] in [0, 1]
+  (diffusers' VideoProcessor.postprocess_video, output_type="np")."""
+  return jnp.clip(video / 2 + 0.5, 0.0, 1.0).transpose(0, 2, 3, 4, 1)
+
+
+def generate(cfg: WanConfig, sampler: SamplerConfig, params_high, params_low,
+             vae_cfg: wan_vae.VaeConfig, vae_params, latents, text, neg_text, *, mesh=None):
+  """Frames [B, 1 + 4 (F - 1), 8H, 8W, 3] float32 in [0, 1]: `denoise`, the
+  latents de-normalised by the VAE's mean / std, decoded (`wan_vae.decode`)."""
+  z = denoise(cfg, sampler, params_high, params_low, latents, text, neg_text, mesh=mesh)
+  return to_frames(wan_vae.decode(vae_cfg, vae_params, wan_vae.denormalize(vae_cfg, z)))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.diffusion import unipc, wan_pipeline, wan_weights
+from jaxinfer.diffusion import unipc, wan_pipeline, wan_vae, wan_weights
 
 # Wan2.2-T2V-A14B-Diffusers scheduler_config.json fields this sampler reads.
 SCHEDULER = dict(num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction",
@@ -49,33 +49,58 @@ def test_unipc_steps_match_diffusers_on_a_linear_model():
   assert _rel(state[0], xt.numpy()) < 1e-5
 
 
-def test_pipeline_matches_diffusers(dit_dirs):
-  root, models = dit_dirs
-  sampler = wan_pipeline.SamplerConfig(num_steps=6, guidance_high=4.0, guidance_low=3.0,
-                                       solver=unipc.FlowUniPC.from_diffusers(SCHEDULER))
-  assert 0 < sampler.high_noise_steps() < 6  # both experts run
-  pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=None,
+def _inputs():
+  g = torch.Generator().manual_seed(5)
+  latents = torch.randn(1, 16, 3, 4, 6, generator=g)  # 9 frames of 32 x 48
+  return latents, torch.randn(1, 9, 32, generator=g), torch.randn(1, 9, 32, generator=g)
+
+
+def _reference(models, vae, output_type):
+  pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=vae,
                                scheduler=diffusers.UniPCMultistepScheduler(**SCHEDULER),
                                transformer=models["transformer"],
                                transformer_2=models["transformer_2"], boundary_ratio=0.875)
-  g = torch.Generator().manual_seed(5)
-  latents = torch.randn(1, 16, 3, 4, 6, generator=g)
-  text, neg = torch.randn(1, 9, 32, generator=g), torch.randn(1, 9, 32, generator=g)
+  latents, text, neg = _inputs()
   with torch.no_grad():
-    ref = pipe(prompt_embeds=text, negative_prompt_embeds=neg, latents=latents.clone(),
+    out = pipe(prompt_embeds=text, negative_prompt_embeds=neg, latents=latents.clone(),
                height=32, width=48, num_frames=9, num_inference_steps=6, guidance_scale=4.0,
-               guidance_scale_2=3.0, output_type="latent").frames.numpy()
+               guidance_scale_2=3.0, output_type=output_type).frames
+  return np.asarray(out)
+
+
+SAMPLER = wan_pipeline.SamplerConfig(num_steps=6, guidance_high=4.0, guidance_low=3.0,
+                                     solver=unipc.FlowUniPC.from_diffusers(SCHEDULER))
+
+
+def test_pipeline_matches_diffusers(dit_dirs):
+  root, models = dit_dirs
+  assert 0 < SAMPLER.high_noise_steps() < 6  # both experts run
+  ref = _reference(models, None, "latent")
   cfg, high = wan_weights.load_transformer(str(root / "transformer"))
   _, low = wan_weights.load_transformer(str(root / "transformer_2"))
-  ours = wan_pipeline.denoise(cfg, sampler, high, low, jnp.asarray(latents.numpy()),
-                              jnp.asarray(text.numpy()), jnp.asarray(neg.numpy()))
+  latents, text, neg = (jnp.asarray(a.numpy()) for a in _inputs())
+  ours = wan_pipeline.denoise(cfg, SAMPLER, high, low, latents, text, neg)
   err = _rel(ours, ref)
   print(f"denoised latents: max|ours - diffusers| / max|diffusers| = {err:.2e}")
   assert err < 1e-4
   # The experts matter: swapping them changes the result.
-  swapped = wan_pipeline.denoise(cfg, sampler, low, high, jnp.asarray(latents.numpy()),
-                                 jnp.asarray(text.numpy()), jnp.asarray(neg.numpy()))
+  swapped = wan_pipeline.denoise(cfg, SAMPLER, low, high, latents, text, neg)
   assert _rel(swapped, ref) > 1e-2
+
+
+def test_generate_frames_match_diffusers(dit_dirs, tiny_vae):
+  root, models = dit_dirs
+  ref = _reference(models, tiny_vae[0], "np")  # [B, F, H, W, 3] in [0, 1]
+  cfg, high = wan_weights.load_transformer(str(root / "transformer"))
+  _, low = wan_weights.load_transformer(str(root / "transformer_2"))
+  vae_cfg, vae = wan_vae.load_vae(str(tiny_vae[1]))
+  latents, text, neg = (jnp.asarray(a.numpy()) for a in _inputs())
+  frames = wan_pipeline.generate(cfg, SAMPLER, high, low, vae_cfg, vae, latents, text, neg)
+  assert frames.shape == ref.shape == (1, 9, 32, 48, 3)
+  err = float(np.max(np.abs(np.asarray(frames) - ref)))
+  print(f"frames: max|ours - diffusers| = {err:.2e} (frames in [0, 1])")
+  assert err < 1e-3
+  assert np.std(ref) > 1e-2
 
 
 def test_pipeline_input_errors(dit_dirs):
