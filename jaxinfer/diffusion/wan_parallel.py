@@ -7,7 +7,7 @@ Mesh axes (either may be absent or of size 1):
                N / n heads over all T tokens, then back. Cross-attention,
                FFN, norms and modulation are token-local. n divides the
                head count and the token count.
-  CFG ("cfg")  the batch split: the pipeline's [cond; uncond] halves run
+  CFG ("data") the batch split: the pipeline's [cond; uncond] halves run
                on different devices (the guidance combination after the
                pass is the only exchange).
 Patch embedding, conditioning and the head run under jit on the sharded
@@ -21,13 +21,23 @@ from __future__ import annotations
 import functools
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxinfer.diffusion import wan_dit
 from jaxinfer.diffusion.wan_config import WanConfig
 
-SEQ, CFG = "seq", "cfg"
+SEQ, CFG = "seq", "data"
+
+
+def make_mesh(*, seq: int, cfg: int = 1, devices=None) -> Mesh:
+  """A (CFG, SEQ) mesh over the first cfg * seq devices (default: all local)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if seq < 1 or cfg < 1 or seq * cfg > len(devices):
+    raise ValueError(f"make_mesh: cfg ({cfg}) x seq ({seq}) must be >= 1 and at most the "
+                     f"{len(devices)} devices")
+  return Mesh(np.asarray(devices[:cfg * seq]).reshape(cfg, seq), (CFG, SEQ))
 
 
 def axis_size(mesh: Mesh, name: str) -> int:
