@@ -75,12 +75,20 @@ def _guided(cfg: WanConfig, params, x, t, text2, guidance: float, mesh):
   return uncond + guidance * (cond - uncond)
 
 
+def denoise_step(cfg: WanConfig, params, state, text2, row, *, guidance: float, mesh=None):
+  """One sampling step: the guided velocity at state's sample (one DiT call
+  on [cond; uncond], text2 = [text; neg_text]) and the UniPC update. row:
+  (timestep, sigma, corrector [5], predictor [3]), one step of the Schedule;
+  state: `unipc.init_state`'s (x, last, m_prev, m_prev2)."""
+  t, sigma, corr, pred = row
+  v = _guided(cfg, params, state[0], t, text2, guidance, mesh)
+  return unipc.step(state, v, sigma, corr, pred)
+
+
 def _run(cfg: WanConfig, params, state, text2, guidance: float, rows, mesh):
   """A run of UniPC steps of one expert, scanned over the schedule's rows."""
   def body(state, row):
-    t, sigma, corr, pred = row
-    v = _guided(cfg, params, state[0], t, text2, guidance, mesh)
-    return unipc.step(state, v, sigma, corr, pred), None
+    return denoise_step(cfg, params, state, text2, row, guidance=guidance, mesh=mesh), None
   if rows[0].shape[0] == 0:
     return state
   return jax.lax.scan(body, state, rows)[0]
