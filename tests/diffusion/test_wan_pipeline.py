@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.diffusion import unipc, wan_pipeline, wan_vae, wan_weights
+from jaxinfer.diffusion import loading, unipc, wan_pipeline, wan_weights
 
 # Wan2.2-T2V-A14B-Diffusers scheduler_config.json fields this sampler reads.
 SCHEDULER = dict(num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction",
@@ -55,11 +55,14 @@ def _inputs():
   return latents, torch.randn(1, 9, 32, generator=g), torch.randn(1, 9, 32, generator=g)
 
 
-def _reference(models, vae, output_type):
-  pipe = diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=vae,
+def _pipeline(models, vae):
+  return diffusers.WanPipeline(tokenizer=None, text_encoder=None, vae=vae,
                                scheduler=diffusers.UniPCMultistepScheduler(**SCHEDULER),
                                transformer=models["transformer"],
                                transformer_2=models["transformer_2"], boundary_ratio=0.875)
+
+
+def _run(pipe, output_type):
   latents, text, neg = _inputs()
   with torch.no_grad():
     out = pipe(prompt_embeds=text, negative_prompt_embeds=neg, latents=latents.clone(),
@@ -75,7 +78,7 @@ SAMPLER = wan_pipeline.SamplerConfig(num_steps=6, guidance_high=4.0, guidance_lo
 def test_pipeline_matches_diffusers(dit_dirs):
   root, models = dit_dirs
   assert 0 < SAMPLER.high_noise_steps() < 6  # both experts run
-  ref = _reference(models, None, "latent")
+  ref = _run(_pipeline(models, None), "latent")
   cfg, high = wan_weights.load_transformer(str(root / "transformer"))
   _, low = wan_weights.load_transformer(str(root / "transformer_2"))
   latents, text, neg = (jnp.asarray(a.numpy()) for a in _inputs())
@@ -88,14 +91,17 @@ def test_pipeline_matches_diffusers(dit_dirs):
   assert _rel(swapped, ref) > 1e-2
 
 
-def test_generate_frames_match_diffusers(dit_dirs, tiny_vae):
+def test_generate_frames_match_diffusers(dit_dirs, tiny_vae, tmp_path):
   root, models = dit_dirs
-  ref = _reference(models, tiny_vae[0], "np")  # [B, F, H, W, 3] in [0, 1]
-  cfg, high = wan_weights.load_transformer(str(root / "transformer"))
-  _, low = wan_weights.load_transformer(str(root / "transformer_2"))
-  vae_cfg, vae = wan_vae.load_vae(str(tiny_vae[1]))
+  pipe = _pipeline(models, tiny_vae[0])
+  pipe.save_pretrained(tmp_path)  # the whole directory, loaded as one below
+  ref = _run(pipe, "np")  # [B, F, H, W, 3] in [0, 1]
+  model, params = loading.load_pipeline(str(tmp_path), num_steps=6, height=32, width=48,
+                                        frames=9)
+  assert model.sampler == SAMPLER and model.latent_shape() == (1, 16, 3, 4, 6)
   latents, text, neg = (jnp.asarray(a.numpy()) for a in _inputs())
-  frames = wan_pipeline.generate(cfg, SAMPLER, high, low, vae_cfg, vae, latents, text, neg)
+  frames = wan_pipeline.generate(model.dit, model.sampler, params.high, params.low, model.vae,
+                                 params.vae, latents, text, neg)
   assert frames.shape == ref.shape == (1, 9, 32, 48, 3)
   err = float(np.max(np.abs(np.asarray(frames) - ref)))
   print(f"frames: max|ours - diffusers| = {err:.2e} (frames in [0, 1])")
