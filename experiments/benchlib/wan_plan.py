@@ -2,9 +2,10 @@
 
 `wan_step_plan(...)` lowers and compiles `wan_pipeline.denoise_step` (one
 expert's guided DiT pass on [cond; uncond] plus the UniPC update) for a
-(data, seq) mesh of compile-only GPUs (`jaxinfer.gpu_compile`) from
+(data, seq, tensor) mesh of compile-only GPUs (`jaxinfer.gpu_compile`) from
 abstract params only (the `wan_weights` spec tree as ShapeDtypeStructs,
-replicated), with the DiT's kernel target "gpu" (the Pallas flash kernel
+placed by `wan_parallel.param_shardings`: block heads / FFN columns over
+the tensor axis, the rest replicated), with the DiT's kernel target "gpu" (the Pallas flash kernel
 through Triton for self- and cross-attention). Nothing is allocated. The
 report: video tokens, parameters (from shapes), per-device memory from
 `memory_analysis()` against the GPU's memory, and whether the compiled
@@ -42,7 +43,8 @@ def latent_shape(frames: int, height: int, width: int, channels: int = 16) -> tu
 def _abstract(cfg: WanConfig, mesh, latent, text_len: int):
   rep = NamedSharding(mesh, P())
   S = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)
-  params = jax.tree.map(lambda s: S(s.shape, s.dtype), wan_weights.param_specs(cfg),
+  params = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                        wan_weights.param_specs(cfg), wan_parallel.param_shardings(cfg, mesh),
                         is_leaf=is_spec)
   state = tuple(S(latent, jnp.float32) for _ in range(4))
   text2 = S((2 * latent[0], text_len, cfg.text_dim), cfg.compute_dtype())
@@ -50,14 +52,14 @@ def _abstract(cfg: WanConfig, mesh, latent, text_len: int):
   return params, state, text2, row
 
 
-def wan_step_plan(*, seq: int = 4, cfg_parallel: int = 2, frames: int = 81, height: int = 720,
-                  width: int = 1280, text_len: int = 512, gpu: str = "h100",
+def wan_step_plan(*, seq: int = 4, cfg_parallel: int = 2, tensor: int = 1, frames: int = 81,
+                  height: int = 720, width: int = 1280, text_len: int = 512, gpu: str = "h100",
                   cfg: WanConfig | None = None) -> dict:
-  """Compile one denoising step for seq x cfg_parallel GPUs (module docstring)."""
+  """Compile one denoising step for cfg_parallel x seq x tensor GPUs (module docstring)."""
   cfg = cfg or a14b_expert()
   cfg = dataclasses.replace(cfg, backend=Backend(target="gpu"))
-  devices = gpu_compile.devices(gpu, devices_per_host=seq * cfg_parallel)
-  mesh = wan_parallel.make_mesh(seq=seq, cfg=cfg_parallel, devices=devices)
+  devices = gpu_compile.devices(gpu, devices_per_host=seq * cfg_parallel * tensor)
+  mesh = wan_parallel.make_mesh(seq=seq, cfg=cfg_parallel, tensor=tensor, devices=devices)
   latent = latent_shape(frames, height, width, cfg.in_channels)
   wan_parallel.check_mesh(cfg, mesh, latent, batch=2 * latent[0])
   args = _abstract(cfg, mesh, latent, text_len)
@@ -69,12 +71,12 @@ def wan_step_plan(*, seq: int = 4, cfg_parallel: int = 2, frames: int = 81, heig
   hlo = compiled.as_text()
   hbm = gpu_compile.target(gpu).hbm_bytes
   n_params = wan_weights.count_params(cfg)
-  return dict(gpu=gpu, mesh=dict(data=cfg_parallel, seq=seq), latent=latent,
+  return dict(gpu=gpu, mesh=dict(data=cfg_parallel, seq=seq, tensor=tensor), latent=latent,
               tokens=cfg.tokens(*latent[2:]), params=n_params,
               param_gb=n_params * cfg.compute_dtype().itemsize / _GB,
               memory=dataclasses.asdict(mem), peak_gb=mem.peak_bytes / _GB, hbm_gb=hbm / _GB,
               fits=mem.peak_bytes <= hbm, triton=TRITON_CALL in hlo,
-              all_to_all=hlo.count("all-to-all"))
+              all_to_all=hlo.count("all-to-all"), all_reduce=hlo.count("all-reduce"))
 
 
 def format_plan(plan: dict) -> str:

@@ -10,14 +10,18 @@ One denoiser pass (diffusers' `WanTransformer3DModel.forward`, text to video):
   head: LN(x) * (1 + scale) + shift -> proj -> unpatchify [B, Cout, F, Hh, Ww]
 
 Every op but self-attention is token-local, so the blocks run on a token
-shard as well as on the whole sequence: with `seq_axis` (inside a shard_map
-over that mesh axis) self-attention trades token shards for head shards by
-an all-to-all (Ulysses) and back (`wan_parallel` builds the sharded pass).
+shard as well as on the whole sequence: with `MeshAxes.seq` (inside a
+shard_map over that mesh axis) self-attention trades token shards for head
+shards by an all-to-all (Ulysses) and back. With `MeshAxes.tensor` the
+blocks hold a slice of the heads and FFN columns (Megatron TP): q/k RMS
+norms sum their squares across it, and the attention outputs and the FFN
+sum their partial projections (psum). `wan_parallel` builds the sharded pass.
 Norms, modulation and residual adds run in float32, as diffusers does.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -27,6 +31,19 @@ from jaxinfer import ops
 from jaxinfer.diffusion.wan_config import WanConfig
 
 Grid = tuple[int, int, int]  # latent patches along frames, height, width
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+  """The mesh axes the blocks are split over inside a shard_map (None: not split)."""
+  seq: str | None = None  # video tokens (Ulysses all-to-all in self-attention)
+  tensor: str | None = None  # heads and FFN columns (partial sums psum-ed)
+
+  def psum(self, x):
+    return jax.lax.psum(x, self.tensor) if self.tensor else x
+
+
+SINGLE = MeshAxes()
 
 
 def check_inputs(cfg: WanConfig, latents, timestep, text) -> None:
@@ -93,11 +110,13 @@ def _layer_norm(x, eps):
   return (x - mean) * jax.lax.rsqrt(var + eps)
 
 
-def _rms_heads(x, w, eps):
-  """RMSNorm over all heads of a token (x [B, T, N, H], w [N, H])."""
+def _rms_heads(cfg: WanConfig, x, w, axes: MeshAxes):
+  """RMSNorm over all heads of a token (x [B, T, N, H], w [N, H]; under TP a
+  slice of the heads, the sum of squares over all of them)."""
   xf = x.astype(jnp.float32)
-  ms = jnp.mean(jnp.square(xf), axis=(-2, -1), keepdims=True)
-  return (xf * jax.lax.rsqrt(ms + eps) * w.astype(jnp.float32)).astype(x.dtype)
+  ss = axes.psum(jnp.sum(jnp.square(xf), axis=(-2, -1), keepdims=True))
+  ms = ss / cfg.d_model
+  return (xf * jax.lax.rsqrt(ms + cfg.eps) * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def _gelu(x):
@@ -125,58 +144,59 @@ def condition(cfg: WanConfig, params, timestep, text):
   return temb.astype(jnp.float32), mod.astype(jnp.float32), ctx
 
 
-def _qkv(cfg: WanConfig, p, x, kv_src):
+def _qkv(cfg: WanConfig, p, x, kv_src, axes: MeshAxes):
   q = jnp.einsum("BTD,DNH->BTNH", x, p["wq"]) + p["bq"]
   k = jnp.einsum("BSD,DNH->BSNH", kv_src, p["wk"]) + p["bk"]
   v = jnp.einsum("BSD,DNH->BSNH", kv_src, p["wv"]) + p["bv"]
-  return _rms_heads(q, p["q_norm"], cfg.eps), _rms_heads(k, p["k_norm"], cfg.eps), v
+  return _rms_heads(cfg, q, p["q_norm"], axes), _rms_heads(cfg, k, p["k_norm"], axes), v
 
 
-def _out(p, o):
-  return jnp.einsum("BTNH,NHD->BTD", o, p["wo"]) + p["bo"]
+def _out(p, o, axes: MeshAxes):
+  return axes.psum(jnp.einsum("BTNH,NHD->BTD", o, p["wo"])) + p["bo"]
 
 
-def self_attention(cfg: WanConfig, p, x, cos, sin, seq_axis: str | None = None):
-  """x [B, T, D] (a token shard under `seq_axis`) -> [B, T, D]. Ulysses:
+def self_attention(cfg: WanConfig, p, x, cos, sin, axes: MeshAxes = SINGLE):
+  """x [B, T, D] (a token shard under `axes.seq`) -> [B, T, D]. Ulysses:
   the all-to-all gives each device every token of N / n heads, attention
   runs whole per head, and the inverse all-to-all restores the token shard."""
-  q, k, v = _qkv(cfg, p, x, x)
+  q, k, v = _qkv(cfg, p, x, x, axes)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-  if seq_axis is not None:
-    gather = lambda a: jax.lax.all_to_all(a, seq_axis, 2, 1, tiled=True)  # heads -> tokens
+  if axes.seq is not None:
+    gather = lambda a: jax.lax.all_to_all(a, axes.seq, 2, 1, tiled=True)  # heads -> tokens
     q, k, v = gather(q), gather(k), gather(v)
   o = ops.full_attention(q, k, v, scale=cfg.head_dim ** -0.5, backend=cfg.backend)
-  if seq_axis is not None:
-    o = jax.lax.all_to_all(o, seq_axis, 1, 2, tiled=True)  # tokens -> heads
-  return _out(p, o)
+  if axes.seq is not None:
+    o = jax.lax.all_to_all(o, axes.seq, 1, 2, tiled=True)  # tokens -> heads
+  return _out(p, o, axes)
 
 
-def cross_attention(cfg: WanConfig, p, x, ctx):
-  q, k, v = _qkv(cfg, p, x, ctx)
-  return _out(p, ops.full_attention(q, k, v, scale=cfg.head_dim ** -0.5, backend=cfg.backend))
+def cross_attention(cfg: WanConfig, p, x, ctx, axes: MeshAxes = SINGLE):
+  q, k, v = _qkv(cfg, p, x, ctx, axes)
+  o = ops.full_attention(q, k, v, scale=cfg.head_dim ** -0.5, backend=cfg.backend)
+  return _out(p, o, axes)
 
 
-def block(cfg: WanConfig, p, x, mod, ctx, cos, sin, seq_axis: str | None = None):
+def block(cfg: WanConfig, p, x, mod, ctx, cos, sin, axes: MeshAxes = SINGLE):
   """One DiT block over x [B, T, D]; mod [B, 6, D] float32 (diffusers'
   WanTransformerBlock with temb [B, 6, D])."""
   m = p["table"].astype(jnp.float32) + mod  # [B, 6, D]
   shift, scale, gate, c_shift, c_scale, c_gate = (m[:, i, None, :] for i in range(6))
   dt = x.dtype
   h = (_layer_norm(x, cfg.eps) * (1 + scale) + shift).astype(dt)
-  x = (x.astype(jnp.float32) + self_attention(cfg, p["self"], h, cos, sin, seq_axis) * gate)
+  x = (x.astype(jnp.float32) + self_attention(cfg, p["self"], h, cos, sin, axes) * gate)
   x = x.astype(dt)
   h = (_layer_norm(x, cfg.eps) * p["norm2_w"].astype(jnp.float32)
        + p["norm2_b"].astype(jnp.float32)).astype(dt)
-  x = x + cross_attention(cfg, p["cross"], h, ctx)
+  x = x + cross_attention(cfg, p["cross"], h, ctx, axes)
   h = (_layer_norm(x, cfg.eps) * (1 + c_scale) + c_shift).astype(dt)
-  ff = _gelu(h @ p["ffn_w1"] + p["ffn_b1"]) @ p["ffn_w2"] + p["ffn_b2"]
+  ff = axes.psum(_gelu(h @ p["ffn_w1"] + p["ffn_b1"]) @ p["ffn_w2"]) + p["ffn_b2"]
   return (x.astype(jnp.float32) + ff.astype(jnp.float32) * c_gate).astype(dt)
 
 
-def blocks(cfg: WanConfig, params, x, mod, ctx, cos, sin, seq_axis: str | None = None):
+def blocks(cfg: WanConfig, params, x, mod, ctx, cos, sin, axes: MeshAxes = SINGLE):
   """The stacked blocks, scanned (compile time flat in depth)."""
   def one(x, p):
-    return block(cfg, p, x, mod, ctx, cos, sin, seq_axis), None
+    return block(cfg, p, x, mod, ctx, cos, sin, axes), None
   return jax.lax.scan(one, x, params["blocks"])[0]
 
 
