@@ -9,7 +9,7 @@ the conditional and unconditional passes are one batched DiT call
 UniPC step (`unipc`). Timesteps fall monotonically, so the experts' steps
 are a prefix and a suffix: two `lax.scan`s in one jitted program, each over
 its expert's params. The denoiser is `wan_dit.forward`, or with a mesh the
-sequence- and CFG-parallel pass of `wan_parallel`. `generate` decodes the
+CFG-, sequence- and tensor-parallel pass of `wan_parallel`. `generate` decodes the
 result with the VAE (`wan_vae`) into frames in [0, 1], as output_type="np".
 """
 
@@ -113,9 +113,9 @@ def denoise(cfg: WanConfig, sampler: SamplerConfig, params_high, params_low, lat
             neg_text, *, mesh=None):
   """The denoised latents [B, C, F, H, W] float32 from the initial latents
   (float32 noise), prompt embeddings text [B, L, Dt] and negative-prompt
-  embeddings neg_text [B, L, Dt]; one jitted program for all steps. mesh: a
-  mesh with `wan_parallel.SEQ` (and optionally `wan_parallel.CFG`) axes runs
-  each DiT pass sequence- (and CFG-) parallel."""
+  embeddings neg_text [B, L, Dt]; one jitted program for all steps. mesh:
+  a `wan_parallel.make_mesh` mesh runs each DiT pass CFG-, sequence- and
+  tensor-parallel over its axes (params placed by `wan_parallel.param_shardings`)."""
   check_inputs(cfg, latents, text, neg_text)
   if mesh is not None:
     wan_parallel.check_mesh(cfg, mesh, latents.shape, batch=2 * latents.shape[0])
