@@ -15,7 +15,7 @@ import json
 import os
 
 from jaxinfer.checkpoint.errors import CheckpointError
-from jaxinfer.diffusion import umt5, unipc, wan_vae, wan_weights
+from jaxinfer.diffusion import umt5, unipc, wan_parallel, wan_vae, wan_weights
 from jaxinfer.diffusion.presets import WanModel
 from jaxinfer.diffusion.wan_pipeline import SamplerConfig
 
@@ -39,9 +39,12 @@ def _json(path: str) -> dict:
       raise CheckpointError(f"{path}: invalid JSON ({e})") from None
 
 
-def load_pipeline(root: str, dtype="float32", **model_fields) -> tuple[WanModel, WanParams]:
+def load_pipeline(root: str, dtype="float32", *, mesh=None,
+                  **model_fields) -> tuple[WanModel, WanParams]:
   """model_fields: the run's settings (height, width, frames, text_len) and
-  sampler fields (num_steps, guidance_high, guidance_low) over the defaults."""
+  sampler fields (num_steps, guidance_high, guidance_low) over the defaults.
+  mesh: a `wan_parallel.make_mesh` mesh the experts load onto, each leaf
+  placed by `wan_parallel.param_shardings` (TP slices read as such)."""
   index = _json(os.path.join(root, "model_index.json"))
   if index.get("_class_name") != "WanPipeline":
     raise CheckpointError(f"{root}/model_index.json: _class_name {index.get('_class_name')!r} "
@@ -54,8 +57,13 @@ def load_pipeline(root: str, dtype="float32", **model_fields) -> tuple[WanModel,
   sampler_keys = {f.name for f in dataclasses.fields(SamplerConfig)}
   sampler = SamplerConfig(boundary_ratio=index["boundary_ratio"], solver=solver,
                           **{k: v for k, v in model_fields.items() if k in sampler_keys})
-  dit, high = wan_weights.load_transformer(os.path.join(root, "transformer"), dtype)
-  dit_2, low = wan_weights.load_transformer(os.path.join(root, "transformer_2"), dtype)
+  shardings = None
+  if mesh is not None:
+    cfg = wan_weights.read_config(os.path.join(root, "transformer"), dtype)
+    shardings = wan_parallel.param_shardings(cfg, mesh)
+  load = lambda d: wan_weights.load_transformer(os.path.join(root, d), dtype, shardings=shardings)
+  dit, high = load("transformer")
+  dit_2, low = load("transformer_2")
   if dit_2 != dit:
     raise CheckpointError(f"{root}: transformer/ and transformer_2/ configs differ")
   vae_cfg, vae = wan_vae.load_vae(os.path.join(root, "vae"), dtype)

@@ -109,10 +109,8 @@ def count_params(cfg: WanConfig) -> int:
   return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 
 
-def load_transformer(path: str, dtype="float32", *, shardings=None, **overrides):
-  """A diffusers `WanTransformer3DModel` directory (`transformer/` or
-  `transformer_2/` of a WanPipeline save: config.json + safetensors) ->
-  (WanConfig, params). Errors name the tensor or the config field."""
+def read_config(path: str, dtype="float32", **overrides) -> WanConfig:
+  """The WanConfig of a diffusers `WanTransformer3DModel` directory."""
   config_file = os.path.join(path, "config.json")
   if not os.path.exists(config_file):
     raise CheckpointError(f"{path}: no config.json (a diffusers transformer directory)")
@@ -124,6 +122,14 @@ def load_transformer(path: str, dtype="float32", *, shardings=None, **overrides)
   if raw.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
     raise CheckpointError(f"{config_file}: _class_name {raw['_class_name']!r} is not "
                           "WanTransformer3DModel")
-  cfg = WanConfig.from_diffusers(raw, dtype=str(dtype), **overrides)
+  return WanConfig.from_diffusers(raw, dtype=str(dtype), **overrides)
+
+
+def load_transformer(path: str, dtype="float32", *, shardings=None, **overrides):
+  """A diffusers `WanTransformer3DModel` directory (`transformer/` or
+  `transformer_2/` of a WanPipeline save: config.json + safetensors) ->
+  (WanConfig, params), each leaf placed on its sharding when given (a tree
+  like `wan_parallel.param_shardings`). Errors name the tensor or the field."""
+  cfg = read_config(path, dtype, **overrides)
   params = load_declared(path, dit_weights(cfg), dtype, shardings=shardings)
   return cfg, params

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jaxinfer.diffusion import loading, unipc, wan_pipeline, wan_weights
+from jaxinfer.diffusion import loading, unipc, wan_parallel, wan_pipeline, wan_weights
 
 # Wan2.2-T2V-A14B-Diffusers scheduler_config.json fields this sampler reads.
 SCHEDULER = dict(num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction",
@@ -107,6 +107,18 @@ def test_generate_frames_match_diffusers(dit_dirs, tiny_vae, tmp_path):
   print(f"frames: max|ours - diffusers| = {err:.2e} (frames in [0, 1])")
   assert err < 1e-3
   assert np.std(ref) > 1e-2
+  # Loaded onto a CFG 2 x TP 2 mesh (each device reads its slice of the heads
+  # and FFN columns), sampled CFG- and tensor-parallel: diffusers' latents still.
+  mesh = wan_parallel.make_mesh(cfg=2, tensor=2)
+  _, sharded = loading.load_pipeline(str(tmp_path), mesh=mesh, num_steps=6, height=32,
+                                     width=48, frames=9)
+  wq = sharded.high["blocks"]["self"]["wq"]
+  assert wq.addressable_shards[0].data.shape[2] == model.dit.num_heads // 2
+  z = wan_pipeline.denoise(model.dit, model.sampler, sharded.high, sharded.low, latents, text,
+                           neg, mesh=mesh)
+  err = _rel(z, _run(pipe, "latent"))
+  print(f"latents, CFG 2 x TP 2: max|ours - diffusers| / max|diffusers| = {err:.2e}")
+  assert err < 1e-4
 
 
 def test_pipeline_input_errors(dit_dirs):
