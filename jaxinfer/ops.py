@@ -16,6 +16,7 @@ unquantized MoE matmul goes to jax's `ragged_dot_mgpu` under the Backend's
 grouped_matmul "mosaic" (`grouped_matmul`, `mosaic_grouped_matmul`).
 
   causal_attention        full causal self-attention (prefill without a cache)
+  full_attention          every query sees every key (diffusion transformers)
   attention               queries at arbitrary positions over a padded KV range (XLA)
   ragged_paged_attention  an engine step's mixed batch over the page pool
   hstu_attention          HSTU's pointwise SiLU attention over packed jagged users (DLRMv3)
@@ -161,6 +162,23 @@ def hstu_attention(q, k, v, *, segment_ids, positions, timestamps, pos_bias, tim
       pallas_kernels.hstu_attention, interpret=interpret)
   return fn(q, k, v, segment_ids=segment_ids, positions=positions, timestamps=timestamps,
             pos_bias=pos_bias, time_bias=time_bias, alpha=alpha, n=n)
+
+
+def full_attention(q, k, v, *, scale, backend: Backend = Backend()):
+  """Unmasked attention: q [B, T, N, Hk], k [B, S, K, Hk], v [B, S, K, Hv]
+  -> [B, T, N, Hv] in q's dtype (a video DiT's self- and cross-attention).
+
+  GPU: the flash kernel without causality; XLA: every query placed after the
+  last key (position S - 1), so the causal XLA form, blocked past one block,
+  masks nothing. Head dims below 16 run XLA (as `causal_attention`)."""
+  impl, interpret = backend.attention_kernel()
+  small = min(q.shape[-1], v.shape[-1]) < 16
+  if impl == "xla" or (not interpret and small and backend.attention is None):
+    B, T, S = q.shape[0], q.shape[1], k.shape[1]
+    pos = jnp.full((B, T), S - 1, jnp.int32)
+    return _attention_xla(q, k, v, pos, jnp.full((B,), S, jnp.int32), 0, None, scale)
+  return pallas_kernels.flash_attention(q, k, v, causal=False, sm_scale=scale,
+                                        interpret=interpret)
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale):

@@ -29,7 +29,7 @@ from jaxinfer.checkpoint.safetensors_header import read_header
 from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models.quant import QuantizedWeight
-from jaxinfer.models.specs import is_spec, param_specs
+from jaxinfer.models.specs import declared_specs, is_spec, param_specs
 
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _NP_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": ml_dtypes.bfloat16,
@@ -315,3 +315,33 @@ def load_hf(path: str, dtype=None, *, shardings=None, quantize: str | None = Non
       more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
       raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:5]}{more}")
   return cfg, params
+
+
+def load_declared(path: str, decl: dict, dtype, *, shardings=None, nonfinite: str = "error",
+                  unread: tuple[str, ...] = ()):
+  """The params of a declaration tree (`models.weights.Weight` / `Stacked`
+  leaves) from the safetensors files of directory `path`, with `load_hf`'s
+  checks: a missing, misshapen, non-float or non-finite tensor, and a tensor
+  no leaf reads (unless its name starts with one of `unread`: parts of the
+  checkpoint this model does not run, e.g. a VAE's encoder), raise
+  CheckpointError naming it. A model family other than the decoder LLMs
+  (e.g. `diffusion.wan_weights`) loads through this."""
+  if nonfinite not in NONFINITE:
+    raise ValueError(f"load_declared: nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+  if not os.path.isdir(path):
+    raise FileNotFoundError(f"load_declared: {path} is not a directory")
+  dtype = jnp.dtype(dtype)
+  with ExitStack() as stack:
+    reader = _Reader(path, stack, nonfinite)
+    specs = declared_specs(decl, dtype)
+    sources = hf_names.declared_sources(decl, reader.has)
+    flat_shardings = shardings
+    if shardings is not None and not isinstance(shardings, jax.sharding.Sharding):
+      flat_shardings = jax.tree.leaves(shardings)
+    params = _load_tree(specs, sources, reader, flat_shardings, dtype, None)
+    unexpected = sorted(n for n in reader.index if n not in reader.used
+                        and not n.endswith(_IGNORED_SUFFIXES) and not n.startswith(unread))
+    if unexpected:
+      more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+      raise CheckpointError(f"unexpected tensors in checkpoint: {unexpected[:5]}{more}")
+  return params

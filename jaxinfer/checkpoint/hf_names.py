@@ -201,6 +201,20 @@ def _sources(cfg: ModelConfig, tree: dict, prefix: str, has: Callable[[str], boo
   return out
 
 
+def declared_sources(tree: dict, has: Callable[[str], bool], prefix: str = "") -> dict:
+  """Path -> Source for every leaf of any declaration tree (no MoE layouts to
+  choose between): another model family's weights, e.g. a video DiT's."""
+  out = {}
+  for kp, node in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if isinstance(node, Stacked):
+      copies = [declared_sources(node.tree, has, node.prefix.format(i=node.first + j))
+                for j in range(node.count)]
+      out.update({(*path_key(kp), *k): [c[k] for c in copies] for k in copies[0]})
+    else:
+      out[path_key(kp)] = source(node, prefix, has)
+  return out
+
+
 def model_sources(cfg: ModelConfig, has: Callable[[str], bool],
                   shape: Callable[[str], tuple | None] | None = None) -> dict:
   """Sources of every leaf of `param_specs(cfg)`, keyed by its path.

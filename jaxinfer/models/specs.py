@@ -98,6 +98,12 @@ def _specs(tree, dtype, q: QuantConfig | None):
   return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, (Weight, Stacked)))
 
 
+def declared_specs(tree, dtype) -> dict:
+  """The ParamSpec tree of any declaration tree of `Weight` / `Stacked`
+  leaves (another model family's, e.g. `diffusion.wan_weights`)."""
+  return _specs(tree, jnp.dtype(dtype), None)
+
+
 def param_specs(cfg: ModelConfig, dtype=None) -> dict:
   """The abstract param tree of `cfg` (see the module docstring), from the
   declarations of `weights.model_weights`."""
@@ -157,7 +163,11 @@ def init_params(cfg: ModelConfig, key, dtype=None):
   if cfg.quant is not None:
     float_params = init_params(dataclasses.replace(cfg, quant=None), key, dtype)
     return quantize_params(cfg, float_params)
-  specs = param_specs(cfg, dtype)
+  return init_from_specs(param_specs(cfg, dtype), key)
+
+
+def init_from_specs(specs, key):
+  """Random params of a ParamSpec tree (normal / ones / zeros per spec)."""
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))
   return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys)])
