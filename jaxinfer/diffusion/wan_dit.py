@@ -38,6 +38,8 @@ class MeshAxes:
   """The mesh axes the blocks are split over inside a shard_map (None: not split)."""
   seq: str | None = None  # video tokens (Ulysses all-to-all in self-attention)
   tensor: str | None = None  # heads and FFN columns (partial sums psum-ed)
+  ring: str | None = None  # video tokens, outer (ring attention: K/V passed round)
+  ring_size: int = 1  # devices on the ring axis (the K/V blocks each query block meets)
 
   def psum(self, x):
     return jax.lax.psum(x, self.tensor) if self.tensor else x
@@ -158,16 +160,79 @@ def _out(p, o, axes: MeshAxes):
 def self_attention(cfg: WanConfig, p, x, cos, sin, axes: MeshAxes = SINGLE):
   """x [B, T, D] (a token shard under `axes.seq`) -> [B, T, D]. Ulysses:
   the all-to-all gives each device every token of N / n heads, attention
-  runs whole per head, and the inverse all-to-all restores the token shard."""
+  runs whole per head, and the inverse all-to-all restores the token shard.
+  With `axes.ring` the tokens are split over the ring axis too (outside the
+  Ulysses groups): attention then runs as `ring_attention`."""
   q, k, v = _qkv(cfg, p, x, x, axes)
   q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
   if axes.seq is not None:
     gather = lambda a: jax.lax.all_to_all(a, axes.seq, 2, 1, tiled=True)  # heads -> tokens
     q, k, v = gather(q), gather(k), gather(v)
-  o = ops.full_attention(q, k, v, scale=cfg.head_dim ** -0.5, backend=cfg.backend)
+  if axes.ring is not None:
+    o = ring_attention(q, k, v, scale=cfg.head_dim ** -0.5, axis=axes.ring,
+                       size=axes.ring_size)
+  else:
+    o = ops.full_attention(q, k, v, scale=cfg.head_dim ** -0.5, backend=cfg.backend)
   if axes.seq is not None:
     o = jax.lax.all_to_all(o, axes.seq, 1, 2, tiled=True)  # tokens -> heads
   return _out(p, o, axes)
+
+
+def _kv_blocks(q, k, v, scale, block):
+  """Unnormalised attention of q [B, T, N, H] over k, v [B, S, N, H] in key
+  blocks of `block` (online softmax, so memory holds one [B, N, T, block]
+  score tile) -> (o [B, T, N, H] float32, running max, sum [B, N, T])."""
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  block = min(block, S)
+  nb = -(-S // block)
+  pad = nb * block - S
+  kb = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, nb, block, N, H)
+  vb = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(B, nb, block, N, -1)
+  valid = (jnp.arange(nb * block) < S).reshape(nb, block)
+  qf = q.astype(jnp.float32) * scale
+
+  def step(carry, xs):
+    o, m, l = carry
+    kj, vj, ok = xs
+    s = jnp.einsum("BTNH,BSNH->BNTS", qf, kj.astype(jnp.float32))
+    s = jnp.where(ok[None, None, None], s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(-1))
+    p = jnp.exp(s - m_new[..., None])
+    alpha = jnp.exp(m - m_new)
+    o = o * alpha.transpose(0, 2, 1)[..., None] + jnp.einsum("BNTS,BSNH->BTNH", p,
+                                                            vj.astype(jnp.float32))
+    return (o, m_new, l * alpha + p.sum(-1)), None
+
+  init = (jnp.zeros((B, T, N, v.shape[-1]), jnp.float32),
+          jnp.full((B, N, T), -jnp.inf, jnp.float32), jnp.zeros((B, N, T), jnp.float32))
+  (o, m, l), _ = jax.lax.scan(step, init, (kb.swapaxes(0, 1), vb.swapaxes(0, 1), valid))
+  return o, m, l
+
+
+def ring_attention(q, k, v, *, scale, axis: str, size: int, block: int = 1024):
+  """Unmasked attention with the keys split over a ring of `size` devices
+  (inside a shard_map over `axis`): q, k, v [B, T, N, H] are this device's
+  token block; the K/V blocks go round the ring (`ppermute`, `size` hops,
+  the last bringing each block home), each met block attended in key blocks of `block` and merged by
+  its running max and sum (FlashAttention's online softmax), so no device
+  holds more than its own block of keys and one block in flight."""
+  perm = [(j, (j + 1) % size) for j in range(size)]
+
+  def hop(i, carry):
+    o, m, l, k, v = carry
+    o2, m2, l2 = _kv_blocks(q, k, v, scale, block)
+    top = jnp.maximum(m, m2)
+    a, b = jnp.exp(m - top), jnp.exp(m2 - top)
+    o = o * a.transpose(0, 2, 1)[..., None] + o2 * b.transpose(0, 2, 1)[..., None]
+    k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
+    return o, top, l * a + l2 * b, k, v
+
+  B, T, N, _ = q.shape
+  init = (jnp.zeros((B, T, N, v.shape[-1]), jnp.float32),
+          jnp.full((B, N, T), -jnp.inf, jnp.float32), jnp.zeros((B, N, T), jnp.float32), k, v)
+  o, _, l, _, _ = jax.lax.fori_loop(0, size, hop, init)
+  return (o / l.transpose(0, 2, 1)[..., None]).astype(q.dtype)
 
 
 def cross_attention(cfg: WanConfig, p, x, ctx, axes: MeshAxes = SINGLE):
