@@ -105,6 +105,25 @@ def test_pooled_is_the_sum_over_each_bag():
   np.testing.assert_array_equal(np.asarray(out), [[2, 4], [0, 0], [18, 21]])
 
 
+def test_pooled_lookup_equals_torch_embedding_bag():
+  """The pooled sparse features against torch's `EmbeddingBag(mode="sum")`
+  with offsets, the computation torchrec's `EmbeddingBagCollection` runs
+  per table on CPU (torchrec itself: its fbgemm-gpu-cpu 1.9 does not load
+  against the pinned torch, docs/recsys.md). Empty bags and repeated ids."""
+  import torch  # noqa: PLC0415 (the dev extra's CPU torch, only here)
+  rng = np.random.default_rng(0)
+  table = rng.normal(size=(50, 8)).astype(np.float32)
+  lengths = [3, 0, 1, 7, 0, 2]
+  ids = rng.integers(0, 50, sum(lengths))
+  ids[1] = ids[0]
+  offsets = np.concatenate([[0], np.cumsum(lengths)])
+  ours = tables.pooled(tables.gather_rows(jnp.asarray(table), jnp.asarray(ids)),
+                       jnp.asarray(offsets), len(lengths))
+  bag = torch.nn.EmbeddingBag.from_pretrained(torch.from_numpy(table), mode="sum")
+  ref = bag(torch.from_numpy(ids), torch.from_numpy(offsets[:-1])).numpy()
+  np.testing.assert_allclose(np.asarray(ours), ref, rtol=1e-6, atol=1e-6)
+
+
 def test_bad_arguments_raise_value_error():
   with pytest.raises(ValueError, match="dtype must be one of"):
     tables.quantize_rows(jnp.ones((4, 4)), "int4")
