@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import queue
-import threading
 import time
 from typing import Sequence
 
@@ -82,7 +81,7 @@ class Scorer:
     return np.split(logits[:ends[-1]], ends[:-1])
 
 
-class DlrmSUT:
+class DlrmSUT(mlperf.ThreadedSUT):
   """A LoadGen SUT scoring `samples` (sample index -> User) with `scorer`."""
 
   def __init__(self, scorer: Scorer, samples: Sequence[User]):
@@ -96,10 +95,7 @@ class DlrmSUT:
     self.times: dict[int, list[float]] = {}  # query id -> [issued, done]
     self.batch_sizes: list[int] = []
     self._keep: list = []
-    self._incoming: queue.Queue = queue.Queue()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._loop, daemon=True, name="dlrm-sut")
-    self.error: BaseException | None = None
+    super().__init__("dlrm-sut")
     scorer(self.prompts[:1])  # compile before LoadGen's clock starts
 
   def issue(self, query_samples) -> None:
@@ -107,18 +103,6 @@ class DlrmSUT:
     for qs in query_samples:
       self.times[qs.id] = [now, None]
       self._incoming.put((qs.id, qs.index))
-
-  def flush(self) -> None:
-    pass
-
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._stop.set()
-    self._thread.join()
-    if self.error is not None:
-      raise RuntimeError("the scoring thread failed") from self.error
 
   def _loop(self) -> None:
     pending: collections.deque = collections.deque()

@@ -40,6 +40,35 @@ def _lg():
   return mlperf_loadgen
 
 
+class ThreadedSUT:
+  """The LoadGen SUT lifecycle the in-process SUTs share: LoadGen's threads
+  put queries on `_incoming` (`issue`), one worker thread (`_loop`, the
+  subclass's) serves them until `stop`, and a failure of that thread is
+  raised from `stop` instead of lost. `EngineSUT`, `mlperf_video.VideoSUT`
+  and `dlrm.DlrmSUT` are ones."""
+
+  def __init__(self, name: str):
+    self._incoming: queue.Queue = queue.Queue()
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+    self.error: BaseException | None = None
+
+  def _loop(self) -> None:
+    raise NotImplementedError
+
+  def flush(self) -> None:
+    pass
+
+  def start(self) -> None:
+    self._thread.start()
+
+  def stop(self) -> None:
+    self._stop.set()
+    self._thread.join()
+    if self.error is not None:
+      raise RuntimeError(f"the {self._thread.name} thread failed") from self.error
+
+
 class SUTRecord:
   """What a SUT reported to LoadGen, kept for checks after the run: the
   issue / first-token / done times, the first token sent and the tokens
@@ -88,12 +117,13 @@ class SUTRecord:
                 output_tokens=sum(len(t) for _, t in self.completed.values()))
 
 
-class EngineSUT(SUTRecord):
+class EngineSUT(SUTRecord, ThreadedSUT):
   """A LoadGen system under test serving `prompts` (sample index -> token ids)."""
 
   def __init__(self, engine: Engine, prompts, sampling: SamplingParams, *,
                first_token_events: bool = True, images=None):
-    super().__init__(prompts)
+    SUTRecord.__init__(self, prompts)
+    ThreadedSUT.__init__(self, "engine-sut")
     self.engine, self.sampling = engine, sampling
     # Per sample its images or None (a vision model; decoded and encoded on
     # submit, each distinct image once while the encoder cache holds it).
@@ -106,12 +136,8 @@ class EngineSUT(SUTRecord):
       except (ValueError, TypeError) as e:
         raise type(e)(f"sample {i}: {e}") from None
     self.first_token_events = first_token_events
-    self._incoming: queue.Queue = queue.Queue()
     self._live: dict[int, tuple[int, int]] = {}  # engine rid -> (query id, sample index)
     self._sent_first: set[int] = set()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._loop, daemon=True, name="engine-sut")
-    self.error: BaseException | None = None
 
   # LoadGen callbacks (its threads)
   def issue(self, query_samples) -> None:
@@ -119,18 +145,6 @@ class EngineSUT(SUTRecord):
     for qs in query_samples:
       self.times[qs.id] = [now, None, None]
       self._incoming.put((qs.id, qs.index))
-
-  def flush(self) -> None:
-    pass
-
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._stop.set()
-    self._thread.join()
-    if self.error is not None:
-      raise RuntimeError("the engine thread failed") from self.error
 
   def _loop(self) -> None:
     try:

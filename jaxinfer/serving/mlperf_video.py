@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import os
 import queue
-import threading
 import time
 
 import numpy as np
@@ -32,7 +31,7 @@ def digest(frames: np.ndarray) -> str:
   return hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest()
 
 
-class VideoSUT:
+class VideoSUT(mlperf.ThreadedSUT):
   def __init__(self, engine: VideoEngine, samples: list[VideoRequest]):
     for i, s in enumerate(samples):
       try:
@@ -43,27 +42,12 @@ class VideoSUT:
     self.completed: dict[int, tuple[int, str]] = {}  # query id -> (sample index, digest)
     self.latencies_s: list[float] = []
     self._keep: list = []
-    self._incoming: queue.Queue = queue.Queue()
-    self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._loop, daemon=True, name="video-sut")
-    self.error: BaseException | None = None
+    super().__init__("video-sut")
 
   def issue(self, query_samples) -> None:
     now = time.perf_counter()
     for qs in query_samples:
       self._incoming.put((qs.id, qs.index, now))
-
-  def flush(self) -> None:
-    pass
-
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self) -> None:
-    self._stop.set()
-    self._thread.join()
-    if self.error is not None:
-      raise RuntimeError("the video engine thread failed") from self.error
 
   def _take(self) -> list:
     try:
