@@ -7,8 +7,9 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              Triton on GPUs), "mosaic" (Hopper, jax >= 0.11: paged steps on
              the Mosaic GPU kernels where they take the shapes,
              `ops.mosaic_kernel`, the rest "pallas"), or None: "mosaic" for
-             a Hopper GPU target on a jax with Mosaic GPU, "pallas" for other
-             GPU targets (A100, jax 0.10), XLA otherwise.
+             a Hopper GPU target on a jax with Mosaic GPU (prefill chunks
+             past `ops.MOSAIC_AUTO_MAX_Q` tokens on "pallas"), "pallas" for
+             other GPU targets (A100, jax 0.10), XLA otherwise.
   grouped_matmul
              the unquantized MoE expert matmul: "xla" (`lax.ragged_dot`),
              "mosaic" (jax's Hopper kernel `ragged_dot_mgpu`, where

@@ -47,6 +47,11 @@ except ImportError:  # a jax without it
 
 _BLOCK_Q, _BLOCK_K = 64, 128  # XLA attention blocks (queries, keys)
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
+# The default ("mosaic" by attention None) keeps steps with more query tokens a
+# sequence than this on Triton: on the H200 (run 7) the Mosaic ragged kernel was
+# 1.41x Triton on a step of 128-token chunks and decodes, 0.79x on 2048-token
+# chunks (64-row work items re-read a long chunk's keys). Explicit "mosaic": any.
+MOSAIC_AUTO_MAX_Q = 128
 
 
 def quantized_matmul(x, codes, scale, *, block, packed=None, scale2=None,
@@ -215,13 +220,15 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
   -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
   (`mosaic_kernel`), "pallas", or "xla" (the choice, or attention None's
   fallback where `tile_error` says the GPU kernel cannot tile the shapes).
+  Attention None's Mosaic default takes steps of at most `MOSAIC_AUTO_MAX_Q`
+  query tokens a sequence (longer chunks: Triton, faster there in run 7).
   Arguments as `mosaic_kernel`'s; page_table_shape [B, pages_per_seq]."""
   impl, interpret = backend.attention_kernel()
   if impl == "mosaic":
     kernel, _ = mosaic_kernel(q_shape, dtype, k_pages_shape, values_dim=values_dim,
                               latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
                               quantized=quantized)
-    if kernel:
+    if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q):
       return f"mosaic_{kernel}", interpret, {}
     impl = "pallas"
   if impl != "pallas" or interpret:

@@ -94,6 +94,13 @@ def test_default_kernels_follow_the_target_gpu():
       assert Backend(target="gpu").attention_kernel() == ("mosaic" if mosaic else "pallas", False)
       assert Backend(target="gpu").grouped_matmul_kernel() == ("mosaic" if mosaic else "xla")
       assert Backend(target="gpu", grouped_matmul="xla").grouped_matmul_kernel() == "xla"
+      # The default keeps long prefill chunks on Triton (run 7); explicit "mosaic" takes all.
+      shapes = ((8, 8, 64), "bfloat16", (2, 64, 16, 64), (4, 64))
+      for max_q, backend, want in ((ops.MOSAIC_AUTO_MAX_Q, Backend(target="gpu"), mosaic),
+                                   (ops.MOSAIC_AUTO_MAX_Q + 1, Backend(target="gpu"), False),
+                                   (2048, Backend(target="gpu", attention="mosaic"), hopper)):
+        kernel = ops.paged_kernel(*shapes, max_q=max_q, values_dim=64, backend=backend)[0]
+        assert kernel == ("mosaic_gqa" if want else "pallas"), (gpu, max_q, kernel)
   with pytest.raises(ValueError, match=r"Backend.grouped_matmul .*'triton'"):
     Backend(grouped_matmul="triton")
 
