@@ -6,6 +6,7 @@ norm weights are redrawn (diffusers zero- / one-initialises them, which
 would hide a bias or norm read from the wrong tensor)."""
 
 import diffusers
+import pytest
 import torch
 
 TINY_DIT = dict(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
@@ -40,3 +41,25 @@ def tiny_vae_model(seed: int):
   vae = diffusers.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1],
                                    num_res_blocks=1, temperal_downsample=[False, True, True])
   return randomize(vae, seed).eval()
+
+
+# Session fixtures: test modules import them by name (a conftest.py under tests/
+# would shadow tests/conftest.py for `from conftest import ...`).
+@pytest.fixture(scope="session")
+def dit_dirs(tmp_path_factory):
+  """transformer/ and transformer_2/ of a tiny A14B, saved by diffusers."""
+  root = tmp_path_factory.mktemp("wan_tiny")
+  models = {}
+  for name, seed in (("transformer", 0), ("transformer_2", 1)):
+    models[name] = tiny_dit(seed)
+    models[name].save_pretrained(root / name)
+  return root, models
+
+
+@pytest.fixture(scope="session")
+def tiny_vae(tmp_path_factory):
+  """diffusers' tiny test VAE (base_dim 3) and its saved vae/ directory."""
+  vae = tiny_vae_model(7)
+  path = tmp_path_factory.mktemp("wan_vae") / "vae"
+  vae.save_pretrained(path)
+  return vae, path

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from jaxinfer.diffusion import loading, unipc, wan_parallel, wan_pipeline, wan_weights
+from wan_tiny import dit_dirs, tiny_vae  # noqa: F401 (session fixtures)
 
 # Wan2.2-T2V-A14B-Diffusers scheduler_config.json fields this sampler reads.
 SCHEDULER = dict(num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction",
