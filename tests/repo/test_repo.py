@@ -140,3 +140,11 @@ def test_benchlib_is_not_installed_with_the_package():
   for name in ("benchlib", "benchlib.kernels", "experiments", "experiments.benchlib"):
     assert not any(fnmatch.fnmatch(name, p) for p in include), (name, include)
   assert (ROOT / "experiments" / "benchlib" / "__init__.py").exists()
+
+
+def test_one_conftest():
+  """A second conftest.py under tests/ shadows tests/conftest.py for every
+  `from conftest import ...` (pytest imports each as the module `conftest`):
+  shared fixtures go in a helper module the tests import (tests/wan_tiny.py)."""
+  root = pathlib.Path(__file__).parents[2]
+  assert sorted(root.glob("tests/**/conftest.py")) == [root / "tests" / "conftest.py"]
