@@ -70,7 +70,7 @@ def test_part_deadlines_pass_unused_time_on():
   parts = list(gpu_day.PARTS)
   ends = [gpu_day.part_deadline(p, parts=parts, start=100.0, budget_s=410.0) for p in parts]
   assert ends == sorted(ends) and ends[-1] == 100.0 + 410.0 - gpu_day._PLOT_RESERVE_S
-  assert abs((ends[0] - 100.0) - 0.22 * 400) < 1e-6  # the first part's share of the usable time
+  assert abs((ends[0] - 100.0) - gpu_day.SHARES[parts[0]] * 400) < 1e-6  # its share of the usable time
   # A part run alone gets the whole budget.
   assert gpu_day.part_deadline("kernels", parts=["kernels"], start=0.0, budget_s=110.0) == 100.0
 
