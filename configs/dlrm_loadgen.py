@@ -12,7 +12,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/dlrm_loadgen.py"
-  c.preset = "tiny_hstu"  # recsys preset
+  c.recsys_preset = "tiny_hstu"  # recsys preset
   c.scenarios = ("Server", "Offline")  # performance-mode scenarios
   c.num_samples = 256  # synthetic users in the QSL
   c.server_qps = 200.0  # Server target QPS

@@ -12,7 +12,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/dlrm_memory_plan.py"
-  c.preset = "dlrm_v3"  # recsys preset
+  c.recsys_preset = "dlrm_v3"  # recsys preset
   c.devices = ("64", "8")  # H100 counts
   c.quant = ("none", "int8")  # table formats
   c.out = config_dict.placeholder(str)  # None: experiments/results/dlrm_memory_plan

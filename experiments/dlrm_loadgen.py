@@ -20,7 +20,7 @@ from jaxinfer.recsys import config
 from jaxinfer.serving import dlrm
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "tiny_hstu", "recsys preset (jaxinfer.recsys.config.PRESETS)")
+flags.DEFINE_string("recsys_preset", "tiny_hstu", "recsys preset (jaxinfer.recsys.config.PRESETS)")
 flags.DEFINE_list("scenarios", ["Server", "Offline"], "LoadGen scenarios (performance mode)")
 flags.DEFINE_integer("num_samples", 256, "synthetic users in the QSL")
 flags.DEFINE_float("server_qps", 200.0, "Server target QPS")
@@ -37,7 +37,7 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg = config.get(FLAGS.preset)
+  cfg = config.get(FLAGS.recsys_preset)
   params = config.init_params(cfg, jax.random.key(0))
   with tempfile.TemporaryDirectory() as outdir:
     rows = dlrm.run_benchmark(
@@ -47,7 +47,7 @@ def main(argv):
         min_duration_ms=FLAGS.min_duration_ms)
   for r in rows:
     print(r)
-  results.write(FLAGS.out, rows, preset=FLAGS.preset)
+  results.write(FLAGS.out, rows, preset=FLAGS.recsys_preset)
 
 
 if __name__ == "__main__":

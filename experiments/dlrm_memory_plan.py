@@ -16,7 +16,7 @@ from benchlib import cli, flag_config, results
 from jaxinfer.recsys import config, memory
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("preset", "dlrm_v3", "recsys preset (jaxinfer.recsys.config.PRESETS)")
+flags.DEFINE_string("recsys_preset", "dlrm_v3", "recsys preset (jaxinfer.recsys.config.PRESETS)")
 flags.DEFINE_list("devices", ["64", "8"], "H100 counts to plan for")
 flags.DEFINE_list("quant", ["none", "int8"], "table formats: none | int8 | float8_e4m3fn")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "dlrm_memory_plan"),
@@ -27,7 +27,7 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg = config.get(FLAGS.preset)
+  cfg = config.get(FLAGS.recsys_preset)
   rows = []
   for devices in (int(d) for d in FLAGS.devices):
     for q in FLAGS.quant:
@@ -36,7 +36,7 @@ def main(argv):
       rows.append(dict(devices=devices, quant=q, table_bytes=p.table_bytes,
                        argument_bytes=p.memory.argument_bytes, temp_bytes=p.memory.temp_bytes,
                        peak_bytes=p.memory.peak_bytes, hbm_bytes=p.hbm_bytes, fits=p.fits))
-  results.write(FLAGS.out, rows, preset=FLAGS.preset)
+  results.write(FLAGS.out, rows, preset=FLAGS.recsys_preset)
 
 
 if __name__ == "__main__":
