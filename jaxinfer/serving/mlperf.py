@@ -218,11 +218,21 @@ def run_loadgen(sut: SUTRecord, *, scenario: str, outdir: str, mode: str = "perf
     settings.ttft_latency = int(ttft_ms * 1e6)
   if tpot_ms is not None:
     settings.tpot_latency = int(tpot_ms * 1e6)
+  return run_test(sut, settings, outdir, len(sut.prompts), performance_sample_count)
+
+
+def run_test(sut, settings, outdir: str, num_samples: int,
+             performance_sample_count: int | None = None) -> dict:
+  """One LoadGen test of `sut` (issue, flush, start, stop: a `ThreadedSUT`)
+  under `settings`, over a QSL of num_samples samples the SUT holds itself
+  (LoadGen loads nothing), its logs in outdir -> `parse_summary`'s dict. The
+  SUT is stopped (raising its thread's failure) even when LoadGen fails."""
+  lg = _lg()
   os.makedirs(outdir, exist_ok=True)
   log = lg.LogSettings()
   log.log_output.outdir = outdir
   log.log_output.copy_summary_to_stdout = False
-  n = len(sut.prompts)
+  n = num_samples
   qsl = lg.ConstructQSL(n, performance_sample_count or n, lambda idx: None, lambda idx: None)
   lg_sut = lg.ConstructSUT(sut.issue, sut.flush)
   sut.start()

@@ -15,7 +15,6 @@ after the run. Sample-level latency only: no token latencies.
 from __future__ import annotations
 
 import hashlib
-import os
 import queue
 import time
 
@@ -113,18 +112,4 @@ def run_video_loadgen(sut: VideoSUT, *, scenario: str, outdir: str, mode: str = 
                        target_qps=target_qps, min_duration_ms=min_duration_ms,
                        min_query_count=min_query_count, max_query_count=max_query_count,
                        seed=seed)
-  os.makedirs(outdir, exist_ok=True)
-  log = lg.LogSettings()
-  log.log_output.outdir = outdir
-  log.log_output.copy_summary_to_stdout = False
-  n = len(sut.samples)
-  qsl = lg.ConstructQSL(n, performance_sample_count or n, lambda idx: None, lambda idx: None)
-  lg_sut = lg.ConstructSUT(sut.issue, sut.flush)
-  sut.start()
-  try:
-    lg.StartTestWithLogSettings(lg_sut, qsl, settings, log)
-  finally:
-    sut.stop()
-    lg.DestroySUT(lg_sut)
-    lg.DestroyQSL(qsl)
-  return mlperf.parse_summary(os.path.join(outdir, "mlperf_log_summary.txt"))
+  return mlperf.run_test(sut, settings, outdir, len(sut.samples), performance_sample_count)
