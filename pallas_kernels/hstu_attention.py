@@ -24,7 +24,6 @@ accumulation. Nothing is rescaled: SiLU attention has no normaliser.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import numbers
@@ -35,21 +34,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.flash_attention import BlockSizes  # the same Triton tile rules
+
 _LOG_BUCKET = 0.301
 _LANES = 16  # a per-block scalar travels as a [16] row (Triton loads power-of-two tiles)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BlockSizes:
-  """block_q query rows per program, block_k keys per loop step: powers of two >= 16."""
-  block_q: int = 64
-  block_k: int = 64
-
-  def __post_init__(self):
-    for name in ("block_q", "block_k"):
-      b = getattr(self, name)
-      if not isinstance(b, int) or isinstance(b, bool) or b < 16 or b & (b - 1):
-        raise ValueError(f"{name} must be a power of two >= 16, got {b!r}")
 
 
 def _silu(x):
@@ -141,8 +129,7 @@ def hstu_attention(q, k, v, *, segment_ids, positions, timestamps, pos_bias, tim
   blocks = BlockSizes(block_q=default.block_q if block_q is None else block_q,
                       block_k=default.block_k if block_k is None else block_k)
   T = q.shape[0]
-  fit = lambda b: min(b, max(16, pl.next_power_of_2(T)))
-  blocks = BlockSizes(block_q=fit(blocks.block_q), block_k=fit(blocks.block_k))
+  blocks = blocks.fit(T, T)  # shorter blocks for short batches, never below 16
   ints = [jnp.asarray(x, jnp.int32) for x in (segment_ids, positions, timestamps)]
   return _hstu_attention(q, k, v, *ints, pos_bias.astype(jnp.float32),
                          time_bias.astype(jnp.float32), alpha=float(alpha), n=float(n),

@@ -48,6 +48,7 @@ import gc  # noqa: E402
 import pathlib  # noqa: E402
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 # Kernel test classes run in interpret mode everywhere; their GPU subclasses
@@ -58,6 +59,14 @@ ON_GPU = jax.default_backend() == "gpu"
 FIXTURES = pathlib.Path(__file__).parent / "fixtures"
 HF_FIXTURES = ["llama", "llama_sharded", "mixtral", "qwen3_moe", "deepseek_v3",
                "deepseek_v2lite", "gpt_oss"]
+
+
+def kernel_rel_err(out, ref) -> float:
+  """max|out - ref| / max|ref| in float32, after asserting the kernel's
+  output is finite (a NaN would otherwise compare as a small error)."""
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(out).all(), "NaN/inf in kernel output"
+  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
 
 
 def float32_model(name: str, seed: int = 0):

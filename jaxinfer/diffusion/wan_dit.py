@@ -213,25 +213,24 @@ def _kv_blocks(q, k, v, scale, block):
 def ring_attention(q, k, v, *, scale, axis: str, size: int, block: int = 1024):
   """Unmasked attention with the keys split over a ring of `size` devices
   (inside a shard_map over `axis`): q, k, v [B, T, N, H] are this device's
-  token block; the K/V blocks go round the ring (`ppermute`, `size` hops,
-  the last bringing each block home), each met block attended in key blocks of `block` and merged by
-  its running max and sum (FlashAttention's online softmax), so no device
-  holds more than its own block of keys and one block in flight."""
+  token block. It attends its own K/V block, then passes the blocks round
+  the ring (`ppermute`, size - 1 hops), attending each block it meets, in
+  key blocks of `block`, merged by running max and sum (FlashAttention's
+  online softmax): no device holds more than its own keys and one block in
+  flight."""
   perm = [(j, (j + 1) % size) for j in range(size)]
 
   def hop(i, carry):
     o, m, l, k, v = carry
+    k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
     o2, m2, l2 = _kv_blocks(q, k, v, scale, block)
     top = jnp.maximum(m, m2)
     a, b = jnp.exp(m - top), jnp.exp(m2 - top)
     o = o * a.transpose(0, 2, 1)[..., None] + o2 * b.transpose(0, 2, 1)[..., None]
-    k, v = jax.lax.ppermute(k, axis, perm), jax.lax.ppermute(v, axis, perm)
     return o, top, l * a + l2 * b, k, v
 
-  B, T, N, _ = q.shape
-  init = (jnp.zeros((B, T, N, v.shape[-1]), jnp.float32),
-          jnp.full((B, N, T), -jnp.inf, jnp.float32), jnp.zeros((B, N, T), jnp.float32), k, v)
-  o, _, l, _, _ = jax.lax.fori_loop(0, size, hop, init)
+  o, m, l = _kv_blocks(q, k, v, scale, block)  # this device's own block
+  o, _, l, _, _ = jax.lax.fori_loop(1, size, hop, (o, m, l, k, v))
   return (o / l.transpose(0, 2, 1)[..., None]).astype(q.dtype)
 
 

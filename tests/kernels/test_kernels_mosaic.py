@@ -17,7 +17,7 @@ import pytest
 
 from benchlib import gpu_cases
 import pallas_kernels as pk
-from conftest import ON_GPU, subprocess_env
+from conftest import ON_GPU, kernel_rel_err as _rel, subprocess_env
 from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
@@ -41,12 +41,6 @@ def _inputs(rng, B, Q, N, K, D, ps, pps, lengths):
   lens = rng.integers(Q, pps * ps + 1, B) if lengths is None else lengths
   tables = rng.permutation(P)[:B * pps].reshape(B, pps)
   return q, kp, vp, jnp.asarray(lens, jnp.int32), jnp.asarray(tables, jnp.int32)
-
-
-def _rel(out, ref):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  assert np.isfinite(out).all(), "NaN/inf in kernel output"
-  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
 
 
 if mpa.available() is None:

@@ -14,7 +14,7 @@ import pytest
 
 from benchlib import gpu_cases
 import pallas_kernels as pk
-from conftest import ON_GPU
+from conftest import ON_GPU, kernel_rel_err as _rel
 from jaxinfer import gpu_compile
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
@@ -63,12 +63,6 @@ def test_work_items_hold_every_token_once(group, q_lens, kv_lens, T):
   want = {int(cu[b]) + r: (b, kv_lens[b] - q_lens[b] + r)
           for b in range(len(q_lens)) for r in range(q_lens[b])}
   assert held == want
-
-
-def _rel(out, ref):
-  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
-  assert np.isfinite(out).all(), "NaN/inf in kernel output"
-  return float(np.max(np.abs(out - ref)) / np.max(np.abs(ref)))
 
 
 if mpa.available() is None:
