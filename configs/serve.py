@@ -23,7 +23,7 @@ def get_config() -> config_dict.ConfigDict:
   c.max_tokens_cap = config_dict.placeholder(int)
   c.max_num_seqs = 32  # engine: sequences per step
   c.max_num_batched_tokens = 256  # engine: tokens per step
-  c.kv_cache_mb = 256  # engine: KV cache size in MiB
+  c.kv_cache_mb = config_dict.placeholder(int)  # None: a share of the free memory (EngineConfig)
   c.num_draft_tokens = 0  # MTP speculative drafts per step (0: off)
   c.decode_steps = 1
   c.fixed_step_shapes = False  # engine: pad every step to the budgets (decode steps too)
@@ -31,6 +31,7 @@ def get_config() -> config_dict.ConfigDict:
   c.warmup_top_k = False
   c.compilation_cache_dir = config_dict.placeholder(str)  # None: ~/.cache/jaxinfer/xla
   c.image_root = config_dict.placeholder(str)
+  c.dtype = config_dict.placeholder(str)  # None: the model's (float32 on CPU); or bfloat16
   c.warmup = True  # compile the step programs before serving (/health answers once it is done)
   c.backend = "engine"  # engine: one Engine in this process; ray: a Cluster of Ray worker processes
   c.workers = 2  # --backend=ray: worker processes

@@ -35,6 +35,7 @@ from benchlib import cli, flag_config, model_flags, results, vllm_compare as vc
 from benchlib.decode import machine_info
 from jaxinfer import Engine, EngineConfig, SamplingParams, hf_config, presets
 from jaxinfer.checkpoint.hf_load import load_hf
+from jaxinfer.models import transformer
 
 _CONFIG = flag_config.define_config(__file__)
 _MODEL = model_flags.define_preset("bench_dense")  # the random checkpoint's shapes
@@ -148,6 +149,32 @@ def _served(ckpt, vocab, rows, log):
     vc.stop_server(ours_p)
 
 
+def bf16_accuracy(ckpt: str, engine, cfg16, params16, vocab: int) -> dict:
+  """bfloat16 against float32, ours: greedy sequences of the batch32 workload
+  (repeat 0's prompts) and teacher-forced logits of 4 of its prompts."""
+  prompts = _prompts("batch32", 0, vocab)
+  new = WORKLOADS["batch32"][2]
+  sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+  cfg32, params32 = load_hf(ckpt, dtype=jnp.float32)
+  ref = Engine(cfg32, params32, EngineConfig(kv_cache_bytes=1 << 30))
+  want = [list(o.token_ids) for o in ref.generate(prompts, sp)]
+  ref.release()
+  got = [list(o.token_ids) for o in engine.generate(prompts, sp)]
+  agree = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w))
+           for g, w in zip(got, want)]
+  ids = jnp.asarray(prompts[:4], jnp.int32)
+  l32 = transformer.logits(cfg32, params32, ids).astype(jnp.float32)
+  l16 = transformer.logits(cfg16, params16, ids).astype(jnp.float32)
+  err = jnp.abs(l16 - l32)
+  out = dict(identical_sequences=f"{sum(a == new for a in agree)}/{len(want)}",
+             tokens_before_first_difference_mean=sum(agree) / len(agree),
+             logits_max_abs_error=float(err.max()),
+             logits_rel_error=float(err.max() / jnp.abs(l32).max()),
+             argmax_agreement=float(jnp.mean(l16.argmax(-1) == l32.argmax(-1))))
+  print("bfloat16 vs float32 (ours):", out)
+  return out
+
+
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
@@ -163,7 +190,7 @@ def main(argv):
   suffix = "" if _DTYPE.value == "float32" else f"_{_DTYPE.value}"
   out = _OUT.value or os.path.join(os.path.dirname(__file__), "results",
                                    f"bench_vs_vllm_{_MODEL.value}{suffix}")
-  rows = []
+  rows, accuracy = [], None
   if any(w != "served" for w in _WORKLOADS.value):
     cfg_, params = load_hf(ckpt, dtype=jnp.dtype(_DTYPE.value))
     config = EngineConfig() if _BUDGET.value is None else EngineConfig(
@@ -171,6 +198,8 @@ def main(argv):
     engine = Engine(cfg_, params, config)
     for cores in _VLLM_CORES.value:
       _offline(engine, ckpt, cores, cfg.vocab_size, rows, log)
+    if _DTYPE.value == "bfloat16":
+      accuracy = bf16_accuracy(ckpt, engine, cfg_, params, cfg.vocab_size)
     engine.release()
     del engine, params
   if "served" in _WORKLOADS.value:
@@ -181,7 +210,7 @@ def main(argv):
                 workloads={w: dict(prompts=n, prompt_len=p, new_tokens=t)
                            for w, (n, p, t) in WORKLOADS.items() if w in _WORKLOADS.value},
                 concurrency=_CONCURRENCY.value, engine_budget=_BUDGET.value,
-                vllm_memory_utilization=_VLLM_MEMORY.value)
+                vllm_memory_utilization=_VLLM_MEMORY.value, bf16_accuracy=accuracy)
 
 
 if __name__ == "__main__":

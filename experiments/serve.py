@@ -32,6 +32,7 @@ import time
 from absl import flags
 import jax
 import jax.monitoring
+import jax.numpy as jnp
 import uvicorn
 
 from benchlib import cli, flag_config, model_flags
@@ -55,7 +56,9 @@ _MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one 
                                        "ask for (default: the context)")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
 _TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "engine: tokens per step")
-_KV_MB = flags.DEFINE_integer("kv_cache_mb", 256, "engine: KV cache size in MiB")
+_KV_MB = flags.DEFINE_integer("kv_cache_mb", None, "engine: KV cache size in MiB (default: "
+                              "EngineConfig.kv_cache_memory_fraction of the free device "
+                              "memory, host memory on CPU)")
 _DRAFT = flags.DEFINE_integer("num_draft_tokens", 0, "MTP speculative drafts per step (0: off)")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "engine: decode steps per dispatch when "
                                      "not speculating (EngineConfig.decode_steps)")
@@ -84,12 +87,15 @@ _WORKER_CPU_DEVICES = flags.DEFINE_integer("worker_cpu_devices", None, "--backen
                                            "devices per worker process (default: XLA's)")
 _RAY_ADDRESS = flags.DEFINE_string("ray_address", None, "--backend=ray: a running Ray cluster "
                                    "(default: start one on this host)")
+_DTYPE = flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "the weights' and compute "
+                           "dtype (default: the model's; presets and checkpoints: float32 on "
+                           "CPU, bfloat16 on GPUs)")
 _CONFIG = flag_config.define_config(__file__)
 
 
 def load():
   """-> (model_flags.Model, chat template, model name) from the model flags."""
-  model = _MODEL.load()
+  model = _MODEL.load(dtype=None if _DTYPE.value is None else jnp.dtype(_DTYPE.value))
   hf_dir = model.source.get("hf_dir")
   template = openai_protocol.ChatTemplate(*(openai_protocol.load_chat_template(hf_dir) if hf_dir
                                             else (openai_protocol.BUILTIN_CHAT_TEMPLATE,)))
@@ -162,7 +168,8 @@ def main(argv):
   cfg, params, tok = model.cfg, model.params, model.need_tokenizer()
   spec = MTPConfig(num_draft_tokens=_DRAFT.value) if _DRAFT.value else None
   config = EngineConfig(max_num_seqs=_MAX_SEQS.value, max_num_batched_tokens=_TOKEN_BUDGET.value,
-                        kv_cache_bytes=_KV_MB.value << 20, speculative=spec,
+                        kv_cache_bytes=None if _KV_MB.value is None else _KV_MB.value << 20,
+                        speculative=spec,
                         fixed_step_shapes=_FIXED_SHAPES.value,
                         fixed_prefill_shapes=_FIXED_PREFILL.value,
                         decode_steps=1 if spec else _DECODE_STEPS.value)

@@ -374,24 +374,58 @@ def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 
+def xla_item_size(num_tokens: int, num_seqs: int, max_q: int) -> int:
+  """Query tokens per row of the XLA path's query layout: max_q (one row per
+  sequence, [B, max_q]) where that pads at most 2x over the step's tokens
+  (decode steps, batches of prompts), else the largest power of two p <= max_q
+  with B * p <= T (at least 1): rows of p tokens of one sequence, so a mixed
+  step (a long chunk among decodes) attends about 2T rows, not B * max_q."""
+  if num_seqs * max_q <= 2 * num_tokens:
+    return max_q
+  p = 1
+  while 2 * p <= max_q and num_seqs * 2 * p <= num_tokens:
+    p *= 2
+  return p
+
+
 def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                      sinks, scale, v_head_dim, layer, kv_scales):
-  # Reference path: gather each sequence's pages into a contiguous [B, S]
-  # view and lay the ragged queries out as [B, max_q]; then the dense kernel.
+                      sinks, scale, v_head_dim, layer, kv_scales, per_item=None):
+  # Reference path: each row's sequence's pages gathered into a contiguous
+  # [S] view, the ragged queries laid out in rows of `per_item` tokens of one
+  # sequence (`xla_item_size`; the Mosaic ragged kernel's work items), then
+  # the dense kernel.
   B, pages = page_table.shape
+  T = q.shape[0]
   dims = kernel_dims(k_pages)
   K, page_size = dims["kv_head"], dims["slot"]
+  per_item = per_item or xla_item_size(T, B, max_q)
 
-  def gather(pool, scale):  # [L, K, P, ps, H] -> [B, pages * ps, K, H] of `layer`
-    g = pool[layer, :, page_table]  # [B, pages, K, ps, H] (one gather)
-    g = g.transpose(0, 1, 3, 2, 4).reshape(B, pages * page_size, K, pool.shape[-1])
+  def gather(pool, scale, table):  # [L, K, P, ps, H] -> [R, pages * ps, K, H] of `layer`
+    g = pool[layer, :, table]  # [R, pages, K, ps, H] (one gather)
+    g = g.transpose(0, 1, 3, 2, 4).reshape(table.shape[0], pages * page_size, K, pool.shape[-1])
     return g if scale is None else dequantize(g, scale, q.dtype)
 
-  q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
-  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-  q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
-  k = gather(k_pages, kv_scales[0])
-  v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1])
-  out = _attention_xla(q_pad, k, v, q_pos, kv_lens, window, sinks, scale)
-  out = out[seq, row]
-  return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+  def attend(qr, table, q_pos, kv_len):
+    k = gather(k_pages, kv_scales[0], table)
+    v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1], table)
+    return _attention_xla(qr, k, v, q_pos, kv_len, window, sinks, scale)
+
+  if per_item == max_q:  # a row per sequence
+    q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
+    out = attend(q_pad, page_table, q_pos, kv_lens)[seq, row]
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+  num_items = -(-T // per_item) + B  # >= sum over sequences of ceil(q_len / per_item)
+  items, first, item_cu = mosaic_ragged.work_items(cu_q_lens, kv_lens, per_item=per_item,
+                                                   num_items=num_items)
+  u = jnp.arange(per_item, dtype=jnp.int32)
+  q_rows = q[jnp.clip(first[:, None] + u[None], 0, T - 1)]  # [I, per_item, N, H]
+  out = attend(q_rows, page_table[items[:, 0]], items[:, 1:2] + u[None], items[:, 2])
+  # Back to token order: token t is row (t - start) % per_item of its
+  # sequence's item (t - start) // per_item.
+  t = jnp.arange(T, dtype=jnp.int32)
+  b = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  offset = t - cu_q_lens[b]
+  out = out[jnp.clip(item_cu[b] + offset // per_item, 0, num_items - 1), offset % per_item]
+  return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)

@@ -470,15 +470,17 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
 def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
   """The bucketed program shapes for a core's non-empty per-rank schedules.
   With fixed_prefill_shapes a step with a prompt chunk takes the full
-  budgets and context (one shape), a decode-only step its sequences and
-  pages in powers of two (`engine.warmup` compiles them all)."""
+  budgets and its pages in powers of two (the XLA path gathers and attends
+  over every page of the shape: the whole context would cost a short prompt
+  a full-context attention), a decode-only step its sequences and pages in
+  powers of two (`engine.warmup` compiles them all)."""
   c = core.config
   need = max(len(s.request.pages) for sch in busy for s in sch)
-  if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
-    return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
-                      pages=core.max_pages_per_seq, max_q=max_q_cap)
   pages = (bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else
            page_bucket(need, core.max_pages_per_seq))
+  if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
+    return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
+                      max_q=max_q_cap)
   if c.fixed_step_shapes:
     return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
                       max_q=max_q_cap)

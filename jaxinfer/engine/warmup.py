@@ -4,8 +4,8 @@ reach (`programs`), each run once on all-padding batches by `Engine.warmup`
 
 The set is finite because step shapes are bucketed, and small when steps
 with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`:
-one prompt-step shape, and a decode shape per power-of-two sequences and
-pages; or `fixed_step_shapes`: one shape per page bucket), each also as a
+a prompt-step shape per power-of-two pages, and a decode shape per
+power-of-two sequences and pages; or `fixed_step_shapes`: one shape per page bucket), each also as a
 multi-step decode with `decode_steps`, times the sampler variants asked
 for: greedy, sampled (no top-k) and, with top_k, each top-k bucket. Few
 matters on CPU beyond compile time: each XLA:CPU program holds hundreds of
@@ -54,9 +54,9 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   seqs = sorted({(steps.bucket(b, c.max_num_batched_tokens), steps.bucket(b, c.max_num_seqs))
                  for b in range(1, c.max_num_seqs + 1)})
   pages = page_buckets(eng.max_pages_per_seq, c.fixed_prefill_shapes)
-  if c.fixed_prefill_shapes:  # one prompt-step shape; decode steps bucketed
+  if c.fixed_prefill_shapes:  # a prompt-step shape per page bucket; decode steps bucketed
     shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
-                                pages=eng.max_pages_per_seq, max_q=chunk), 1)]
+                                pages=p, max_q=chunk), 1) for p in pages]
     shapes += [(steps.StepShapes(tokens=t, seqs=b, pages=p, max_q=1), n)
                for p in pages for t, b in seqs for n in multi]
   else:  # every step has the prompt steps' shape

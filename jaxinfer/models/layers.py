@@ -88,7 +88,19 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, backend: Backend
       wt = matmul_weight(w, x.dtype) if isinstance(w, QuantizedWeight) else w.wt
       y = jnp.einsum("...I,OI->...O", xi, wt, preferred_element_type=preferred_element_type)
     return y.reshape(*y.shape[:-1], *w.out_shape)
+  if preferred_element_type is None and _cpu_low_precision(x, w, backend):
+    # XLA:CPU multiplies bfloat16 x bfloat16 into float32 natively (YNNPACK),
+    # but a bfloat16 result makes it convert both operands to float32 first:
+    # every weight, every step (bench_dense decode at batch 8: ~40x slower).
+    y = jnp.tensordot(x, w, axes=in_dims, preferred_element_type=jnp.float32)
+    return y.astype(x.dtype)
   return jnp.tensordot(x, w, axes=in_dims, preferred_element_type=preferred_element_type)
+
+
+def _cpu_low_precision(x, w, backend: Backend) -> bool:
+  """Both operands 16-bit floats on a CPU target."""
+  low = (jnp.bfloat16, jnp.float16)
+  return x.dtype in low and getattr(w, "dtype", None) in low and not backend.on_gpu()
 
 
 # Rows for which a CPU step multiplies as one multiply-reduce fusion, not a

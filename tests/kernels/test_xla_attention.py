@@ -96,3 +96,56 @@ def test_engine_greedy_unchanged_by_blocked_prefill(name, monkeypatch):
     assert outs == engine.greedy_reference(cfg, params, prompts, 6)
   finally:
     jax.clear_caches()
+
+
+def test_item_size_pads_at_most_twice():
+  assert ops.xla_item_size(256, 32, 1) == 1  # decode: a row per sequence
+  assert ops.xla_item_size(4096, 32, 128) == 128  # prompts only: [B, max_q] is the tokens
+  assert ops.xla_item_size(256, 32, 256) == 8  # a chunk among decodes: rows of 8 tokens
+  assert ops.xla_item_size(64, 32, 64) == 2
+  assert ops.xla_item_size(16, 32, 16) == 1
+  for T, B, q in [(256, 32, 256), (96, 8, 64), (40, 32, 33)]:
+    p = ops.xla_item_size(T, B, q)
+    assert B * p <= max(T, B) and 1 <= p <= q
+
+
+# (sequences' query counts, their KV lengths, window, sinks, latent): a long
+# chunk among decodes and short chunks, padding tokens and sequences.
+ITEM_CASES = {
+    "chunk_among_decodes": ((37, 1, 1, 5, 1, 0), (60, 9, 33, 5, 17, 0), 0, False, False),
+    "window_sinks": ((23, 1, 12, 1), (23, 40, 30, 2), 7, True, False),
+    "mla_latent": ((19, 1, 3), (40, 12, 3), 0, False, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ITEM_CASES))
+@pytest.mark.parametrize("per_item", [1, 4, 16])
+def test_item_rows_equal_the_reference(name, per_item):
+  """The XLA path in rows of per_item tokens (`xla_item_size`'s layout for
+  mixed steps) equals the float32 reference, and the row-per-sequence layout."""
+  from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+  q_lens, kv_lens, window, sinks, latent = ITEM_CASES[name]
+  r = np.random.default_rng(0)
+  N, K, H, ps, pages = 8, (1 if latent else 2), 16, 4, 16  # 64 tokens a sequence at most
+  B, T = len(q_lens), sum(q_lens) + 3  # 3 padding tokens
+  max_q = max(q_lens)
+  q = jnp.asarray(r.standard_normal((T, N, H)), jnp.float32)
+  k_pages = jnp.asarray(r.standard_normal((K, 128, ps, H)), jnp.float32)
+  v_pages = None if latent else jnp.asarray(r.standard_normal((K, 128, ps, 12)), jnp.float32)
+  table = jnp.asarray(r.permutation(128)[:B * pages].reshape(B, pages), jnp.int32)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  kv = jnp.asarray(kv_lens, jnp.int32)
+  sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+  kw = dict(window=window, sinks=sink, scale=0.3, v_head_dim=12 if latent else None, layer=0,
+            kv_scales=(None, None))
+  args = (q, k_pages[None], None if latent else v_pages[None], kv, table, cu, max_q)
+  got = ops._ragged_paged_xla(*args, **{k: v for k, v in kw.items() if k != "window"},
+                              window=window, per_item=per_item)
+  rows = ops._ragged_paged_xla(*args, **{k: v for k, v in kw.items() if k != "window"},
+                               window=window, per_item=max_q)
+  want = ragged_paged_attention_reference(q, k_pages, v_pages, kv, table, cu, max_q=max_q,
+                                          sm_scale=0.3, window=window, sinks=sink,
+                                          v_head_dim=12 if latent else None)
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(got, rows, atol=2e-5, rtol=2e-5)
+  assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros

@@ -1,0 +1,47 @@
+"""bfloat16 on a CPU target: the matmuls multiply bf16 x bf16 into float32
+(no converted copy of the weights), and the Engine keeps its KV pool in
+float32 there (a bf16 scatter made XLA:CPU convert the whole pool every
+step); GPU targets keep bf16 pools. Greedy tokens of a bf16 engine equal
+the bf16 full-forward reference's."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, engine, models, presets
+from jaxinfer.engine import engine as engine_mod
+from jaxinfer.models.layers import linear
+
+
+def test_bf16_linear_multiplies_into_float32_without_converting_the_weight():
+  r = np.random.default_rng(0)
+  x = jnp.asarray(r.standard_normal((5, 64)), jnp.bfloat16)
+  w = jnp.asarray(r.standard_normal((64, 48)), jnp.bfloat16)
+  y = jax.jit(linear)(x, w)
+  assert y.dtype == jnp.bfloat16
+  want = (x.astype(jnp.float32) @ w.astype(jnp.float32)).astype(jnp.bfloat16)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-2, atol=1e-2)
+  hlo = jax.jit(linear).lower(x, w).compile().as_text()
+  assert "f32[64,48]" not in hlo  # no float32 copy of the weight
+
+
+def test_cpu_pool_is_float32_and_gpu_pool_keeps_bf16():
+  cfg = dataclasses.replace(presets.get("tiny_dense"), dtype="bfloat16")
+  assert engine_mod._pool_dtype(cfg) == jnp.float32
+  gpu = dataclasses.replace(cfg, backend=Backend(target="gpu"))
+  assert engine_mod._pool_dtype(gpu) == jnp.bfloat16
+  f32 = dataclasses.replace(cfg, dtype="float32")
+  assert engine_mod._pool_dtype(f32) == jnp.float32
+
+
+def test_bf16_engine_greedy_equals_the_bf16_reference():
+  cfg = dataclasses.replace(presets.get("tiny_dense", num_layers=2), dtype="bfloat16")
+  params = models.init_params(cfg, jax.random.key(0))
+  eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4))
+  assert eng.stats()["kv_cache_dtype"] == "float32"
+  prompts = [np.random.default_rng(1).integers(0, cfg.vocab_size, n).tolist() for n in (9, 21)]
+  got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=5))]
+  assert got == engine.greedy_reference(cfg, params, prompts, 5)
