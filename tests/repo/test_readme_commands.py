@@ -110,6 +110,10 @@ COMMANDS = {
     "--new_tokens=32": Covered("tests/experiments/test_bench_decode.py::test_script_end_to_end",
                                ("experiments", "bench_decode.py", "--batches=", "--repeats=",
                                 "--new_tokens=")),
+    "python experiments/bench_vs_vllm.py --vllm_python=... --vllm_cores=all --repeats=2": NotHere(
+        "needs vLLM's CPU build in a venv of its own (3.5 GB with its torch; CI installs none); "
+        "tests/experiments/test_bench_vs_vllm.py runs its streaming client against our server, "
+        "its summary and its peer protocol"),
     "python experiments/simulate_cluster.py --mode=calibrate_check": NotHere(
         "6 minutes at its shortest (--check_rounds=1, measured on the 2-core machine): its check "
         "workloads replay real time (multi-turn think time); tests/sim/test_sim.py tests the "
