@@ -1,8 +1,8 @@
 """bfloat16 on a CPU target: the matmuls multiply bf16 x bf16 into float32
 (no converted copy of the weights), and the Engine keeps its KV pool in
 float32 there (a bf16 scatter made XLA:CPU convert the whole pool every
-step); GPU targets keep bf16 pools. Greedy tokens of a bf16 engine equal
-the bf16 full-forward reference's."""
+step); GPU targets keep bf16 pools. A bf16 engine's greedy tokens are the
+bf16 full forward's best within rounding."""
 
 import dataclasses
 
@@ -10,8 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, engine, models, presets
+from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, models, presets
 from jaxinfer.engine import engine as engine_mod
+from jaxinfer.models import transformer
 from jaxinfer.models.layers import linear
 
 
@@ -37,11 +38,20 @@ def test_cpu_pool_is_float32_and_gpu_pool_keeps_bf16():
   assert engine_mod._pool_dtype(f32) == jnp.float32
 
 
-def test_bf16_engine_greedy_equals_the_bf16_reference():
+def test_bf16_engine_picks_the_bf16_references_argmax_within_rounding():
+  """The bf16 engine (float32 pool) against bf16 full forwards of its own
+  output: every generated token's reference logit is within bf16 rounding
+  of the reference's best (exact equality of greedy tokens does not hold:
+  the pool's float32 attention differs from the reference's bf16 one)."""
   cfg = dataclasses.replace(presets.get("tiny_dense", num_layers=2), dtype="bfloat16")
   params = models.init_params(cfg, jax.random.key(0))
   eng = Engine(cfg, params, EngineConfig(page_size=8, num_pages=64, max_num_seqs=4))
   assert eng.stats()["kv_cache_dtype"] == "float32"
   prompts = [np.random.default_rng(1).integers(0, cfg.vocab_size, n).tolist() for n in (9, 21)]
-  got = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=5))]
-  assert got == engine.greedy_reference(cfg, params, prompts, 5)
+  outs = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=6))]
+  for prompt, out in zip(prompts, outs):
+    seq = jnp.asarray([prompt + out], jnp.int32)
+    logits = np.asarray(transformer.logits(cfg, params, seq)[0].astype(jnp.float32))
+    rows = logits[len(prompt) - 1:len(prompt) - 1 + len(out)]  # the rows that chose `out`
+    chosen = rows[np.arange(len(out)), out]
+    assert np.all(chosen >= rows.max(-1) - 0.02 * np.abs(rows).max()), (chosen, rows.max(-1))

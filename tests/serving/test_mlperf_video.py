@@ -65,9 +65,12 @@ def test_loadgen_run_is_valid(engine_and_samples, scenario, tmp_path):
   engine, samples, _ = engine_and_samples
   ref = {i: mlperf_video.digest(v) for i, v in enumerate(engine.generate(samples))}
   sut = mlperf_video.VideoSUT(engine, samples)
+  # Offline issues max(min_query_count, target_qps x min duration x 1.1) samples
+  # in one query, which must last the min duration: 20 QPS gave 64 samples, done
+  # in 0.19 s at the 329 samples/s a faster machine measured (INVALID).
   summary = mlperf_video.run_video_loadgen(
-      sut, scenario=scenario, outdir=str(tmp_path), expected_latency_ms=50, target_qps=20,
-      min_duration_ms=300, min_query_count=64)
+      sut, scenario=scenario, outdir=str(tmp_path), expected_latency_ms=50,
+      target_qps=1000 if scenario == "Offline" else 20, min_duration_ms=300, min_query_count=64)
   assert summary["Scenario"] == scenario
   assert summary["valid"], summary
   assert len(sut.completed) >= 64
