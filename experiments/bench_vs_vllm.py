@@ -82,12 +82,14 @@ def _record(rows, workload, side, cores, repeat, run, ref_tokens, n_out):
         + f", identical {row['identical']}/{row['sequences']}", flush=True)
 
 
-def _prompts(workload: str, repeat: int, vocab: int) -> list[list[int]]:
-  """Fresh prompts for every repeat (repeat -1: the warm-up), the same for
-  both sides of it, so neither side's prefix cache ever hits."""
+def _prompts(workload: str, repeat: int, vocab: int, cores: str = "") -> list[list[int]]:
+  """Fresh prompts for every repeat (repeat -1: the warm-up) of every vLLM
+  core binding, the same for both sides of it, so neither side's prefix cache
+  ever hits (our engine and server live through every binding)."""
   n, length, _ = WORKLOADS[workload]
+  phase = _VLLM_CORES.value.index(cores) if cores in _VLLM_CORES.value else 0
   return vc.random_prompts(n, length, vocab, seed=1000 * (1 + list(WORKLOADS).index(workload))
-                           + repeat)
+                           + 100 * phase + repeat)
 
 
 def _offline(engine, ckpt, cores, vocab, rows, log):
@@ -99,7 +101,7 @@ def _offline(engine, ckpt, cores, vocab, rows, log):
       new = WORKLOADS[w][2]
       sp = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
       for r in range(-1, _REPEATS.value):  # -1: the warm-up (compiles), not recorded
-        prompts = _prompts(w, r, vocab)
+        prompts = _prompts(w, r, vocab, cores)
         order = [("jaxinfer", lambda: _ours(engine, prompts, sp)),
                  ("vllm", lambda: _truncated(peer.generate(prompts), new))]
         runs = dict((side, vc.timed(fn)) for side, fn in (order if r % 2 == 0 else order[::-1]))
@@ -136,7 +138,7 @@ def _served(ckpt, vocab, rows, log):
       try:
         sides = [("jaxinfer", _OUR_PORT.value), ("vllm", _VLLM_PORT.value)]
         for r in range(-1, _REPEATS.value):  # -1: the warm-up, not recorded
-          prompts = _prompts("served", r, vocab)
+          prompts = _prompts("served", r, vocab, cores)
           runs = {side: vc.serve_run(port, "bench", prompts, new, _CONCURRENCY.value)
                   for side, port in (sides if r % 2 == 0 else sides[::-1])}
           if r >= 0:
