@@ -200,7 +200,9 @@ def _pool_dtype(cfg: ModelConfig):
   """The unquantized KV pool's dtype: the compute dtype, except 16-bit floats
   on a CPU target, kept in float32: around a bfloat16 scatter (each step's
   KV write) XLA:CPU converts the whole pool to float32 and back, every layer
-  of every step (bench_dense in bfloat16 decoded ~20x slower than in float32)."""
+  of every step (bench_dense, 8 prompts' prefill and 3 decode steps in
+  bfloat16, float32 dot results: 9.5 s with a bf16 pool, 0.8 s with a float32
+  one)."""
   dtype = jnp.dtype(cfg.compute_dtype())
   if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and not cfg.backend.on_gpu():
     return jnp.dtype(jnp.float32)
