@@ -202,9 +202,11 @@ def _pool_dtype(cfg: ModelConfig):
   KV write) XLA:CPU converts the whole pool to float32 and back, every layer
   of every step (bench_dense, 8 prompts' prefill and 3 decode steps in
   bfloat16, float32 dot results: 9.5 s with a bf16 pool, 0.8 s with a float32
-  one)."""
+  one). Only for XLA attention: the Pallas and Mosaic kernels (interpreted on
+  CPU) read pages in q's dtype."""
   dtype = jnp.dtype(cfg.compute_dtype())
-  if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and not cfg.backend.on_gpu():
+  xla_on_cpu = not cfg.backend.on_gpu() and cfg.backend.attention_kernel()[0] == "xla"
+  if dtype.itemsize == 2 and jnp.issubdtype(dtype, jnp.floating) and xla_on_cpu:
     return jnp.dtype(jnp.float32)
   return dtype
 

@@ -36,6 +36,9 @@ def test_cpu_pool_is_float32_and_gpu_pool_keeps_bf16():
   assert engine_mod._pool_dtype(gpu) == jnp.bfloat16
   f32 = dataclasses.replace(cfg, dtype="float32")
   assert engine_mod._pool_dtype(f32) == jnp.float32
+  for kernel in ("pallas", "mosaic"):  # interpreted kernels read pages in q's dtype
+    interpreted = dataclasses.replace(cfg, backend=Backend(attention=kernel))
+    assert engine_mod._pool_dtype(interpreted) == jnp.bfloat16
 
 
 def test_bf16_engine_picks_the_bf16_references_argmax_within_rounding():
