@@ -1,14 +1,15 @@
-"""Which way round XLA:CPU multiplies float32 projection weights faster on
-this machine: [In, Out] or [Out, In] (`jaxinfer.engine.weight_layout`, the
-probe `EngineConfig.cpu_weight_layout="auto"` runs), at 1, 8 and 32 rows,
-weights streaming from memory.
+"""Which way XLA:CPU multiplies float32 projection weights fastest on this
+machine: [In, Out], [Out, In] as rows x w^T, or [Out, In] into [Out, rows]
+(`jaxinfer.engine.weight_layout`, the probe
+`EngineConfig.cpu_weight_layout="auto"` runs), at 1, 8 and 32 rows, weights
+streaming from memory.
 
   python experiments/weight_layout.py                    # bench_dense's gate-up, 1024 x 5632
   python experiments/weight_layout.py --shapes=1024x5632,2816x1024,4096x28672
 
 Writes experiments/results/weight_layout.json. The Engine-level comparison
-is `experiments/bench_decode.py --weight_layout=in_out` against
-`--weight_layout=out_in`.
+is `experiments/bench_decode.py --weight_layout=` each of in_out, out_in,
+out_major.
 """
 
 from absl import flags
@@ -31,15 +32,17 @@ def main(argv):
     d_out = min(d_out, (weight_layout.PROBE_BYTES // 4) // d_in)
     probe = weight_layout.measure(d_in, d_out)
     for rows_ in weight_layout.PROBE_ROWS:
-      a, b = probe["ms"]["in_out"][rows_], probe["ms"]["out_in"][rows_]
-      rows.append(dict(d_in=d_in, d_out=d_out, rows=rows_, in_out_ms=a, out_in_ms=b,
-                       in_out_speedup=b / a, chosen=probe["layout"]))
-      print(f"{d_in}x{d_out} at {rows_:2d} rows: [In, Out] {a:.2f} ms, [Out, In] {b:.2f} ms "
-            f"-> [In, Out] {b / a:.2f}x; chosen {probe['layout']}")
+      ms = {k: v[rows_] for k, v in probe["ms"].items()}
+      rows.append(dict(d_in=d_in, d_out=d_out, rows=rows_, **{f"{k}_ms": v for k, v in ms.items()},
+                       **{f"{k}_speedup": ms["in_out"] / v for k, v in ms.items()},
+                       chosen=probe["layout"]))
+      print(f"{d_in}x{d_out} at {rows_:2d} rows: " +
+            ", ".join(f"{k} {v:.2f} ms ({ms['in_out'] / v:.2f}x)" for k, v in ms.items()) +
+            f"; chosen {probe['layout']}")
   results.write(_OUT.value, rows, None, machine=machine_info(),
                 probe_bytes=weight_layout.PROBE_BYTES,
                 note="median ms per call over copies of one weight streaming probe_bytes; "
-                     "in_out_speedup: out_in ms / in_out ms")
+                     "<layout>_speedup: in_out ms / <layout> ms")
 
 
 if __name__ == "__main__":

@@ -113,8 +113,9 @@ class EngineConfig:
   # caller holds the stacked ones.
   unroll_layers: bool | None = None
   # Unrolled and unsharded: float projections held [In, Out] ("in_out") or
-  # transposed ("out_in"); "auto" times both on this machine
-  # (`engine.weight_layout`: which is faster differs by CPU, up to 1.4x).
+  # transposed, multiplied as rows x w^T ("out_in") or into [Out, rows]
+  # ("out_major"); "auto" times the three on this machine
+  # (`engine.weight_layout`: which is faster differs by CPU, up to 1.5x).
   cpu_weight_layout: str = "auto"
   # Multi-step decode: a step whose chunks are all lone decode tokens runs
   # this many decode steps in one program (`steps.decode_steps`), so the

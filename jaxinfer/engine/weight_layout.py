@@ -1,7 +1,8 @@
-"""Which way round the unsharded CPU step holds float projection weights:
-[In, Out] as loaded ("in_out") or transposed, [Out, In] ("out_in",
-`layers.PackedLinear`). XLA:CPU's matmul speed for the two differs by
-machine, and not by a little:
+"""Which way round the unsharded CPU step holds and multiplies float
+projection weights: [In, Out] as loaded ("in_out"), or transposed, [Out, In]
+(`layers.PackedLinear`), multiplied as rows x w^T ("out_in") or as w x rows^T
+into [Out, rows] ("out_major", `layers.out_major_dot`). XLA:CPU's matmul
+speed for them differs by machine, and not by a little:
 
   2-core Intel Xeon (earlier sessions): "out_in" 1.1x faster at 1 row,
     1.45x at 8, 1.4x at 32 (bench_dense's projections).
@@ -11,7 +12,12 @@ machine, and not by a little:
     1.12x / 1.23x / 1.24x faster with it at batch 1 / 8 / 32 and prefill
     0.99x (results/bench_decode_bench_dense_{in_out,out_in}.json).
 
-So `EngineConfig.cpu_weight_layout="auto"` times both on this machine,
+  2-core AMD EPYC, later: "out_major" against "in_out", the Engine's
+    bench_dense decode step 1.55x faster at batch 8 (29.4 against 45.6 ms),
+    1.26x at 1, 1.17x at 32; the probe's gate-up at 8 rows 22-26 GB/s of
+    weights against 14-18.
+
+So `EngineConfig.cpu_weight_layout="auto"` times all three on this machine,
 once per process and shape, at the model's widest projection.
 
 `choose` makes the whole choice once, when an Engine loads its weights:
@@ -31,9 +37,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.models.layers import out_major_dot
 from jaxinfer.models.layouts import WeightForm
 
-LAYOUTS = ("auto", "in_out", "out_in")
+LAYOUTS = ("auto", "in_out", "out_in", "out_major")
 # EngineConfig.unroll_layers=None: unroll on the CPU backend from this many
 # layer weight bytes, where the scan's per-step weight copies dominate a
 # step; smaller models keep the scan's faster compile.
@@ -60,12 +67,13 @@ def choose(cfg: ModelConfig, config, params, mesh=None, *,
     unroll = jax.default_backend() == "cpu" and layer_bytes >= UNROLL_MIN_BYTES
   if not unroll:
     return None
+  layout = resolve(cfg, config.cpu_weight_layout, mesh)
   return WeightForm(split_experts=not expert_parallel, transposed=mesh is None,
-                    floats_in_out=resolve(cfg, config.cpu_weight_layout, mesh) == "in_out")
+                    floats_in_out=layout == "in_out", out_major=layout == "out_major")
 
 
 def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:
-  """EngineConfig.cpu_weight_layout -> "in_out" or "out_in" for this model
+  """EngineConfig.cpu_weight_layout -> "in_out", "out_in" or "out_major" for this model
   and machine ("auto": `measure` at the widest dense projection, d_model x
   2 ffn_dim, the fused gate-up). With a mesh nothing is timed: the
   sharded step keeps the loaded layout whatever this returns."""
@@ -83,17 +91,19 @@ def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:
 
 @functools.cache
 def measure(d_in: int, d_out: int, repeats: int = 7) -> dict:
-  """Times x [rows, d_in] @ float32 weights [d_in, d_out] held both ways
-  (copies streaming PROBE_BYTES), at each of PROBE_ROWS rows, the two
-  interleaved -> {layout: the faster by the geometric mean of the
-  per-row-count ratios, ms: {layout: {rows: median ms}}}. Cached per
+  """Times x [rows, d_in] times float32 weights [d_in, d_out] in each
+  layout (copies streaming PROBE_BYTES), at each of PROBE_ROWS rows, the
+  layouts interleaved -> {layout: the one with the smallest geometric mean
+  over the row counts, ms: {layout: {rows: median ms}}}. Cached per
   process."""
   copies = max(1, PROBE_BYTES // (4 * d_in * d_out))
   rng = np.random.default_rng(0)
   w = [rng.standard_normal((d_in, d_out), dtype=np.float32) for _ in range(copies)]
   held = {"in_out": [jnp.asarray(a) for a in w], "out_in": [jnp.asarray(a.T) for a in w]}
+  held["out_major"] = held["out_in"]
   forms = {"in_out": jax.jit(lambda x, ws: [x @ a for a in ws]),
-           "out_in": jax.jit(lambda x, ws: [jnp.einsum("mi,oi->mo", x, a) for a in ws])}
+           "out_in": jax.jit(lambda x, ws: [jnp.einsum("mi,oi->mo", x, a) for a in ws]),
+           "out_major": jax.jit(lambda x, ws: [out_major_dot(x, a) for a in ws])}
   ms = {k: {} for k in forms}
   for rows in PROBE_ROWS:
     x = jnp.ones((rows, d_in), jnp.float32)
@@ -106,5 +116,5 @@ def measure(d_in: int, d_out: int, repeats: int = 7) -> dict:
           times[k].append(time.perf_counter() - t0)
     for k in forms:
       ms[k][rows] = 1e3 * statistics.median(times[k])
-  ratio = float(np.prod([ms["in_out"][r] / ms["out_in"][r] for r in PROBE_ROWS]))
-  return dict(layout="in_out" if ratio <= 1 else "out_in", ms=ms)
+  score = {k: float(np.exp(np.mean(np.log(list(ms[k].values()))))) for k in forms}
+  return dict(layout=min(score, key=score.get), ms=ms)

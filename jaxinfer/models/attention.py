@@ -60,12 +60,14 @@ def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
   """One layer's attention weights in the step's `WeightForm`: MLA's as an
   `AbsorbedMLA` (up-projections pre-transposed); with form.transposed, the
   projections as `layers.PackedLinear` (float ones unless
-  form.floats_in_out; quantized ones always)."""
+  form.floats_in_out, out-major with form.out_major; quantized ones
+  always)."""
   if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
   if form.transposed:
-    packed = {k: pack_linear(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS
+    packed = {k: pack_linear(v, _PROJECTIONS[k], form.out_major) for k, v in p.items()
+              if k in _PROJECTIONS
               and (not form.floats_in_out or isinstance(v, QuantizedWeight))}
     p = p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
   return p

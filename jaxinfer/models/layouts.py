@@ -132,12 +132,18 @@ class WeightForm:
     params): quantized ones with their codes unpacked, float ones unless
     floats_in_out
   floats_in_out: float projections kept [In, Out] as loaded (XLA:CPU's
-    matmul speed for the two differs by machine: `engine.weight_layout`)"""
+    matmul speed for the two differs by machine: `engine.weight_layout`)
+  out_major: transposed float projections multiply into [Out, rows]
+    (`layers.PackedLinear.out_major`; also chosen by `engine.weight_layout`)"""
   split_experts: bool = False
   transposed: bool = False
   floats_in_out: bool = False
+  out_major: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       if not isinstance(getattr(self, f.name), bool):
         raise ValueError(f"WeightForm.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+    if self.floats_in_out and self.out_major:
+      raise ValueError("WeightForm: floats_in_out keeps float projections [In, Out]; out_major "
+                       "multiplies packed [Out, In] ones: pick one")

@@ -1,6 +1,7 @@
 """Model behaviour: cached == full forward, grouped MoE == dense MoE, input errors."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -117,7 +118,7 @@ def test_prompt_over_context_and_cache_overflow_raise():
     models.forward(cfg, params, np.zeros((2, 1), np.int32), cache)
 
 
-_LAYOUTS = [(False, False, "out_in"), (True, True, "out_in"), (False, True, "out_in"),
+_LAYOUTS = [(False, False, "out_in"), (True, True, "out_in"), (False, True, "out_major"),
             (True, True, "in_out")]
 # Every layout for the MoE + MLA, biased and plain MoE archs; the others take
 # the two ends (CI time: each case compiles four programs).
@@ -136,13 +137,16 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   from jaxinfer.models.layers import PackedLinear
   cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
   step = transformer.step_layout(cfg, params, WeightForm(
-      split_experts=split_experts, transposed=transpose, floats_in_out=float_layout == "in_out"))
+      split_experts=split_experts, transposed=transpose, floats_in_out=float_layout == "in_out",
+      out_major=float_layout == "out_major"))
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
-  packed = [isinstance(w, PackedLinear) for w in attn.values()]
-  assert any(packed) == (transpose and float_layout == "out_in")
-  if transpose and float_layout == "out_in":
-    assert isinstance(step.get("lm_head", PackedLinear(None, ())), PackedLinear)
+  packed = [w for w in attn.values() if isinstance(w, PackedLinear)]
+  assert bool(packed) == (transpose and float_layout != "in_out")
+  assert all(w.out_major == (float_layout == "out_major") for w in packed)
+  if transpose and float_layout != "in_out":
+    head = step.get("lm_head", PackedLinear(None, (), (), float_layout == "out_major"))
+    assert isinstance(head, PackedLinear) and head.out_major == (float_layout == "out_major")
   if split_experts and cfg.is_moe:
     moe_layer = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])
     assert len(moe_layer["mlp"]["w_down"]) == cfg.num_experts
@@ -157,6 +161,8 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
     transformer.step_layout(cfg, step)
   with pytest.raises(ValueError, match="floats_in_out must be a bool"):
     WeightForm(floats_in_out="rows")
+  with pytest.raises(ValueError, match="pick one"):
+    WeightForm(floats_in_out=True, out_major=True)
 
 
 @pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
@@ -166,9 +172,10 @@ def test_stacked_layout_inverts_step_layout(name):
   from jaxinfer.models import transformer
   cfg, params, _ = _setup(ARCH_CONFIGS[name], seed=6, T=2)
   for split_experts, transpose, layout in [(False, False, "out_in"), (True, True, "out_in"),
-                                           (False, True, "out_in"), (True, True, "in_out")]:
+                                           (False, True, "out_major"), (True, True, "in_out")]:
     step = transformer.step_layout(cfg, params, WeightForm(
-        split_experts=split_experts, transposed=transpose, floats_in_out=layout == "in_out"))
+        split_experts=split_experts, transposed=transpose, floats_in_out=layout == "in_out",
+        out_major=layout == "out_major"))
     back = transformer.stacked_layout(cfg, step)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
@@ -195,3 +202,22 @@ def test_packed_linear_equals_tensordot(shape, in_dims):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="in_dims"):
     pack_linear(w, len(shape))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_out_major_linear_multiplies_into_out_by_rows(dtype):
+  """A `PackedLinear` with out_major: x [..., In] x w equals the plain
+  matmul, and the compiled dot's product is [Out, rows] (weight on the
+  left; the barrier keeps XLA from folding the transpose back into it)."""
+  from jaxinfer.models.layers import linear, pack_linear
+  r = np.random.default_rng(0)
+  x = jnp.asarray(r.standard_normal((2, 4, 64)), dtype)
+  w = jnp.asarray(r.standard_normal((64, 6, 8)), dtype)
+  packed = pack_linear(w, out_major=True)
+  y = jax.jit(linear)(x, packed)
+  assert y.shape == (2, 4, 6, 8) and y.dtype == x.dtype
+  want = jnp.einsum("bti,ihd->bthd", x.astype(jnp.float32), w.astype(jnp.float32))
+  tol = 1e-5 if dtype == "float32" else 2e-2
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=tol, atol=tol)
+  hlo = jax.jit(linear).lower(x, packed).compile().as_text()
+  assert re.search(r"f32\[48,8\][^\n]*dot\(", hlo), "the dot does not produce [Out, rows]"
