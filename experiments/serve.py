@@ -55,7 +55,8 @@ _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "largest request bod
 _MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one request may "
                                        "ask for (default: the context)")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
-_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 256, "engine: tokens per step")
+_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 1024, "engine: tokens per step "
+                                     "(prompt steps pad to it or to a quarter of it)")
 _KV_MB = flags.DEFINE_integer("kv_cache_mb", None, "engine: KV cache size in MiB (default: "
                               "EngineConfig.kv_cache_memory_fraction of the free device "
                               "memory, host memory on CPU)")

@@ -96,8 +96,9 @@ class EngineConfig:
   # sequence: a handful of compiles under any traffic (serving benchmarks),
   # at the cost of padding small steps.
   fixed_step_shapes: bool = False
-  # Steps with a prompt chunk padded to the budgets, their pages in powers of
-  # two (a shape per page bucket); decode-only steps bucketed in powers of
+  # Steps with a prompt chunk padded to max_num_seqs and to the budget or a
+  # quarter of it (`steps.prompt_token_buckets`), their pages in powers
+  # of two; decode-only steps bucketed in powers of
   # two (sequences, pages). The programs are then few enough to compile before serving
   # (`Engine.warmup`) while decode steps stay near the size of their batch.
   fixed_prefill_shapes: bool = False

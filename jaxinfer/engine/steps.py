@@ -467,20 +467,38 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
   return out
 
 
+# With fixed_prefill_shapes, a step with a prompt chunk pads its tokens to
+# the budget or to a quarter of it. Each size is another program per page
+# bucket and sampler, and each XLA:CPU program holds hundreds of memory maps
+# (docs/known_issues.md): at serve.py's defaults four sizes (halvings) made
+# 180 programs, 427 s of warm-up and 52,325 maps of Linux's 65,530.
+PROMPT_TOKEN_DIVISORS = (4, 1)
+
+
+def prompt_token_buckets(budget: int) -> list[int]:
+  """The token counts a fixed-shape prompt step pads to: the budget and
+  a quarter of it (none under 16)."""
+  return sorted({max(16, budget // d) for d in PROMPT_TOKEN_DIVISORS} | {budget})
+
+
 def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
   """The bucketed program shapes for a core's non-empty per-rank schedules.
-  With fixed_prefill_shapes a step with a prompt chunk takes the full
-  budgets and its pages in powers of two (the XLA path gathers and attends
+  With fixed_prefill_shapes a step with a prompt chunk takes all sequences
+  and the smallest of `prompt_token_buckets` that holds its tokens (a
+  128-token prompt beside a few decodes does not pay for a 1024-token
+  budget), its pages in powers of two (the XLA path gathers and attends
   over every page of the shape: the whole context would cost a short prompt
-  a full-context attention), a decode-only step its sequences and pages in
+  a full-context attention); a decode-only step its sequences and pages in
   powers of two (`engine.warmup` compiles them all)."""
   c = core.config
   need = max(len(s.request.pages) for sch in busy for s in sch)
   pages = (bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else
            page_bucket(need, core.max_pages_per_seq))
   if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
-    return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
-                      max_q=max_q_cap)
+    total = max(sum(s.num_tokens for s in sch) for sch in busy)
+    tokens = next(t for t in prompt_token_buckets(c.max_num_batched_tokens) if t >= total)
+    return StepShapes(tokens=tokens, seqs=c.max_num_seqs, pages=pages,
+                      max_q=min(max_q_cap, tokens))
   if c.fixed_step_shapes:
     return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
                       max_q=max_q_cap)

@@ -4,7 +4,8 @@ reach (`programs`), each run once on all-padding batches by `Engine.warmup`
 
 The set is finite because step shapes are bucketed, and small when steps
 with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`:
-a prompt-step shape per power-of-two pages, and a decode shape per
+a prompt-step shape per power-of-two pages and `steps.prompt_token_buckets`
+size, and a decode shape per
 power-of-two sequences and pages; or `fixed_step_shapes`: one shape per page bucket), each also as a
 multi-step decode with `decode_steps`, times the sampler variants asked
 for: greedy, sampled (no top-k) and, with top_k, each top-k bucket. Few
@@ -54,9 +55,9 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   seqs = sorted({(steps.bucket(b, c.max_num_batched_tokens), steps.bucket(b, c.max_num_seqs))
                  for b in range(1, c.max_num_seqs + 1)})
   pages = page_buckets(eng.max_pages_per_seq, c.fixed_prefill_shapes)
-  if c.fixed_prefill_shapes:  # a prompt-step shape per page bucket; decode steps bucketed
-    shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs,
-                                pages=p, max_q=chunk), 1) for p in pages]
+  if c.fixed_prefill_shapes:  # prompt steps: per token and page bucket; decode steps bucketed
+    shapes = [(steps.StepShapes(tokens=t, seqs=c.max_num_seqs, pages=p, max_q=min(chunk, t)), 1)
+              for t in steps.prompt_token_buckets(c.max_num_batched_tokens) for p in pages]
     shapes += [(steps.StepShapes(tokens=t, seqs=b, pages=p, max_q=1), n)
                for p in pages for t, b in seqs for n in multi]
   else:  # every step has the prompt steps' shape

@@ -26,6 +26,8 @@ def test_after_warmup_plain_traffic_compiles_nothing():
   eng = Engine(cfg, params, EngineConfig(**CONFIG, fixed_prefill_shapes=True, decode_steps=2))
   report = eng.warmup()
   assert report["programs"] == len(warmup.programs(eng)) == eng.stats()["compiles"]
+  # Prompt steps: every sequence, the budget or a smaller power of two of tokens.
+  assert {(s.tokens, s.seqs) for s, *_ in warmup.programs(eng) if s.max_q > 1} == {(16, 2), (32, 2)}  # 32 // 4 -> 16 at least
   assert eng.stats()["steps"] == 0  # the warm-up's padding steps are not counted as traffic
   rng = np.random.default_rng(0)
   prompts, sampling = [], []
@@ -43,6 +45,14 @@ def test_after_warmup_plain_traffic_compiles_nothing():
   want = [o.token_ids for o in fresh.generate(prompts, sampling)]
   got = [eng.output(i).token_ids for i in range(len(prompts))]
   assert got == want
+
+
+def test_prompt_token_buckets():
+  from jaxinfer.engine import steps
+  assert steps.prompt_token_buckets(1024) == [256, 1024]
+  assert steps.prompt_token_buckets(256) == [64, 256]
+  assert steps.prompt_token_buckets(40) == [16, 40]
+  assert steps.prompt_token_buckets(16) == [16]
 
 
 def test_warmup_refuses_what_it_cannot_bound():

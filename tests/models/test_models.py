@@ -221,3 +221,12 @@ def test_out_major_linear_multiplies_into_out_by_rows(dtype):
   np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=tol, atol=tol)
   hlo = jax.jit(linear).lower(x, packed).compile().as_text()
   assert re.search(r"f32\[48,8\][^\n]*dot\(", hlo), "the dot does not produce [Out, rows]"
+  # Past OUT_MAJOR_MAX_ROWS rows: rows x wt^T, same numbers.
+  from jaxinfer.models.layers import OUT_MAJOR_MAX_ROWS
+  big = jnp.asarray(r.standard_normal((OUT_MAJOR_MAX_ROWS + 8, 64)), dtype)
+  np.testing.assert_allclose(
+      np.asarray(jax.jit(linear)(big, packed), np.float32),
+      np.asarray(jnp.einsum("ti,ihd->thd", big.astype(jnp.float32), w.astype(jnp.float32))),
+      rtol=tol, atol=tol)
+  hlo = jax.jit(linear).lower(big, packed).compile().as_text()
+  assert f"f32[48,{OUT_MAJOR_MAX_ROWS + 8}]" not in hlo
