@@ -57,6 +57,8 @@ _MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one 
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
 _TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 1024, "engine: tokens per step "
                                      "(prompt steps pad to it or to a quarter of it)")
+_GATHER_MS = flags.DEFINE_float("gather_ms", 20.0, "requests arriving within this many ms of "
+                                 "the one that wakes an idle engine join its first step")
 _KV_MB = flags.DEFINE_integer("kv_cache_mb", None, "engine: KV cache size in MiB (default: "
                               "EngineConfig.kv_cache_memory_fraction of the free device "
                               "memory, host memory on CPU)")
@@ -184,7 +186,7 @@ def main(argv):
   app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template,
-                  image_root=_IMAGE_ROOT.value)
+                  image_root=_IMAGE_ROOT.value, gather_s=_GATHER_MS.value / 1e3)
   print(f"serving {_MODEL_NAME.value or name!r} on http://{_HOST.value}:{_PORT.value}/v1 "
         f"(context {app_.state.engine_loop.max_model_len} tokens, backend {_BACKEND.value})",
         flush=True)

@@ -104,12 +104,18 @@ def result_of(backend, rid: int) -> Result:
 
 class EngineLoop:
   """See the module docstring. on_finish(result): called on the engine
-  thread when a request ends (metrics)."""
+  thread when a request ends (metrics). gather_s: when a request wakes an
+  idle backend, the requests arriving within gather_s after it join its
+  first step (a burst prefills in one step instead of its first request in
+  a step of its own while the others wait for it); 0: step at once."""
 
-  def __init__(self, backend, *, max_queue: int, on_finish=None):
+  def __init__(self, backend, *, max_queue: int, on_finish=None, gather_s: float = 0.0):
     if max_queue < 1:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
+    if not gather_s >= 0:
+      raise ValueError(f"gather_s must be >= 0, got {gather_s}")
     self.backend, self.max_queue, self.on_finish = backend, max_queue, on_finish
+    self.gather_s = gather_s
     self.max_model_len = min(e.max_model_len for e in _engines(backend))
     self.vocab_size = min(e.vocab_size for e in _engines(backend))
     self._inbox: queue.Queue = queue.Queue()
@@ -183,6 +189,8 @@ class EngineLoop:
       while not self._stop.is_set():
         busy = self.backend.has_unfinished()
         self._drain(block=not busy)
+        if not busy and self.gather_s and self.backend.has_unfinished():
+          self._gather()
         if self.backend.has_unfinished():
           self._step()
     except BaseException as e:  # noqa: BLE001 - every held request is told
@@ -226,6 +234,17 @@ class EngineLoop:
       except queue.Empty:
         return
       block = False
+      if cmd is not None:
+        self._command(*cmd)
+
+  def _gather(self) -> None:
+    """Handles the commands that arrive within gather_s from now."""
+    deadline = time.monotonic() + self.gather_s
+    while (left := deadline - time.monotonic()) > 0:
+      try:
+        cmd = self._inbox.get(timeout=left)
+      except queue.Empty:
+        return
       if cmd is not None:
         self._command(*cmd)
 
