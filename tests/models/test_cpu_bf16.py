@@ -5,15 +5,17 @@ step); GPU targets keep bf16 pools. A bf16 engine's greedy tokens are the
 bf16 full forward's best within rounding."""
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, models, presets
 from jaxinfer.engine import engine as engine_mod
 from jaxinfer.models import transformer
-from jaxinfer.models.layers import linear
+from jaxinfer.models.layers import linear, pack_linear
 
 
 def test_bf16_linear_multiplies_into_float32_without_converting_the_weight():
@@ -27,6 +29,22 @@ def test_bf16_linear_multiplies_into_float32_without_converting_the_weight():
                              rtol=1e-2, atol=1e-2)
   hlo = jax.jit(linear).lower(x, w).compile().as_text()
   assert "f32[64,48]" not in hlo  # no float32 copy of the weight
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_bf16_lone_row_is_padded_to_two(packed):
+  """One bf16 row (XLA:CPU's slow case) multiplies as two rows, the first
+  kept: same numbers as the float32 product within bf16 rounding."""
+  r = np.random.default_rng(1)
+  x = jnp.asarray(r.standard_normal((1, 1, 64)), jnp.bfloat16)
+  w = jnp.asarray(r.standard_normal((64, 48)), jnp.bfloat16)
+  weight = pack_linear(w, out_major=True) if packed else w
+  y = jax.jit(linear)(x, weight)
+  assert y.shape == (1, 1, 48) and y.dtype == jnp.bfloat16
+  want = x.astype(jnp.float32) @ w.astype(jnp.float32)
+  np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(want), rtol=2e-2, atol=5e-2)
+  hlo = jax.jit(linear).lower(x, weight).compile().as_text()
+  assert re.search(r"f32\[(2,48|48,2)\][^\n]*dot\(", hlo), "the dot does not multiply two rows"
 
 
 def test_cpu_pool_is_float32_and_gpu_pool_keeps_bf16():
