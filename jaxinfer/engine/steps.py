@@ -477,8 +477,16 @@ PROMPT_TOKEN_DIVISORS = (4, 1)
 
 def prompt_token_buckets(budget: int) -> list[int]:
   """The token counts a fixed-shape prompt step pads to: the budget and
-  a quarter of it (none under 16)."""
-  return sorted({max(16, budget // d) for d in PROMPT_TOKEN_DIVISORS} | {budget})
+  a quarter of it (none under 16, unless the budget is)."""
+  return sorted({min(budget, max(16, budget // d)) for d in PROMPT_TOKEN_DIVISORS})
+
+
+def prompt_step_shapes(config, tokens: int, pages: int, max_q_cap: int) -> StepShapes:
+  """A fixed-shape prompt step's program shape (`step_shapes` at run time,
+  `warmup.programs` ahead of it): every sequence, `tokens` of
+  `prompt_token_buckets`, queries up to the chunk cap."""
+  return StepShapes(tokens=tokens, seqs=config.max_num_seqs, pages=pages,
+                    max_q=min(max_q_cap, tokens))
 
 
 def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
@@ -497,8 +505,7 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
   if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
     total = max(sum(s.num_tokens for s in sch) for sch in busy)
     tokens = next(t for t in prompt_token_buckets(c.max_num_batched_tokens) if t >= total)
-    return StepShapes(tokens=tokens, seqs=c.max_num_seqs, pages=pages,
-                      max_q=min(max_q_cap, tokens))
+    return prompt_step_shapes(c, tokens, pages, max_q_cap)
   if c.fixed_step_shapes:
     return StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=pages,
                       max_q=max_q_cap)

@@ -56,7 +56,7 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
                  for b in range(1, c.max_num_seqs + 1)})
   pages = page_buckets(eng.max_pages_per_seq, c.fixed_prefill_shapes)
   if c.fixed_prefill_shapes:  # prompt steps: per token and page bucket; decode steps bucketed
-    shapes = [(steps.StepShapes(tokens=t, seqs=c.max_num_seqs, pages=p, max_q=min(chunk, t)), 1)
+    shapes = [(steps.prompt_step_shapes(c, t, p, chunk), 1)
               for t in steps.prompt_token_buckets(c.max_num_batched_tokens) for p in pages]
     shapes += [(steps.StepShapes(tokens=t, seqs=b, pages=p, max_q=1), n)
                for p in pages for t, b in seqs for n in multi]

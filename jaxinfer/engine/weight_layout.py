@@ -14,8 +14,8 @@ speed for them differs by machine, and not by a little:
 
   2-core AMD EPYC, later: "out_major" against "in_out", the Engine's
     bench_dense decode step 1.55x faster at batch 8 (29.4 against 45.6 ms),
-    1.26x at 1, 1.17x at 32; the probe's gate-up at 8 rows 22-26 GB/s of
-    weights against 14-18.
+    1.26x at 1, 1.17x at 32; the probe's gate-up 1.27x / 1.40x / 1.15x at
+    1 / 8 / 32 rows (results/weight_layout.json).
 
 So `EngineConfig.cpu_weight_layout="auto"` times all three on this machine,
 once per process and shape, at the model's widest projection.

@@ -123,8 +123,9 @@ def out_major_dot(x2, wt, preferred_element_type=None):
   ([Out, rows], the weight the dot's left side) and transposed. The
   optimization barrier keeps the product [Out, rows] in memory: without it
   XLA:CPU's layout assignment folds the transpose into the dot, which then
-  multiplies rows x wt^T again (measured on the EPYC: at 8 rows 12-14 GB/s
-  of weights against 17-28 with the barrier)."""
+  multiplies rows x wt^T again (measured on the EPYC at 8 rows, weights
+  [Out, In] of 5632x1024 / 1024x2816 / 1536x1024, one run: 13.6 / 6.9 / 12.3 GB/s
+  without the barrier, 22.6 / 26.1 / 17.8 with it)."""
   yt = jax.lax.dot_general(wt, x2, (((1,), (1,)), ((), ())),
                            preferred_element_type=preferred_element_type)
   return jax.lax.optimization_barrier(yt).T

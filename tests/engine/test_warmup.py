@@ -53,6 +53,7 @@ def test_prompt_token_buckets():
   assert steps.prompt_token_buckets(256) == [64, 256]
   assert steps.prompt_token_buckets(40) == [16, 40]
   assert steps.prompt_token_buckets(16) == [16]
+  assert steps.prompt_token_buckets(8) == [8]  # never past the budget
 
 
 def test_warmup_refuses_what_it_cannot_bound():
