@@ -57,9 +57,10 @@ _MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one 
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
 _TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 1024, "engine: tokens per step "
                                      "(prompt steps pad to it or to a quarter of it)")
-_GATHER_MS = flags.DEFINE_float("gather_ms", 0.0, "requests arriving within this many ms of "
-                                 "the one that wakes an idle engine join its first step (20 "
-                                 "made no difference beyond noise on bench_vs_vllm's served run)")
+_GATHER_MS = flags.DEFINE_float("gather_ms", 15.0, "a request waking an idle engine waits for "
+                                 "those that follow it, each within this many ms of the one "
+                                 "before (at most 4 windows), so a burst prefills in one step "
+                                 "(0: step at once)")
 _KV_MB = flags.DEFINE_integer("kv_cache_mb", None, "engine: KV cache size in MiB (default: "
                               "EngineConfig.kv_cache_memory_fraction of the free device "
                               "memory, host memory on CPU)")

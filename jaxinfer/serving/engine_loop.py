@@ -37,6 +37,9 @@ log = logging.getLogger("jaxinfer.serving")
 
 MAX_CONSECUTIVE_FAILURES = 3
 DEGRADED_WINDOW_S = 300.0
+# A gather (EngineLoop's gather_s) ends at most this many windows after it
+# began, however steadily requests keep coming.
+GATHER_MAX_WINDOWS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +108,10 @@ def result_of(backend, rid: int) -> Result:
 class EngineLoop:
   """See the module docstring. on_finish(result): called on the engine
   thread when a request ends (metrics). gather_s: when a request wakes an
-  idle backend, the requests arriving within gather_s after it join its
-  first step (a burst prefills in one step instead of its first request in
-  a step of its own while the others wait for it); 0: step at once."""
+  idle backend, the requests that follow it, each within gather_s of the
+  one before (for at most GATHER_MAX_WINDOWS * gather_s), join its first
+  step: a burst prefills in one step instead of its first request in a step
+  of its own while the others wait for it. 0: step at once."""
 
   def __init__(self, backend, *, max_queue: int, on_finish=None, gather_s: float = 0.0):
     if max_queue < 1:
@@ -238,13 +242,16 @@ class EngineLoop:
         self._command(*cmd)
 
   def _gather(self) -> None:
-    """Handles the commands that arrive within gather_s from now."""
-    deadline = time.monotonic() + self.gather_s
-    while (left := deadline - time.monotonic()) > 0:
+    """Handles commands while each arrives within gather_s of the one
+    before, for at most GATHER_MAX_WINDOWS * gather_s from now."""
+    now = time.monotonic()
+    cap = now + GATHER_MAX_WINDOWS * self.gather_s
+    while (left := min(now + self.gather_s, cap) - time.monotonic()) > 0:
       try:
         cmd = self._inbox.get(timeout=left)
       except queue.Empty:
         return
+      now = time.monotonic()
       if cmd is not None:
         self._command(*cmd)
 

@@ -1,5 +1,6 @@
 """`EngineLoop` on a stand-in backend: with gather_s, the requests of a
-burst that wakes an idle backend join its first step; without, the first
+burst that wakes an idle backend join its first step, each within gather_s
+of the one before, up to GATHER_MAX_WINDOWS windows; without, the first
 request steps alone. And a negative gather_s is refused."""
 
 import asyncio
@@ -7,7 +8,7 @@ import types
 
 import pytest
 
-from jaxinfer.serving.engine_loop import EngineLoop
+from jaxinfer.serving.engine_loop import GATHER_MAX_WINDOWS, EngineLoop
 
 
 class _Backend:
@@ -36,9 +37,9 @@ class _Backend:
                                  metrics=metrics)
 
 
-async def _burst(loop: EngineLoop, gap_s: float):
+async def _burst(loop: EngineLoop, gap_s: float, n: int = 3):
   streams = []
-  for _ in range(3):
+  for _ in range(n):
     streams.append(loop.submit([1], None))
     await asyncio.sleep(gap_s)
   for s in streams:
@@ -57,6 +58,31 @@ def test_a_burst_waking_an_idle_backend_joins_one_step_with_gather(gather_s, fir
     loop.stop()
   assert backend.batches[0] == first_batch
   assert sum(backend.batches) == 3  # every request stepped, none dropped
+
+
+def _first_batch(gather_s: float, gap_s: float, n: int) -> tuple[int, list[int]]:
+  backend = _Backend()
+  loop = EngineLoop(backend, max_queue=16, gather_s=gather_s)
+  loop.start()
+  try:
+    asyncio.run(_burst(loop, gap_s=gap_s, n=n))
+  finally:
+    loop.stop()
+  assert sum(backend.batches) == n  # every request stepped, none dropped
+  return backend.batches[0]
+
+
+def test_the_gather_window_slides_with_each_arrival():
+  # 3 requests 0.2 s apart span 0.4 s: a fixed 0.3 s window would take 2.
+  assert _first_batch(gather_s=0.3, gap_s=0.2, n=3) == 3
+
+
+def test_the_gather_ends_after_its_most_windows():
+  # Arrivals 0.12 s apart never leave a 0.2 s window open: the gather stops
+  # at GATHER_MAX_WINDOWS windows (0.8 s), with about 7 of the 12.
+  first = _first_batch(gather_s=0.2, gap_s=0.12, n=12)
+  assert 2 <= first < 12
+  assert first <= GATHER_MAX_WINDOWS * 0.2 / 0.12 + 2
 
 
 def test_negative_gather_is_refused():
