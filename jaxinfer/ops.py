@@ -247,7 +247,8 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
-                           k_scale=None, v_scale=None, backend: Backend = Backend()):
+                           k_scale=None, v_scale=None, new_kv=None,
+                           backend: Backend = Backend()):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
@@ -262,6 +263,13 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   quantized pages (fp8 / int8, `kv.pool.KV_CACHE_DTYPES`) read as
   pages * scale: per tile in the kernel, after the gather on the XLA path
   (MLA: k_scale, the latent's one scale).
+
+  new_kv: the step's own keys and values (k [T, K, Hk], v [T, K, Hv], as
+  written to the pages), or None. On the XLA path, a step of several query
+  tokens a sequence whose chunks all start at position 0 (a batch of fresh
+  prompts) then attends over them packed (`xla_attention.packed`: no page
+  gather, no per-sequence padding), any other step over the pages; GQA
+  pools without scales only.
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
@@ -287,8 +295,29 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
-  return _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                           window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
+  paged = lambda: _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
+                                    window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
+  if new_kv is None or max_q == 1 or v_pages is None or k_scale is not None:
+    return paged()
+  return jax.lax.cond(jnp.all(kv_lens == cu_q_lens[1:] - cu_q_lens[:-1]),
+                      lambda: _packed_xla(q, *new_kv, cu_q_lens, window, sinks, scale), paged)
+
+
+# Query and key block of the packed XLA path (`xla_attention.packed`).
+_PACKED_BLOCK = 128
+
+
+def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
+  """A step of fresh chunks (each starting at position 0) over its own keys
+  and values, packed: token t of sequence b sits at position t - cu_q_lens[b];
+  rows past cu_q_lens[-1] are padding and return zeros."""
+  T = q.shape[0]
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq = (jnp.searchsorted(cu_q_lens, t, side="right") - 1).astype(jnp.int32)
+  positions = t - cu_q_lens[seq]
+  out = xla_attention.packed(q, k, v, seq, positions, window, sinks, scale,
+                             block=min(_PACKED_BLOCK, T))
+  return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
 
 
 def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,

@@ -17,6 +17,11 @@ so no [T, S] tensor exists; key blocks no query of the block can see (after
 its last position, or before its window) are skipped by a `cond`. The sink
 logit joins the denominator once, at the end. A row with no visible key
 (padding) returns zeros in both, as in the flash kernel.
+
+`packed` is `blocked` over one flat token axis holding several sequences
+back to back (a prompt step whose chunks all start at position 0: each
+token sees the keys of its own sequence up to itself), with no page gather
+and no per-sequence padding; key blocks of other sequences are skipped.
 """
 
 from __future__ import annotations
@@ -124,3 +129,53 @@ def _online_step(carry, qi, kj, vj, mask, scale):
   l = l * corr + jnp.sum(p, axis=-1)
   pv = jnp.einsum("BKGTS,BSKH->BKGTH", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
   return m_new, l, acc * corr[..., None] + pv
+
+
+def packed(q, k, v, seq, positions, window, sinks, scale, *, block):
+  """Causal attention within sequences packed on one token axis: q [T, N, Hk],
+  k [T, K, Hk], v [T, K, Hv], seq [T] int32 non-decreasing (token t belongs
+  to sequence seq[t]), positions [T] int32 (its position in that sequence,
+  increasing along the axis within a sequence). Key t' is visible to query
+  t iff seq[t'] == seq[t], positions[t'] <= positions[t] and (window == 0 or
+  positions[t] - positions[t'] < window). -> [T, N, Hv] in q's dtype."""
+  T, N, _ = q.shape
+  K, Hv = k.shape[1], v.shape[-1]
+  G = N // K
+  window = jnp.asarray(window, jnp.int32)
+  # Padded tokens join a sequence of their own past the last one.
+  n = -(-T // block)
+  pad = lambda x, fill: jnp.pad(x, [(0, n * block - T)] + [(0, 0)] * (x.ndim - 1),
+                                constant_values=fill)
+  seq, positions = pad(seq, jnp.max(seq) + 1), pad(positions, 0)
+  qb = pad(q, 0).reshape(n, 1, block, K, G, -1)
+  kb, vb = pad(k, 0).reshape(n, 1, block, K, -1), pad(v, 0).reshape(n, 1, block, K, Hv)
+  sb, pb = seq.reshape(n, block), positions.reshape(n, block)
+
+  def query_block(_, xs):
+    i, qi, qs, qp = xs
+
+    def key_block(carry, ys):
+      j, kj, vj, ks, kp = ys
+      # Keys of an earlier sequence or of a later token (on the packed axis) are
+      # never seen: a block after the query block, or wholly before its first
+      # sequence, is skipped.
+      seen = (j <= i) & (ks[-1] >= qs[0])
+      mask = ((ks[None, :] == qs[:, None]) & (kp[None, :] <= qp[:, None])
+              & ((window == 0) | (qp[:, None] - kp[None, :] < window)))
+      return jax.lax.cond(seen, _online_step, lambda c, *_: c, carry, qi, kj, vj,
+                          mask[None], scale), None
+
+    init = (jnp.full((1, K, G, block), MASKED, jnp.float32),
+            jnp.zeros((1, K, G, block), jnp.float32),
+            jnp.zeros((1, K, G, block, Hv), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(key_block, init, (jnp.arange(n), kb, vb, sb, pb))
+    if sinks is not None:
+      sink = sinks.astype(jnp.float32).reshape(1, K, G, 1)
+      m_all = jnp.maximum(m, sink)
+      l = l * jnp.exp(m - m_all) + jnp.exp(sink - m_all)
+      acc = acc * jnp.exp(m - m_all)[..., None]
+    return None, acc / jnp.where(l == 0, 1.0, l)[..., None]  # [1, K, G, block, Hv]
+
+  _, out = jax.lax.scan(query_block, None, (jnp.arange(n), qb, sb, pb))  # [n, 1, K, G, block, Hv]
+  out = out[:, 0].transpose(0, 3, 1, 2, 4).reshape(n * block, N, Hv)
+  return out[:T].astype(q.dtype)

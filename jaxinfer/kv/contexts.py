@@ -182,5 +182,5 @@ class PagedContext:
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
         v_head_dim=latent_dim, layer=layer, k_scale=k_scale, v_scale=v_scale,
-        backend=backend)
+        new_kv=(new["k"][0], new["v"][0]) if set(new) == {"k", "v"} else None, backend=backend)
     return out[None], (stack, layer)

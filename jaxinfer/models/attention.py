@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm, unpack_linear
-from jaxinfer.models.layouts import AbsorbedMLA, WeightForm
+from jaxinfer.models.layouts import AbsorbedMLA, FusedQKV, WeightForm
 from jaxinfer.models.quant import QuantizedWeight, dense
 
 
@@ -27,7 +27,13 @@ def out_proj(out, wo, backend: Backend = Backend()):
 
 def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """Grouped-query attention with optional biases, q/k norm and sinks."""
-  q, k, v = (linear(x, p[name], backend=cfg.backend) for name in ("wq", "wk", "wv"))
+  if isinstance(p, FusedQKV):
+    N, K, H = p.heads
+    qkv = linear(x, p.wqkv, backend=cfg.backend)
+    q, k, v = (a.reshape(*a.shape[:-1], -1, H)
+               for a in jnp.split(qkv, [N * H, (N + K) * H], axis=-1))
+  else:
+    q, k, v = (linear(x, p[name], backend=cfg.backend) for name in ("wq", "wk", "wv"))
   if cfg.qkv_bias:
     q, k, v = q + p["bq"], k + p["bk"], v + p["bv"]
   if cfg.qk_norm:  # Qwen3: per-head RMSNorm before RoPE
@@ -58,25 +64,43 @@ _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a
 
 def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
   """One layer's attention weights in the step's `WeightForm`: MLA's as an
-  `AbsorbedMLA` (up-projections pre-transposed); with form.transposed, the
-  projections as `layers.PackedLinear` (float ones unless
-  form.floats_in_out, out-major with form.out_major; quantized ones
-  always)."""
+  `AbsorbedMLA` (up-projections pre-transposed); with form.transposed,
+  grouped-query float q/k/v as a `FusedQKV` and the projections as
+  `layers.PackedLinear` (float ones unless form.floats_in_out, out-major
+  with form.out_major; quantized ones always)."""
   if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
-  if form.transposed:
-    packed = {k: pack_linear(v, _PROJECTIONS[k], form.out_major) for k, v in p.items()
-              if k in _PROJECTIONS
-              and (not form.floats_in_out or isinstance(v, QuantizedWeight))}
-    p = p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
-  return p
+  if not form.transposed:
+    return p
+  def pack(v, in_dims=1):
+    if form.floats_in_out and not isinstance(v, QuantizedWeight):
+      return v
+    return pack_linear(v, in_dims, form.out_major)
+  if cfg.attention != "mla" and not any(isinstance(p[k], QuantizedWeight) for k in _QKV):
+    D = p["wq"].shape[0]
+    wqkv = jnp.concatenate([p[k].reshape(D, -1) for k in _QKV], axis=-1)
+    rest = {k: v for k, v in p.items() if k not in _QKV}
+    return FusedQKV(wqkv=pack(wqkv), heads=tuple(p["wq"].shape[1:2]) + tuple(p["wk"].shape[1:]),
+                    **{**rest, "wo": pack(rest["wo"], 2)})
+  packed = {k: pack(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS}
+  return p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
+
+
+_QKV = ("wq", "wk", "wv")
 
 
 def stacked_layout(p):
   """The inverse of `step_layout`: one layer's attention weights as the
   stacked params hold them (projections [*In, *Out], MLA's wkv_b
-  [R, N, Hn + Hv]). Same values."""
+  [R, N, Hn + Hv], grouped-query wq / wk / wv apart). Same values."""
+  if isinstance(p, FusedQKV):
+    N, K, H = p.heads
+    wqkv = unpack_linear(p.wqkv)
+    D = wqkv.shape[0]
+    wq, wk, wv = jnp.split(wqkv, [N * H, (N + K) * H], axis=-1)
+    p = {**{k: v for k, v in p.items() if k not in ("wqkv", "heads")},
+         "wq": wq.reshape(D, N, H), "wk": wk.reshape(D, K, H), "wv": wv.reshape(D, K, H)}
   p = {k: unpack_linear(v) for k, v in p.items()}
   if "w_uk" in p:
     w_uk, w_uv = p.pop("w_uk"), p.pop("w_uv")

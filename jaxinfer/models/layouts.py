@@ -10,12 +10,14 @@ key presence or a mode string:
                 (`transformer.step_layout`)
   AbsorbedMLA   MLA attention with wkv_b stored as the per-head absorbed
                 up-projections w_uk / w_uv (`attention.step_layout`)
+  FusedQKV      grouped-query attention with wq, wk and wv one [D, (N + 2K) H]
+                matmul (`attention.step_layout`)
   SplitExperts  MoE layer with one array per routed expert, run expert by
                 expert over its rows only (`transformer.step_layout`)
   DenseExperts  MoE layer's stacked experts marked for the dense reference
                 path (every expert on every token; `cfg.moe_impl="dense"`)
 
-`layers.PackedLinear` (a projection stored transposed) is the fifth.
+`layers.PackedLinear` (a projection stored transposed) is the sixth.
 
 `WeightForm` names which of them an unrolled step holds (one value per
 Engine).
@@ -79,6 +81,27 @@ class AbsorbedMLA(_Fields):
   wq_a: Any = None  # [D, Rq]
   q_norm: Any = None  # [Rq]
   wq_b: Any = None  # [Rq, N, Hn + Hr]
+
+
+@struct.dataclass
+class FusedQKV(_Fields):
+  """Grouped-query attention whose q, k and v projections are one matrix,
+  [D, (N + 2K) * H] with q's columns first, then k's, then v's (a plain array
+  or a `layers.PackedLinear`): one matmul reads x once, and k and v, narrow
+  on their own, ride in a wide one (bench_dense prefill, 1024 rows on the
+  2-core EPYC: q, k and v took 23.4 ms a layer; at the wide matmul's
+  measured rate the fused one costs about 15). heads: (N, K, H), to split
+  the product and to rebuild the three (`attention.stacked_layout`)."""
+  wqkv: Any  # [D, (N + 2K) * H]
+  wo: Any  # [N, H, D]
+  heads: tuple = struct.field(pytree_node=False, default=())  # (N, K, H)
+  bq: Any = None  # [N, H]
+  bk: Any = None  # [K, H]
+  bv: Any = None  # [K, H]
+  bo: Any = None  # [D]
+  q_norm: Any = None  # [H]
+  k_norm: Any = None  # [H]
+  sinks: Any = None  # [N]
 
 
 @struct.dataclass

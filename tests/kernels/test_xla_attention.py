@@ -149,3 +149,55 @@ def test_item_rows_equal_the_reference(name, per_item):
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(got, rows, atol=2e-5, rtol=2e-5)
   assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
+
+
+# (sequences' query counts, window, sinks, packed block): fresh prompts (each
+# chunk from position 0) of uneven lengths, an empty sequence, padding tokens.
+FRESH_CASES = {
+    "one_block": ((37, 5, 0, 64), 0, False, 128),
+    "blocks_window_sinks": ((37, 5, 0, 64), 9, True, 16),
+    "blocks_straddled": ((3, 30, 17, 1), 0, False, 8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(FRESH_CASES))
+def test_packed_fresh_prompts_equal_the_reference(name, monkeypatch):
+  """A step of fresh prompts attends over its own keys packed
+  (`xla_attention.packed`, chosen by value inside the step) and equals the
+  float32 reference over the pages; once one chunk starts past position 0
+  the same program takes the pages, and equals the reference too."""
+  from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+  q_lens, window, sinks, block = FRESH_CASES[name]
+  monkeypatch.setattr(ops, "_PACKED_BLOCK", block)
+  r = np.random.default_rng(1)
+  N, K, H, Hv, ps, pages = 8, 2, 16, 12, 4, 16
+  B, T = len(q_lens), sum(q_lens) + 3  # 3 padding tokens
+  q = jnp.asarray(r.standard_normal((T, N, H)), jnp.float32)
+  k_new = r.standard_normal((T, K, H)).astype(np.float32)
+  v_new = r.standard_normal((T, K, Hv)).astype(np.float32)
+  k_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
+  v_pages = r.standard_normal((K, 128, ps, Hv)).astype(np.float32)
+  table = r.permutation(128)[:B * pages].reshape(B, pages).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  for b in range(B):  # the step's keys and values written to their pages
+    for i in range(q_lens[b]):
+      k_pages[:, table[b, i // ps], i % ps] = k_new[cu[b] + i]
+      v_pages[:, table[b, i // ps], i % ps] = v_new[cu[b] + i]
+  sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+  step = jax.jit(lambda kv, kp, vp: ops.ragged_paged_attention(
+      q, kp, vp, kv_lens=kv, page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
+      max_q=max(q_lens), window=window, sinks=sink, scale=0.3,
+      new_kv=(jnp.asarray(k_new), jnp.asarray(v_new))))
+  # Fresh prompts never read the pages: zeroed ones give the same answer.
+  fresh = step(jnp.asarray(q_lens, jnp.int32), jnp.zeros_like(k_pages), jnp.zeros_like(v_pages))
+  for kv_lens in (np.asarray(q_lens), np.asarray(q_lens) + np.asarray([0, 0, 0, 2])):
+    kv = jnp.asarray(kv_lens, jnp.int32)
+    want = ragged_paged_attention_reference(q, jnp.asarray(k_pages), jnp.asarray(v_pages), kv,
+                                            jnp.asarray(table), jnp.asarray(cu),
+                                            max_q=max(q_lens), sm_scale=0.3, window=window,
+                                            sinks=sink)
+    got = step(kv, jnp.asarray(k_pages), jnp.asarray(v_pages))
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
+  np.testing.assert_allclose(fresh, step(jnp.asarray(q_lens, jnp.int32), jnp.asarray(k_pages),
+                                         jnp.asarray(v_pages)), atol=1e-6, rtol=1e-6)

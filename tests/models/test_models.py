@@ -10,7 +10,7 @@ import pytest
 
 from conftest import FIXTURES, HF_FIXTURES
 from jaxinfer import ModelConfig, models, presets
-from jaxinfer.models.layouts import WeightForm
+from jaxinfer.models.layouts import FusedQKV, WeightForm
 
 ARCH_CONFIGS = {
     "tiny_dense": presets.get("tiny_dense"),
@@ -129,7 +129,7 @@ _STEP_LAYOUT_CASES = [(name, *layout) for name in sorted(ARCH_CONFIGS)
 
 @pytest.mark.parametrize("name,split_experts,transpose,float_layout", _STEP_LAYOUT_CASES)
 def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout):
-  """The engine's CPU layout (per-layer weights, fused gate/up, MLA's
+  """The engine's CPU layout (per-layer weights, fused gate/up and q/k/v, MLA's
   up-projections transposed, experts split, projections packed) computes
   the same logits, full and cached; the split expert path with T tokens
   covers prefill chunks (several rows per expert) as well as decode."""
@@ -141,6 +141,8 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
       out_major=float_layout == "out_major"))
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
+  # Grouped-query q, k and v become one matmul whenever the step transposes.
+  assert isinstance(attn, FusedQKV) == (transpose and cfg.attention != "mla")
   packed = [w for w in attn.values() if isinstance(w, PackedLinear)]
   assert bool(packed) == (transpose and float_layout != "in_out")
   assert all(w.out_major == (float_layout == "out_major") for w in packed)
