@@ -420,24 +420,28 @@ def xla_item_size(num_tokens: int, num_seqs: int, max_q: int) -> int:
 def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
                       sinks, scale, v_head_dim, layer, kv_scales, per_item=None):
   # Reference path: each row's sequence's pages gathered into a contiguous
-  # [S] view, the ragged queries laid out in rows of `per_item` tokens of one
-  # sequence (`xla_item_size`; the Mosaic ragged kernel's work items), then
-  # the dense kernel.
+  # [S] view (KV-head-major), the ragged queries laid out in rows of
+  # `per_item` tokens of one sequence (`xla_item_size`; the Mosaic ragged
+  # kernel's work items), then the dense kernel (`dense_kmajor`; blocked past
+  # a block of queries and of keys).
   B, pages = page_table.shape
   T = q.shape[0]
   dims = kernel_dims(k_pages)
   K, page_size = dims["kv_head"], dims["slot"]
   per_item = per_item or xla_item_size(T, B, max_q)
 
-  def gather(pool, scale, table):  # [L, K, P, ps, H] -> [R, pages * ps, K, H] of `layer`
-    g = pool[layer, :, table]  # [R, pages, K, ps, H] (one gather)
-    g = g.transpose(0, 1, 3, 2, 4).reshape(table.shape[0], pages * page_size, K, pool.shape[-1])
+  def gather(pool, scale, table):  # [L, K, P, ps, H] -> [K, R, pages * ps, H] of `layer`
+    g = pool[layer, jnp.arange(K)[:, None, None], table[None]]  # [K, R, pages, ps, H] (one gather)
+    g = g.reshape(K, table.shape[0], pages * page_size, pool.shape[-1])
     return g if scale is None else dequantize(g, scale, q.dtype)
 
   def attend(qr, table, q_pos, kv_len):
     k = gather(k_pages, kv_scales[0], table)
     v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1], table)
-    return _attention_xla(qr, k, v, q_pos, kv_len, window, sinks, scale)
+    if qr.shape[1] > _BLOCK_Q and k.shape[2] > _BLOCK_K:  # blocked: [R, S, K, H]
+      return _attention_xla(qr, k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3), q_pos, kv_len,
+                            window, sinks, scale)
+    return xla_attention.dense_kmajor(qr, k, v, q_pos, kv_len, window, sinks, scale)
 
   if per_item == max_q:  # a row per sequence
     q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)

@@ -6,7 +6,8 @@ or None and the softmax scale; key j is visible to query t iff
 j < kv_lengths[b], j <= q_positions[b, t] and (window == 0 or
 q_positions[b, t] - j < window). Softmax runs in float32.
 
-`dense` forms the [B, K, G, T, S] scores. `blocked` walks query blocks and,
+`dense` forms the [B, K, G, T, S] scores (`dense_kmajor` the same from
+KV-head-major keys and values). `blocked` walks query blocks and,
 inside each, key blocks with an online softmax (Milakov & Gimelshein 2018;
 FlashAttention): per row a running max m, sum l and accumulator acc,
 
@@ -64,6 +65,37 @@ def dense(q, k, v, q_positions, kv_lengths, window, sinks, scale):
                    preferred_element_type=jnp.float32)
   out = jnp.where(jnp.any(mask, axis=-1)[:, :, None, None, None], out, 0)
   return out.reshape(B, T, N, v.shape[-1]).astype(q.dtype)
+
+
+def dense_kmajor(q, k, v, q_positions, kv_lengths, window, sinks, scale):
+  """`dense` with keys and values KV-head-major, k [K, B, S, Hk] and
+  v [K, B, S, Hv] (as a page gather lays them out, no transpose), each KV
+  head's G x T query rows one matrix against its keys; the probabilities
+  stay unnormalized through the value product and the [.., Hv] result is
+  divided instead (decode attention of bench_dense, 8 sequences x 192 keys,
+  on the 2-core EPYC: 0.47 ms a layer against `dense`'s 0.93 over the same
+  gathered pages, one run)."""
+  B, T, N, Hk = q.shape
+  K, S, Hv = k.shape[0], k.shape[2], v.shape[-1]
+  G = N // K
+  rows = q.reshape(B, T, K, G, Hk).transpose(2, 0, 3, 1, 4).reshape(K, B, G * T, Hk)
+  scores = jnp.einsum("KBRH,KBSH->KBRS", rows, k, preferred_element_type=jnp.float32)
+  scores = scores.reshape(K, B, G, T, S) * scale
+  mask = _visible(q_positions, kv_lengths, jnp.asarray(window, jnp.int32),
+                  jnp.arange(S, dtype=jnp.int32))  # [B, T, S]
+  scores = jnp.where(mask[None, :, None], scores, MASKED)
+  m = jnp.max(scores, axis=-1, keepdims=True)
+  if sinks is not None:  # the sink column: mass in the denominator, no value
+    sink = sinks.astype(jnp.float32).reshape(K, 1, G, 1, 1)
+    m = jnp.maximum(m, sink)
+  e = jnp.exp(scores - m)
+  total = jnp.sum(e, axis=-1, keepdims=True)
+  if sinks is not None:
+    total = total + jnp.exp(sink - m)
+  out = jnp.einsum("KBRS,KBSH->KBRH", e.reshape(K, B, G * T, S).astype(v.dtype), v,
+                   preferred_element_type=jnp.float32).reshape(K, B, G, T, Hv) / total
+  out = jnp.where(jnp.any(mask, axis=-1)[None, :, None, :, None], out, 0)
+  return out.transpose(1, 3, 0, 2, 4).reshape(B, T, N, Hv).astype(q.dtype)
 
 
 def _blocks(x, size, axis=1, mode="constant"):

@@ -99,7 +99,7 @@ def stacked_layout(p):
     wqkv = unpack_linear(p.wqkv)
     D = wqkv.shape[0]
     wq, wk, wv = jnp.split(wqkv, [N * H, (N + K) * H], axis=-1)
-    p = {**{k: v for k, v in p.items() if k not in ("wqkv", "heads")},
+    p = {**{k: v for k, v in p.items() if k != "wqkv"},
          "wq": wq.reshape(D, N, H), "wk": wk.reshape(D, K, H), "wv": wv.reshape(D, K, H)}
   p = {k: unpack_linear(v) for k, v in p.items()}
   if "w_uk" in p:

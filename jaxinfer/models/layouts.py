@@ -38,7 +38,7 @@ from flax import struct
 
 
 class _Fields(Mapping):
-  """Mapping view over a layout dataclass's fields that are set (not None)."""
+  """Mapping view over a layout dataclass's array fields that are set (not None)."""
 
   def __getitem__(self, key):
     value = getattr(self, key, None) if key in self._names() else None
@@ -53,8 +53,8 @@ class _Fields(Mapping):
     return sum(1 for _ in self)
 
   @classmethod
-  def _names(cls):
-    return tuple(f.name for f in dataclasses.fields(cls))
+  def _names(cls):  # the weights: static fields (FusedQKV.heads) are not among them
+    return tuple(f.name for f in dataclasses.fields(cls) if f.metadata.get("pytree_node", True))
 
 
 @struct.dataclass
