@@ -316,7 +316,7 @@ def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
   seq = (jnp.searchsorted(cu_q_lens, t, side="right") - 1).astype(jnp.int32)
   positions = t - cu_q_lens[seq]
   out = xla_attention.packed(q, k, v, seq, positions, window, sinks, scale,
-                             block=min(_PACKED_BLOCK, T))
+                             block=min(_PACKED_BLOCK, T), seq_starts=cu_q_lens)
   return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
 
 

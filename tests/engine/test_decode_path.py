@@ -20,7 +20,7 @@ import jaxinfer
 from jaxinfer import models, presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(jaxinfer.__file__)))
-STATIONS = {("scheduler.py", "schedule"), ("xla_attention.py", "dense"),
+STATIONS = {("scheduler.py", "schedule"), ("xla_attention.py", "dense_kmajor"),
             ("sampling.py", "argmax"), ("scheduler.py", "apply")}
 MAX_FILES = 9
 
