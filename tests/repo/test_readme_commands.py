@@ -110,7 +110,7 @@ COMMANDS = {
     "--new_tokens=32": Covered("tests/experiments/test_bench_decode.py::test_script_end_to_end",
                                ("experiments", "bench_decode.py", "--batches=", "--repeats=",
                                 "--new_tokens=")),
-    "python experiments/bench_vs_vllm.py --vllm_python=... --vllm_cores=all --repeats=2": NotHere(
+    "python experiments/bench_vs_vllm.py --vllm_python=... --vllm_cores=all --repeats=3": NotHere(
         "needs vLLM's CPU build in a venv of its own (3.5 GB with its torch; CI installs none); "
         "tests/experiments/test_bench_vs_vllm.py runs its streaming client against our server, "
         "its summary and its peer protocol"),
