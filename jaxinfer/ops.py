@@ -307,13 +307,20 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
 _PACKED_BLOCK = 128
 
 
+def token_sequences(cu_q_lens, T: int):
+  """[T] int32: the sequence each of a step's tokens belongs to (the last b
+  with cu_q_lens[b] <= t; B for the padding past cu_q_lens[-1])."""
+  t = jnp.arange(T, dtype=jnp.int32)
+  return (jnp.searchsorted(cu_q_lens, t, side="right") - 1).astype(jnp.int32)
+
+
 def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
   """A step of fresh chunks (each starting at position 0) over its own keys
   and values, packed: token t of sequence b sits at position t - cu_q_lens[b];
   rows past cu_q_lens[-1] are padding and return zeros."""
   T = q.shape[0]
   t = jnp.arange(T, dtype=jnp.int32)
-  seq = (jnp.searchsorted(cu_q_lens, t, side="right") - 1).astype(jnp.int32)
+  seq = token_sequences(cu_q_lens, T)
   positions = t - cu_q_lens[seq]
   out = xla_attention.packed(q, k, v, seq, positions, window, sinks, scale,
                              block=min(_PACKED_BLOCK, T), seq_starts=cu_q_lens)
@@ -458,7 +465,7 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
   # Back to token order: token t is row (t - start) % per_item of its
   # sequence's item (t - start) // per_item.
   t = jnp.arange(T, dtype=jnp.int32)
-  b = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  b = jnp.clip(token_sequences(cu_q_lens, T), 0, B - 1)
   offset = t - cu_q_lens[b]
   out = out[jnp.clip(item_cu[b] + offset // per_item, 0, num_items - 1), offset % per_item]
   return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)

@@ -89,8 +89,8 @@ class FusedQKV(_Fields):
   [D, (N + 2K) * H] with q's columns first, then k's, then v's (a plain array
   or a `layers.PackedLinear`): one matmul reads x once, and k and v, narrow
   on their own, ride in a wide one (bench_dense prefill, 1024 rows on the
-  2-core EPYC: q, k and v took 23.4 ms a layer; at the wide matmul's
-  measured rate the fused one costs about 15). heads: (N, K, H), to split
+  2-core EPYC, profiled: q, k and v took 23.4 ms a layer, the fused matmul
+  16.9 in a later run). heads: (N, K, H), to split
   the product and to rebuild the three (`attention.stacked_layout`)."""
   wqkv: Any  # [D, (N + 2K) * H]
   wo: Any  # [N, H, D]
