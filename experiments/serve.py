@@ -37,6 +37,7 @@ import uvicorn
 
 from benchlib import cli, flag_config, model_flags
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams
+from jaxinfer.engine.engine import prefill_chunk
 from jaxinfer.serving import openai_protocol
 from jaxinfer.serving.cluster import Cluster
 from jaxinfer.serving.http_server import make_app
@@ -55,8 +56,10 @@ _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "largest request bod
 _MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one request may "
                                        "ask for (default: the context)")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
-_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 1024, "engine: tokens per step "
-                                     "(prompt steps pad to it or to a quarter of it)")
+_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 544, "engine: tokens per step "
+                                     "(prompt steps pad to it or to a quarter of it; the "
+                                     "default: 512 prompt tokens beside a decode row for each "
+                                     "of 32 sequences)")
 _GATHER_MS = flags.DEFINE_float("gather_ms", 15.0, "a request waking an idle engine waits for "
                                  "those that follow it, each within this many ms of the one "
                                  "before (at most 4 windows), so a burst prefills in one step "
@@ -165,6 +168,12 @@ def warm_up(backend, cache: dict) -> None:
         file=sys.stderr, flush=True)
 
 
+def step_prompt_tokens(config: EngineConfig) -> int:
+  """The prompt tokens a step holds beside a decode row for every sequence:
+  a gathered burst is a step's worth once its prompts reach it."""
+  return max(1, min(prefill_chunk(config), config.max_num_batched_tokens - config.max_num_seqs))
+
+
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
@@ -188,7 +197,8 @@ def main(argv):
   app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template,
-                  image_root=_IMAGE_ROOT.value, gather_s=_GATHER_MS.value / 1e3)
+                  image_root=_IMAGE_ROOT.value, gather_s=_GATHER_MS.value / 1e3,
+                  gather_tokens=step_prompt_tokens(config))
   print(f"serving {_MODEL_NAME.value or name!r} on http://{_HOST.value}:{_PORT.value}/v1 "
         f"(context {app_.state.engine_loop.max_model_len} tokens, backend {_BACKEND.value})",
         flush=True)

@@ -266,10 +266,13 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
 
   new_kv: the step's own keys and values (k [T, K, Hk], v [T, K, Hv], as
   written to the pages), or None. On the XLA path, a step of several query
-  tokens a sequence whose chunks all start at position 0 (a batch of fresh
-  prompts) then attends over them packed (`xla_attention.packed`: no page
-  gather, no per-sequence padding), any other step over the pages; GQA
-  pools without scales only.
+  tokens a sequence whose sequences are each a fresh chunk (from position
+  0) or one decode token (a batch of fresh prompts, or prompts admitted
+  beside decodes) then attends packed over its own keys for the prompts
+  (`xla_attention.packed`: no page gather, no per-sequence padding) and
+  over the pages for the decode tokens only; any other step (a chunk
+  continuing past position 0) over the pages. GQA pools without scales
+  only.
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
@@ -299,8 +302,21 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
                                     window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
   if new_kv is None or max_q == 1 or v_pages is None or k_scale is not None:
     return paged()
-  return jax.lax.cond(jnp.all(kv_lens == cu_q_lens[1:] - cu_q_lens[:-1]),
-                      lambda: _packed_xla(q, *new_kv, cu_q_lens, window, sinks, scale), paged)
+  return _fresh_or_paged_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens,
+                             window, sinks, scale, layer, paged)
+
+
+def _fresh_or_paged_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens, window,
+                        sinks, scale, layer, paged):
+  """`_fresh_and_decodes_xla` where every sequence is a fresh chunk or one
+  decode token (chosen by value in the step), else paged()."""
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  decodes = (q_lens == 1) & (kv_lens > 1)  # a lone token past position 0
+  return jax.lax.cond(
+      jnp.all((kv_lens == q_lens) | decodes),
+      lambda: _fresh_and_decodes_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table,
+                                     cu_q_lens, decodes, window, sinks, scale, layer),
+      paged)
 
 
 # Query and key block of the packed XLA path (`xla_attention.packed`).
@@ -325,6 +341,35 @@ def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
   out = xla_attention.packed(q, k, v, seq, positions, window, sinks, scale,
                              block=min(_PACKED_BLOCK, T), seq_starts=cu_q_lens)
   return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
+
+
+def _fresh_and_decodes_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens,
+                           decodes, window, sinks, scale, layer):
+  """A step whose sequences are each a fresh chunk (from position 0) or one
+  decode token (`decodes` [B]): the fresh chunks attend packed over the
+  step's own keys (`_packed_xla`), the decode tokens over their pages, one
+  query row a sequence as in a decode step, gathered for the decodes only:
+  none, at most a quarter of the sequences, or all of them (`lax.switch`)."""
+  T, B = q.shape[0], page_table.shape[0]
+  packed = _packed_xla(q, *new_kv, cu_q_lens, window, sinks, scale)
+  firsts = q[jnp.clip(cu_q_lens[:-1], 0, T - 1)]  # [B, N, H]: each sequence's first token
+
+  def decode_rows(rows):  # -> [B, N, H]: sequence b's decode attention (others: any values)
+    order = jnp.argsort(jnp.where(decodes, 0, 1), stable=True)[:rows]  # the decodes first
+    out = _ragged_paged_xla(firsts[order], k_pages, v_pages,
+                            jnp.where(decodes[order], kv_lens[order], 0), page_table[order],
+                            jnp.arange(rows + 1, dtype=jnp.int32), 1, window, sinks, scale,
+                            None, layer, (None, None))
+    return out[jnp.clip(jnp.cumsum(decodes) - 1, 0, rows - 1)]
+
+  sizes = sorted({max(1, B // 4), B})
+  n = jnp.sum(decodes)
+  dec = jax.lax.switch(jnp.searchsorted(jnp.asarray([0] + sizes), n),
+                       [lambda: jnp.zeros(firsts.shape[:2] + v_pages.shape[-1:], q.dtype)]
+                       + [lambda r=r: decode_rows(r) for r in sizes])
+  seq = token_sequences(cu_q_lens, T)  # B for the padding rows
+  b = jnp.clip(seq, 0, B - 1)
+  return jnp.where(((seq < B) & decodes[b])[:, None, None], dec[b], packed)
 
 
 def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,

@@ -8,8 +8,11 @@ the tokens, the step's sample for that request is its next token. So prefill,
 chunked prefill, decode and recompute after preemption are one code path.
 
 Per step, under a token budget: running requests first (oldest first), then
-waiting ones (FIFO) while pages, budget and sequence slots last. When a
-running request needs a page and none is left, the newest running request is
+waiting ones (FIFO) while pages, budget and sequence slots last. A waiting
+prompt that would be split beside another prompt's chunk, though a later
+step could hold it whole, waits for that step: its rest would continue past
+position 0, where attention reads the pages instead of the step's own keys
+(`ops.ragged_paged_attention`'s new_kv). When a running request needs a page and none is left, the newest running request is
 preempted: its pages are released (their hashed prefix stays cached) and it
 goes back to the front of the queue to be recomputed. Nothing is dropped.
 
@@ -208,6 +211,10 @@ class Scheduler:
     self.num_preemptions += 1
     self.waiting.appendleft(req)
 
+  def _unmatch(self, req: Request) -> None:  # a waiting request gives its matched prefix back
+    self.alloc.release(req.pages)
+    req.pages, req.page_hashes, req.num_computed = [], [], 0
+
   def _will_finish(self, req: Request) -> bool:
     """Certain to finish once its pending token arrives (no more compute)."""
     return req.pending > 0 and (len(req.output) + req.pending >= req.sampling.max_tokens
@@ -270,10 +277,13 @@ class Scheduler:
         req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages, req.spans)
         req.num_computed = len(req.pages) * self.alloc.page_size
       n, samples, d = self._chunk(req, budget, spec_k)
+      if n < req.total_len - req.num_computed <= self.chunk and any(
+          s.num_tokens - s.num_draft > 1 for s in out):
+        self._unmatch(req)  # fits a later step whole: not split beside another prompt
+        break
       need = self._pages_for(req, n, samples, spec_k)
       if need > self.alloc.num_available():
-        self.alloc.release(req.pages)  # give the matched prefix back; retry next step
-        req.pages, req.page_hashes, req.num_computed = [], [], 0
+        self._unmatch(req)  # retry next step
         break
       req.pages += self.alloc.allocate(need) if need > 0 else []
       if not req.admitted:

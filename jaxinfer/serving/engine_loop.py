@@ -111,15 +111,22 @@ class EngineLoop:
   idle backend, the requests that follow it, each within gather_s of the
   one before (for at most GATHER_MAX_WINDOWS * gather_s), join its first
   step: a burst prefills in one step instead of its first request in a step
-  of its own while the others wait for it. 0: step at once."""
+  of its own while the others wait for it. 0: step at once. gather_tokens:
+  the gather also ends once the burst's prompts hold this many tokens (a
+  step's worth: later arrivals would wait for the next step anyway, and the
+  burst's first step goes now); None: no limit."""
 
-  def __init__(self, backend, *, max_queue: int, on_finish=None, gather_s: float = 0.0):
+  def __init__(self, backend, *, max_queue: int, on_finish=None, gather_s: float = 0.0,
+               gather_tokens: int | None = None):
     if max_queue < 1:
       raise ValueError(f"max_queue must be >= 1, got {max_queue}")
     if not gather_s >= 0:
       raise ValueError(f"gather_s must be >= 0, got {gather_s}")
     self.backend, self.max_queue, self.on_finish = backend, max_queue, on_finish
-    self.gather_s = gather_s
+    if gather_tokens is not None and gather_tokens < 1:
+      raise ValueError(f"gather_tokens must be >= 1 or None, got {gather_tokens}")
+    self.gather_s, self.gather_tokens = gather_s, gather_tokens
+    self._burst_tokens = 0  # prompt tokens submitted since the backend was last idle
     self.max_model_len = min(e.max_model_len for e in _engines(backend))
     self.vocab_size = min(e.vocab_size for e in _engines(backend))
     self._inbox: queue.Queue = queue.Queue()
@@ -192,6 +199,8 @@ class EngineLoop:
     try:
       while not self._stop.is_set():
         busy = self.backend.has_unfinished()
+        if not busy:
+          self._burst_tokens = 0
         self._drain(block=not busy)
         if not busy and self.gather_s and self.backend.has_unfinished():
           self._gather()
@@ -243,10 +252,13 @@ class EngineLoop:
 
   def _gather(self) -> None:
     """Handles commands while each arrives within gather_s of the one
-    before, for at most GATHER_MAX_WINDOWS * gather_s from now."""
+    before, for at most GATHER_MAX_WINDOWS * gather_s from now, until the
+    burst's prompts hold gather_tokens."""
     now = time.monotonic()
     cap = now + GATHER_MAX_WINDOWS * self.gather_s
-    while (left := min(now + self.gather_s, cap) - time.monotonic()) > 0:
+    full = self.gather_tokens or float("inf")
+    while (self._burst_tokens < full
+           and (left := min(now + self.gather_s, cap) - time.monotonic()) > 0):
       try:
         cmd = self._inbox.get(timeout=left)
       except queue.Empty:
@@ -270,6 +282,7 @@ class EngineLoop:
       except (ValueError, TypeError) as e:
         return self._end(stream, error=ApiError(400, str(e)))
       self._live[stream.rid] = stream
+      self._burst_tokens += len(prompt)
       stream.post(("accepted", None))
     elif kind == "abort":
       stream, reason = args

@@ -67,17 +67,19 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
              max_body_bytes: int = 1 << 20, max_tokens_cap: int | None = None,
              api_key: str | None = None,
              chat_template: str | proto.ChatTemplate | None = None,
-             image_root: str | None = None, gather_s: float = 0.0) -> fastapi.FastAPI:
+             image_root: str | None = None, gather_s: float = 0.0,
+             gather_tokens: int | None = None) -> fastapi.FastAPI:
   """The app over backend (an `Engine` or a `serving.Cluster`, stepped only
   by the app's engine thread from startup to shutdown). tokenizer: encode /
   decode (`jaxinfer.tokenizer`). max_tokens_cap: the most tokens one request
   may ask for (None: the context). chat_template: a jinja2 source or a
   `ChatTemplate` (None: the built-in "role: content" lines). image_root:
   the directory chat image paths may be read from (None: data URLs only).
-  gather_s: `EngineLoop`'s (a burst waking an idle engine steps together)."""
+  gather_s, gather_tokens: `EngineLoop`'s (a burst waking an idle engine
+  steps together, up to a step's worth of prompt tokens)."""
   h = _Handlers(backend, tokenizer, model_name, max_queue=max_queue,
                 max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap, api_key=api_key,
-                chat_template=chat_template, gather_s=gather_s)
+                chat_template=chat_template, gather_s=gather_s, gather_tokens=gather_tokens)
   h.images = chat_images.ImageLoader(image_root)
 
   @contextlib.asynccontextmanager
@@ -136,10 +138,10 @@ class _Handlers:
   """The routes of one app (see `make_app`)."""
 
   def __init__(self, backend, tokenizer, model_name, *, max_queue, max_body_bytes,
-               max_tokens_cap, api_key, chat_template, gather_s):
+               max_tokens_cap, api_key, chat_template, gather_s, gather_tokens):
     self.metrics = HttpMetrics()
     self.loop = EngineLoop(backend, max_queue=max_queue, on_finish=self.metrics.finished,
-                           gather_s=gather_s)
+                           gather_s=gather_s, gather_tokens=gather_tokens)
     self.cap = max_tokens_cap or self.loop.max_model_len
     if self.cap < 1:
       raise ValueError(f"max_tokens_cap must be >= 1, got {self.cap}")

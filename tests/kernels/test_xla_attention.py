@@ -201,3 +201,57 @@ def test_packed_fresh_prompts_equal_the_reference(name, monkeypatch):
     assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
   np.testing.assert_allclose(fresh, step(jnp.asarray(q_lens, jnp.int32), jnp.asarray(k_pages),
                                          jnp.asarray(v_pages)), atol=1e-6, rtol=1e-6)
+
+
+# (query counts, KV lengths, window, sinks): fresh prompts (query count = KV
+# length; a 1-token prompt among them) and decode tokens (1 query past position
+# 0), the decodes' pages gathered for all sequences or for a quarter of them.
+MIXED_CASES = {
+    "decodes_in_all_rows": ((37, 1, 20, 1, 0, 1), (37, 50, 20, 9, 0, 1), 0, False),
+    "decodes_in_a_quarter": ((37, 20, 1, 0, 1, 5, 1, 3), (37, 20, 13, 0, 1, 5, 30, 3), 7, True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MIXED_CASES))
+def test_fresh_prompts_beside_decodes_equal_the_reference(name, monkeypatch):
+  """A step of fresh prompts and decode tokens (a continuous-batching step
+  that admits prompts while others decode): the prompts attend packed over
+  the step's own keys, the decode tokens over their pages, and the step
+  equals the float32 reference; zeroing the fresh sequences' pages changes
+  nothing, so they were not read."""
+  from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+  monkeypatch.setattr(ops, "_PACKED_BLOCK", 16)
+  r = np.random.default_rng(2)
+  q_lens, kv_lens, window, sinks = MIXED_CASES[name]
+  N, K, H, Hv, ps, pages = 8, 2, 16, 12, 4, 16
+  B, T = len(q_lens), sum(q_lens) + 5  # 5 padding tokens
+  q = jnp.asarray(r.standard_normal((T, N, H)), jnp.float32)
+  k_new = r.standard_normal((T, K, H)).astype(np.float32)
+  v_new = r.standard_normal((T, K, Hv)).astype(np.float32)
+  k_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
+  v_pages = r.standard_normal((K, 128, ps, Hv)).astype(np.float32)
+  table = r.permutation(128)[:B * pages].reshape(B, pages).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  for b in range(B):  # the step's keys and values written at the sequence's newest positions
+    for i in range(q_lens[b]):
+      pos = kv_lens[b] - q_lens[b] + i
+      k_pages[:, table[b, pos // ps], pos % ps] = k_new[cu[b] + i]
+      v_pages[:, table[b, pos // ps], pos % ps] = v_new[cu[b] + i]
+  sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+  kv = jnp.asarray(kv_lens, jnp.int32)
+  step = jax.jit(lambda kp, vp: ops.ragged_paged_attention(
+      q, kp, vp, kv_lens=kv, page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
+      max_q=max(q_lens), window=window, sinks=sink, scale=0.3,
+      new_kv=(jnp.asarray(k_new), jnp.asarray(v_new))))
+  want = ragged_paged_attention_reference(q, jnp.asarray(k_pages), jnp.asarray(v_pages), kv,
+                                          jnp.asarray(table), jnp.asarray(cu),
+                                          max_q=max(q_lens), sm_scale=0.3, window=window,
+                                          sinks=sink)
+  got = step(jnp.asarray(k_pages), jnp.asarray(v_pages))
+  np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+  assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
+  for b in (b for b in range(B) if q_lens[b] == kv_lens[b]):  # the fresh sequences' pages zeroed
+    k_pages[:, table[b]] = 0
+    v_pages[:, table[b]] = 0
+  np.testing.assert_allclose(step(jnp.asarray(k_pages), jnp.asarray(v_pages)), got,
+                             atol=1e-6, rtol=1e-6)

@@ -1,7 +1,8 @@
 """`EngineLoop` on a stand-in backend: with gather_s, the requests of a
 burst that wakes an idle backend join its first step, each within gather_s
-of the one before, up to GATHER_MAX_WINDOWS windows; without, the first
-request steps alone. And a negative gather_s is refused."""
+of the one before, up to GATHER_MAX_WINDOWS windows or until the burst's
+prompts hold gather_tokens; without, the first request steps alone. And a
+negative gather_s or a gather_tokens under 1 is refused."""
 
 import asyncio
 import types
@@ -37,10 +38,10 @@ class _Backend:
                                  metrics=metrics)
 
 
-async def _burst(loop: EngineLoop, gap_s: float, n: int = 3):
+async def _burst(loop: EngineLoop, gap_s: float, n: int = 3, prompt_len: int = 1):
   streams = []
   for _ in range(n):
-    streams.append(loop.submit([1], None))
+    streams.append(loop.submit([1] * prompt_len, None))
     await asyncio.sleep(gap_s)
   for s in streams:
     while (await s.get())[0] != "done":
@@ -60,12 +61,13 @@ def test_a_burst_waking_an_idle_backend_joins_one_step_with_gather(gather_s, fir
   assert sum(backend.batches) == 3  # every request stepped, none dropped
 
 
-def _first_batch(gather_s: float, gap_s: float, n: int) -> tuple[int, list[int]]:
+def _first_batch(gather_s: float, gap_s: float, n: int, prompt_len: int = 1,
+                 gather_tokens: int | None = None) -> int:
   backend = _Backend()
-  loop = EngineLoop(backend, max_queue=16, gather_s=gather_s)
+  loop = EngineLoop(backend, max_queue=16, gather_s=gather_s, gather_tokens=gather_tokens)
   loop.start()
   try:
-    asyncio.run(_burst(loop, gap_s=gap_s, n=n))
+    asyncio.run(_burst(loop, gap_s=gap_s, n=n, prompt_len=prompt_len))
   finally:
     loop.stop()
   assert sum(backend.batches) == n  # every request stepped, none dropped
@@ -85,6 +87,16 @@ def test_the_gather_ends_after_its_most_windows():
   assert first <= GATHER_MAX_WINDOWS * 0.2 / 0.12 + 2
 
 
+@pytest.mark.parametrize("gather_tokens,first", [(None, 6), (40, 4), (41, 5)])
+def test_the_gather_ends_once_the_burst_fills_a_step(gather_tokens, first):
+  # 6 prompts of 10 tokens 0.1 s apart, a 1 s window: all 6 without a token
+  # limit; with 40 the fourth fills the step, and it goes without the rest.
+  assert _first_batch(gather_s=1.0, gap_s=0.1, n=6, prompt_len=10,
+                      gather_tokens=gather_tokens) == first
+
+
 def test_negative_gather_is_refused():
   with pytest.raises(ValueError, match="gather_s must be >= 0"):
     EngineLoop(_Backend(), max_queue=8, gather_s=-1.0)
+  with pytest.raises(ValueError, match="gather_tokens must be >= 1"):
+    EngineLoop(_Backend(), max_queue=8, gather_s=0.1, gather_tokens=0)
