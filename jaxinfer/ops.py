@@ -265,14 +265,13 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   (MLA: k_scale, the latent's one scale).
 
   new_kv: the step's own keys and values (k [T, K, Hk], v [T, K, Hv], as
-  written to the pages), or None. On the XLA path, a step of several query
-  tokens a sequence whose sequences are each a fresh chunk (from position
-  0) or one decode token (a batch of fresh prompts, or prompts admitted
-  beside decodes) then attends packed over its own keys for the prompts
-  (`xla_attention.packed`: no page gather, no per-sequence padding) and
-  over the pages for the decode tokens only; any other step (a chunk
-  continuing past position 0) over the pages. GQA pools without scales
-  only.
+  written to the pages), or None. On the XLA path, a step (max_q > 1) whose
+  sequences are each a fresh chunk (from position 0) or one decode token (a
+  batch of fresh prompts, or prompts admitted beside decodes) then attends
+  packed over its own keys for the prompts (`xla_attention.packed`: no page
+  gather, no per-sequence padding) and over the pages for the decode tokens
+  only; any other step (a chunk continuing past position 0) over the pages.
+  GQA pools without scales only.
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
