@@ -160,6 +160,27 @@ FRESH_CASES = {
 }
 
 
+def _step_with_new_kv(r, q_lens, kv_lens, padding, N=8, K=2, H=16, Hv=12, ps=4, pages=16):
+  """Random q [T, N, H], the step's new k/v [T, K, *] and 128-page pools
+  with each sequence's new k/v written at its newest positions (it has
+  kv_lens[b] tokens, the last q_lens[b] of them new) -> (q, k_new, v_new,
+  k_pages, v_pages, table, cu_q_lens); T = sum(q_lens) + padding."""
+  B, T = len(q_lens), sum(q_lens) + padding
+  q = jnp.asarray(r.standard_normal((T, N, H)), jnp.float32)
+  k_new = r.standard_normal((T, K, H)).astype(np.float32)
+  v_new = r.standard_normal((T, K, Hv)).astype(np.float32)
+  k_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
+  v_pages = r.standard_normal((K, 128, ps, Hv)).astype(np.float32)
+  table = r.permutation(128)[:B * pages].reshape(B, pages).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  for b in range(B):
+    for i in range(q_lens[b]):
+      pos = kv_lens[b] - q_lens[b] + i
+      k_pages[:, table[b, pos // ps], pos % ps] = k_new[cu[b] + i]
+      v_pages[:, table[b, pos // ps], pos % ps] = v_new[cu[b] + i]
+  return q, k_new, v_new, k_pages, v_pages, table, cu
+
+
 @pytest.mark.parametrize("name", sorted(FRESH_CASES))
 def test_packed_fresh_prompts_equal_the_reference(name, monkeypatch):
   """A step of fresh prompts attends over its own keys packed
@@ -169,21 +190,9 @@ def test_packed_fresh_prompts_equal_the_reference(name, monkeypatch):
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
   q_lens, window, sinks, block = FRESH_CASES[name]
   monkeypatch.setattr(ops, "_PACKED_BLOCK", block)
-  r = np.random.default_rng(1)
-  N, K, H, Hv, ps, pages = 8, 2, 16, 12, 4, 16
-  B, T = len(q_lens), sum(q_lens) + 3  # 3 padding tokens
-  q = jnp.asarray(r.standard_normal((T, N, H)), jnp.float32)
-  k_new = r.standard_normal((T, K, H)).astype(np.float32)
-  v_new = r.standard_normal((T, K, Hv)).astype(np.float32)
-  k_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
-  v_pages = r.standard_normal((K, 128, ps, Hv)).astype(np.float32)
-  table = r.permutation(128)[:B * pages].reshape(B, pages).astype(np.int32)
-  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  for b in range(B):  # the step's keys and values written to their pages
-    for i in range(q_lens[b]):
-      k_pages[:, table[b, i // ps], i % ps] = k_new[cu[b] + i]
-      v_pages[:, table[b, i // ps], i % ps] = v_new[cu[b] + i]
-  sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+  q, k_new, v_new, k_pages, v_pages, table, cu = _step_with_new_kv(
+      np.random.default_rng(1), q_lens, q_lens, padding=3)
+  sink = jnp.linspace(-1.0, 1.0, q.shape[1], dtype=jnp.float32) if sinks else None
   step = jax.jit(lambda kv, kp, vp: ops.ragged_paged_attention(
       q, kp, vp, kv_lens=kv, page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
       max_q=max(q_lens), window=window, sinks=sink, scale=0.3,
@@ -221,23 +230,11 @@ def test_fresh_prompts_beside_decodes_equal_the_reference(name, monkeypatch):
   nothing, so they were not read."""
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
   monkeypatch.setattr(ops, "_PACKED_BLOCK", 16)
-  r = np.random.default_rng(2)
   q_lens, kv_lens, window, sinks = MIXED_CASES[name]
-  N, K, H, Hv, ps, pages = 8, 2, 16, 12, 4, 16
-  B, T = len(q_lens), sum(q_lens) + 5  # 5 padding tokens
-  q = jnp.asarray(r.standard_normal((T, N, H)), jnp.float32)
-  k_new = r.standard_normal((T, K, H)).astype(np.float32)
-  v_new = r.standard_normal((T, K, Hv)).astype(np.float32)
-  k_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
-  v_pages = r.standard_normal((K, 128, ps, Hv)).astype(np.float32)
-  table = r.permutation(128)[:B * pages].reshape(B, pages).astype(np.int32)
-  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-  for b in range(B):  # the step's keys and values written at the sequence's newest positions
-    for i in range(q_lens[b]):
-      pos = kv_lens[b] - q_lens[b] + i
-      k_pages[:, table[b, pos // ps], pos % ps] = k_new[cu[b] + i]
-      v_pages[:, table[b, pos // ps], pos % ps] = v_new[cu[b] + i]
-  sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+  q, k_new, v_new, k_pages, v_pages, table, cu = _step_with_new_kv(
+      np.random.default_rng(2), q_lens, kv_lens, padding=5)
+  B = len(q_lens)
+  sink = jnp.linspace(-1.0, 1.0, q.shape[1], dtype=jnp.float32) if sinks else None
   kv = jnp.asarray(kv_lens, jnp.int32)
   step = jax.jit(lambda kp, vp: ops.ragged_paged_attention(
       q, kp, vp, kv_lens=kv, page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
