@@ -298,7 +298,8 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
   paged = lambda: _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                                    window, sinks, scale, v_head_dim, layer, (k_scale, v_scale))
+                                    window, sinks, scale, v_head_dim, layer, (k_scale, v_scale),
+                                    trim=max_q == 1)
   if new_kv is None or max_q == 1 or v_pages is None or k_scale is not None:
     return paged()
   return _fresh_or_paged_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens,
@@ -469,7 +470,7 @@ def xla_item_size(num_tokens: int, num_seqs: int, max_q: int) -> int:
 
 
 def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                      sinks, scale, v_head_dim, layer, kv_scales, per_item=None):
+                      sinks, scale, v_head_dim, layer, kv_scales, per_item=None, trim=False):
   # Reference path: each row's sequence's pages gathered into a contiguous
   # [S] view (KV-head-major), the ragged queries laid out in rows of
   # `per_item` tokens of one sequence (`xla_item_size`; the Mosaic ragged
@@ -483,16 +484,30 @@ def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q
 
   def gather(pool, scale, table):  # [L, K, P, ps, H] -> [K, R, pages * ps, H] of `layer`
     g = pool[layer, jnp.arange(K)[:, None, None], table[None]]  # [K, R, pages, ps, H] (one gather)
-    g = g.reshape(K, table.shape[0], pages * page_size, pool.shape[-1])
+    g = g.reshape(K, table.shape[0], table.shape[1] * page_size, pool.shape[-1])
     return g if scale is None else dequantize(g, scale, q.dtype)
 
-  def attend(qr, table, q_pos, kv_len):
+  def attend_pages(qr, table, q_pos, kv_len):
     k = gather(k_pages, kv_scales[0], table)
     v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1], table)
     if qr.shape[1] > _BLOCK_Q and k.shape[2] > _BLOCK_K:  # blocked: [R, S, K, H]
       return _attention_xla(qr, k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3), q_pos, kv_len,
                             window, sinks, scale)
     return xla_attention.dense_kmajor(qr, k, v, q_pos, kv_len, window, sinks, scale)
+
+  def attend(qr, table, q_pos, kv_len):
+    # trim (a decode-only step): its pages come in powers of two; where every
+    # row's keys fit in the first three quarters, only those are gathered
+    # (the 1.5x page bucket without another program). Prompt programs, whose
+    # attention has several branches already, keep one: each branch is more
+    # machine code, and serve.py's warm-up then ran out of memory maps
+    # (docs/known_issues.md).
+    short = 3 * pages // 4
+    if not trim or pages < 4 or pages % 4:
+      return attend_pages(qr, table, q_pos, kv_len)
+    return jax.lax.cond(jnp.max(kv_len) <= short * page_size,
+                        lambda: attend_pages(qr, table[:, :short], q_pos, kv_len),
+                        lambda: attend_pages(qr, table, q_pos, kv_len))
 
   if per_item == max_q:  # a row per sequence
     q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)

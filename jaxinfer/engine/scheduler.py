@@ -152,6 +152,17 @@ class Scheduled:
   steps: int = 1
 
 
+def prompts_first(chunks: list[Scheduled]) -> list[Scheduled]:
+  """A step's chunks, prompt chunks first and decodes after them (each in
+  its order): a fresh prompt then starts on the step's first row, so
+  prompts of whole attention blocks stay aligned to
+  `ops.ragged_paged_attention`'s packed blocks (4 decodes before 4 prompts
+  of 128 tokens made each query block visit two key blocks; bench_dense at
+  budget 544, medians of 8, with `layers.apply_rope`'s one fusion: that
+  step 598 -> 566 ms, 4 prompts alone 562 -> 554)."""
+  return sorted(chunks, key=lambda s: s.num_tokens - s.num_draft == 1)
+
+
 class Scheduler:
 
   def __init__(self, allocator: PageAllocator, *, max_num_seqs: int, max_num_batched_tokens: int,
@@ -293,7 +304,7 @@ class Scheduler:
       self.running.append(req)
       out.append(Scheduled(req, n, req.num_computed, samples, d))
       budget -= n
-    return out
+    return prompts_first(out)
 
   def plan_continue(self, previous: list[Scheduled], K: int):
     """Pipelined speculative decoding: can each request of `previous` (the

@@ -174,6 +174,21 @@ def page_bucket(n: int, cap: int) -> int:
   return min(three if three >= n else b, cap)
 
 
+# The fewest pages per sequence a fixed-shape step program has
+# (`fixed_page_bucket`): serve.py's warm-up compiled 144 programs, ~270 memory
+# maps a decode program and ~680 a prompt program (a map or three per XLA:CPU
+# kernel), 64,928 maps of Linux's 65,530 (docs/known_issues.md); the buckets
+# of 1, 2 and 4 pages were a third of them. Shorter contexts attend over
+# masked keys, which add exactly nothing.
+MIN_FIXED_PAGES = 8
+
+
+def fixed_page_bucket(n: int, cap: int) -> int:
+  """Pages per sequence of a fixed-shape step program: the smallest power
+  of two >= n and >= MIN_FIXED_PAGES, capped at `cap`."""
+  return bucket(n, cap, minimum=min(MIN_FIXED_PAGES, cap))
+
+
 def pad(values, size: int, dtype, fill=0) -> np.ndarray:
   """values padded with fill to `size`."""
   out = np.full(size, fill, dtype)
@@ -227,6 +242,33 @@ def _sample(logits, batch, greedy, k_cap, extras=None):
     return argmax(logits)
   keys = request_keys(batch.seeds, batch.sample_idx)
   return sample(logits, keys, batch.temperature, batch.top_k, batch.top_p, k_cap)
+
+
+# The per-sequence batch fields the head and the sampler read.
+_SAMPLING_FIELDS = ("logits_idx", "temperature", "top_k", "top_p", "seeds", "sample_idx")
+
+
+def _head_and_sample(cfg, params, x, batch, greedy, k_cap, extras, keep_logits: bool):
+  """(logits [B, V] of each sequence's last row of x [T, D], or None; the
+  samples [B]). A program of 16 or more sequence slots (a fixed-shape
+  prompt step has max_num_seqs) runs the head and the sampler over its
+  first quarter of rows when no more sequences are real (real ones come
+  first; rows past the quarter sample 0): bench_dense's 32-row head took 10.8 ms of
+  a prompt step with 4-8 sequences on the 2-core EPYC. Its logits are then
+  not kept (keep_logits, static: the step's logprobs need them; extras
+  too)."""
+  def rows(r):
+    sub = dataclasses.replace(batch, **{f: getattr(batch, f)[:r] for f in _SAMPLING_FIELDS})
+    logits = head(cfg, params, x[sub.logits_idx])
+    return logits, _sample(logits, sub, greedy, k_cap, extras)
+
+  B = batch.logits_idx.shape[0]
+  if keep_logits or extras is not None or B < 16:
+    return rows(B)
+  r = B // 4
+  few = lambda: jnp.zeros(B, jnp.int32).at[:r].set(rows(r)[1].astype(jnp.int32))
+  all_rows = lambda: rows(B)[1].astype(jnp.int32)
+  return None, jax.lax.cond(jnp.sum(batch.kv_lens > 0) <= r, few, all_rows)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "k_cap", "mesh",
@@ -290,8 +332,7 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *,
                                       _visual_inputs(cfg, params, tokens[None],
                                                      jax.tree.map(lambda a: a[None], visual)))
   pool = pool.with_segments(caches)
-  logits = head(cfg, params, x[0, batch.logits_idx])  # [B, V]
-  sampled = _sample(logits, batch, greedy, k_cap, extras)
+  logits, sampled = _head_and_sample(cfg, params, x[0], batch, greedy, k_cap, extras, logprobs)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
           _add_load(load, counts), step_logprobs(cfg, params, logits, sampled, x[0], targets,
                                                  logprobs))
@@ -500,7 +541,7 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
   powers of two (`engine.warmup` compiles them all)."""
   c = core.config
   need = max(len(s.request.pages) for sch in busy for s in sch)
-  pages = (bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else
+  pages = (fixed_page_bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else
            page_bucket(need, core.max_pages_per_seq))
   if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
     total = max(sum(s.num_tokens for s in sch) for sch in busy)

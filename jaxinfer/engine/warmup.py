@@ -27,7 +27,7 @@ from jaxinfer.engine.core import prefill_chunk
 def page_buckets(max_pages: int, fixed_prefill: bool) -> list[int]:
   """Every pages-per-sequence bucket a decode step can have
   (`HostCore.step_shapes`)."""
-  bucket = steps.bucket if fixed_prefill else steps.page_bucket
+  bucket = steps.fixed_page_bucket if fixed_prefill else steps.page_bucket
   return sorted({bucket(n, max_pages) for n in range(1, max_pages + 1)})
 
 

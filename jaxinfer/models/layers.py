@@ -306,11 +306,16 @@ def apply_rope(x, cos, sin, interleave: bool = False):
   emitted de-interleaved as HF does (q and k alike, so q.k is unchanged)."""
   if interleave:
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-  half = x.shape[-1] // 2
-  x1, x2 = x[..., :half].astype(jnp.float32), x[..., half:].astype(jnp.float32)
-  c, s = cos[:, :, None, :], sin[:, :, None, :]
-  out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-  return out.astype(x.dtype)
+  # As x * [c, c] + rotate_half(x) * [s, s], with rotate_half = [-x2, x1]:
+  # the halves swapped by a reverse over a [2, R/2] view and the sign put on
+  # sin, one elementwise fusion over x (a concatenate of the two products
+  # was its own pass, 14 ms of bench_dense's 544-token prompt step on the
+  # 2-core EPYC). x1 * c + x2 * (-s) == x1 * c - x2 * s exactly.
+  xf = x.astype(jnp.float32)
+  swapped = jnp.flip(xf.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)
+  c = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]
+  s = jnp.concatenate([-sin, sin], axis=-1)[:, :, None, :]
+  return (xf * c + swapped * s).astype(x.dtype)
 
 
 # ---------------------------------------------------------------- MLP

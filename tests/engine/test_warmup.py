@@ -56,6 +56,17 @@ def test_prompt_token_buckets():
   assert steps.prompt_token_buckets(8) == [8]  # never past the budget
 
 
+def test_fixed_shape_page_buckets_start_at_eight():
+  """Fixed-shape step programs have at least 8 pages a sequence (a third
+  fewer programs, and memory maps, for serve.py's 256-page context), or
+  all of a shorter context's."""
+  from jaxinfer.engine import steps
+  assert warmup.page_buckets(256, True) == [8, 16, 32, 64, 128, 256]
+  assert warmup.page_buckets(6, True) == [6]
+  assert [steps.fixed_page_bucket(n, 256) for n in (1, 8, 9, 200)] == [8, 8, 16, 256]
+  assert warmup.page_buckets(256, False)[:4] == [1, 2, 3, 4]  # bucketed engines: unchanged
+
+
 def test_warmup_refuses_what_it_cannot_bound():
   cfg, params = _model()
   with pytest.raises(ValueError, match="fixed_prefill_shapes"):

@@ -252,3 +252,33 @@ def test_fresh_prompts_beside_decodes_equal_the_reference(name, monkeypatch):
     v_pages[:, table[b]] = 0
   np.testing.assert_allclose(step(jnp.asarray(k_pages), jnp.asarray(v_pages)), got,
                              atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("window,sinks", [(0, False), (5, True)])
+def test_decode_reads_three_quarters_of_the_pages_when_they_hold_every_key(window, sinks):
+  """A decode step's XLA path (`ragged_paged_attention`, max_q 1) gathers
+  only the first three quarters of its pages when every sequence's keys fit
+  there: NaN values in the last quarter's pages then never reach the
+  output (over all pages they would, through 0 x NaN), and the output
+  equals the float32 reference; one sequence longer reads every page."""
+  from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+  r = np.random.default_rng(3)
+  N, K, H, ps, pages, B = 8, 2, 16, 4, 16, 4  # 64 keys a sequence, 48 in three quarters
+  q = jnp.asarray(r.standard_normal((B, N, H)), jnp.float32)
+  k_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
+  v_pages = r.standard_normal((K, 128, ps, H)).astype(np.float32)
+  table = r.permutation(128)[:B * pages].reshape(B, pages).astype(np.int32)
+  cu = jnp.arange(B + 1, dtype=jnp.int32)
+  sink = jnp.linspace(-1.0, 1.0, N, dtype=jnp.float32) if sinks else None
+  for kv_lens, trimmed in [((48, 9, 30, 1), True), ((49, 9, 30, 1), False)]:
+    kv = jnp.asarray(kv_lens, jnp.int32)
+    want = ragged_paged_attention_reference(q, jnp.asarray(k_pages), jnp.asarray(v_pages), kv,
+                                            jnp.asarray(table), cu, max_q=1, sm_scale=0.3,
+                                            window=window, sinks=sink)
+    poisoned = v_pages.copy()
+    if trimmed:
+      poisoned[:, table[:, 3 * pages // 4:]] = np.nan
+    got = ops.ragged_paged_attention(q, jnp.asarray(k_pages), jnp.asarray(poisoned), kv_lens=kv,
+                                     page_table=jnp.asarray(table), cu_q_lens=cu, max_q=1,
+                                     window=window, sinks=sink, scale=0.3)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)

@@ -98,3 +98,23 @@ def test_gpt_oss_yarn_truncate_false_shows(tmp_path):
   cfg, params = checkpoint.load_hf(str(tmp_path), dtype=jnp.float32)
   errs = _check(cfg, lambda c: models.logits(c, params, tokens.astype(np.int32)), ref)
   assert "yarn_truncated" in errs
+
+
+@pytest.mark.parametrize("interleave", [False, True])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_rotation_is_hf_rotate_half_bit_for_bit(interleave, dtype):
+  """`layers.apply_rope` (one fusion: x * [c, c] + the swapped halves x
+  [-s, s]) gives exactly HF's x * cos + rotate_half(x) * sin, the two
+  halves computed apart and concatenated."""
+  from jaxinfer.models.layers import apply_rope
+  r = np.random.default_rng(0)
+  x = jnp.asarray(r.standard_normal((2, 5, 3, 16)), dtype)
+  ang = jnp.asarray(r.uniform(0, 50, (2, 5, 8)), jnp.float32)
+  cos, sin = jnp.cos(ang), jnp.sin(ang)
+  xr = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1) if interleave else x
+  x1, x2 = xr[..., :8].astype(jnp.float32), xr[..., 8:].astype(jnp.float32)
+  c, s = cos[:, :, None], sin[:, :, None]
+  want = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(dtype)
+  got = apply_rope(x, cos, sin, interleave)
+  assert got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
