@@ -77,8 +77,8 @@ def dense_kmajor(q, k, v, q_positions, kv_lengths, window, sinks, scale):
   on the 2-core EPYC: 0.47 ms a layer against `dense`'s 0.93 over the same
   gathered pages, one run). The scores are laid out keys-major, [K, B, S,
   G x T], so both products read the keys and values in their stored order
-  (the gather and attention of 8 sequences x 256 keys: 0.61-0.63 ms a
-  layer against 0.65-0.72 with [K, B, G x T, S] scores, two runs)."""
+  (the gather and attention of 8 sequences x 256 keys: 0.56-0.63 ms a
+  layer against 0.63-0.72 with [K, B, G x T, S] scores, four runs)."""
   B, T, N, Hk = q.shape
   K, S, Hv = k.shape[0], k.shape[2], v.shape[-1]
   G = N // K

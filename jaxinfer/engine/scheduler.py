@@ -13,9 +13,10 @@ prompt that would be split beside another prompt's chunk, though a later
 step could hold it whole, waits for that step: its rest would continue past
 position 0, where attention reads the pages instead of the step's own keys
 (`ops.ragged_paged_attention`'s new_kv). The step then lists its prompt
-chunks before its decodes (`prompts_first`). When a running request needs a
-page and none is left, the newest running request is preempted: its pages are released (their hashed prefix stays cached) and it
-goes back to the front of the queue to be recomputed. Nothing is dropped.
+chunks before its decodes (`prompts_first`). When a running request needs
+a page and none is left, the newest running request is preempted: its
+pages are released (their hashed prefix stays cached) and it goes back to
+the front of the queue to be recomputed. Nothing is dropped.
 
 Async scheduling: the engine dispatches step N+1 before reading step N's
 samples. So `num_computed` advances at dispatch (`on_dispatch`), and a request

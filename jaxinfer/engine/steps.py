@@ -253,10 +253,10 @@ def _head_and_sample(cfg, params, x, batch, greedy, k_cap, extras, keep_logits: 
   samples [B]). A program of 16 or more sequence slots (a fixed-shape
   prompt step has max_num_seqs) runs the head and the sampler over its
   first quarter of rows when no more sequences are real (real ones come
-  first; rows past the quarter sample 0): bench_dense's 32-row head took 10.8 ms of
-  a prompt step with 4-8 sequences on the 2-core EPYC. Its logits are then
-  not kept (keep_logits, static: the step's logprobs need them; extras
-  too)."""
+  first; rows past the quarter sample 0): bench_dense's 32-row head took
+  10.8 ms of a prompt step with 4-8 sequences on the 2-core EPYC. Its
+  logits are then not kept (keep_logits, static: the step's logprobs need
+  them; extras too)."""
   def rows(r):
     sub = dataclasses.replace(batch, **{f: getattr(batch, f)[:r] for f in _SAMPLING_FIELDS})
     logits = head(cfg, params, x[sub.logits_idx])
@@ -538,7 +538,8 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
   budget), its pages in powers of two (the XLA path gathers and attends
   over every page of the shape: the whole context would cost a short prompt
   a full-context attention); a decode-only step its sequences and pages in
-  powers of two (`engine.warmup` compiles them all)."""
+  powers of two (`engine.warmup` compiles them all); pages at least
+  MIN_FIXED_PAGES in both (`fixed_page_bucket`)."""
   c = core.config
   need = max(len(s.request.pages) for sch in busy for s in sch)
   pages = (fixed_page_bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else

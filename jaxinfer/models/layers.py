@@ -308,9 +308,10 @@ def apply_rope(x, cos, sin, interleave: bool = False):
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
   # As x * [c, c] + rotate_half(x) * [s, s], with rotate_half = [-x2, x1]:
   # the halves swapped by a reverse over a [2, R/2] view and the sign put on
-  # sin, one elementwise fusion over x (a concatenate of the two products
-  # was its own pass, 14 ms of bench_dense's 544-token prompt step on the
-  # 2-core EPYC). x1 * c + x2 * (-s) == x1 * c - x2 * s exactly.
+  # sin, one elementwise fusion over x (the concatenates of the two
+  # products were passes of their own, 11.5-13.4 ms of bench_dense's
+  # profiled 544-token prompt steps on the 2-core EPYC).
+  # x1 * c + x2 * (-s) == x1 * c - x2 * s exactly.
   xf = x.astype(jnp.float32)
   swapped = jnp.flip(xf.reshape(*x.shape[:-1], 2, -1), axis=-2).reshape(x.shape)
   c = jnp.concatenate([cos, cos], axis=-1)[:, :, None, :]
