@@ -22,7 +22,7 @@ def get_config() -> config_dict.ConfigDict:
   c.max_body_bytes = 1048576  # largest request body
   c.max_tokens_cap = config_dict.placeholder(int)
   c.max_num_seqs = 32  # engine: sequences per step
-  c.max_num_batched_tokens = 544  # engine: tokens per step (512 prompt tokens + 32 decode rows)
+  c.max_num_batched_tokens = 520  # engine: tokens per step (512 prompt tokens + 8 decode rows)
   c.gather_ms = 15.0  # a request waking an idle engine waits for a burst's others (0: off)
   c.kv_cache_mb = config_dict.placeholder(int)  # None: a share of the free memory (EngineConfig)
   c.num_draft_tokens = 0  # MTP speculative drafts per step (0: off)

@@ -56,10 +56,9 @@ _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "largest request bod
 _MAX_TOKENS_CAP = flags.DEFINE_integer("max_tokens_cap", None, "most tokens one request may "
                                        "ask for (default: the context)")
 _MAX_SEQS = flags.DEFINE_integer("max_num_seqs", 32, "engine: sequences per step")
-_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 544, "engine: tokens per step "
+_TOKEN_BUDGET = flags.DEFINE_integer("max_num_batched_tokens", 520, "engine: tokens per step "
                                      "(prompt steps pad to it or to a quarter of it; the "
-                                     "default: 512 prompt tokens beside a decode row for each "
-                                     "of 32 sequences)")
+                                     "default: 512 prompt tokens beside 8 decode rows)")
 _GATHER_MS = flags.DEFINE_float("gather_ms", 15.0, "a request waking an idle engine waits for "
                                  "those that follow it, each within this many ms of the one "
                                  "before (at most 4 windows), so a burst prefills in one step "

@@ -607,6 +607,11 @@ class PlainInFlight:
   logprobs: dict | None = None
 
 
+def _holds_prompt(done: PlainInFlight) -> bool:
+  """Whether a dispatched step has a chunk of more than one token."""
+  return any(s.num_tokens > 1 for sch in done.per_rank for s in sch)
+
+
 class PlainRunner:
   """Plain steps on every rank together (an idle rank on an all-padding
   batch). With async scheduling step N + 1 is dispatched before step N's
@@ -627,6 +632,14 @@ class PlainRunner:
     """Schedules every rank and dispatches their step (when any has a chunk)
     -> (new pool, new load)."""
     core = self.core
+    if core.config.async_scheduling and self.in_flight and _holds_prompt(self.in_flight[-1]):
+      # Behind a prompt step nothing is dispatched until it is read: the
+      # requests that arrive while it runs join the next step (a burst split
+      # by its arrival times is one prompt step, and the running sequences'
+      # next decode rides in it), at the cost of one host gap of a few ms
+      # after a step of hundreds.
+      self._keep = 0
+      return pool, load
     per_rank = scheduler.schedule_ranks(core.schedulers, [0] * core.num_ranks, core.config)
     scheduled = any(per_rank)
     self._keep = 1 if scheduled and core.config.async_scheduling else 0

@@ -159,7 +159,7 @@ def test_abort_frees_pages_and_others_finish(async_scheduling):
   eng = Engine(cfg, params, EngineConfig(page_size=4, num_pages=64, enable_prefix_caching=False,
                                          async_scheduling=async_scheduling))
   ids = [eng.submit(p, SamplingParams(max_tokens=20)) for p in prompts]
-  for _ in range(4):
+  for _ in range(5):  # async: the prompt step, its read, then decodes
     eng.step()
   used = eng.stats()["kv_pages_used"]
   held = len(eng.core.requests[ids[1]].pages)

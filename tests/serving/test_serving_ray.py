@@ -122,7 +122,7 @@ def test_sigkill_of_a_worker_loses_and_duplicates_no_request(params_ref):
         streamed[cid] += new
         finished[cid] += done
       steps += 1
-      if steps == 3:  # mid-run: every request has tokens, none is done
+      if steps == 4:  # mid-run: every request has tokens, none is done
         assert all(0 < len(v) < 10 for v in streamed.values())
         os.kill(cluster.pids()[1], signal.SIGKILL)
       assert steps < 200, "the cluster did not finish"
