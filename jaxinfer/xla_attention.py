@@ -199,9 +199,11 @@ def packed(q, k, v, seq, positions, window, sinks, scale, *, block, seq_starts):
   kb = pad(k).reshape(n, block, K, Hk).transpose(0, 2, 1, 3)  # [n, K, block, Hk]
   vb = pad(v).reshape(n, block, K, Hv).transpose(0, 2, 1, 3)
   sb, pb = seq.reshape(n, block), positions.reshape(n, block)
-  visible = lambda qs, qp, ks, kp: ((ks[..., None, :] == qs[..., :, None])
-                                    & (kp[..., None, :] <= qp[..., :, None])
-                                    & ((window == 0) | (qp[..., :, None] - kp[..., None, :] < window)))
+
+  def visible(qs, qp, ks, kp):  # queries [..., bq], keys [..., bk] -> [..., bq, bk]
+    qs, qp, ks, kp = qs[..., :, None], qp[..., :, None], ks[..., None, :], kp[..., None, :]
+    return (ks == qs) & (kp <= qp) & ((window == 0) | (qp - kp < window))
+
   m, l, acc = _diagonal(qb, kb, vb, visible(sb, pb, sb, pb), scale, G)
   # [n]: the block holding each block's first sequence start; a block that
   # starts in the padding (seq >= B) stays in itself (its rows are discarded).
