@@ -153,6 +153,12 @@ class Scheduled:
   # chunk decoded this many times in one program, sampling as many tokens.
   steps: int = 1
 
+  @property
+  def is_prompt(self) -> bool:
+    """More than one token past the drafts: a prompt (or part of one), not
+    a decode."""
+    return self.num_tokens - self.num_draft > 1
+
 
 def prompts_first(chunks: list[Scheduled]) -> list[Scheduled]:
   """A step's chunks, prompt chunks first and decodes after them (each in
@@ -162,7 +168,7 @@ def prompts_first(chunks: list[Scheduled]) -> list[Scheduled]:
   of 128 tokens made each query block visit two key blocks; bench_dense at
   budget 544, medians of 8, with `layers.apply_rope`'s one fusion: that
   step 598 -> 566 ms, 4 prompts alone 562 -> 554)."""
-  return sorted(chunks, key=lambda s: s.num_tokens - s.num_draft == 1)
+  return sorted(chunks, key=lambda s: not s.is_prompt)
 
 
 class Scheduler:
@@ -290,8 +296,7 @@ class Scheduler:
         req.pages, req.page_hashes = self.alloc.match_prefix(tokens, max_pages, req.spans)
         req.num_computed = len(req.pages) * self.alloc.page_size
       n, samples, d = self._chunk(req, budget, spec_k)
-      if n < req.total_len - req.num_computed <= self.chunk and any(
-          s.num_tokens - s.num_draft > 1 for s in out):
+      if n < req.total_len - req.num_computed <= self.chunk and any(s.is_prompt for s in out):
         self._unmatch(req)  # fits a later step whole: not split beside another prompt
         break
       need = self._pages_for(req, n, samples, spec_k)

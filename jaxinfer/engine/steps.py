@@ -544,7 +544,7 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
   need = max(len(s.request.pages) for sch in busy for s in sch)
   pages = (fixed_page_bucket(need, core.max_pages_per_seq) if c.fixed_prefill_shapes else
            page_bucket(need, core.max_pages_per_seq))
-  if c.fixed_prefill_shapes and any(s.num_tokens > 1 + s.num_draft for sch in busy for s in sch):
+  if c.fixed_prefill_shapes and any(s.is_prompt for sch in busy for s in sch):
     total = max(sum(s.num_tokens for s in sch) for sch in busy)
     tokens = next(t for t in prompt_token_buckets(c.max_num_batched_tokens) if t >= total)
     return prompt_step_shapes(c, tokens, pages, max_q_cap)
@@ -608,8 +608,8 @@ class PlainInFlight:
 
 
 def _holds_prompt(done: PlainInFlight) -> bool:
-  """Whether a dispatched step has a chunk of more than one token."""
-  return any(s.num_tokens > 1 for sch in done.per_rank for s in sch)
+  """Whether a dispatched step has a prompt chunk."""
+  return any(s.is_prompt for sch in done.per_rank for s in sch)
 
 
 class PlainRunner:
