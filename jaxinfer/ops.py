@@ -247,8 +247,8 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
-                           k_scale=None, v_scale=None, new_kv=None,
-                           backend: Backend = Backend()):
+                           k_scale=None, v_scale=None, new_kv=None, latent_out=None,
+                           expand=None, backend: Backend = Backend()):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
@@ -273,6 +273,15 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   only; any other step (a chunk continuing past position 0) over the pages.
   GQA pools without scales only.
 
+  latent_out (MLA, v_pages None): W_uv [N, R, Hv]; the result is then the
+  heads' values [T, N, Hv] = latent result x W_uv. expand: with it, a
+  callable -> (q [T, N, Dq], k [T, N, Dq], v [T, N, Hv]), the step's tokens
+  in MLA's expanded (prefill) form; on the XLA path a step of fresh chunks
+  and decode tokens (as above) then attends packed over those for the
+  prompts (Dq = 96 against the latent's 288 + 256 on bench_moe) and in the
+  absorbed form over the pages for the decode tokens; `expand` runs inside
+  that branch only.
+
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
   "mosaic" (the default on a Hopper target, `Backend`): GQA steps on
@@ -285,37 +294,47 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
       q.shape, q.dtype, k_pages.shape, page_table.shape, max_q=max_q,
       values_dim=None if v_pages is None else v_pages.shape[-1], latent_dim=v_head_dim,
       window=window, sinks=sinks is not None, quantized=k_scale is not None, backend=backend)
+  post = (lambda o: o) if latent_out is None else (
+      lambda o: jnp.einsum("TNR,NRH->TNH", o, latent_out.astype(o.dtype)))
   if kernel.startswith("mosaic"):
-    return _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                        window, sinks, scale, v_head_dim, layer, interpret)
+    return post(_mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
+                             window, sinks, scale, v_head_dim, layer, interpret))
   if kernel == "pallas":
-    return pallas_kernels.ragged_paged_attention(
+    return post(pallas_kernels.ragged_paged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
         window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, k_scale=k_scale,
-        v_scale=v_scale, interpret=interpret, **tiling)
+        v_scale=v_scale, interpret=interpret, **tiling))
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
-  paged = lambda: _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                                    window, sinks, scale, v_head_dim, layer, (k_scale, v_scale),
-                                    trim=max_q == 1)
-  if new_kv is None or max_q == 1 or v_pages is None or k_scale is not None:
+  paged = lambda: post(_ragged_paged_xla(
+      q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks, scale,
+      v_head_dim, layer, (k_scale, v_scale), trim=max_q == 1))
+  if v_pages is not None and new_kv is not None and latent_out is None:
+    fresh_kv = lambda: (q, *new_kv)
+  elif v_pages is None and expand is not None and latent_out is not None:
+    fresh_kv = expand  # MLA: the prompts in the expanded form
+  else:
+    fresh_kv = None
+  if fresh_kv is None or max_q == 1 or k_scale is not None:
     return paged()
-  return _fresh_or_paged_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens,
-                             window, sinks, scale, layer, paged)
+  packed = lambda: _packed_xla(*fresh_kv(), cu_q_lens, window, sinks, scale)
+  return _fresh_or_paged_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
+                             window, sinks, scale, layer, paged, v_head_dim, post)
 
 
-def _fresh_or_paged_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens, window,
-                        sinks, scale, layer, paged):
+def _fresh_or_paged_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens, window,
+                        sinks, scale, layer, paged, v_head_dim, post):
   """`_fresh_and_decodes_xla` where every sequence is a fresh chunk or one
   decode token (chosen by value in the step), else paged()."""
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   decodes = (q_lens == 1) & (kv_lens > 1)  # a lone token past position 0
   return jax.lax.cond(
       jnp.all((kv_lens == q_lens) | decodes),
-      lambda: _fresh_and_decodes_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table,
-                                     cu_q_lens, decodes, window, sinks, scale, layer),
+      lambda: _fresh_and_decodes_xla(q, k_pages, v_pages, packed(), kv_lens, page_table,
+                                     cu_q_lens, decodes, window, sinks, scale, layer,
+                                     v_head_dim, post),
       paged)
 
 
@@ -343,30 +362,31 @@ def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
   return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
 
 
-def _fresh_and_decodes_xla(q, k_pages, v_pages, new_kv, kv_lens, page_table, cu_q_lens,
-                           decodes, window, sinks, scale, layer):
+def _fresh_and_decodes_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
+                           decodes, window, sinks, scale, layer, v_head_dim=None,
+                           post=lambda o: o):
   """A step whose sequences are each a fresh chunk (from position 0) or one
-  decode token (`decodes` [B]): the fresh chunks attend packed over the
-  step's own keys (`_packed_xla`), the decode tokens over their pages, one
-  query row a sequence as in a decode step, gathered for the decodes only:
-  none, at most a quarter of the sequences, or all of them (`lax.switch`)."""
+  decode token (`decodes` [B]): the fresh chunks' attention `packed` [T, N,
+  Hv] (`_packed_xla` over the step's own keys), the decode tokens over their
+  pages (then `post`: MLA's W_uv), one query row a sequence as in a decode
+  step, gathered for the decodes only: none, at most a quarter of the
+  sequences, or all of them (`lax.switch`)."""
   T, B = q.shape[0], page_table.shape[0]
-  packed = _packed_xla(q, *new_kv, cu_q_lens, window, sinks, scale)
   firsts = q[jnp.clip(cu_q_lens[:-1], 0, T - 1)]  # [B, N, H]: each sequence's first token
 
-  def decode_rows(rows):  # -> [B, N, H]: sequence b's decode attention (others: any values)
+  def decode_rows(rows):  # -> [B, N, Hv]: sequence b's decode attention (others: any values)
     order = jnp.argsort(jnp.where(decodes, 0, 1), stable=True)[:rows]  # the decodes first
-    out = _ragged_paged_xla(firsts[order], k_pages, v_pages,
-                            jnp.where(decodes[order], kv_lens[order], 0), page_table[order],
-                            jnp.arange(rows + 1, dtype=jnp.int32), 1, window, sinks, scale,
-                            None, layer, (None, None))
+    out = post(_ragged_paged_xla(firsts[order], k_pages, v_pages,
+                                 jnp.where(decodes[order], kv_lens[order], 0), page_table[order],
+                                 jnp.arange(rows + 1, dtype=jnp.int32), 1, window, sinks, scale,
+                                 v_head_dim, layer, (None, None)))
     return out[jnp.clip(jnp.cumsum(decodes) - 1, 0, rows - 1)]
 
   sizes = sorted({max(1, B // 4), B})
   n = jnp.sum(decodes)
   dec = jax.lax.switch(jnp.searchsorted(jnp.asarray([0] + sizes), n),
-                       [lambda: jnp.zeros(firsts.shape[:2] + v_pages.shape[-1:], q.dtype)]
-                       + [lambda r=r: decode_rows(r) for r in sizes])
+                       [lambda: jnp.zeros(firsts.shape[:2] + packed.shape[-1:], packed.dtype)]
+                       + [lambda r=r: decode_rows(r).astype(packed.dtype) for r in sizes])
   seq = token_sequences(cu_q_lens, T)  # B for the padding rows
   b = jnp.clip(seq, 0, B - 1)
   return jnp.where(((seq < B) & decodes[b])[:, None, None], dec[b], packed)

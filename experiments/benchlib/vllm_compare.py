@@ -64,11 +64,14 @@ def peer_env(cores: str) -> dict:
 
 def make_checkpoint(hf_config: dict, out_dir: str, vllm_python: str, seed: int = 0) -> str:
   """config.json + random float32 safetensors + tokenizer.json in out_dir,
-  written by transformers in vLLM's venv (kept when out_dir has one)."""
-  if os.path.exists(os.path.join(out_dir, "model.safetensors")):
-    return out_dir
-  os.makedirs(out_dir, exist_ok=True)
+  written by transformers in vLLM's venv (kept when out_dir has one made from
+  the same config)."""
   cfg_path = os.path.join(out_dir, "source_config.json")
+  if os.path.exists(os.path.join(out_dir, "model.safetensors")) and os.path.exists(cfg_path):
+    with open(cfg_path) as f:
+      if json.load(f) == hf_config:
+        return out_dir
+  os.makedirs(out_dir, exist_ok=True)
   with open(cfg_path, "w") as f:
     json.dump(hf_config, f, indent=1)
   subprocess.run([vllm_python, PEER, "checkpoint", f"--config_json={cfg_path}",

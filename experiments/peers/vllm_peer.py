@@ -11,6 +11,8 @@ must not meet jax's environment). Imports nothing of jaxinfer.
       on a stdout line starting with MARK
       (greedy, ignore_eos, max_tokens each), so the driver can interleave its
       repeats with jaxinfer's; "quit" ends it.
+      MLA checkpoints whose latent + rope width is not 512 + 64 run with
+      VLLM_MLA_DISABLE=1 (vLLM's CPU MLA kernel compiles for that width only).
   python vllm_peer.py serve --model=DIR --dtype=float32 --port=8100
       execs vLLM's OpenAI server (`python -m vllm.entrypoints.openai.api_server`;
       the `vllm serve` entry point looks for a package named `vllm`).
@@ -51,7 +53,26 @@ def _reply(obj) -> None:
   print(MARK + json.dumps(obj), flush=True)
 
 
+CPU_MLA_HEAD = 576  # vLLM 0.32's CPU MLA kernel: kv_lora_rank 512 + rope 64 only
+
+
+def mla_as_mha(model_dir: str) -> bool:
+  """Sets VLLM_MLA_DISABLE=1 (vLLM then runs MLA as multi-head attention on
+  decompressed K and V) when the checkpoint's latent + rope width is not the
+  one vLLM's CPU MLA kernel compiles for; vLLM refuses to start otherwise
+  ("Head dimension N is not supported by MLA"). Returns whether it did."""
+  with open(os.path.join(model_dir, "config.json")) as f:
+    hf = json.load(f)
+  if "kv_lora_rank" not in hf or hf["kv_lora_rank"] + hf["qk_rope_head_dim"] == CPU_MLA_HEAD:
+    return False
+  os.environ["VLLM_MLA_DISABLE"] = "1"
+  print(f"vllm_peer: MLA head {hf['kv_lora_rank'] + hf['qk_rope_head_dim']} != "
+        f"{CPU_MLA_HEAD}: VLLM_MLA_DISABLE=1", file=sys.stderr, flush=True)
+  return True
+
+
 def offline(args) -> None:
+  mla_as_mha(args.model)
   from vllm import LLM, SamplingParams, TokensPrompt
 
   llm = LLM(model=args.model, dtype=args.dtype, seed=0,
@@ -71,6 +92,7 @@ def offline(args) -> None:
 
 
 def serve(args) -> None:
+  mla_as_mha(args.model)  # os.environ reaches the exec'd server
   argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", args.model,
           "--dtype", args.dtype, "--port", str(args.port), "--host", "127.0.0.1",
           "--served-model-name", "bench", "--seed", "0", "--max-model-len",

@@ -18,7 +18,10 @@ backend of the process tracing it.
 
 New entries are a dict matching the cache: GQA {k [B, T, K, H], v}; MLA
 {kv [B, T, R + Hr]} (normed latent + roped shared key). For MLA the context
-reads k = the whole entry (one KV head) and v = its first `latent_dim` columns.
+reads k = the whole entry (one KV head) and v = its first `latent_dim` columns,
+returns the heads' values (latent result x `latent_out`, W_uv), and may
+attend a step's fresh prompts in the expanded form (`expand`: a callable ->
+q, k, v [B, T, N, H], traced only where that form is taken; the paged XLA path).
 
 The cache a context receives is (stacked segment cache [L, ...], layer index):
 it reads and writes at [layer] without slicing the layer out, so XLA updates
@@ -49,6 +52,13 @@ def _split(cache: dict, latent_dim: int | None, head_axis: int):
   return kv, kv[..., :latent_dim]
 
 
+def _values(out, latent_out):
+  """MLA: the heads' values from the absorbed form's latent result (x W_uv)."""
+  if latent_out is None:
+    return out
+  return jnp.einsum("BTNR,NRH->BTNH", out, latent_out.astype(out.dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class FullContext:
   """Cacheless causal forward over tokens [B, T]."""
@@ -64,11 +74,12 @@ class FullContext:
     return None
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             backend: Backend = Backend()):
+             latent_out=None, expand=None, backend: Backend = Backend()):
+    del expand  # MLA takes the expanded form itself here (caches_latent False)
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
                                sinks=sinks, scale=scale, backend=backend)
-    return out, cache
+    return _values(out, latent_out), cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +96,8 @@ class ContiguousContext:
     return None
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             backend: Backend = Backend()):
+             latent_out=None, expand=None, backend: Backend = Backend()):
+    del expand  # the absorbed form throughout (a reference path)
     # Per-sequence offsets into a contiguous cache: the XLA path on every
     # backend (a reference; the engine's paged path is the one with kernels).
     stack, layer = cache  # {name: [L, B, S, ...]}
@@ -96,7 +108,7 @@ class ContiguousContext:
     k, v = _split({n: stack[n][layer] for n in stack}, latent_dim, head_axis=2)
     out = ops.attention(q, k, v, q_positions=pos, kv_lengths=self.starts + T,
                         window=window, sinks=sinks, scale=scale)
-    return out, (stack, layer)
+    return _values(out, latent_out), (stack, layer)
 
 
 @jax.tree_util.register_dataclass
@@ -134,11 +146,14 @@ class PagedContext:
     return self.valid[None]
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             backend: Backend = Backend()):
+             latent_out=None, expand=None, backend: Backend = Backend()):
     kw = dict(latent_dim=latent_dim, scale=scale, backend=backend)
     if self.mesh is None or self.head_axis is None:
-      return self._attend_local(q, new, cache, window=window, sinks=sinks, **kw)
-    return self._attend_per_head_shard(q, new, cache, window, sinks, kw)
+      return self._attend_local(q, new, cache, window=window, sinks=sinks, latent_out=latent_out,
+                                expand=expand, **kw)
+    # Per head shard: the absorbed form, W_uv after the shard_map (GSPMD splits it).
+    out, cache = self._attend_per_head_shard(q, new, cache, window, sinks, kw)
+    return _values(out, latent_out), cache
 
   def _attend_per_head_shard(self, q, new, cache, window, sinks, kw):
     """`_attend_local` on each device of `head_axis`: its q heads [1, T, N/n, H]
@@ -168,7 +183,8 @@ class PagedContext:
       sinks if has_sinks else jnp.zeros((), jnp.float32))
     return out, (stack, layer)
 
-  def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, backend):
+  def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, backend,
+                    latent_out=None, expand=None):
     stack, layer = cache
     layout = _layout(latent_dim is not None, stack)
     page_size = layout.page_size(stack)
@@ -182,5 +198,7 @@ class PagedContext:
         q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
         cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
         v_head_dim=latent_dim, layer=layer, k_scale=k_scale, v_scale=v_scale,
-        new_kv=(new["k"][0], new["v"][0]) if set(new) == {"k", "v"} else None, backend=backend)
+        new_kv=(new["k"][0], new["v"][0]) if set(new) == {"k", "v"} else None,
+        latent_out=latent_out, expand=None if expand is None else lambda: [a[0] for a in expand()],
+        backend=backend)
     return out[None], (stack, layer)

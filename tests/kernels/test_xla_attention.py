@@ -282,3 +282,63 @@ def test_decode_reads_three_quarters_of_the_pages_when_they_hold_every_key(windo
                                      page_table=jnp.asarray(table), cu_q_lens=cu, max_q=1,
                                      window=window, sinks=sink, scale=0.3)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+# (query counts, KV lengths): MLA steps of fresh prompts and decode tokens,
+# then one with a chunk continuing past position 0 (the absorbed form over
+# the pages for every token).
+MLA_CASES = {
+    "fresh_prompts": ((37, 20, 1, 5), (37, 20, 1, 5)),
+    "fresh_beside_decodes": ((37, 1, 20, 1), (37, 50, 20, 9)),
+    "a_continuing_chunk": ((37, 1, 20, 1), (45, 50, 20, 9)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MLA_CASES))
+def test_mla_fresh_prompts_in_the_expanded_form_equal_the_absorbed_form(name, monkeypatch):
+  """MLA on the XLA path: with `expand` and `latent_out`, a step of fresh
+  prompts and decode tokens attends the prompts packed in the expanded form
+  (per-head k = [c W_uk, k_rope], v = c W_uv) and the decodes over the latent
+  pages; it equals the absorbed form over the pages times W_uv, and zeroed
+  pages of the fresh sequences change nothing (they were not read). A step
+  with a chunk past position 0 takes the pages, as without `expand`."""
+  monkeypatch.setattr(ops, "_PACKED_BLOCK", 16)
+  q_lens, kv_lens = MLA_CASES[name]
+  r = np.random.default_rng(4)
+  N, Hn, Hr, R, Hv, ps, pages = 4, 8, 4, 16, 8, 4, 16
+  B, T = len(q_lens), sum(q_lens) + 3
+  f = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
+  q_nope, q_rope, c, k_rope, w_uk, w_uv = (f(T, N, Hn), f(T, N, Hr), f(T, R), f(T, Hr),
+                                           f(N, Hn, R) / 4, f(N, R, Hv))
+  q_abs = jnp.concatenate([jnp.einsum("TNH,NHR->TNR", q_nope, w_uk), q_rope], axis=-1)
+  pool = r.standard_normal((1, 128, ps, R + Hr)).astype(np.float32)
+  table = r.permutation(np.arange(1, 128))[:B * pages].reshape(B, pages).astype(np.int32)
+  cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+  new = np.concatenate([c, k_rope], axis=-1)
+  for b in range(B):
+    for i in range(q_lens[b]):
+      pos = kv_lens[b] - q_lens[b] + i
+      pool[0, table[b, pos // ps], pos % ps] = new[cu[b] + i]
+
+  def expand():
+    k = jnp.concatenate([jnp.einsum("TR,NHR->TNH", c, w_uk),
+                         jnp.broadcast_to(k_rope[:, None], (T, N, Hr))], axis=-1)
+    return jnp.concatenate([q_nope, q_rope], axis=-1), k, jnp.einsum("TR,NRH->TNH", c, w_uv)
+
+  kw = dict(kv_lens=jnp.asarray(kv_lens, jnp.int32), page_table=jnp.asarray(table),
+            cu_q_lens=jnp.asarray(cu), max_q=max(q_lens), scale=0.3, v_head_dim=R)
+  step = jax.jit(lambda kp: ops.ragged_paged_attention(q_abs, kp, None, latent_out=w_uv,
+                                                       expand=expand, **kw))
+  absorbed = jax.jit(lambda kp: ops.ragged_paged_attention(q_abs, kp, None, **kw))
+  want = jnp.einsum("TNR,NRH->TNH", absorbed(jnp.asarray(pool)), w_uv)
+  got = step(jnp.asarray(pool))
+  np.testing.assert_allclose(got, want, atol=3e-4, rtol=3e-4)
+  assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
+  fresh = [b for b in range(B) if q_lens[b] == kv_lens[b]]
+  for b in fresh:
+    pool[:, table[b]] = 0
+  zeroed = step(jnp.asarray(pool))
+  if name == "a_continuing_chunk":  # every token over the pages: fresh rows change
+    assert not np.allclose(zeroed, got, atol=1e-3)
+  else:
+    np.testing.assert_allclose(zeroed, got, atol=1e-6, rtol=1e-6)
