@@ -86,7 +86,9 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   experts, 2-core CPU: 1.2-1.3x faster than C = 1 at 4, 8 and 16 tokens, as
   fewer chunks re-read an expert; 1.06x slower at 2), more for prefill.
   This is the CPU decode path: XLA:CPU's grouped matmul touches every
-  expert, and slicing a stacked expert copies it.
+  expert, and slicing a stacked expert copies it. Copies routed to slot E
+  (`moe` sends a step's padding tokens there) sort past every expert's rows
+  and are never computed: their rows of the result are zeros.
 
   For the variants `bench.moe_prefill` measures: chunk (static) overrides C;
   capacity > 0 runs each expert's first `capacity` rows as one block
@@ -144,13 +146,15 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None
   xt = x.reshape(B * T, D)
   ok = jnp.ones((B * T,), bool) if valid is None else valid.reshape(B * T)
   idx, weights = route(cfg, p, xt)
-  weights = weights * ok[:, None]
+  weights = jnp.where(ok[:, None], weights, 0.0)
   counts = expert_counts(idx, ok, cfg.num_experts) if count == ExpertCount.LOGICAL else None
   idx = physical_ids(p, idx, jnp.arange(B * T))
   if count == ExpertCount.PHYSICAL:
     counts = expert_counts(idx, ok, len(p["w_down"]))
   if isinstance(p, SplitExperts):
     experts = _experts_split
+    if valid is not None:  # padding copies to slot E: past every expert's rows, never run
+      idx = jnp.where(ok[:, None], idx, len(p.w_down))
   elif isinstance(p, DenseExperts):
     experts = _experts_dense
   else:

@@ -232,3 +232,22 @@ def test_out_major_linear_multiplies_into_out_by_rows(dtype):
       rtol=tol, atol=tol)
   hlo = jax.jit(linear).lower(big, packed).compile().as_text()
   assert f"f32[48,{OUT_MAJOR_MAX_ROWS + 8}]" not in hlo
+
+
+def test_split_experts_never_run_padding_tokens():
+  """The split expert path (the Engine's CPU layout) sends a step's padding
+  tokens (valid False) to no expert: with NaN padding rows and no shared
+  expert their output is exactly zero (run through an expert it would be
+  NaN), and the valid rows equal the same tokens without padding."""
+  from jaxinfer.models import moe, transformer
+  cfg = dataclasses.replace(presets.get("tiny_moe"), num_shared_experts=0)
+  params = models.init_params(cfg, jax.random.key(3))
+  step = transformer.step_layout(cfg, params, WeightForm(split_experts=True))
+  p = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])["mlp"]
+  x = jax.random.normal(jax.random.key(4), (1, 12, cfg.d_model), jnp.float32)
+  valid = jnp.arange(12)[None] < 9
+  padded = jnp.where(valid[..., None], x, jnp.nan)
+  got, _ = moe.moe(cfg, p, padded, valid=valid)
+  want, _ = moe.moe(cfg, p, x[:, :9])
+  np.testing.assert_array_equal(np.asarray(got[:, 9:]), 0.0)
+  np.testing.assert_allclose(got[:, :9], want, atol=1e-5, rtol=1e-5)
