@@ -273,14 +273,10 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   only; any other step (a chunk continuing past position 0) over the pages.
   GQA pools without scales only.
 
-  latent_out (MLA, v_pages None): W_uv [N, R, Hv]; the result is then the
-  heads' values [T, N, Hv] = latent result x W_uv. expand: with it, a
-  callable -> (q [T, N, Dq], k [T, N, Dq], v [T, N, Hv]), the step's tokens
-  in MLA's expanded (prefill) form; on the XLA path a step of fresh chunks
-  and decode tokens (as above) then attends packed over those for the
-  prompts (Dq = 96 against the latent's 288 + 256 on bench_moe) and in the
-  absorbed form over the pages for the decode tokens; `expand` runs inside
-  that branch only.
+  latent_out (MLA): W_uv [N, R, Hv]; the result is then latent result x
+  W_uv [T, N, Hv]. expand: a callable -> the step's q, k [T, N, Dq], v [T,
+  N, Hv] in MLA's expanded form, traced only in the branch above, whose
+  prompts then attend packed over those (bench_moe: Dq 96, not 288 + 256).
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
@@ -304,30 +300,40 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
         window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, k_scale=k_scale,
         v_scale=v_scale, interpret=interpret, **tiling))
+  return _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
+                     scale, v_head_dim, layer, (k_scale, v_scale), new_kv, latent_out, expand,
+                     post)
+
+
+def _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
+                scale, v_head_dim, layer, kv_scales, new_kv, latent_out, expand, post):
+  """`ragged_paged_attention`'s XLA path: packed fresh prompts where it can
+  (`_fresh_or_paged_xla`), else over the pages."""
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
   paged = lambda: post(_ragged_paged_xla(
       q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks, scale,
-      v_head_dim, layer, (k_scale, v_scale), trim=max_q == 1))
+      v_head_dim, layer, kv_scales, trim=max_q == 1))
   if v_pages is not None and new_kv is not None and latent_out is None:
-    fresh_kv = lambda: (q, *new_kv)
+    fresh_qkv = lambda: (q, *new_kv)
   elif v_pages is None and expand is not None and latent_out is not None:
-    fresh_kv = expand  # MLA: the prompts in the expanded form
+    fresh_qkv = expand  # MLA: the prompts in the expanded form
   else:
-    fresh_kv = None
-  if fresh_kv is None or max_q == 1 or k_scale is not None:
+    fresh_qkv = None
+  if fresh_qkv is None or max_q == 1 or kv_scales[0] is not None:
     return paged()
-  packed = lambda: _packed_xla(*fresh_kv(), cu_q_lens, window, sinks, scale)
-  return _fresh_or_paged_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
+  return _fresh_or_paged_xla(q, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens,
                              window, sinks, scale, layer, paged, v_head_dim, post)
 
 
-def _fresh_or_paged_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens, window,
+def _fresh_or_paged_xla(q, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens, window,
                         sinks, scale, layer, paged, v_head_dim, post):
   """`_fresh_and_decodes_xla` where every sequence is a fresh chunk or one
-  decode token (chosen by value in the step), else paged()."""
+  decode token (chosen by value in the step), the prompts packed over
+  fresh_qkv() (traced in that branch only), else paged()."""
+  packed = lambda: _packed_xla(*fresh_qkv(), cu_q_lens, window, sinks, scale)
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   decodes = (q_lens == 1) & (kv_lens > 1)  # a lone token past position 0
   return jax.lax.cond(

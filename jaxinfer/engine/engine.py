@@ -126,6 +126,10 @@ class EngineConfig:
   # decoding (every attention-DP rank together); a speculative engine
   # pipelines its own steps.
   decode_steps: int = 1
+  # Before compiling a step program, a process holding this fraction of
+  # vm.max_map_count memory maps drops jax's compiled programs first
+  # (`engine.map_guard`): past the limit XLA:CPU's compile segfaults.
+  max_map_fraction: float = 0.85
   # Attention DP: every rank's step is as long as the longest (the ranks pad
   # to the same token count), so one rank's prefill chunk stalls the others.
   # "split": when most ranks have little to run, the step's token budget
@@ -277,11 +281,10 @@ class Engine:
   owns whole requests and its own slice of the pages.
 
   kv_cache_dtype "fp8" / "int8": `kv.scales` (per segment {name: [L]}) are
-  the pool's scales, arrays of the pool the steps take; `kv_scales_source`
-  says where they came from ("params", "calibrated" or both). Pages handed
-  between engines (`read_pages` / `write_pages`) are stored values: both
-  engines need one kv_cache_dtype and the same scales (calibration is
-  deterministic: two engines of one model agree).
+  the pool's scales; `kv_scales_source` says where they came from ("params",
+  "calibrated" or both). Pages handed between engines (`read_pages` /
+  `write_pages`) are stored values: both need one kv_cache_dtype and the
+  same (deterministic) scales.
   """
 
   # The host API, its host core's (`core`: requests, schedulers, allocators).
@@ -453,16 +456,17 @@ class Engine:
       self._load = _zero_load(self.cfg, self._spec, self.mesh)
     return ended
 
-  def warmup(self, *, sampled: bool = True, top_k: bool = False) -> dict:
-    """Compiles every step program traffic can need before serving, so no
-    request waits for a compile (`engine.warmup`): runs each of
-    `warmup.programs` once on all-padding batches (no request sees them; the
-    counters other than the compiled programs are left as they were).
-    -> {"programs": compiled now, "seconds": wall time}."""
+  def warmup(self, *, sampled: bool = True, top_k: bool = False, map_fraction=0.6) -> dict:
+    """Compiles every step program traffic can need before serving
+    (`engine.warmup`): runs each of `warmup.programs` once on all-padding
+    batches (no request sees them; counters but the compiled programs kept),
+    up to map_fraction of vm.max_map_count memory maps (`map_guard`).
+    -> {"programs": compiled now, "left_out": not compiled, "seconds"}."""
     todo = warmup.programs(self, sampled=sampled, top_k=top_k)
     start = time.perf_counter()
-    compiled, self.pool, self._load = self._runner.warm(self._model, self.pool, self._load, todo)
-    return dict(programs=compiled, seconds=time.perf_counter() - start)
+    compiled, left, self.pool, self._load = self._runner.warm(
+        self._model, self.pool, self._load, todo, map_fraction)
+    return dict(programs=compiled, left_out=left, seconds=time.perf_counter() - start)
 
   def release(self) -> None:
     """Frees this engine's device memory for good: the KV pool, its weights,

@@ -20,7 +20,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
-from jaxinfer.engine import logprobs, scheduler, speculative, steps
+from jaxinfer.engine import logprobs, map_guard, scheduler, speculative, steps
 from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.scheduler import Scheduled
 from jaxinfer.engine.steps import (Events, StepCounts, StepModel, sampler_mode, sampling_fields,
@@ -137,6 +137,7 @@ class SpecRunner:
   def __init__(self, core: HostCore, model: StepModel):
     self.core, self.config = core, core.spec
     self.counts = StepCounts()
+    self.guard = map_guard.ProgramGuard(core.config.max_map_fraction)
     self.in_flight: collections.deque[SpecInFlight] = collections.deque()
     K, S = self.config.num_draft_tokens, core.config.max_num_seqs
     self._state = speculative.init_state(model.cfg, core.num_ranks * S, K)
@@ -198,12 +199,14 @@ class SpecRunner:
     kw = dict(max_q=shapes.max_q, K=K, ep=model.ep, greedy=greedy, k_cap=k_cap, logprobs=want[0])
     targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
     packed = tuple(np.stack(fields) for fields in zip(*(b.pack() for b, _ in built)))
+    program = (shapes, K, greedy, want, k_cap)
+    self.guard.before(program)
     emitted, pool, self._state, load, lp = speculative.spec_step(
         model.cfg, model.params, pool, packed, self._state, load, targets, **kw,
         ranks=model.ranks, **model.heads)
     for sch, scheduled in zip(core.schedulers, per_rank):
       sch.on_dispatch(scheduled)
-    self.counts.record((shapes, K, greedy, want, k_cap), sum(n for _, n in built),
+    self.counts.record(program, sum(n for _, n in built),
                        bool(self.in_flight), time.perf_counter() - t0)
     self.in_flight.append(SpecInFlight(per_rank, emitted, K, lp))
     return pool, load

@@ -56,7 +56,7 @@ import numpy as np
 
 from jaxinfer import ops
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import images, logprobs, sampling, sampling_extras, scheduler
+from jaxinfer.engine import images, logprobs, map_guard, sampling, sampling_extras, scheduler
 from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.sampling import argmax, request_keys, sample
@@ -627,6 +627,7 @@ class PlainRunner:
     # where penalties find the tokens still in flight (`sampling_extras`).
     self._prev_out = self._prev_sampled
     self._keep = 0  # steps `read` leaves in flight
+    self.guard = map_guard.ProgramGuard(core.config.max_map_fraction)
 
   def dispatch(self, model: StepModel, pool, load):
     """Schedules every rank and dispatches their step (when any has a chunk)
@@ -657,21 +658,28 @@ class PlainRunner:
     `dispatch` just dispatched -> their events."""
     return self._read(self._keep)
 
-  def warm(self, model: StepModel, pool, load, programs) -> tuple[int, object, object]:
+  def warm(self, model: StepModel, pool, load, programs,
+           map_fraction: float = 1.0) -> tuple[int, int, object, object]:
     """Compiles each program ((shapes, decode steps, greedy, k_cap), as
     `warmup.programs` lists them) by running it on all-padding batches,
     leaving the counters other than the compiled programs as they were
-    (`Engine.warmup`). -> (programs compiled now, new pool, new load)."""
+    (`Engine.warmup`); stops where the process holds map_fraction of
+    vm.max_map_count memory maps (`map_guard.room`). -> (programs compiled
+    now, programs left out, new pool, new load)."""
     before = dataclasses.replace(self.counts, programs=set())
     known = len(self.counts.programs)
     idle = [[] for _ in range(self.core.num_ranks)]
+    done = 0
     for shapes, n, greedy, k_cap in programs:
+      if not map_guard.room(map_fraction):
+        break
       pool, load = self._dispatch(model, pool, load, idle, time.perf_counter(), n,
                                   program=(shapes, greedy, k_cap))
       self._read(keep=0)
+      done += 1
     compiled = self.counts.programs
     self.counts = dataclasses.replace(before, programs=compiled)
-    return len(compiled) - known, pool, load
+    return len(compiled) - known, len(programs) - done, pool, load
 
   def _dispatch(self, model: StepModel, pool, load, per_rank, t0: float, n: int = 1,
                 program=None):
@@ -690,6 +698,8 @@ class PlainRunner:
     args = (model.cfg, model.params, pool, batch, self._prev_sampled, load)
     kw = dict(ep=model.ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
               ranks=model.ranks, **model.heads)
+    program = (shapes, n, greedy, want, sampling_extras.program_key(extras), k_cap)
+    self.guard.before(program)
     if n > 1:  # decode rows only: no prompt rows to score
       sampled, pool, load, lp = decode_steps(*args, num_steps=n, **kw)
       self._prev_sampled = sampled[-1]
@@ -701,8 +711,7 @@ class PlainRunner:
     self._prev_out = sampled
     for sch, rank_scheduled in zip(core.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record((shapes, n, greedy, want, sampling_extras.program_key(extras), k_cap),
-                       n * sum(k for _, k in batches),
+    self.counts.record(program, n * sum(k for _, k in batches),
                        bool(self.in_flight), time.perf_counter() - t0, n)
     self.in_flight.append(PlainInFlight(per_rank, sampled, n, lp))
     return pool, load

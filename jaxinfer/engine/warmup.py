@@ -12,7 +12,10 @@ for: greedy, sampled (no top-k) and, with top_k, each top-k bucket. Few
 matters on CPU beyond compile time: each XLA:CPU program holds hundreds of
 memory maps, and a process past vm.max_map_count crashes
 (docs/known_issues.md); the bucketed prompt steps' thousands of shapes
-would get there under long enough traffic.
+would get there under long enough traffic. The list runs shortest
+contexts first, and `Engine.warmup` stops at a share of the limit
+(`map_guard`: a MoE model's programs are larger); past it, a step
+program that is not compiled yet drops the compiled ones first.
 Requests asking for logprobs, penalties, logit_bias or min_tokens compile
 their variants on first use; so does a speculative engine, whose step
 shapes also follow its draft counts.
@@ -63,4 +66,7 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   else:  # every step has the prompt steps' shape
     shapes = [(steps.StepShapes(tokens=c.max_num_batched_tokens, seqs=c.max_num_seqs, pages=p,
                                 max_q=chunk), n) for p in pages for n in multi]
+  # Shortest contexts first: where the warm-up stops early (`Engine.warmup`'s
+  # memory-map share) it has compiled what most traffic runs.
+  shapes.sort(key=lambda sn: (sn[0].pages, sn[0].max_q == 1, sn[0].tokens, sn[0].seqs, sn[1]))
   return [(s, n, greedy, k_cap) for s, n in shapes for greedy, k_cap in samplers]
