@@ -19,6 +19,7 @@ def get_config() -> config_dict.ConfigDict:
   c.repeats = 3
   c.concurrency = 8
   c.max_num_batched_tokens = config_dict.placeholder(int)  # None: EngineConfig's default
+  c.serve_flags = ()  # more flags for our server (experiments/serve.py)
   c.vllm_memory_utilization = 0.4
   c.out = config_dict.placeholder(str)
   c.lock()

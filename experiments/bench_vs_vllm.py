@@ -60,6 +60,8 @@ _BUDGET = flags.DEFINE_integer("max_num_batched_tokens", None, "ours: the step's
 _VLLM_MEMORY = flags.DEFINE_float("vllm_memory_utilization", 0.4, "vLLM: share of the NUMA "
                                   "node's memory it reserves (its default 0.92 refuses to "
                                   "start beside us)")
+_SERVE_FLAGS = flags.DEFINE_list("serve_flags", [], "served: more flags for our server "
+                                  "(experiments/serve.py), e.g. --kv_cache_mb=1024")
 _OUR_PORT = flags.DEFINE_integer("our_port", 8301, "served: our server's port")
 _VLLM_PORT = flags.DEFINE_integer("vllm_port", 8302, "served: vLLM's port")
 _OUT = flags.DEFINE_string("out", None, "output prefix (default "
@@ -133,7 +135,7 @@ def _truncated(result, new):
 def _served(ckpt, vocab, rows, log):
   """Our server once, vLLM's once per core binding; alternating repeats."""
   n, _, new = WORKLOADS["served"]
-  extra = [] if _DTYPE.value == "float32" else [f"--dtype={_DTYPE.value}"]
+  extra = ([] if _DTYPE.value == "float32" else [f"--dtype={_DTYPE.value}"]) + _SERVE_FLAGS.value
   ours_p = vc.start_server(vc.our_server_argv(ckpt, _OUR_PORT.value, extra),
                            dict(os.environ, JAX_PLATFORMS="cpu"), _OUR_PORT.value, log)
   try:
@@ -214,16 +216,18 @@ def main(argv):
       accuracy = bf16_accuracy(ckpt, engine, cfg_, params, cfg.vocab_size)
     engine.release()
     del engine, params
-  if "served" in _WORKLOADS.value:
-    _served(ckpt, cfg.vocab_size, rows, log)
-  summary = vc.summarize(rows)
-  results.write(out, rows, lambda _, path: vc.plot(summary, path), summary=summary,
-                model=_MODEL.value, dtype=_DTYPE.value, machine=machine_info(),
-                workloads={w: dict(prompts=n, prompt_len=p, new_tokens=t)
-                           for w, (n, p, t) in WORKLOADS.items() if w in _WORKLOADS.value},
-                concurrency=_CONCURRENCY.value, engine_budget=_BUDGET.value,
-                vllm_memory_utilization=_VLLM_MEMORY.value, bf16_accuracy=accuracy,
-                vllm_attention=_vllm_attention(cfg))
+  try:
+    if "served" in _WORKLOADS.value:
+      _served(ckpt, cfg.vocab_size, rows, log)
+  finally:  # the offline rows are kept when the served part fails
+    summary = vc.summarize(rows)
+    results.write(out, rows, lambda _, path: vc.plot(summary, path), summary=summary,
+                  model=_MODEL.value, dtype=_DTYPE.value, machine=machine_info(),
+                  workloads={w: dict(prompts=n, prompt_len=p, new_tokens=t)
+                             for w, (n, p, t) in WORKLOADS.items() if w in _WORKLOADS.value},
+                  concurrency=_CONCURRENCY.value, engine_budget=_BUDGET.value,
+                  serve_flags=_SERVE_FLAGS.value, vllm_memory_utilization=_VLLM_MEMORY.value,
+                  bf16_accuracy=accuracy, vllm_attention=_vllm_attention(cfg))
 
 
 def _vllm_attention(cfg) -> str:

@@ -4,14 +4,17 @@ against the dense reference and timed in one run.
 
 Variants (all exact up to float32 summation order):
   split C=<n>       the Engine's CPU path (`moe._experts_split`): token
-                    copies sorted by expert (one argsort), each expert a
-                    loop over chunks of C rows, gate and up fused in one dot
-                    per chunk; C from the expected rows per expert (default)
+                    copies sorted by expert (one argsort), one loop over
+                    every chosen expert's chunks of C rows, the weights
+                    picked by `lax.switch`, gate and up fused in one dot per
+                    chunk; C from the expected rows per expert (default)
                     or forced
   split (again)     the default compiled twice: the noise floor
   split unfused     the same with gate and up as two dots per chunk
-  capacity <n>      each expert's first n rows as one static block outside
-                    the loop (a capacity bucket), the loop only past it
+  looped C=<n>      the path until session 30 (`experts_looped`): a loop
+                    per expert over its chunks
+  capacity <n>      looped, each expert's first n rows as one static block
+                    outside the loop (a capacity bucket), the loop only past it
   grouped           the stacked layout's `lax.ragged_dot` (`moe_core.grouped_ffn`)
   dense             every expert on every token (E/k times the FLOPs): the reference
 
@@ -31,6 +34,7 @@ import numpy as np
 
 from jaxinfer import models, presets
 from jaxinfer.models import moe, moe_core, transformer
+from jaxinfer.models.layers import glu
 from jaxinfer.models.layouts import DenseExperts, WeightForm
 
 
@@ -43,6 +47,50 @@ class _GateUp:
 
   def __rmatmul__(self, x):
     return jnp.concatenate([x @ self.gate, x @ self.up], axis=-1)
+
+
+def experts_looped(cfg, p, x, idx, weights, chunk: int | None = None, capacity: int = 0):
+  """The Engine's split-expert path until session 30: the same sorted
+  copies, but a loop of its own per expert (64 x 7 loops of code in a
+  bench_moe step). chunk (static) overrides C; capacity > 0 runs each
+  expert's first `capacity` rows as one block outside the loop (a static
+  capacity bucket: no loop trip for an expert that fits, padding rows for
+  one with fewer), the loop only past it."""
+  T, k = idx.shape
+  D = x.shape[1]
+  E = len(p.w_down)  # physical slots
+  C = chunk or moe.split_chunk(T, k, E)
+  flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  starts = jnp.cumsum(sizes) - sizes
+  pad = max(C, capacity)
+  xs = jnp.concatenate([x[order // k], jnp.zeros((pad, D), x.dtype)])  # [T k + pad, D]
+  ys = jnp.zeros((T * k + pad, p.w_down[0].shape[-1]), x.dtype)
+
+  def block(e, first, n, ys):  # rows first .. first + n of expert e (static n)
+    start = starts[e] + first
+    xe = jax.lax.dynamic_slice_in_dim(xs, start, n)  # [n, D]
+    gate, up = jnp.split(xe @ p.w_gate_up[e], 2, axis=-1)
+    if cfg.expert_bias:
+      gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
+    ye = glu(cfg, gate, up) @ p.w_down[e]
+    if cfg.expert_bias:
+      ye = ye + p["b_down"][e]
+    mine = (first + jnp.arange(n) < sizes[e])[:, None]  # the tail belongs to later experts
+    return jax.lax.dynamic_update_slice_in_dim(
+        ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, n)), start, 0)
+
+  for e in range(E):
+    if capacity:
+      ys = block(e, 0, capacity, ys)
+    rest = jnp.maximum(sizes[e] - capacity, 0)
+    ys = jax.lax.fori_loop(0, (rest + C - 1) // C,
+                           lambda i, ys, e=e: block(e, capacity + i * C, C, ys), ys)
+  y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
+  return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
+
+
 
 
 def layer(cfg, seed: int = 0):
@@ -71,9 +119,10 @@ def variants(cfg, p, split, unfused, tokens: int) -> dict:
   for c in smaller + [2 * C]:
     out[f"split C={c}"] = (fn(moe._experts_split, chunk=c), split)
   out[f"split unfused C={C}"] = (fn(moe._experts_split), unfused)
+  out[f"looped C={C}"] = (fn(experts_looped), split)
   half = max(1, C // 2)
   for cap, c in ((C, C), (2 * C, C), (C, half)):
-    out[f"capacity {cap}, then C={c}"] = (fn(moe._experts_split, chunk=c, capacity=cap), split)
+    out[f"capacity {cap}, then C={c}"] = (fn(experts_looped, chunk=c, capacity=cap), split)
   out["grouped (ragged_dot)"] = (fn(moe._experts_grouped), p)
   out["dense (reference)"] = (fn(moe._experts_dense), DenseExperts(p))
   return out

@@ -10,7 +10,7 @@ outputs:
   dense    (`DenseExperts`) every expert on every token, masked by the
            combine weights (a reference: E/k times the FLOPs)
   split    (`SplitExperts`: one array per expert, the Engine's CPU layout)
-           sorted copies, a loop per expert over its rows only
+           sorted copies, one loop over the chosen experts' row chunks
 
 `cfg.moe_impl` stays a config field (users and tests pick the reference
 path through the config, as they pick the attention kernels in `cfg.backend`); `with_impl` turns
@@ -75,56 +75,59 @@ def split_chunk(T: int, k: int, E: int) -> int:
   return 1 if rows < 1.1 else 1 << math.ceil(math.log2(rows))
 
 
-def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = None,
-                   capacity: int = 0):
-  """Routed experts held as one array per expert (`SplitExperts`):
-  token copies sorted by expert; each expert runs its rows in chunks of C
-  under a loop whose trip count is its row count / C, so an expert no token
-  chose costs nothing and a chosen one is read in place, once per chunk.
-  C (static) is the expected rows per chosen expert rounded up to a power
-  of two: 1 at one token (or two), 2 at 4-16 (measured on `bench_moe`'s
-  experts, 2-core CPU: 1.2-1.3x faster than C = 1 at 4, 8 and 16 tokens, as
-  fewer chunks re-read an expert; 1.06x slower at 2), more for prefill.
-  This is the CPU decode path: XLA:CPU's grouped matmul touches every
-  expert, and slicing a stacked expert copies it. Copies routed to slot E
-  (`moe` sends a step's padding tokens there) sort past every expert's rows
-  and are never computed: their rows of the result are zeros.
+def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = None):
+  """Routed experts held as one array per expert (`SplitExperts`): token
+  copies sorted by expert, then one loop over every chosen expert's row
+  chunks of C. Chunk i belongs to expert e (a search of the chunk counts'
+  prefix sums), and its two products pick e's weights with `lax.switch`
+  (each branch one dot over its own expert's array, read in place), so an
+  expert no token chose costs nothing and the loop's code exists once a
+  layer. C (static, `chunk` overrides it) is the expected rows per chosen
+  expert rounded up to a power of two: 1 at one token (or two), 2 at 4-16
+  (measured on `bench_moe`'s experts, 2-core CPU: 1.2-1.3x faster than C =
+  1 at 4, 8 and 16 tokens, as fewer chunks re-read an expert; 1.06x slower
+  at 2), more for prefill. This is the CPU path: XLA:CPU's grouped matmul
+  touches every expert, and slicing a stacked expert copies it. Copies
+  routed to slot E (`moe` sends a step's padding tokens there) are never
+  computed: their rows of the result are zeros.
 
-  For the variants `bench.moe_prefill` measures: chunk (static) overrides C;
-  capacity > 0 runs each expert's first `capacity` rows as one block
-  outside the loop (a static capacity bucket: no loop trip for an expert
-  that fits, padding rows for one with fewer), the loop only past it."""
+  Until session 30 each expert had a loop of its own (`experiments/benchlib/
+  moe_prefill.experts_looped`): as fast (bench_moe in the Engine, 5-7
+  alternating runs: decode at batch 1 29.8 vs 30.0 ms, batch 8 127 vs 135
+  ms, 8 x 128 prefill 2.17 vs 2.09 s), but 64 x 7 loops of code made each
+  step program ~1.7x the memory maps and compile time (docs/known_issues.md).
+  """
   T, k = idx.shape
   D = x.shape[1]
   E = len(p.w_down)  # physical slots
   C = chunk or split_chunk(T, k, E)
-  flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
+  flat = idx.reshape(-1)  # [T * k]; slot E: never run (`moe`'s padding)
   order = jnp.argsort(flat, stable=True)
   sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
-  pad = max(C, capacity)
-  xs = jnp.concatenate([x[order // k], jnp.zeros((pad, D), x.dtype)])  # [T k + pad, D]
-  ys = jnp.zeros((T * k + pad, p.w_down[0].shape[-1]), x.dtype)
+  chunks = (sizes + C - 1) // C
+  ends = jnp.cumsum(chunks)  # expert e's chunks: ends[e] - chunks[e] .. ends[e]
+  xs = jnp.concatenate([x[order // k], jnp.zeros((C, D), x.dtype)])  # [T k + C, D]
+  ys = jnp.zeros((T * k + C, p.w_down[0].shape[-1]), x.dtype)
+  gate_up = [lambda a, w=w: a @ w for w in p.w_gate_up]
+  down = [lambda a, w=w: a @ w for w in p.w_down]
 
-  def block(e, first, n, ys):  # rows first .. first + n of expert e (static n)
+  def body(i, ys):
+    e = jnp.minimum(jnp.searchsorted(ends, i, side="right"), E - 1).astype(jnp.int32)
+    first = (i - (ends[e] - chunks[e])) * C
     start = starts[e] + first
-    xe = jax.lax.dynamic_slice_in_dim(xs, start, n)  # [n, D]
-    gate, up = jnp.split(xe @ p.w_gate_up[e], 2, axis=-1)
+    gate, up = jnp.split(jax.lax.switch(e, gate_up, jax.lax.dynamic_slice_in_dim(xs, start, C)),
+                         2, axis=-1)
     if cfg.expert_bias:
       gate, up = gate + p["b_gate"][e], up + p["b_up"][e]
-    ye = glu(cfg, gate, up) @ p.w_down[e]
+    ye = jax.lax.switch(e, down, glu(cfg, gate, up))
     if cfg.expert_bias:
       ye = ye + p["b_down"][e]
-    mine = (first + jnp.arange(n) < sizes[e])[:, None]  # the tail belongs to later experts
+    mine = (first + jnp.arange(C) < sizes[e])[:, None]  # the tail belongs to later experts
     return jax.lax.dynamic_update_slice_in_dim(
-        ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, n)), start, 0)
+        ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, C)), start, 0)
 
-  for e in range(E):
-    if capacity:
-      ys = block(e, 0, capacity, ys)
-    rest = jnp.maximum(sizes[e] - capacity, 0)
-    ys = jax.lax.fori_loop(0, (rest + C - 1) // C,
-                           lambda i, ys, e=e: block(e, capacity + i * C, C, ys), ys)
+  ys = jax.lax.fori_loop(0, ends[-1], body, ys)
   y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
