@@ -158,8 +158,9 @@ def warm_up(backend, cache: dict) -> None:
     report = backend.warmup(top_k=_WARMUP_TOP_K.value)
     what = f"{report['programs']} step programs"
     if report["left_out"]:
-      what += (f" ({report['left_out']} more left to compile when traffic needs them: this "
-               "process holds 60% of vm.max_map_count memory maps; docs/known_issues.md)")
+      what += (f" ({report['left_out']} more left to compile when traffic needs them: the "
+               "warm-up's share of vm.max_map_count memory maps is used; "
+               "docs/known_issues.md)")
   else:
     copies = _WORKERS.value if _BACKEND.value == "ray" else 1  # distinct: every worker gets some
     backend.generate([[1 + k] * n for k in range(copies) for n in (8, 100, 400)],

@@ -290,8 +290,7 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
       q.shape, q.dtype, k_pages.shape, page_table.shape, max_q=max_q,
       values_dim=None if v_pages is None else v_pages.shape[-1], latent_dim=v_head_dim,
       window=window, sinks=sinks is not None, quantized=k_scale is not None, backend=backend)
-  post = (lambda o: o) if latent_out is None else (
-      lambda o: jnp.einsum("TNR,NRH->TNH", o, latent_out.astype(o.dtype)))
+  post = lambda o: latent_values(o, latent_out)
   if kernel.startswith("mosaic"):
     return post(_mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
                              window, sinks, scale, v_head_dim, layer, interpret))
@@ -303,6 +302,14 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   return _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
                      scale, v_head_dim, layer, (k_scale, v_scale), new_kv, latent_out, expand,
                      post)
+
+
+def latent_values(out, w_uv):
+  """MLA: the heads' values [..., N, Hv] from the absorbed form's latent
+  result [..., N, R] (x W_uv [N, R, Hv]); out itself when w_uv is None."""
+  if w_uv is None:
+    return out
+  return jnp.einsum("...NR,NRH->...NH", out, w_uv.astype(out.dtype))
 
 
 def _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
@@ -369,8 +376,7 @@ def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
 
 
 def _fresh_and_decodes_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
-                           decodes, window, sinks, scale, layer, v_head_dim=None,
-                           post=lambda o: o):
+                           decodes, window, sinks, scale, layer, v_head_dim, post):
   """A step whose sequences are each a fresh chunk (from position 0) or one
   decode token (`decodes` [B]): the fresh chunks' attention `packed` [T, N,
   Hv] (`_packed_xla` over the step's own keys), the decode tokens over their

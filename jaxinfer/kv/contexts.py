@@ -52,13 +52,6 @@ def _split(cache: dict, latent_dim: int | None, head_axis: int):
   return kv, kv[..., :latent_dim]
 
 
-def _values(out, latent_out):
-  """MLA: the heads' values from the absorbed form's latent result (x W_uv)."""
-  if latent_out is None:
-    return out
-  return jnp.einsum("BTNR,NRH->BTNH", out, latent_out.astype(out.dtype))
-
-
 @dataclasses.dataclass(frozen=True)
 class FullContext:
   """Cacheless causal forward over tokens [B, T]."""
@@ -79,7 +72,7 @@ class FullContext:
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
                                sinks=sinks, scale=scale, backend=backend)
-    return _values(out, latent_out), cache
+    return ops.latent_values(out, latent_out), cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,7 +101,7 @@ class ContiguousContext:
     k, v = _split({n: stack[n][layer] for n in stack}, latent_dim, head_axis=2)
     out = ops.attention(q, k, v, q_positions=pos, kv_lengths=self.starts + T,
                         window=window, sinks=sinks, scale=scale)
-    return _values(out, latent_out), (stack, layer)
+    return ops.latent_values(out, latent_out), (stack, layer)
 
 
 @jax.tree_util.register_dataclass
@@ -153,7 +146,7 @@ class PagedContext:
                                 expand=expand, **kw)
     # Per head shard: the absorbed form, W_uv after the shard_map (GSPMD splits it).
     out, cache = self._attend_per_head_shard(q, new, cache, window, sinks, kw)
-    return _values(out, latent_out), cache
+    return ops.latent_values(out, latent_out), cache
 
   def _attend_per_head_shard(self, q, new, cache, window, sinks, kw):
     """`_attend_local` on each device of `head_axis`: its q heads [1, T, N/n, H]

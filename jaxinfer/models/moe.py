@@ -95,7 +95,8 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   moe_prefill.experts_looped`): as fast (bench_moe in the Engine, 5-7
   alternating runs: decode at batch 1 29.8 vs 30.0 ms, batch 8 127 vs 135
   ms, 8 x 128 prefill 2.17 vs 2.09 s), but 64 x 7 loops of code made each
-  step program ~1.7x the memory maps and compile time (docs/known_issues.md).
+  step program ~1.2x the memory maps and ~2x the compile time of serve.py's
+  warm-up (docs/known_issues.md).
   """
   T, k = idx.shape
   D = x.shape[1]
