@@ -69,10 +69,22 @@ def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
 
 
 def split_chunk(T: int, k: int, E: int) -> int:
-  """`_experts_split`'s default C for T tokens routed to k of E experts: the
-  expected rows per chosen expert, rounded up to a power of two (1 below 1.1)."""
+  """`_experts_split`'s default C for T tokens routed to k of E experts: 1
+  while the expected rows per chosen expert are under 2.5 (a one-row product
+  is XLA:CPU's matrix-vector kernel, and an expert's second row finds its
+  weights in cache), else those rows rounded up to a power of two.
+
+  Measured in session 31 on `bench_moe`'s experts (2-core CPU, random
+  routing, one layer, ms): C = 1 / 2 / 4 at 4 tokens 5.9 / 7.6 / 8.1, at 8
+  tokens 10.1 / 11.9 / 12.3, at 16 tokens 18.2 / 20.7 / 21.1, at 32 tokens
+  28.8 / 28.9 / 25.6. A one-row product runs XLA:CPU's matrix-vector kernel
+  (~25 GB/s of weights here, ~16 for two to eight rows), and an expert's
+  chunks are consecutive. In the Engine, bench_moe's decode step at 8 rows
+  took 92-94 ms at C = 1 against 106-124 ms at C = 2 (one process each,
+  alternating). An earlier session had measured C = 2 faster at 4-16
+  tokens, with a loop per expert."""
   rows = T * k / (E * (1 - (1 - k / E) ** T))
-  return 1 if rows < 1.1 else 1 << math.ceil(math.log2(rows))
+  return 1 if rows < 2.5 else 1 << math.ceil(math.log2(rows))
 
 
 def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = None):
@@ -82,12 +94,9 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   prefix sums), and its two products pick e's weights with `lax.switch`
   (each branch one dot over its own expert's array, read in place), so an
   expert no token chose costs nothing and the loop's code exists once a
-  layer. C (static, `chunk` overrides it) is the expected rows per chosen
-  expert rounded up to a power of two: 1 at one token (or two), 2 at 4-16
-  (measured on `bench_moe`'s experts, 2-core CPU: 1.2-1.3x faster than C =
-  1 at 4, 8 and 16 tokens, as fewer chunks re-read an expert; 1.06x slower
-  at 2), more for prefill. This is the CPU path: XLA:CPU's grouped matmul
-  touches every expert, and slicing a stacked expert copies it. Copies
+  layer. C (static, `chunk` overrides it): `split_chunk`. This is the CPU
+  path: XLA:CPU's grouped matmul touches every expert, and slicing a
+  stacked expert copies it. Copies
   routed to slot E (`moe` sends a step's padding tokens there) are never
   computed: their rows of the result are zeros.
 
