@@ -273,7 +273,7 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   only; any other step (a chunk continuing past position 0) over the pages.
   GQA pools without scales only.
 
-  latent_out (MLA): W_uv [N, R, Hv]; the result is then latent result x
+  latent_out (MLA): W_uv [N, Hv, R]; the result is then latent result x
   W_uv [T, N, Hv]. expand: a callable -> the step's q, k [T, N, Dq], v [T,
   N, Hv] in MLA's expanded form, traced only in the branch above, whose
   prompts then attend packed over those (bench_moe: Dq 96, not 288 + 256).
@@ -306,10 +306,11 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
 
 def latent_values(out, w_uv):
   """MLA: the heads' values [..., N, Hv] from the absorbed form's latent
-  result [..., N, R] (x W_uv [N, R, Hv]); out itself when w_uv is None."""
+  result [..., N, R] (x W_uv [N, Hv, R], `layouts.AbsorbedMLA`); out
+  itself when w_uv is None."""
   if w_uv is None:
     return out
-  return jnp.einsum("...NR,NRH->...NH", out, w_uv.astype(out.dtype))
+  return jnp.einsum("...NR,NHR->...NH", out, w_uv.astype(out.dtype))
 
 
 def _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,

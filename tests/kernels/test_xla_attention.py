@@ -309,8 +309,8 @@ def test_mla_fresh_prompts_in_the_expanded_form_equal_the_absorbed_form(name, mo
   B, T = len(q_lens), sum(q_lens) + 3
   f = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)
   q_nope, q_rope, c, k_rope, w_uk, w_uv = (f(T, N, Hn), f(T, N, Hr), f(T, R), f(T, Hr),
-                                           f(N, Hn, R) / 4, f(N, R, Hv))
-  q_abs = jnp.concatenate([jnp.einsum("TNH,NHR->TNR", q_nope, w_uk), q_rope], axis=-1)
+                                           f(N, R, Hn) / 4, f(N, Hv, R))
+  q_abs = jnp.concatenate([jnp.einsum("TNH,NRH->TNR", q_nope, w_uk), q_rope], axis=-1)
   pool = r.standard_normal((1, 128, ps, R + Hr)).astype(np.float32)
   table = r.permutation(np.arange(1, 128))[:B * pages].reshape(B, pages).astype(np.int32)
   cu = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
@@ -321,16 +321,16 @@ def test_mla_fresh_prompts_in_the_expanded_form_equal_the_absorbed_form(name, mo
       pool[0, table[b, pos // ps], pos % ps] = new[cu[b] + i]
 
   def expand():
-    k = jnp.concatenate([jnp.einsum("TR,NHR->TNH", c, w_uk),
+    k = jnp.concatenate([jnp.einsum("TR,NRH->TNH", c, w_uk),
                          jnp.broadcast_to(k_rope[:, None], (T, N, Hr))], axis=-1)
-    return jnp.concatenate([q_nope, q_rope], axis=-1), k, jnp.einsum("TR,NRH->TNH", c, w_uv)
+    return jnp.concatenate([q_nope, q_rope], axis=-1), k, jnp.einsum("TR,NHR->TNH", c, w_uv)
 
   kw = dict(kv_lens=jnp.asarray(kv_lens, jnp.int32), page_table=jnp.asarray(table),
             cu_q_lens=jnp.asarray(cu), max_q=max(q_lens), scale=0.3, v_head_dim=R)
   step = jax.jit(lambda kp: ops.ragged_paged_attention(q_abs, kp, None, latent_out=w_uv,
                                                        expand=expand, **kw))
   absorbed = jax.jit(lambda kp: ops.ragged_paged_attention(q_abs, kp, None, **kw))
-  want = jnp.einsum("TNR,NRH->TNH", absorbed(jnp.asarray(pool)), w_uv)
+  want = jnp.einsum("TNR,NHR->TNH", absorbed(jnp.asarray(pool)), w_uv)
   got = step(jnp.asarray(pool))
   np.testing.assert_allclose(got, want, atol=3e-4, rtol=3e-4)
   assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
