@@ -10,7 +10,9 @@ outputs:
   dense    (`DenseExperts`) every expert on every token, masked by the
            combine weights (a reference: E/k times the FLOPs)
   split    (`SplitExperts`: one array per expert, the Engine's CPU layout)
-           sorted copies, one loop over the chosen experts' row chunks
+           sorted copies, one loop over the chosen experts' row chunks; at
+           few copies per expert (decode) the C++ CPU kernel instead
+           (`ops.cpu_experts`, `_experts_native`) where it is built
 
 `cfg.moe_impl` stays a config field (users and tests pick the reference
 path through the config, as they pick the attention kernels in `cfg.backend`); `with_impl` turns
@@ -28,6 +30,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import glu, mlp
 from jaxinfer.models.layouts import DenseExperts, SplitExperts
@@ -142,6 +145,23 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
+def _experts_native(cfg: ModelConfig, p, x, idx, weights):
+  """`_experts_split`'s outputs from the C++ CPU kernel
+  (`ops.routed_experts_cpu`): token copies sorted by expert, each chosen
+  expert's weights read once for all its copies, the cores on different
+  experts. Copies routed to slot E (padding) sort last, past every count,
+  and come back zero."""
+  T, k = idx.shape
+  flat = idx.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  sizes = jnp.bincount(flat, length=len(p.w_down)).astype(jnp.int32)
+  ys = ops.routed_experts_cpu(x[order // k], sizes, p.w_gate_up, p.w_down,
+                              activation=cfg.activation, limit=cfg.swiglu_limit,
+                              alpha=cfg.swiglu_alpha)
+  y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, -1)
+  return jnp.einsum("TKD,TK->TD", y, weights)
+
+
 def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None = None, valid=None, count=None):
   """x [B, T, D] -> ([B, T, D], counts): routed experts plus shared experts.
 
@@ -166,6 +186,9 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None
     counts = expert_counts(idx, ok, len(p["w_down"]))
   if isinstance(p, SplitExperts):
     experts = _experts_split
+    if ops.cpu_experts(B * T * cfg.num_experts_per_tok, len(p.w_down), xt.dtype, p.w_gate_up,
+                       p.w_down, cfg.expert_bias, cfg.backend):
+      experts = _experts_native
     if valid is not None:  # padding copies to slot E: past every expert's rows, never run
       idx = jnp.where(ok[:, None], idx, len(p.w_down))
   elif isinstance(p, DenseExperts):

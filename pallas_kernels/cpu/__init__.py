@@ -1,0 +1,147 @@
+"""CPU kernels written in C++ as XLA FFI custom calls, built from their
+source with the machine's C++ compiler on first use.
+
+`moe_experts.cc`: a MoE layer's routed experts for steps of few rows per
+expert (decode), each chosen expert's weights read once for all its rows,
+the cores streaming different experts. `split_experts_ffn` calls it;
+`split_experts_reference` is the pure-jnp reference it is tested against.
+
+The shared library is cached under $JAXINFER_CACHE (default
+~/.cache/jaxinfer) by a hash of the source, the compiler flags, the jax
+version and the CPU, built with `-march=native` under a file lock (several
+processes may start at once). `available()` is False, with the reason in
+`unavailable_reason()`, when there is no compiler, the build fails, or
+JAXINFER_NATIVE=0; callers then take their XLA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_SOURCE = Path(__file__).with_name("moe_experts.cc")
+_TARGET = "jaxinfer_split_experts"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # `activation` attribute values
+_reason: str | None = None
+
+
+def _cpu_name() -> str:
+  try:
+    for line in open("/proc/cpuinfo"):
+      if line.startswith(("model name", "flags")):
+        return line
+  except OSError:
+    pass
+  return platform.processor()
+
+
+def _library_path() -> Path:
+  key = hashlib.sha256("\n".join([_SOURCE.read_text(), " ".join(_FLAGS), jax.__version__,
+                                  _cpu_name()]).encode()).hexdigest()[:16]
+  root = Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
+  return root / "native" / f"moe_experts-{key}.so"
+
+
+def _build(path: Path) -> None:
+  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+  if compiler is None:
+    raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+  path.parent.mkdir(parents=True, exist_ok=True)
+  with open(path.with_suffix(".lock"), "w") as lock:
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    if path.exists():
+      return
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(tmp), "-lpthread"]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+      raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    tmp.rename(path)
+
+
+@functools.cache
+def _register() -> bool:
+  global _reason
+  if os.environ.get("JAXINFER_NATIVE", "1") == "0":
+    _reason = "JAXINFER_NATIVE=0"
+    return False
+  try:
+    path = _library_path()
+    if not path.exists():
+      _build(path)
+    lib = ctypes.CDLL(str(path))
+    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxinferSplitExperts), platform="cpu")
+  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    _reason = f"{type(e).__name__}: {e}"
+    return False
+  return True
+
+
+def available() -> bool:
+  """Whether the native kernels are built and registered (builds them once)."""
+  return _register()
+
+
+def unavailable_reason() -> str | None:
+  """Why `available()` is False; None when it is True or was not asked yet."""
+  return _reason
+
+
+def _check(xs, sizes, w_gate_up, w_down):
+  E = len(w_gate_up)
+  if len(w_down) != E or sizes.shape != (E,):
+    raise ValueError(f"{E} gate-up weights, {len(w_down)} down weights and sizes {sizes.shape} "
+                     "must name the same experts")
+  D = xs.shape[1]
+  F = w_down[0].shape[0]
+  for wg, wd in zip(w_gate_up, w_down):
+    if wg.shape != (D, 2 * F) or wd.shape != (F, D):
+      raise ValueError(f"expert weights {wg.shape} / {wd.shape}, expected {(D, 2 * F)} / {(F, D)}")
+  if any(a.dtype != jnp.float32 for a in (xs, *w_gate_up, *w_down)):
+    raise TypeError("the native expert kernel takes float32 rows and weights")
+
+
+def split_experts_ffn(xs, sizes, w_gate_up, w_down, activation: str = "silu", limit: float = 0.0,
+                      alpha: float = 0.0):
+  """xs [M, D] float32 token copies sorted by expert, sizes [E] int32 their
+  counts per expert (rows past the sum come back zero), w_gate_up E x [D, 2F]
+  (gate columns first), w_down E x [F, D] -> [M, D] float32: each copy
+  through its expert's gated FFN (`split_experts_reference`). The native
+  kernel: call only when `available()`."""
+  _check(xs, sizes, w_gate_up, w_down)
+  call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(xs.shape, jnp.float32))
+  return call(xs, sizes.astype(jnp.int32), *w_gate_up, *w_down, activation=ACTIVATIONS[activation],
+              limit=np.float32(limit), alpha=np.float32(alpha))
+
+
+def split_experts_reference(xs, sizes, w_gate_up, w_down, activation: str = "silu",
+                            limit: float = 0.0, alpha: float = 0.0):
+  """`split_experts_ffn` in jnp: every expert on every row, each row kept
+  from its own expert (E times the FLOPs; for tests)."""
+  _check(xs, sizes, w_gate_up, w_down)
+  M = xs.shape[0]
+  ends = jnp.cumsum(sizes)
+  expert = jnp.searchsorted(ends, jnp.arange(M), side="right")  # E: padding
+  out = jnp.zeros(xs.shape, jnp.float32)
+  hi = jax.lax.Precision.HIGHEST
+  for e, (wg, wd) in enumerate(zip(w_gate_up, w_down)):
+    gate, up = jnp.split(jnp.dot(xs, wg, precision=hi), 2, axis=-1)
+    if activation == "silu":
+      h = jax.nn.silu(gate) * up
+    else:
+      gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+      h = (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    out = jnp.where((expert == e)[:, None], jnp.dot(h, wd, precision=hi), out)
+  return out

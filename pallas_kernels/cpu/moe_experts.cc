@@ -1,0 +1,180 @@
+// Routed experts of a MoE layer on the CPU, for steps of few rows per expert
+// (decode): an XLA FFI custom call (`jaxinfer.native.split_experts_ffn`).
+//
+// xs [M, D] float32 holds the token copies sorted by expert; sizes [E] int32
+// the copies of each expert, in that order (rows past their sum are padding
+// and come back zero). The remaining arguments are the E experts' fused
+// gate-up weights [D, 2F] then their down weights [F, D], one array each, as
+// the Engine's `SplitExperts` holds them. ys [M, D] = down(act(gate, up)).
+//
+// Each chosen expert is one task: its weights are read once for all of its
+// rows (up to 8 at a time), row by row of W with the rows' accumulators in
+// L1, 4 rows of W per pass over them. Tasks are claimed from a shared counter
+// by the calling thread and by helpers on XLA's intra-op thread pool, so
+// each core streams a different expert's weights.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kRows = 8;    // rows of one expert multiplied per pass over W
+constexpr int kCols = 1024;  // output columns accumulated at once
+
+// acc[r][0:n] += sum_d x[r][d] * w[d][c0 + 0:n] over d < depth; x rows of
+// stride ldx, w rows of stride ldw.
+void AccumulateBlock(const float* x, int64_t ldx, int rows, const float* w, int64_t ldw,
+                     int64_t depth, int n, float (*acc)[kCols]) {
+  int64_t d = 0;
+  for (; d + 4 <= depth; d += 4) {
+    const float* w0 = w + d * ldw;
+    const float* w1 = w0 + ldw;
+    const float* w2 = w1 + ldw;
+    const float* w3 = w2 + ldw;
+    for (int r = 0; r < rows; ++r) {
+      const float* xr = x + r * ldx + d;
+      const float a0 = xr[0], a1 = xr[1], a2 = xr[2], a3 = xr[3];
+      float* out = acc[r];
+#pragma GCC ivdep
+      for (int c = 0; c < n; ++c) out[c] += a0 * w0[c] + a1 * w1[c] + a2 * w2[c] + a3 * w3[c];
+    }
+  }
+  for (; d < depth; ++d) {
+    const float* w0 = w + d * ldw;
+    for (int r = 0; r < rows; ++r) {
+      const float a0 = x[r * ldx + d];
+      float* out = acc[r];
+#pragma GCC ivdep
+      for (int c = 0; c < n; ++c) out[c] += a0 * w0[c];
+    }
+  }
+}
+
+// y[rows, N] = x[rows, K] @ w[K, N] (row-major, y of stride ldy).
+void MatMul(const float* x, int64_t ldx, int rows, const float* w, int64_t K, int64_t N,
+            float* y, int64_t ldy) {
+  alignas(64) float acc[kRows][kCols];
+  for (int64_t c0 = 0; c0 < N; c0 += kCols) {
+    const int n = static_cast<int>(std::min<int64_t>(kCols, N - c0));
+    for (int r = 0; r < rows; ++r) std::memset(acc[r], 0, sizeof(float) * n);
+    AccumulateBlock(x, ldx, rows, w + c0, N, K, n, acc);
+    for (int r = 0; r < rows; ++r) std::memcpy(y + r * ldy + c0, acc[r], sizeof(float) * n);
+  }
+}
+
+struct Activation {
+  int64_t kind;  // 0: SwiGLU; 1: GPT-OSS's clamped variant
+  float limit, alpha;
+
+  float operator()(float gate, float up) const {
+    if (kind == 0) return gate / (1.0f + std::exp(-gate)) * up;
+    gate = std::min(gate, limit);
+    up = std::min(std::max(up, -limit), limit);
+    return (up + 1.0f) * (gate / (1.0f + std::exp(-gate * alpha)));
+  }
+};
+
+struct Task {
+  int64_t start, rows, expert;
+};
+
+struct Work {
+  const float* xs;
+  float* ys;
+  int64_t D, F;
+  Activation act;
+  std::vector<const float*> gate_up, down;
+  std::vector<Task> tasks;
+  std::atomic<int64_t> next{0}, done{0};
+
+  void RunExpert(const Task& t, std::vector<float>& h, std::vector<float>& g) {
+    const float* wgu = gate_up[t.expert];
+    const float* wd = down[t.expert];
+    for (int64_t r0 = 0; r0 < t.rows; r0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, t.rows - r0));
+      const float* x = xs + (t.start + r0) * D;
+      MatMul(x, D, rows, wgu, D, 2 * F, h.data(), 2 * F);
+      for (int r = 0; r < rows; ++r)
+        for (int64_t f = 0; f < F; ++f) g[r * F + f] = act(h[r * 2 * F + f], h[r * 2 * F + F + f]);
+      MatMul(g.data(), F, rows, wd, F, D, ys + (t.start + r0) * D, D);
+    }
+  }
+
+  // Claims tasks until none is left; true when this call finished the last.
+  void Drain() {
+    std::vector<float> h(kRows * 2 * F), g(kRows * F);
+    for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(tasks.size());) {
+      RunExpert(tasks[i], h, g);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error SplitExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs,
+                            ffi::Buffer<ffi::S32> sizes, ffi::RemainingArgs weights,
+                            ffi::ResultBuffer<ffi::F32> ys, int64_t activation, float limit,
+                            float alpha) {
+  const auto xdims = xs.dimensions();
+  if (xdims.size() != 2) return ffi::Error::InvalidArgument("xs must be [M, D]");
+  const int64_t M = xdims[0], D = xdims[1];
+  const int64_t E = static_cast<int64_t>(sizes.element_count());
+  if (static_cast<int64_t>(weights.size()) != 2 * E)
+    return ffi::Error::InvalidArgument("expected E gate-up and E down weight arrays");
+  auto work = std::make_shared<Work>();
+  work->xs = xs.typed_data();
+  work->ys = ys->typed_data();
+  work->D = D;
+  work->act = Activation{activation, limit, alpha};
+  for (int64_t e = 0; e < 2 * E; ++e) {
+    auto w = weights.get<ffi::Buffer<ffi::F32>>(e);
+    if (w.has_error()) return w.error();
+    const auto dims = w->dimensions();
+    if (dims.size() != 2) return ffi::Error::InvalidArgument("expert weights must be matrices");
+    if (e == E) work->F = dims[0];
+    (e < E ? work->gate_up : work->down).push_back(w->typed_data());
+  }
+  const int64_t F = work->F;
+  for (int64_t e = 0; e < 2 * E; ++e) {
+    const auto dims = weights.get<ffi::Buffer<ffi::F32>>(e)->dimensions();
+    const bool ok = e < E ? (dims[0] == D && dims[1] == 2 * F) : (dims[0] == F && dims[1] == D);
+    if (!ok) return ffi::Error::InvalidArgument("expert weights must be [D, 2F] and [F, D]");
+  }
+  const int32_t* n = sizes.typed_data();
+  int64_t start = 0;
+  for (int64_t e = 0; e < E; ++e) {
+    if (n[e] < 0) return ffi::Error::InvalidArgument("negative expert size");
+    if (n[e] > 0) work->tasks.push_back(Task{start, n[e], e});
+    start += n[e];
+  }
+  if (start > M) return ffi::Error::InvalidArgument("expert sizes add up to more than xs's rows");
+  std::memset(work->ys + start * D, 0, sizeof(float) * (M - start) * D);
+  const int64_t tasks = static_cast<int64_t>(work->tasks.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), tasks) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferSplitExperts, SplitExpertsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("activation")
+                                  .Attr<float>("limit")
+                                  .Attr<float>("alpha"));

@@ -1,0 +1,58 @@
+"""The C++ CPU expert kernel (`pallas_kernels.cpu`) against its jnp
+reference, and its bad-input errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import cpu
+
+
+def _experts(r, E, D, F):
+  w_gate_up = [jnp.asarray(r.standard_normal((D, 2 * F)) / np.sqrt(D), jnp.float32) for _ in range(E)]
+  w_down = [jnp.asarray(r.standard_normal((F, D)) / np.sqrt(F), jnp.float32) for _ in range(E)]
+  return w_gate_up, w_down
+
+
+def test_the_kernel_builds_here():
+  assert cpu.available(), cpu.unavailable_reason()
+
+
+# sizes: experts with no rows, one row, more rows than one pass (8) takes,
+# padding rows past the sum; D and 2F off the kernel's 256-column blocks and
+# its 4-row unroll.
+@pytest.mark.parametrize("sizes,pad,D,F", [
+    ([1, 0, 2, 0, 1, 3], 0, 64, 32),
+    ([0, 11, 1, 0, 17, 2], 5, 70, 150),
+    ([0, 0, 0, 0], 3, 16, 8),
+])
+@pytest.mark.parametrize("activation", ["silu", "clamped_swiglu"])
+def test_native_experts_equal_the_reference(sizes, pad, D, F, activation):
+  r = np.random.default_rng(len(sizes) + D)
+  E = len(sizes)
+  w_gate_up, w_down = _experts(r, E, D, F)
+  xs = jnp.asarray(r.standard_normal((sum(sizes) + pad, D)), jnp.float32)
+  n = jnp.asarray(sizes, jnp.int32)
+  kw = dict(activation=activation, limit=0.7, alpha=1.702)
+  got = jax.jit(lambda xs, n: cpu.split_experts_ffn(xs, n, w_gate_up, w_down, **kw))(xs, n)
+  want = cpu.split_experts_reference(xs, n, w_gate_up, w_down, **kw)
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+  assert not np.any(np.asarray(got)[sum(sizes):]), "padding rows must come back zero"
+
+
+def test_bad_inputs_are_named():
+  r = np.random.default_rng(0)
+  w_gate_up, w_down = _experts(r, 3, 16, 8)
+  xs = jnp.zeros((4, 16), jnp.float32)
+  with pytest.raises(ValueError, match="same experts"):
+    cpu.split_experts_ffn(xs, jnp.asarray([1, 1], jnp.int32), w_gate_up, w_down)
+  with pytest.raises(ValueError, match="expert weights"):
+    cpu.split_experts_ffn(jnp.zeros((4, 12), jnp.float32), jnp.asarray([1, 1, 1], jnp.int32),
+                          w_gate_up, w_down)
+  with pytest.raises(TypeError, match="float32"):
+    cpu.split_experts_ffn(xs.astype(jnp.bfloat16), jnp.asarray([1, 1, 1], jnp.int32), w_gate_up,
+                          w_down)
+  with pytest.raises(Exception, match="more than xs's rows"):
+    jax.block_until_ready(cpu.split_experts_ffn(xs, jnp.asarray([2, 2, 2], jnp.int32), w_gate_up,
+                                                w_down))
