@@ -132,6 +132,16 @@ def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bi
           and num_rows <= CPU_EXPERT_ROWS * num_experts and cpu_kernels.available())
 
 
+def cpu_experts_choice(eligible: bool) -> str:
+  """How split experts run on a CPU target (`Engine.stats()["kernels"]`):
+  eligible: float32 experts without biases or quantization."""
+  if not eligible:
+    return "xla"
+  if not cpu_kernels.available():
+    return f"xla (native kernel unavailable: {cpu_kernels.unavailable_reason()})"
+  return f"native up to {CPU_EXPERT_ROWS} rows per expert, xla above"
+
+
 def routed_experts_cpu(xs, sizes, w_gate_up, w_down, *, activation: str, limit: float,
                        alpha: float):
   """xs [M, D] token copies sorted by expert, sizes [E] their counts -> [M,

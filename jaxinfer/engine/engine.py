@@ -349,7 +349,7 @@ class Engine:
     # Which kernels the steps run (Engine.stats): read off the shapes as the ops read them.
     self.kernels = steps.kernel_choice(cfg, self.pool, num_seqs=config.max_num_seqs,
                                        pages_per_seq=self.max_pages_per_seq,
-                                       max_q=prefill_chunk(config))
+                                       max_q=prefill_chunk(config), form=self._form)
 
   def _new_runner(self):
     if self._spec is not None:
@@ -567,7 +567,7 @@ class Engine:
     spec_acceptance_per_position and spec_drafted_per_position; kernels: the
     attention kernels of decode-only and mixed steps and the MoE matmul
     (`steps.kernel_choice`: "mosaic_gqa" / "mosaic_mla" / "pallas" / "xla",
-    "mosaic" / "xla")."""
+    "mosaic" / "xla"; "cpu_experts": split experts on a CPU target)."""
     return dict(**self.core.stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
                 kernels=dict(self.kernels),
                 **self.images.stats(), **self._runner.stats())

@@ -482,12 +482,14 @@ def sampler_mode(busy) -> tuple[bool, int]:
 
 
 def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
-                  max_q: int) -> dict[str, str]:
+                  max_q: int, form=None) -> dict[str, str]:
   """The kernels the steps run, from shapes alone, as the ops pick them:
   the attention of decode-only steps ("decode") and of steps with up to
   max_q tokens a sequence ("mixed"), `ops.paged_kernel`'s names; for MoE
   models the unquantized experts' matmul ("grouped_matmul": "mosaic" or
-  "xla", with why not Mosaic where the Backend asked for it)."""
+  "xla", with why not Mosaic where the Backend asked for it), and with
+  experts split on a CPU target (form: the steps' `WeightForm`) the split
+  experts' path ("cpu_experts", `ops.cpu_experts_choice`)."""
   k_pages, v_pages = jax.eval_shape(pool.layout.kernel_pools, pool[0])
   windows = cfg.window_choices()
   kw = dict(values_dim=None if v_pages is None else v_pages.shape[-1],
@@ -505,6 +507,11 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
                                          dtype, dtype)
       kernel = f"xla ({why})" if why else kernel
     out["grouped_matmul"] = kernel
+  if cfg.is_moe and form is not None and form.split_experts and not cfg.backend.on_gpu():
+    quantized = cfg.quant is not None and any(cfg.quant.quantizes(f"experts.{w}")
+                                              for w in ("w_gate", "w_up", "w_down"))
+    out["cpu_experts"] = ops.cpu_experts_choice(
+        cfg.compute_dtype() == jnp.float32 and not quantized and not cfg.expert_bias)
   return out
 
 

@@ -56,3 +56,23 @@ def test_bad_inputs_are_named():
   with pytest.raises(Exception, match="more than xs's rows"):
     jax.block_until_ready(cpu.split_experts_ffn(xs, jnp.asarray([2, 2, 2], jnp.int32), w_gate_up,
                                                 w_down))
+
+
+def test_engine_with_split_experts_runs_the_native_kernel_and_matches_the_scanned_engine():
+  """An Engine whose unrolled steps hold split experts names the native
+  kernel in stats()["kernels"] and generates the same greedy tokens as one
+  scanning the stacked layers (XLA's grouped experts), batched and alone."""
+  from jaxinfer import models, presets
+  from jaxinfer.engine import Engine, EngineConfig, SamplingParams
+  cfg = presets.get("tiny_moe")
+  params = models.init_params(cfg, jax.random.key(7))
+  small = dict(page_size=16, num_pages=64, max_num_seqs=4, max_num_batched_tokens=64)
+  split = Engine(cfg, params, EngineConfig(unroll_layers=True, **small))
+  scanned = Engine(cfg, params, EngineConfig(unroll_layers=False, **small))
+  assert split.stats()["kernels"]["cpu_experts"].startswith("native")
+  assert "cpu_experts" not in scanned.stats()["kernels"]
+  r = np.random.default_rng(8)
+  prompts = [r.integers(3, cfg.vocab_size, n).tolist() for n in (5, 17, 9)]
+  sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+  got = [o.token_ids for o in split.generate(prompts, sp)]
+  assert got == [o.token_ids for o in scanned.generate(prompts, sp)]
