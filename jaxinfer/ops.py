@@ -112,24 +112,30 @@ def grouped_matmul(xs, w, group_sizes, *, backend: Backend = Backend()):
   return jax.lax.ragged_dot(xs, w, group_sizes)
 
 
-# Average rows per expert up to which `cpu_experts` runs the C++ kernel:
-# bench_moe's experts (2-core CPU, one layer, ms, native against XLA's loop
-# `moe._experts_split`): 1 token 1.45 vs 2.02, 8 tokens 8.4 vs 10.2, 32
-# tokens 16.2 vs 24.9, 64 tokens 21.6 vs 36.7, 128 tokens (12 rows) 34.8
-# vs 38.5, 256 tokens 60.3 vs 57.8.
+# Average rows per expert up to which `cpu_experts` runs the C++ kernel when
+# it has no register tiles (`pallas_kernels.cpu.tiled`), its streaming path
+# only: bench_moe's experts (2-core CPU, one layer, ms, streaming against XLA's
+# loop `moe._experts_split`): 1 token 1.45 vs 2.02, 8 tokens 8.4 vs 10.2, 32
+# tokens 16.2 vs 24.9, 64 tokens 21.6 vs 36.7, 128 tokens (12 rows) 34.8 vs
+# 38.5, 256 tokens 60.3 vs 57.8. With the tiles it runs at any size: 256
+# tokens 44.8 vs 69.1, 1024 tokens 128.6 vs 185.6, 2048 tokens 242 vs 350.
 CPU_EXPERT_ROWS = 12
+CPU_EXPERTS = True  # False: the XLA loop always (tests compare the two)
 
 
 def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bias: bool,
                 backend: Backend) -> bool:
   """Whether `routed_experts_cpu` takes a step's routed experts: a CPU
   target, the native kernels built (`pallas_kernels.cpu.available`),
-  float32 rows and weights held as plain arrays, no expert biases, and at
-  most CPU_EXPERT_ROWS token copies per expert on average."""
+  float32 rows and weights held as plain arrays, no expert biases, and with
+  the kernel's register tiles any number of rows, else at most
+  CPU_EXPERT_ROWS token copies per expert on average."""
   plain = all(getattr(w, "dtype", None) == jnp.float32 and getattr(w, "ndim", 0) == 2
               for w in (*w_gate_up, *w_down))  # a `QuantizedWeight` has neither
-  return (not backend.on_gpu() and xs_dtype == jnp.float32 and plain and not bias
-          and num_rows <= CPU_EXPERT_ROWS * num_experts and cpu_kernels.available())
+  if not (CPU_EXPERTS and not backend.on_gpu() and xs_dtype == jnp.float32 and plain
+          and not bias and cpu_kernels.available()):
+    return False
+  return cpu_kernels.tiled() or num_rows <= CPU_EXPERT_ROWS * num_experts
 
 
 def cpu_experts_choice(eligible: bool) -> str:
@@ -139,6 +145,8 @@ def cpu_experts_choice(eligible: bool) -> str:
     return "xla"
   if not cpu_kernels.available():
     return f"xla (native kernel unavailable: {cpu_kernels.unavailable_reason()})"
+  if cpu_kernels.tiled():
+    return "native"
   return f"native up to {CPU_EXPERT_ROWS} rows per expert, xla above"
 
 

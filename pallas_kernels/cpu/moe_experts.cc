@@ -7,9 +7,12 @@
 // gate-up weights [D, 2F] then their down weights [F, D], one array each, as
 // the Engine's `SplitExperts` holds them. ys [M, D] = down(act(gate, up)).
 //
-// Each chosen expert is one task: its weights are read once for all of its
-// rows (up to 8 at a time), row by row of W with the rows' accumulators in
-// L1, 4 rows of W per pass over them. Tasks are claimed from a shared counter
+// Each chosen expert is one task. Up to 8 rows: its weights are read once for
+// all of them, row by row of W with the rows' accumulators in L1, 4 rows of W
+// per pass over them (memory-bound: decode). More rows (prefill), with
+// AVX-512: 64-column panels of W against blocks of 6 rows, the 6 x 64 results
+// in 24 vector registers over the whole depth (compute-bound; each row
+// computed once, no padding). Tasks are claimed from a shared counter
 // by the calling thread and by helpers on XLA's intra-op thread pool, so
 // each core streams a different expert's weights.
 
@@ -21,6 +24,10 @@
 #include <memory>
 #include <thread>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 #include "xla/ffi/api/ffi.h"
 
@@ -72,6 +79,67 @@ void MatMul(const float* x, int64_t ldx, int rows, const float* w, int64_t K, in
   }
 }
 
+#ifdef __AVX512F__
+// y[MR, 64] = x[MR, K] @ w[K, 64]: MR x 4 vector accumulators in registers
+// over the whole depth (x rows of stride ldx, w and y rows of stride ldw, ldy).
+template <int MR>
+void MicroTile(const float* x, int64_t ldx, const float* w, int64_t ldw, int64_t K, float* y,
+               int64_t ldy) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < K; ++d) {
+    const float* wd = w + d * ldw;
+    const __m512 b0 = _mm512_loadu_ps(wd), b1 = _mm512_loadu_ps(wd + 16);
+    const __m512 b2 = _mm512_loadu_ps(wd + 32), b3 = _mm512_loadu_ps(wd + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + d]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) _mm512_storeu_ps(y + r * ldy + 16 * j, acc[r][j]);
+}
+
+constexpr bool kTiled = true;
+
+// MatMul for many rows: 64-column panels of w (from L2 after the first row
+// block) against blocks of 6 rows, the remaining columns as MatMul does.
+void MatMulTiled(const float* x, int64_t ldx, int rows, const float* w, int64_t K, int64_t N,
+                 float* y, int64_t ldy) {
+  const int64_t n64 = N / 64 * 64;
+  for (int64_t c0 = 0; c0 < n64; c0 += 64) {
+    for (int r0 = 0; r0 < rows; r0 += 6) {
+      const float* xr = x + r0 * ldx;
+      float* yr = y + r0 * ldy + c0;
+      switch (std::min(6, rows - r0)) {
+        case 6: MicroTile<6>(xr, ldx, w + c0, N, K, yr, ldy); break;
+        case 5: MicroTile<5>(xr, ldx, w + c0, N, K, yr, ldy); break;
+        case 4: MicroTile<4>(xr, ldx, w + c0, N, K, yr, ldy); break;
+        case 3: MicroTile<3>(xr, ldx, w + c0, N, K, yr, ldy); break;
+        case 2: MicroTile<2>(xr, ldx, w + c0, N, K, yr, ldy); break;
+        default: MicroTile<1>(xr, ldx, w + c0, N, K, yr, ldy); break;
+      }
+    }
+  }
+  if (n64 == N) return;
+  alignas(64) float acc[kRows][kCols];
+  const int n = static_cast<int>(N - n64);
+  for (int r0 = 0; r0 < rows; r0 += kRows) {
+    const int m = std::min(kRows, rows - r0);
+    for (int r = 0; r < m; ++r) std::memset(acc[r], 0, sizeof(float) * n);
+    AccumulateBlock(x + r0 * ldx, ldx, m, w + n64, N, K, n, acc);
+    for (int r = 0; r < m; ++r) std::memcpy(y + (r0 + r) * ldy + n64, acc[r], sizeof(float) * n);
+  }
+}
+#else
+constexpr bool kTiled = false;
+void MatMulTiled(const float*, int64_t, int, const float*, int64_t, int64_t, float*, int64_t) {}
+#endif
+
 struct Activation {
   int64_t kind;  // 0: SwiGLU; 1: GPT-OSS's clamped variant
   float limit, alpha;
@@ -100,6 +168,16 @@ struct Work {
   void RunExpert(const Task& t, std::vector<float>& h, std::vector<float>& g) {
     const float* wgu = gate_up[t.expert];
     const float* wd = down[t.expert];
+    if (kTiled && t.rows > kRows) {  // compute-bound: register tiles, all rows at once
+      const int rows = static_cast<int>(t.rows);
+      h.resize(rows * 2 * F);
+      g.resize(rows * F);
+      MatMulTiled(xs + t.start * D, D, rows, wgu, D, 2 * F, h.data(), 2 * F);
+      for (int r = 0; r < rows; ++r)
+        for (int64_t f = 0; f < F; ++f) g[r * F + f] = act(h[r * 2 * F + f], h[r * 2 * F + F + f]);
+      MatMulTiled(g.data(), F, rows, wd, F, D, ys + t.start * D, D);
+      return;
+    }
     for (int64_t r0 = 0; r0 < t.rows; r0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, t.rows - r0));
       const float* x = xs + (t.start + r0) * D;
@@ -167,6 +245,9 @@ ffi::Error SplitExpertsImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> xs,
 }
 
 }  // namespace
+
+// Whether experts of many rows run on register tiles (AVX-512), else row by row.
+extern "C" int JaxinferSplitExpertsTiled() { return kTiled ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxinferSplitExperts, SplitExpertsImpl,
                               ffi::Ffi::Bind()

@@ -253,7 +253,7 @@ def test_split_experts_never_run_padding_tokens():
   np.testing.assert_allclose(got[:, :9], want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 40, 200])
 @pytest.mark.parametrize("padded", [False, True])
 def test_native_cpu_experts_equal_the_xla_loop(monkeypatch, tokens, padded):
   """The split layout's two CPU paths (`moe._experts_native`, the C++ kernel,
@@ -269,11 +269,11 @@ def test_native_cpu_experts_equal_the_xla_loop(monkeypatch, tokens, padded):
   x = jax.random.normal(jax.random.key(6), (1, tokens, cfg.d_model), jnp.float32)
   valid = jnp.arange(tokens)[None] < max(1, tokens - 2) if padded else None
   layer = lambda x: moe.moe(cfg, p, x, valid=valid)[0]
-  monkeypatch.setattr(ops, "CPU_EXPERT_ROWS", 10 ** 6)
+  monkeypatch.setattr(ops, "CPU_EXPERTS", True)
   native = jax.jit(lambda x: layer(x))  # a function of its own: jit caches traces per function
   assert "jaxinfer_split_experts" in native.lower(x).as_text()
   got = native(x)
-  monkeypatch.setattr(ops, "CPU_EXPERT_ROWS", 0)
+  monkeypatch.setattr(ops, "CPU_EXPERTS", False)
   xla = jax.jit(lambda x: layer(x))
   assert "jaxinfer_split_experts" not in xla.lower(x).as_text()
   np.testing.assert_allclose(got, xla(x), atol=2e-5, rtol=2e-5)
