@@ -508,10 +508,12 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
       kernel = f"xla ({why})" if why else kernel
     out["grouped_matmul"] = kernel
   if cfg.is_moe and form is not None and form.split_experts and not cfg.backend.on_gpu():
+    # split experts run XLA's loop, or the C++ kernel where the form lets them
     quantized = cfg.quant is not None and any(cfg.quant.quantizes(f"experts.{w}")
                                               for w in ("w_gate", "w_up", "w_down"))
     out["cpu_experts"] = ops.cpu_experts_choice(
-        cfg.compute_dtype() == jnp.float32 and not quantized and not cfg.expert_bias)
+        form.native_experts and cfg.compute_dtype() == jnp.float32 and not quantized
+        and not cfg.expert_bias)
   return out
 
 

@@ -59,8 +59,9 @@ def choose(cfg: ModelConfig, config, params, mesh=None, *,
   """The weight form of an Engine's steps, chosen once at load (config: its
   `EngineConfig`; params: the stacked weights as placed): None to scan the
   stacked layers, else the unrolled steps' `WeightForm`: experts split
-  unless expert-parallel, projections transposed when unsharded, float
-  ones as `resolve` picks for this machine."""
+  unless expert-parallel (and open to the C++ CPU kernel when unsharded),
+  projections transposed when unsharded, float ones as `resolve` picks for
+  this machine."""
   unroll = config.unroll_layers
   if unroll is None:
     layer_bytes = sum(w.nbytes for w in jax.tree.leaves(params["layers"]))
@@ -69,6 +70,7 @@ def choose(cfg: ModelConfig, config, params, mesh=None, *,
     return None
   layout = resolve(cfg, config.cpu_weight_layout, mesh)
   return WeightForm(split_experts=not expert_parallel, transposed=mesh is None,
+                    native_experts=not expert_parallel and mesh is None,
                     floats_in_out=layout == "in_out", out_major=layout == "out_major")
 
 

@@ -126,6 +126,9 @@ class SplitExperts(_Fields):
   shared: Any = None  # dense MLP params
   eplb_replicas: Any = None  # [E, R]
   eplb_num_replicas: Any = None  # [E]
+  # The C++ CPU kernel may run them (`ops.cpu_experts`): unsharded params
+  # only, as its custom call has no sharding rule (`WeightForm.native_experts`).
+  native: bool = struct.field(pytree_node=False, default=False)
 
 
 @struct.dataclass
@@ -155,6 +158,8 @@ class WeightForm:
 
   split_experts: each routed expert its own array (`SplitExperts`; not for
     expert-parallel params, whose `moe_ep` wants them stacked)
+  native_experts: split experts may run the C++ CPU kernel
+    (`SplitExperts.native`, `ops.cpu_experts`; unsharded params only)
   transposed: projections stored [Out, In] (`layers.PackedLinear`, unsharded
     params): quantized ones with their codes unpacked, float ones unless
     floats_in_out
@@ -163,6 +168,7 @@ class WeightForm:
   out_major: transposed float projections multiply into [Out, rows]
     (`layers.PackedLinear.out_major`; also chosen by `engine.weight_layout`)"""
   split_experts: bool = False
+  native_experts: bool = False
   transposed: bool = False
   floats_in_out: bool = False
   out_major: bool = False

@@ -186,8 +186,8 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None
     counts = expert_counts(idx, ok, len(p["w_down"]))
   if isinstance(p, SplitExperts):
     experts = _experts_split
-    if ops.cpu_experts(B * T * cfg.num_experts_per_tok, len(p.w_down), xt.dtype, p.w_gate_up,
-                       p.w_down, cfg.expert_bias, cfg.backend):
+    if p.native and ops.cpu_experts(B * T * cfg.num_experts_per_tok, len(p.w_down), xt.dtype,
+                                    p.w_gate_up, p.w_down, cfg.expert_bias, cfg.backend):
       experts = _experts_native
     if valid is not None:  # padding copies to slot E: past every expert's rows, never run
       idx = jnp.where(ok[:, None], idx, len(p.w_down))

@@ -167,7 +167,7 @@ def step_layout(cfg: ModelConfig, params, form: WeightForm = WeightForm()):
         E = mlp["w_down"].shape[0]
         mlp = SplitExperts(w_down=tuple(mlp["w_down"][e] for e in range(E)),
                            w_gate_up=tuple(fuse_gate_up(mlp["w_gate"][e], mlp["w_up"][e])
-                                           for e in range(E)), **rest)
+                                           for e in range(E)), native=form.native_experts, **rest)
     return {**layer, "mlp": mlp}
 
   segs = []

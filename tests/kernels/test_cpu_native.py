@@ -76,3 +76,18 @@ def test_engine_with_split_experts_runs_the_native_kernel_and_matches_the_scanne
   sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
   got = [o.token_ids for o in split.generate(prompts, sp)]
   assert got == [o.token_ids for o in scanned.generate(prompts, sp)]
+
+
+def test_only_unsharded_split_experts_may_run_the_kernel():
+  """The custom call has no sharding rule: the Engine's weight form opens
+  split experts to it only without a mesh (and never expert-parallel ones,
+  which are not split)."""
+  from jaxinfer import models, presets
+  from jaxinfer.engine import EngineConfig, weight_layout
+  cfg = presets.get("tiny_moe")
+  params = models.init_params(cfg, jax.random.key(9))
+  config = EngineConfig(unroll_layers=True, cpu_weight_layout="in_out")
+  assert weight_layout.choose(cfg, config, params).native_experts
+  mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
+  assert not weight_layout.choose(cfg, config, params, mesh).native_experts
+  assert not weight_layout.choose(cfg, config, params, expert_parallel=True).native_experts

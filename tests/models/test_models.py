@@ -264,7 +264,7 @@ def test_native_cpu_experts_equal_the_xla_loop(monkeypatch, tokens, padded):
   from jaxinfer.models import moe, transformer
   cfg = presets.get("tiny_moe")
   params = models.init_params(cfg, jax.random.key(5))
-  step = transformer.step_layout(cfg, params, WeightForm(split_experts=True))
+  step = transformer.step_layout(cfg, params, WeightForm(split_experts=True, native_experts=True))
   p = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])["mlp"]
   x = jax.random.normal(jax.random.key(6), (1, tokens, cfg.d_model), jnp.float32)
   valid = jnp.arange(tokens)[None] < max(1, tokens - 2) if padded else None
