@@ -111,7 +111,9 @@ def unavailable_reason() -> str | None:
 
 def _check(xs, sizes, w_gate_up, w_down):
   E = len(w_gate_up)
-  if len(w_down) != E or sizes.shape != (E,):
+  if xs.ndim != 2:
+    raise ValueError(f"xs must be [M, D] token copies, got shape {xs.shape}")
+  if E == 0 or len(w_down) != E or sizes.shape != (E,):
     raise ValueError(f"{E} gate-up weights, {len(w_down)} down weights and sizes {sizes.shape} "
                      "must name the same experts")
   D = xs.shape[1]

@@ -47,6 +47,8 @@ def test_bad_inputs_are_named():
   xs = jnp.zeros((4, 16), jnp.float32)
   with pytest.raises(ValueError, match="same experts"):
     cpu.split_experts_ffn(xs, jnp.asarray([1, 1], jnp.int32), w_gate_up, w_down)
+  with pytest.raises(ValueError, match=r"\[M, D\]"):
+    cpu.split_experts_ffn(xs[None], jnp.asarray([1, 1, 1], jnp.int32), w_gate_up, w_down)
   with pytest.raises(ValueError, match="expert weights"):
     cpu.split_experts_ffn(jnp.zeros((4, 12), jnp.float32), jnp.asarray([1, 1, 1], jnp.int32),
                           w_gate_up, w_down)
