@@ -10,9 +10,9 @@ outputs:
   dense    (`DenseExperts`) every expert on every token, masked by the
            combine weights (a reference: E/k times the FLOPs)
   split    (`SplitExperts`: one array per expert, the Engine's CPU layout)
-           sorted copies, one loop over the chosen experts' row chunks; at
-           few copies per expert (decode) the C++ CPU kernel instead
-           (`ops.cpu_experts`, `_experts_native`) where it is built
+           sorted copies through the C++ CPU kernel where `ops.cpu_experts`
+           allows (`_experts_native`), else one loop over the chosen
+           experts' row chunks (`_experts_split`)
 
 `cfg.moe_impl` stays a config field (users and tests pick the reference
 path through the config, as they pick the attention kernels in `cfg.backend`); `with_impl` turns
@@ -61,14 +61,27 @@ def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine)
 
 
-def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
-  T, k = idx.shape
-  flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=p["w_gate"].shape[0]).astype(jnp.int32)  # physical slots
-  ys = grouped_ffn(cfg, p, x[order // k], flat[order], sizes)
-  y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, -1)
+def _sorted_copies(idx, E: int):
+  """idx [T, k] -> (order [T k]: the token copies sorted by expert, copy c
+  belonging to token c // k; sizes [E]: each expert's copies). Copies to
+  slot E and above (`moe`'s padding) sort last and are not counted."""
+  order = jnp.argsort(idx.reshape(-1), stable=True)
+  return order, jnp.bincount(idx.reshape(-1), length=E).astype(jnp.int32)
+
+
+def _combine(ys, order, weights):
+  """ys [>= T k, D]: the sorted copies' outputs -> [T, D] float32, each
+  token's k outputs weighted by weights [T, k]."""
+  T, k = weights.shape
+  y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
+
+
+def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
+  k = idx.shape[1]
+  order, sizes = _sorted_copies(idx, p["w_gate"].shape[0])  # physical slots
+  ys = grouped_ffn(cfg, p, x[order // k], idx.reshape(-1)[order], sizes)
+  return _combine(ys, order, weights)
 
 
 def split_chunk(T: int, k: int, E: int) -> int:
@@ -98,10 +111,10 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   (each branch one dot over its own expert's array, read in place), so an
   expert no token chose costs nothing and the loop's code exists once a
   layer. C (static, `chunk` overrides it): `split_chunk`. This is the CPU
-  path: XLA:CPU's grouped matmul touches every expert, and slicing a
-  stacked expert copies it. Copies
-  routed to slot E (`moe` sends a step's padding tokens there) are never
-  computed: their rows of the result are zeros.
+  path where the C++ kernel is not (`_experts_native`): XLA:CPU's grouped
+  matmul touches every expert, and slicing a stacked expert copies it.
+  Copies routed to slot E (`moe` sends a step's padding tokens there) are
+  never computed: their rows of the result are zeros.
 
   Until session 30 each expert had a loop of its own (`experiments/benchlib/
   moe_prefill.experts_looped`): as fast (bench_moe in the Engine, 5-7
@@ -114,9 +127,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   D = x.shape[1]
   E = len(p.w_down)  # physical slots
   C = chunk or split_chunk(T, k, E)
-  flat = idx.reshape(-1)  # [T * k]; slot E: never run (`moe`'s padding)
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  order, sizes = _sorted_copies(idx, E)  # slot E: never run (`moe`'s padding)
   starts = jnp.cumsum(sizes) - sizes
   chunks = (sizes + C - 1) // C
   ends = jnp.cumsum(chunks)  # expert e's chunks: ends[e] - chunks[e] .. ends[e]
@@ -140,9 +151,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
     return jax.lax.dynamic_update_slice_in_dim(
         ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, C)), start, 0)
 
-  ys = jax.lax.fori_loop(0, ends[-1], body, ys)
-  y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
-  return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
+  return _combine(jax.lax.fori_loop(0, ends[-1], body, ys), order, weights)
 
 
 def _experts_native(cfg: ModelConfig, p, x, idx, weights):
@@ -151,15 +160,11 @@ def _experts_native(cfg: ModelConfig, p, x, idx, weights):
   expert's weights read once for all its copies, the cores on different
   experts. Copies routed to slot E (padding) sort last, past every count,
   and come back zero."""
-  T, k = idx.shape
-  flat = idx.reshape(-1)
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=len(p.w_down)).astype(jnp.int32)
-  ys = ops.routed_experts_cpu(x[order // k], sizes, p.w_gate_up, p.w_down,
+  order, sizes = _sorted_copies(idx, len(p.w_down))
+  ys = ops.routed_experts_cpu(x[order // idx.shape[1]], sizes, p.w_gate_up, p.w_down,
                               activation=cfg.activation, limit=cfg.swiglu_limit,
                               alpha=cfg.swiglu_alpha)
-  y = jnp.zeros_like(ys).at[order].set(ys).reshape(T, k, -1)
-  return jnp.einsum("TKD,TK->TD", y, weights)
+  return _combine(ys, order, weights)
 
 
 def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None = None, valid=None, count=None):

@@ -188,7 +188,7 @@ struct Work {
     }
   }
 
-  // Claims tasks until none is left; true when this call finished the last.
+  // Claims tasks until none is left.
   void Drain() {
     std::vector<float> h(kRows * 2 * F), g(kRows * F);
     for (int64_t i; (i = next.fetch_add(1)) < static_cast<int64_t>(tasks.size());) {
