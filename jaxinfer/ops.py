@@ -297,7 +297,7 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
                            window=0, sinks=None, scale, v_head_dim=None, layer=None,
                            k_scale=None, v_scale=None, new_kv=None, latent_out=None,
-                           expand=None, backend: Backend = Backend()):
+                           expand=None, q_rows=None, backend: Backend = Backend()):
   """Attention for a token-flattened mixed batch over a paged KV cache.
 
   q [T, N, Hk]: the step's tokens, sequence b owning rows
@@ -326,6 +326,11 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   W_uv [T, N, Hv]. expand: a callable -> the step's q, k [T, N, Dq], v [T,
   N, Hv] in MLA's expanded form, traced only in the branch above, whose
   prompts then attend packed over those (bench_moe: Dq 96, not 288 + 256).
+  q_rows: None, or a callable rows -> q[rows] (rows None: all of q) that
+  computes the queries where a branch needs them. The XLA path then takes q
+  for its shape only, so a step of fresh MLA prompts computes the absorbed
+  queries of each sequence's first token (the decode rows) instead of every
+  token's (bench_moe: [T, 16, 256] more products and copies a layer).
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
@@ -350,7 +355,7 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
         v_scale=v_scale, interpret=interpret, **tiling))
   return _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
                      scale, v_head_dim, layer, (k_scale, v_scale), new_kv, latent_out, expand,
-                     post)
+                     post, q_rows)
 
 
 def latent_values(out, w_uv):
@@ -363,15 +368,17 @@ def latent_values(out, w_uv):
 
 
 def _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
-                scale, v_head_dim, layer, kv_scales, new_kv, latent_out, expand, post):
+                scale, v_head_dim, layer, kv_scales, new_kv, latent_out, expand, post, q_rows=None):
   """`ragged_paged_attention`'s XLA path: packed fresh prompts where it can
   (`_fresh_or_paged_xla`), else over the pages."""
+  if q_rows is None:
+    q_rows = lambda rows=None: q if rows is None else q[rows]
   if layer is None:
     k_pages = k_pages[None]
     v_pages = None if v_pages is None else v_pages[None]
     layer = 0
   paged = lambda: post(_ragged_paged_xla(
-      q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks, scale,
+      q_rows(), k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks, scale,
       v_head_dim, layer, kv_scales, trim=max_q == 1))
   if v_pages is not None and new_kv is not None and latent_out is None:
     fresh_qkv = lambda: (q, *new_kv)
@@ -381,12 +388,12 @@ def _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, wind
     fresh_qkv = None
   if fresh_qkv is None or max_q == 1 or kv_scales[0] is not None:
     return paged()
-  return _fresh_or_paged_xla(q, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens,
-                             window, sinks, scale, layer, paged, v_head_dim, post)
+  return _fresh_or_paged_xla(q_rows, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens,
+                             window, sinks, scale, layer, paged, v_head_dim, post, q.shape[0])
 
 
-def _fresh_or_paged_xla(q, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens, window,
-                        sinks, scale, layer, paged, v_head_dim, post):
+def _fresh_or_paged_xla(q_rows, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens,
+                        window, sinks, scale, layer, paged, v_head_dim, post, T):
   """`_fresh_and_decodes_xla` where every sequence is a fresh chunk or one
   decode token (chosen by value in the step), the prompts packed over
   fresh_qkv() (traced in that branch only), else paged()."""
@@ -395,9 +402,9 @@ def _fresh_or_paged_xla(q, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_
   decodes = (q_lens == 1) & (kv_lens > 1)  # a lone token past position 0
   return jax.lax.cond(
       jnp.all((kv_lens == q_lens) | decodes),
-      lambda: _fresh_and_decodes_xla(q, k_pages, v_pages, packed(), kv_lens, page_table,
+      lambda: _fresh_and_decodes_xla(q_rows, k_pages, v_pages, packed(), kv_lens, page_table,
                                      cu_q_lens, decodes, window, sinks, scale, layer,
-                                     v_head_dim, post),
+                                     v_head_dim, post, T),
       paged)
 
 
@@ -425,16 +432,17 @@ def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
   return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
 
 
-def _fresh_and_decodes_xla(q, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
-                           decodes, window, sinks, scale, layer, v_head_dim, post):
+def _fresh_and_decodes_xla(q_rows, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
+                           decodes, window, sinks, scale, layer, v_head_dim, post, T):
   """A step whose sequences are each a fresh chunk (from position 0) or one
   decode token (`decodes` [B]): the fresh chunks' attention `packed` [T, N,
   Hv] (`_packed_xla` over the step's own keys), the decode tokens over their
   pages (then `post`: MLA's W_uv), one query row a sequence as in a decode
   step, gathered for the decodes only: none, at most a quarter of the
-  sequences, or all of them (`lax.switch`)."""
-  T, B = q.shape[0], page_table.shape[0]
-  firsts = q[jnp.clip(cu_q_lens[:-1], 0, T - 1)]  # [B, N, H]: each sequence's first token
+  sequences, or all of them (`lax.switch`). q_rows(rows): the queries of
+  the step's tokens rows (T of them)."""
+  B = page_table.shape[0]
+  firsts = q_rows(jnp.clip(cu_q_lens[:-1], 0, T - 1))  # [B, N, H]: each sequence's first token
 
   def decode_rows(rows):  # -> [B, N, Hv]: sequence b's decode attention (others: any values)
     order = jnp.argsort(jnp.where(decodes, 0, 1), stable=True)[:rows]  # the decodes first

@@ -67,8 +67,8 @@ class FullContext:
     return None
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             latent_out=None, expand=None, backend: Backend = Backend()):
-    del expand  # MLA takes the expanded form itself here (caches_latent False)
+             latent_out=None, expand=None, q_rows=None, backend: Backend = Backend()):
+    del expand, q_rows  # MLA takes the expanded form itself here (caches_latent False)
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
                                sinks=sinks, scale=scale, backend=backend)
@@ -89,8 +89,8 @@ class ContiguousContext:
     return None
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             latent_out=None, expand=None, backend: Backend = Backend()):
-    del expand  # the absorbed form throughout (a reference path)
+             latent_out=None, expand=None, q_rows=None, backend: Backend = Backend()):
+    del expand, q_rows  # the absorbed form throughout (a reference path)
     # Per-sequence offsets into a contiguous cache: the XLA path on every
     # backend (a reference; the engine's paged path is the one with kernels).
     stack, layer = cache  # {name: [L, B, S, ...]}
@@ -139,11 +139,11 @@ class PagedContext:
     return self.valid[None]
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             latent_out=None, expand=None, backend: Backend = Backend()):
+             latent_out=None, expand=None, q_rows=None, backend: Backend = Backend()):
     kw = dict(latent_dim=latent_dim, scale=scale, backend=backend)
     if self.mesh is None or self.head_axis is None:
       return self._attend_local(q, new, cache, window=window, sinks=sinks, latent_out=latent_out,
-                                expand=expand, **kw)
+                                expand=expand, q_rows=q_rows, **kw)
     # Per head shard: the absorbed form, W_uv after the shard_map (GSPMD splits it).
     out, cache = self._attend_per_head_shard(q, new, cache, window, sinks, kw)
     return ops.latent_values(out, latent_out), cache
@@ -177,7 +177,7 @@ class PagedContext:
     return out, (stack, layer)
 
   def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, backend,
-                    latent_out=None, expand=None):
+                    latent_out=None, expand=None, q_rows=None):
     stack, layer = cache
     layout = _layout(latent_dim is not None, stack)
     page_size = layout.page_size(stack)
@@ -193,5 +193,5 @@ class PagedContext:
         v_head_dim=latent_dim, layer=layer, k_scale=k_scale, v_scale=v_scale,
         new_kv=(new["k"][0], new["v"][0]) if set(new) == {"k", "v"} else None,
         latent_out=latent_out, expand=None if expand is None else lambda: [a[0] for a in expand()],
-        backend=backend)
+        q_rows=None if q_rows is None else lambda rows=None: q_rows(rows)[0], backend=backend)
     return out[None], (stack, layer)

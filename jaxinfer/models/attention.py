@@ -141,8 +141,12 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale,
                             backend=cfg.backend)
   else:
-    q_lat = jnp.einsum("BTNH,NRH->BTNR", q_nope, w_uk)
-    q_abs = jnp.concatenate([q_lat, q_rope.astype(q_lat.dtype)], axis=-1)
+    def absorbed(rows=None):  # the queries of tokens rows (None: all) in the absorbed form
+      qn, qr = (q_nope, q_rope) if rows is None else (q_nope[:, rows], q_rope[:, rows])
+      q_lat = jnp.einsum("BTNH,NRH->BTNR", qn, w_uk)
+      return jnp.concatenate([q_lat, qr.astype(q_lat.dtype)], axis=-1)
+
+    q_abs = absorbed()
     new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
     # No layer with a window: a static 0, so kernels without windows (the
     # Mosaic MLA decode) can take the step.
@@ -150,7 +154,7 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     out, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
                             latent_out=w_uv, expand=lambda: _expanded(q_nope, q_rope, c, k_rope,
                                                                       w_uk, w_uv),
-                            backend=cfg.backend)
+                            q_rows=absorbed, backend=cfg.backend)
   return out_proj(out, p["wo"], cfg.backend), cache
 
 

@@ -73,7 +73,11 @@ def _combine(ys, order, weights):
   """ys [>= T k, D]: the sorted copies' outputs -> [T, D] float32, each
   token's k outputs weighted by weights [T, k]."""
   T, k = weights.shape
-  y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
+  # each copy's row in ys by a gather (the inverse permutation scattered as
+  # ints): scattering the rows into zeros wrote and copied [T k, D] floats
+  # more (bench_moe's 8 x 128 prefill: ~20 ms of ~750)
+  where = jnp.zeros((T * k,), jnp.int32).at[order].set(jnp.arange(T * k, dtype=jnp.int32))
+  y = ys[where].reshape(T, k, -1)
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
