@@ -86,6 +86,10 @@ def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
     return FusedQKV(wqkv=pack(wqkv), heads=tuple(p["wq"].shape[1:2]) + tuple(p["wk"].shape[1:]),
                     **{**rest, "wo": pack(rest["wo"], 2)})
   packed = {k: pack(v, _PROJECTIONS[k]) for k, v in p.items() if k in _PROJECTIONS}
+  if isinstance(p, AbsorbedMLA) and "wq_a" in p and not any(
+      isinstance(p[k], QuantizedWeight) for k in ("wq_a", "wkv_a")):
+    packed.update(wqkv_a=pack(jnp.concatenate([p["wq_a"], p["wkv_a"]], axis=-1)),
+                  wq_a=None, wkv_a=None)
   return p.replace(**packed) if isinstance(p, AbsorbedMLA) else {**p, **packed}
 
 
@@ -104,6 +108,8 @@ def stacked_layout(p):
     p = {**{k: v for k, v in p.items() if k != "wqkv"},
          "wq": wq.reshape(D, N, H), "wk": wk.reshape(D, K, H), "wv": wv.reshape(D, K, H)}
   p = {k: unpack_linear(v) for k, v in p.items()}
+  if "wqkv_a" in p:
+    p["wq_a"], p["wkv_a"] = jnp.split(p.pop("wqkv_a"), [p["q_norm"].shape[0]], axis=-1)
   if "w_uk" in p:
     w_uk, w_uv = p.pop("w_uk"), p.pop("w_uv")
     p["wkv_b"] = jnp.concatenate([rearrange(w_uk, "N R Hn -> R N Hn"),
@@ -123,14 +129,15 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   1.13 s against 1.48 s in the absorbed form, 2-core CPU).
   """
   R, Hn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
-  if cfg.q_lora_rank:
-    q = linear(x, p["wq_a"], backend=cfg.backend)
-    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"], backend=cfg.backend)
+  if "wqkv_a" in p:  # wq_a and wkv_a fused (`layouts.AbsorbedMLA`)
+    q, kv = jnp.split(linear(x, p["wqkv_a"], backend=cfg.backend), [cfg.q_lora_rank], axis=-1)
   else:
-    q = linear(x, p["wq"], backend=cfg.backend)
+    q = linear(x, p["wq_a" if cfg.q_lora_rank else "wq"], backend=cfg.backend)
+    kv = linear(x, p["wkv_a"], backend=cfg.backend)  # [B, T, R + Hr]
+  if cfg.q_lora_rank:
+    q = linear(rms_norm(q, p["q_norm"], cfg.norm_eps), p["wq_b"], backend=cfg.backend)
   q_nope, q_rope = q[..., :Hn], q[..., Hn:]
   q_rope = apply_rope(q_rope, cos, sin, cfg.rope_interleave)
-  kv = linear(x, p["wkv_a"], backend=cfg.backend)  # [B, T, R + Hr]
   c = rms_norm(kv[..., :R], p["kv_norm"], cfg.norm_eps)
   k_rope = apply_rope(kv[:, :, None, R:], cos, sin, cfg.rope_interleave)[:, :, 0]
   w_uk, w_uv = absorbed_weights(cfg, p)  # [N, R, Hn], [N, Hv, R]

@@ -75,16 +75,22 @@ class AbsorbedMLA(_Fields):
   CPU, ms per layer, this layout against the contracted dim major: q x W_uk
   0.038 vs 0.247, the latent result x W_uv 0.049 vs 0.188; at 512 rows
   1.6 vs 4.4 and 2.3 vs 3.9; the prefill's expansions c x W equal (1.5 ms).
-  Projections plain or `layers.PackedLinear`; wq or (wq_a, q_norm, wq_b)."""
+  Projections plain or `layers.PackedLinear`; wq or (wq_a, q_norm, wq_b).
+  wqkv_a: wq_a and wkv_a as one [D, Rq + R + Hr] matrix (q's columns first;
+  wq_a and wkv_a then None), which the transposed unsharded step holds when
+  both are float: both read x, and narrow on their own they multiply slower
+  (bench_moe's 1024-token prefill on the 2-core EPYC: 3.9 + 3.0 ms a layer
+  apart, in_out 8.1 ms apart against 4.6 fused in a probe)."""
   w_uk: Any  # [N, R, Hn]
   w_uv: Any  # [N, Hv, R]
-  wkv_a: Any  # [D, R + Hr]
+  wkv_a: Any  # [D, R + Hr], or None with wqkv_a
   kv_norm: Any  # [R]
   wo: Any  # [N, Hv, D]
   wq: Any = None  # [D, N, Hn + Hr] (no q LoRA)
   wq_a: Any = None  # [D, Rq]
   q_norm: Any = None  # [Rq]
   wq_b: Any = None  # [Rq, N, Hn + Hr]
+  wqkv_a: Any = None  # [D, Rq + R + Hr]
 
 
 @struct.dataclass

@@ -141,8 +141,13 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
       out_major=float_layout == "out_major"))
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
-  # Grouped-query q, k and v become one matmul whenever the step transposes.
+  # Grouped-query q, k and v become one matmul whenever the step transposes,
+  # and so do MLA's two down-projections (q LoRA and the latent's).
   assert isinstance(attn, FusedQKV) == (transpose and cfg.attention != "mla")
+  fused_mla = transpose and cfg.attention == "mla" and bool(cfg.q_lora_rank)
+  assert ("wqkv_a" in attn) == fused_mla
+  if cfg.attention == "mla":
+    assert ("wkv_a" in attn) != fused_mla
   packed = [w for w in attn.values() if isinstance(w, PackedLinear)]
   assert bool(packed) == (transpose and float_layout != "in_out")
   assert all(w.out_major == (float_layout == "out_major") for w in packed)
