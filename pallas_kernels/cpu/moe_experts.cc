@@ -1,5 +1,5 @@
-// Routed experts of a MoE layer on the CPU, for steps of few rows per expert
-// (decode): an XLA FFI custom call (`jaxinfer.native.split_experts_ffn`).
+// Routed experts of a MoE layer on the CPU, decode and prefill: an XLA FFI
+// custom call (`jaxinfer.native.split_experts_ffn`).
 //
 // xs [M, D] float32 holds the token copies sorted by expert; sizes [E] int32
 // the copies of each expert, in that order (rows past their sum are padding
@@ -10,11 +10,12 @@
 // Each chosen expert is one task. Up to 8 rows: its weights are read once for
 // all of them, row by row of W with the rows' accumulators in L1, 4 rows of W
 // per pass over them (memory-bound: decode). More rows (prefill), with
-// AVX-512: 64-column panels of W against blocks of 6 rows, the 6 x 64 results
-// in 24 vector registers over the whole depth (compute-bound; each row
-// computed once, no padding). Tasks are claimed from a shared counter
-// by the calling thread and by helpers on XLA's intra-op thread pool, so
-// each core streams a different expert's weights.
+// AVX-512: 64-column panels of W, each copied contiguous while the next one
+// is prefetched, against blocks of 6 rows, the 6 x 64 results in 24 vector
+// registers over the whole depth (compute-bound; each row computed once, no
+// padding). Tasks are claimed from a shared counter (one ahead, to know what
+// to prefetch) by the calling thread and by helpers on XLA's intra-op thread
+// pool, so each core streams a different expert's weights.
 
 #include <algorithm>
 #include <atomic>
