@@ -326,11 +326,9 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   W_uv [T, N, Hv]. expand: a callable -> the step's q, k [T, N, Dq], v [T,
   N, Hv] in MLA's expanded form, traced only in the branch above, whose
   prompts then attend packed over those (bench_moe: Dq 96, not 288 + 256).
-  q_rows: None, or a callable rows -> q[rows] (rows None: all of q) that
-  computes the queries where a branch needs them. The XLA path then takes q
-  for its shape only, so a step of fresh MLA prompts computes the absorbed
-  queries of each sequence's first token (the decode rows) instead of every
-  token's (bench_moe: [T, 16, 256] more products and copies a layer).
+  q_rows: None, or a callable rows -> q[rows] (None: all) computing queries
+  inside the XLA path's branches (q then gives the shape): fresh MLA prompts
+  need absorbed queries for their decode rows only, not every token's.
 
   GPU target: the kernel tiled by `paged_tiling`, or (attention None)
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
