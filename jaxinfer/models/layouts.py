@@ -79,8 +79,9 @@ class AbsorbedMLA(_Fields):
   wqkv_a: wq_a and wkv_a as one [D, Rq + R + Hr] matrix (q's columns first;
   wq_a and wkv_a then None), which the transposed unsharded step holds when
   both are float: both read x, and narrow on their own they multiply slower
-  (bench_moe's 1024-token prefill on the 2-core EPYC: 3.9 + 3.0 ms a layer
-  apart, in_out 8.1 ms apart against 4.6 fused in a probe)."""
+  (bench_moe's 1024-token prefill, 2-core EPYC: 3.9 + 3.0 ms a layer apart
+  in its profile; the Engine's 8 x 128 prefill 634-638 ms fused against
+  650-656 apart)."""
   w_uk: Any  # [N, R, Hn]
   w_uv: Any  # [N, Hv, R]
   wkv_a: Any  # [D, R + Hr], or None with wqkv_a
