@@ -123,6 +123,13 @@ CPU_EXPERT_ROWS = 12
 CPU_EXPERTS = True  # False: the XLA loop always (tests compare the two)
 
 
+def cpu_experts_fit(dtype, quantized: bool, bias: bool) -> bool:
+  """The experts the C++ CPU kernel can run: float32, not quantized, no
+  biases (`cpu_experts` per call from the arrays; `steps.kernel_choice`
+  from the config)."""
+  return dtype == jnp.float32 and not quantized and not bias
+
+
 def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bias: bool,
                 backend: Backend) -> bool:
   """Whether `routed_experts_cpu` takes a step's routed experts: a CPU
@@ -132,8 +139,8 @@ def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bi
   CPU_EXPERT_ROWS token copies per expert on average."""
   plain = all(getattr(w, "dtype", None) == jnp.float32 and getattr(w, "ndim", 0) == 2
               for w in (*w_gate_up, *w_down))  # a `QuantizedWeight` has neither
-  if not (CPU_EXPERTS and not backend.on_gpu() and xs_dtype == jnp.float32 and plain
-          and not bias and cpu_kernels.available()):
+  if not (CPU_EXPERTS and not backend.on_gpu() and cpu_experts_fit(xs_dtype, not plain, bias)
+          and cpu_kernels.available()):
     return False
   return cpu_kernels.tiled() or num_rows <= CPU_EXPERT_ROWS * num_experts
 

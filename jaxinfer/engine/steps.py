@@ -512,8 +512,7 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
     quantized = cfg.quant is not None and any(cfg.quant.quantizes(f"experts.{w}")
                                               for w in ("w_gate", "w_up", "w_down"))
     out["cpu_experts"] = ops.cpu_experts_choice(
-        form.native_experts and cfg.compute_dtype() == jnp.float32 and not quantized
-        and not cfg.expert_bias)
+        form.native_experts and ops.cpu_experts_fit(cfg.compute_dtype(), quantized, cfg.expert_bias))
   return out
 
 
