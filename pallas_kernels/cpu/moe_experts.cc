@@ -209,8 +209,8 @@ struct Work {
   std::vector<Task> tasks;
   std::atomic<int64_t> next{0}, done{0};
 
-  // next: the task this thread runs after t (its first weights prefetched).
-  void RunExpert(const Task& t, const Task* next, std::vector<float>& h, std::vector<float>& g) {
+  // after: the task this thread runs after t (its first weights prefetched).
+  void RunExpert(const Task& t, const Task* after, std::vector<float>& h, std::vector<float>& g) {
     const float* wgu = gate_up[t.expert];
     const float* wd = down[t.expert];
     if (kTiled && t.rows > kRows) {  // compute-bound: register tiles, all rows at once
@@ -221,7 +221,8 @@ struct Work {
       for (int r = 0; r < rows; ++r)
         for (int64_t f = 0; f < F; ++f) g[r * F + f] = act(h[r * 2 * F + f], h[r * 2 * F + F + f]);
       MatMulTiled(g.data(), F, rows, wd, F, D, ys + t.start * D, D,
-                  next != nullptr && next->rows > kRows ? gate_up[next->expert] : nullptr, D, 2 * F);
+                  after != nullptr && after->rows > kRows ? gate_up[after->expert] : nullptr, D,
+                  2 * F);
       return;
     }
     for (int64_t r0 = 0; r0 < t.rows; r0 += kRows) {
