@@ -15,6 +15,7 @@ Variants (all exact up to float32 summation order):
                     per expert over its chunks
   capacity <n>      looped, each expert's first n rows as one static block
                     outside the loop (a capacity bucket), the loop only past it
+  native            the C++ CPU kernel (`moe._experts_native`), where it builds
   grouped           the stacked layout's `lax.ragged_dot` (`moe_core.grouped_ffn`)
   dense             every expert on every token (E/k times the FLOPs): the reference
 
@@ -36,6 +37,7 @@ from jaxinfer import models, presets
 from jaxinfer.models import moe, moe_core, transformer
 from jaxinfer.models.layers import glu
 from jaxinfer.models.layouts import DenseExperts, WeightForm
+from pallas_kernels import cpu as cpu_kernels
 
 
 @jax.tree_util.register_dataclass
@@ -60,9 +62,7 @@ def experts_looped(cfg, p, x, idx, weights, chunk: int | None = None, capacity: 
   D = x.shape[1]
   E = len(p.w_down)  # physical slots
   C = chunk or moe.split_chunk(T, k, E)
-  flat = idx.reshape(-1)  # [T * k], copy c belongs to token c // k
-  order = jnp.argsort(flat, stable=True)
-  sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+  order, sizes = moe._sorted_copies(idx, E)  # copy c belongs to token c // k
   starts = jnp.cumsum(sizes) - sizes
   pad = max(C, capacity)
   xs = jnp.concatenate([x[order // k], jnp.zeros((pad, D), x.dtype)])  # [T k + pad, D]
@@ -87,8 +87,7 @@ def experts_looped(cfg, p, x, idx, weights, chunk: int | None = None, capacity: 
     rest = jnp.maximum(sizes[e] - capacity, 0)
     ys = jax.lax.fori_loop(0, (rest + C - 1) // C,
                            lambda i, ys, e=e: block(e, capacity + i * C, C, ys), ys)
-  y = jnp.zeros((T * k, ys.shape[1]), ys.dtype).at[order].set(ys[:T * k]).reshape(T, k, -1)
-  return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
+  return moe._combine(ys, order, weights)
 
 
 
@@ -123,6 +122,8 @@ def variants(cfg, p, split, unfused, tokens: int) -> dict:
   half = max(1, C // 2)
   for cap, c in ((C, C), (2 * C, C), (C, half)):
     out[f"capacity {cap}, then C={c}"] = (fn(experts_looped, chunk=c, capacity=cap), split)
+  if cpu_kernels.available():  # the Engine's path where the C++ kernel builds
+    out["native (C++ kernel)"] = (fn(moe._experts_native), split)
   out["grouped (ragged_dot)"] = (fn(moe._experts_grouped), p)
   out["dense (reference)"] = (fn(moe._experts_dense), DenseExperts(p))
   return out

@@ -209,6 +209,12 @@ struct Work {
   std::vector<Task> tasks;
   std::atomic<int64_t> next{0}, done{0};
 
+  // g[rows, F] = act(gate, up) of h[rows, 2F] (gate columns first).
+  void Activate(const float* h, int64_t rows, float* g) const {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t f = 0; f < F; ++f) g[r * F + f] = act(h[r * 2 * F + f], h[r * 2 * F + F + f]);
+  }
+
   // after: the task this thread runs after t (its first weights prefetched).
   void RunExpert(const Task& t, const Task* after, std::vector<float>& h, std::vector<float>& g) {
     const float* wgu = gate_up[t.expert];
@@ -218,8 +224,7 @@ struct Work {
       h.resize(rows * 2 * F);
       g.resize(rows * F);
       MatMulTiled(xs + t.start * D, D, rows, wgu, D, 2 * F, h.data(), 2 * F, wd, F, D);
-      for (int r = 0; r < rows; ++r)
-        for (int64_t f = 0; f < F; ++f) g[r * F + f] = act(h[r * 2 * F + f], h[r * 2 * F + F + f]);
+      Activate(h.data(), rows, g.data());
       MatMulTiled(g.data(), F, rows, wd, F, D, ys + t.start * D, D,
                   after != nullptr && after->rows > kRows ? gate_up[after->expert] : nullptr, D,
                   2 * F);
@@ -229,8 +234,7 @@ struct Work {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, t.rows - r0));
       const float* x = xs + (t.start + r0) * D;
       MatMul(x, D, rows, wgu, D, 2 * F, h.data(), 2 * F);
-      for (int r = 0; r < rows; ++r)
-        for (int64_t f = 0; f < F; ++f) g[r * F + f] = act(h[r * 2 * F + f], h[r * 2 * F + F + f]);
+      Activate(h.data(), rows, g.data());
       MatMul(g.data(), F, rows, wd, F, D, ys + (t.start + r0) * D, D);
     }
   }
