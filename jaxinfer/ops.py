@@ -167,6 +167,28 @@ def routed_experts_cpu(xs, sizes, w_gate_up, w_down, *, activation: str, limit: 
                                        activation=activation, limit=limit, alpha=alpha)
 
 
+def pack_panels(w2):
+  """A float32 projection [In, Out] -> the C++ CPU kernel's 32-column
+  panels [ceil(Out / 32), In, 32] (`pallas_kernels.cpu.pack_panels`)."""
+  return cpu_kernels.pack_panels(w2)
+
+
+def unpack_panels(wp, out: int):
+  """The inverse of `pack_panels`: panels -> [In, out]."""
+  return cpu_kernels.unpack_panels(wp, out)
+
+
+def panel_linear(x2, wp, out: int):
+  """x2 [rows, In] times a projection in panels (`pack_panels`) -> [rows,
+  out] float32: the C++ CPU kernel (`pallas_kernels.cpu.panel_matmul`)
+  where it is built, else the same product in XLA (slow: panels are the
+  layout `engine.weight_layout` picks only with the kernel there)."""
+  x2 = x2.astype(jnp.float32)
+  if cpu_kernels.available():
+    return cpu_kernels.panel_matmul(x2, wp)[:, :out]
+  return cpu_kernels.panel_matmul_reference(x2, wp)[:, :out]
+
+
 def paged_tiling(num_seqs: int, num_kv_heads: int, pages_per_seq: int, page_size: int, *,
                  num_q_heads: int | None = None, max_q: int = 1, head_dim: int = 128,
                  value_dim: int | None = None, values_from_keys: bool = False,

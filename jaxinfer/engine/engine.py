@@ -115,7 +115,8 @@ class EngineConfig:
   unroll_layers: bool | None = None
   # Unrolled and unsharded: float projections held [In, Out] ("in_out") or
   # transposed, multiplied as rows x w^T ("out_in") or into [Out, rows]
-  # ("out_major"); "auto" times the three on this machine
+  # ("out_major"), or float32 ones in 32-column panels for the C++ CPU
+  # kernel ("panels", where it builds); "auto" times them on this machine
   # (`engine.weight_layout`: which is faster differs by CPU, up to 1.5x).
   cpu_weight_layout: str = "auto"
   # Multi-step decode: a step whose chunks are all lone decode tokens runs

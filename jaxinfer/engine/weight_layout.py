@@ -1,7 +1,9 @@
 """Which way round the unsharded CPU step holds and multiplies float
 projection weights: [In, Out] as loaded ("in_out"), or transposed, [Out, In]
 (`layers.PackedLinear`), multiplied as rows x w^T ("out_in") or as w x rows^T
-into [Out, rows] ("out_major", `layers.out_major_dot`). XLA:CPU's matmul
+into [Out, rows] ("out_major", `layers.out_major_dot`), or float32 ones
+packed in 32-column panels for the C++ CPU kernel ("panels",
+`ops.panel_linear`, offered where that kernel builds). XLA:CPU's matmul
 speed for them differs by machine, and not by a little:
 
   2-core Intel Xeon (earlier sessions): "out_in" 1.1x faster at 1 row,
@@ -17,7 +19,11 @@ speed for them differs by machine, and not by a little:
     1.26x at 1, 1.17x at 32; the probe's gate-up 1.27x / 1.40x / 1.15x at
     1 / 8 / 32 rows (results/weight_layout.json).
 
-So `EngineConfig.cpu_weight_layout="auto"` times all three on this machine,
+  2-core AMD EPYC (Zen 5), session 33: "panels" against "out_major" on
+    bench_dense's shapes 1.2-1.5x at 8 rows (41-43 GB/s against 28-32),
+    1.0-1.3x at 32, 1.0-1.08x at 512.
+
+So `EngineConfig.cpu_weight_layout="auto"` times them all on this machine,
 once per process and shape, at the model's widest projection.
 
 `choose` makes the whole choice once, when an Engine loads its weights:
@@ -36,11 +42,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import ops
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import out_major_dot
 from jaxinfer.models.layouts import WeightForm
 
-LAYOUTS = ("auto", "in_out", "out_in", "out_major")
+LAYOUTS = ("auto", "in_out", "out_in", "out_major", "panels")
 # EngineConfig.unroll_layers=None: unroll on the CPU backend from this many
 # layer weight bytes, where the scan's per-step weight copies dominate a
 # step; smaller models keep the scan's faster compile.
@@ -71,16 +78,21 @@ def choose(cfg: ModelConfig, config, params, mesh=None, *,
   layout = resolve(cfg, config.cpu_weight_layout, mesh)
   return WeightForm(split_experts=not expert_parallel, transposed=mesh is None,
                     native_experts=not expert_parallel and mesh is None,
-                    floats_in_out=layout == "in_out", out_major=layout == "out_major")
+                    floats_in_out=layout == "in_out", out_major=layout == "out_major",
+                    panels=layout == "panels" and cfg.compute_dtype() == jnp.float32)
 
 
 def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:
-  """EngineConfig.cpu_weight_layout -> "in_out", "out_in" or "out_major" for this model
-  and machine ("auto": `measure` at the widest dense projection, d_model x
-  2 ffn_dim, the fused gate-up). With a mesh nothing is timed: the
-  sharded step keeps the loaded layout whatever this returns."""
+  """EngineConfig.cpu_weight_layout -> one of LAYOUTS but "auto" for this
+  model and machine ("auto": `measure` at the widest dense projection,
+  d_model x 2 ffn_dim, the fused gate-up). With a mesh nothing is timed:
+  the sharded step keeps the loaded layout whatever this returns. "panels"
+  needs the C++ CPU kernel built (ValueError naming why it is not)."""
   if layout not in LAYOUTS:
     raise ValueError(f"cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
+  if layout == "panels" and not _panels_available():
+    raise ValueError("cpu_weight_layout='panels' needs the C++ CPU kernels: "
+                     f"{ops.cpu_kernels.unavailable_reason()}")
   if layout != "auto":
     return layout
   if mesh is not None:
@@ -106,6 +118,9 @@ def measure(d_in: int, d_out: int, repeats: int = 7) -> dict:
   forms = {"in_out": jax.jit(lambda x, ws: [x @ a for a in ws]),
            "out_in": jax.jit(lambda x, ws: [jnp.einsum("mi,oi->mo", x, a) for a in ws]),
            "out_major": jax.jit(lambda x, ws: [out_major_dot(x, a) for a in ws])}
+  if _panels_available():
+    held["panels"] = [ops.pack_panels(a) for a in held["in_out"]]
+    forms["panels"] = jax.jit(lambda x, ws: [ops.panel_linear(x, a, d_out) for a in ws])
   ms = {k: {} for k in forms}
   for rows in PROBE_ROWS:
     x = jnp.ones((rows, d_in), jnp.float32)
@@ -120,3 +135,9 @@ def measure(d_in: int, d_out: int, repeats: int = 7) -> dict:
       ms[k][rows] = 1e3 * statistics.median(times[k])
   score = {k: float(np.exp(np.mean(np.log(list(ms[k].values()))))) for k in forms}
   return dict(layout=min(score, key=score.get), ms=ms)
+
+
+def _panels_available() -> bool:
+  """Whether the "panels" layout can run here: the CPU backend, the C++
+  kernels built."""
+  return jax.default_backend() == "cpu" and ops.cpu_kernels.available()

@@ -69,7 +69,7 @@ def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
   `AbsorbedMLA` (up-projections pre-transposed); with form.transposed,
   grouped-query float q/k/v as a `FusedQKV` and the projections as
   `layers.PackedLinear` (float ones unless form.floats_in_out, out-major
-  with form.out_major; quantized ones always)."""
+  with form.out_major, in panels with form.panels; quantized ones always)."""
   if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
@@ -78,7 +78,7 @@ def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
   def pack(v, in_dims=1):
     if form.floats_in_out and not isinstance(v, QuantizedWeight):
       return v
-    return pack_linear(v, in_dims, form.out_major)
+    return pack_linear(v, in_dims, form.out_major, form.panels)
   if cfg.attention != "mla" and not any(isinstance(p[k], QuantizedWeight) for k in _QKV):
     D = p["wq"].shape[0]
     wqkv = jnp.concatenate([p[k].reshape(D, -1) for k in _QKV], axis=-1)

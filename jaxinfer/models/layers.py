@@ -44,24 +44,37 @@ class PackedLinear:
   (up to OUT_MAJOR_MAX_ROWS rows).
   On the 2-core AMD EPYC, bench_dense's Engine decode step took 29.4 ms
   against [In, Out]'s 45.6 at batch 8, 17.2 against 21.7 at 1 and 81.5
-  against 95.5 at 32 (one run each, same process settings)."""
-  wt: jax.Array  # [Out, In]
+  against 95.5 at 32 (one run each, same process settings).
+
+  panels: wt holds [In, Out] as 32-column panels [ceil(Out / 32), In, 32]
+  (`ops.pack_panels`), multiplied by the C++ CPU kernel at any row count
+  (`ops.panel_linear`; float32 only). On the same EPYC, projections of
+  bench_dense's shapes, against out_major: 1.2-1.5x at 8 rows (weights
+  streamed at 41-43 GB/s against 28-32), 1.0-1.3x at 32 rows, 1.0-1.08x
+  at 512 (`experiments/weight_layout.py`)."""
+  wt: jax.Array  # [Out, In], or panels [P, In, 32] with panels
   out_shape: tuple = struct.field(pytree_node=False)  # Out, the weight's trailing dims
   in_shape: tuple = struct.field(pytree_node=False, default=())  # In, its leading dims
   out_major: bool = struct.field(pytree_node=False, default=False)
+  panels: bool = struct.field(pytree_node=False, default=False)
 
 
-def pack_linear(w, in_dims: int = 1, out_major: bool = False) -> PackedLinear:
+def pack_linear(w, in_dims: int = 1, out_major: bool = False,
+                panels: bool = False) -> PackedLinear:
   """[*In, *Out] (In the first in_dims dims) -> `PackedLinear` (multiplied
-  out-major with out_major); a `QuantizedWeight` is already [Out, In]: its
-  codes are unpacked for the CPU step (`quant_cpu.unpacked_codes`: same
+  out-major with out_major; a float32 one in panels with panels, other
+  dtypes [Out, In]); a `QuantizedWeight` is already [Out, In]: its codes
+  are unpacked for the CPU step (`quant_cpu.unpacked_codes`: same
   numbers)."""
   if isinstance(w, QuantizedWeight):
     return quant_cpu.unpacked_codes(w)
   if not 1 <= in_dims < w.ndim:
     raise ValueError(f"pack_linear: in_dims must be in [1, {w.ndim - 1}], got {in_dims}")
-  wt = jnp.transpose(w.reshape(math.prod(w.shape[:in_dims]), -1))
-  return PackedLinear(wt, tuple(w.shape[in_dims:]), tuple(w.shape[:in_dims]), out_major)
+  w2 = w.reshape(math.prod(w.shape[:in_dims]), -1)
+  out_shape, in_shape = tuple(w.shape[in_dims:]), tuple(w.shape[:in_dims])
+  if panels and w.dtype == jnp.float32:
+    return PackedLinear(ops.pack_panels(w2), out_shape, in_shape, panels=True)
+  return PackedLinear(jnp.transpose(w2), out_shape, in_shape, out_major)
 
 
 def unpack_linear(w):
@@ -71,6 +84,8 @@ def unpack_linear(w):
     return quant_cpu.packed_codes(w)
   if not isinstance(w, PackedLinear):
     return w
+  if w.panels:
+    return ops.unpack_panels(w.wt, math.prod(w.out_shape)).reshape(*w.in_shape, *w.out_shape)
   return jnp.transpose(w.wt).reshape(*w.in_shape, *w.out_shape)
 
 
@@ -95,7 +110,10 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, backend: Backend
   if isinstance(w, (PackedLinear, QuantizedWeight)):
     xi = x.reshape(*x.shape[:x.ndim - in_dims], -1)
     rows = math.prod(xi.shape[:-1])
-    if isinstance(w, PackedLinear) and w.out_major and rows <= OUT_MAJOR_MAX_ROWS:
+    if isinstance(w, PackedLinear) and w.panels:
+      y = ops.panel_linear(xi.reshape(rows, -1), w.wt, math.prod(w.out_shape))
+      y = y.astype(preferred_element_type or x.dtype).reshape(*xi.shape[:-1], -1)
+    elif isinstance(w, PackedLinear) and w.out_major and rows <= OUT_MAJOR_MAX_ROWS:
       x2 = xi.reshape(rows, -1)
       y = _dot(lambda pet: out_major_dot(x2, w.wt, pet), x2, w.wt, preferred_element_type,
                backend).reshape(*xi.shape[:-1], -1)

@@ -173,17 +173,21 @@ class WeightForm:
   floats_in_out: float projections kept [In, Out] as loaded (XLA:CPU's
     matmul speed for the two differs by machine: `engine.weight_layout`)
   out_major: transposed float projections multiply into [Out, rows]
-    (`layers.PackedLinear.out_major`; also chosen by `engine.weight_layout`)"""
+    (`layers.PackedLinear.out_major`; also chosen by `engine.weight_layout`)
+  panels: transposed float32 projections held as 32-column panels for the
+    C++ CPU kernel (`layers.PackedLinear.panels`; chosen the same way)"""
   split_experts: bool = False
   native_experts: bool = False
   transposed: bool = False
   floats_in_out: bool = False
   out_major: bool = False
+  panels: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):
       if not isinstance(getattr(self, f.name), bool):
         raise ValueError(f"WeightForm.{f.name} must be a bool, got {getattr(self, f.name)!r}")
-    if self.floats_in_out and self.out_major:
-      raise ValueError("WeightForm: floats_in_out keeps float projections [In, Out]; out_major "
-                       "multiplies packed [Out, In] ones: pick one")
+    if self.floats_in_out + self.out_major + self.panels > 1:
+      raise ValueError("WeightForm: floats_in_out keeps float projections [In, Out], out_major "
+                       "multiplies packed [Out, In] ones, panels packs them for the C++ "
+                       "kernel: pick one")

@@ -147,7 +147,9 @@ def step_layout(cfg: ModelConfig, params, form: WeightForm = WeightForm()):
   this layout (`stacked_layout` is the inverse)."""
   def pack(w):  # float weights stay [In, Out] with floats_in_out; quantized ones always pack
     keep = form.floats_in_out and not isinstance(w, QuantizedWeight)
-    return pack_linear(w, out_major=form.out_major) if form.transposed and not keep else w
+    if not form.transposed or keep:
+      return w
+    return pack_linear(w, out_major=form.out_major, panels=form.panels)
 
   def fused(p):
     if any(isinstance(p[k], QuantizedWeight) for k in _EXPERT_KEYS):

@@ -306,16 +306,16 @@ def test_unrolled_step_layout_matches_scanned(name):
   prompts = _prompts(cfg, [3, 37, 70, 37], seed=4)
   prompts[3] = prompts[1][:32] + prompts[3][:5]  # shares two pages with prompt 1
   outs, loads = [], []
-  for unroll, layout in ((False, "auto"), (True, "in_out"), (True, "out_in")):
+  for unroll, layout in ((False, "auto"), (True, "in_out"), (True, "out_in"), (True, "panels")):
     eng = Engine(cfg, params, EngineConfig(num_pages=64, max_num_batched_tokens=32,
                                            unroll_layers=unroll, cpu_weight_layout=layout))
     outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=9))])
     loads.append(eng.expert_load() if cfg.is_moe else None)
     _no_leak(eng)
-  assert outs[0] == outs[1] == outs[2]
+  assert outs[0] == outs[1] == outs[2] == outs[3]
   if cfg.is_moe:
-    np.testing.assert_array_equal(loads[0], loads[1])
-    np.testing.assert_array_equal(loads[0], loads[2])
+    for load in loads[1:]:
+      np.testing.assert_array_equal(loads[0], load)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss"])  # (CI time: one model; its layers are MoE)
@@ -382,7 +382,7 @@ def test_dp_balance_splits_a_lone_prefill(policy):
     EngineConfig(dp_balance="even")
 
 
-def test_cpu_weight_layout_auto_times_all_three_and_small_models_skip_the_probe():
+def test_cpu_weight_layout_auto_times_every_layout_and_small_models_skip_the_probe():
   from jaxinfer.engine import weight_layout
   tiny = presets.get("tiny_dense")
   before = weight_layout.measure.cache_info().misses
@@ -390,10 +390,11 @@ def test_cpu_weight_layout_auto_times_all_three_and_small_models_skip_the_probe(
   assert weight_layout.measure.cache_info().misses == before
   assert weight_layout.resolve(tiny, "out_in") == "out_in"
   assert weight_layout.resolve(tiny, "out_major") == "out_major"
+  assert weight_layout.resolve(tiny, "panels") == "panels"  # the C++ kernels build here
   big = presets.get("bench_dense")
   got = weight_layout.resolve(big, "auto")
   probe = weight_layout.measure(big.d_model, 2 * big.ffn_dim)  # the cached probe it ran
-  layouts = ("in_out", "out_in", "out_major")
+  layouts = ("in_out", "out_in", "out_major", "panels")  # panels: the native kernels build here
   assert got == probe["layout"] in layouts
   for layout in layouts:
     assert sorted(probe["ms"][layout]) == list(weight_layout.PROBE_ROWS)

@@ -93,3 +93,33 @@ def test_only_unsharded_split_experts_may_run_the_kernel():
   mesh = jax.make_mesh((2,), ("tensor",), devices=jax.devices()[:2])
   assert not weight_layout.choose(cfg, config, params, mesh).native_experts
   assert not weight_layout.choose(cfg, config, params, expert_parallel=True).native_experts
+
+
+# M: one row, a partial block, two blocks and a tail, prefill-sized; N off
+# the 32-column panels; K odd.
+@pytest.mark.parametrize("M,K,N", [(1, 64, 32), (5, 37, 70), (17, 128, 100), (300, 96, 33)])
+def test_panel_matmul_equals_the_reference(M, K, N):
+  r = np.random.default_rng(M + K + N)
+  w = jnp.asarray(r.standard_normal((K, N)) / np.sqrt(K), jnp.float32)
+  x = jnp.asarray(r.standard_normal((M, K)), jnp.float32)
+  wp = cpu.pack_panels(w)
+  assert wp.shape == (-(-N // cpu.PANEL), K, cpu.PANEL)
+  np.testing.assert_array_equal(cpu.unpack_panels(wp, N), w)
+  got = jax.jit(cpu.panel_matmul)(x, wp)
+  assert got.shape == (M, wp.shape[0] * cpu.PANEL)
+  np.testing.assert_allclose(got, cpu.panel_matmul_reference(x, wp), rtol=2e-5, atol=2e-5)
+  np.testing.assert_allclose(got[:, :N], np.asarray(x, np.float64) @ np.asarray(w, np.float64),
+                             rtol=2e-5, atol=2e-5)
+  assert not np.any(np.asarray(got)[:, N:]), "the padding columns must come back zero"
+
+
+def test_panel_matmul_bad_inputs_are_named():
+  wp = cpu.pack_panels(jnp.zeros((16, 40), jnp.float32))
+  with pytest.raises(ValueError, match=r"x \[M, K\] and panels"):
+    cpu.panel_matmul(jnp.zeros((4, 12), jnp.float32), wp)
+  with pytest.raises(ValueError, match=r"x \[M, K\] and panels"):
+    cpu.panel_matmul(jnp.zeros((4, 16), jnp.float32), wp[0])
+  with pytest.raises(TypeError, match="float32"):
+    cpu.panel_matmul(jnp.zeros((4, 16), jnp.bfloat16), wp)
+  with pytest.raises(ValueError, match=r"\[K, N\] matrix"):
+    cpu.pack_panels(jnp.zeros((2, 3, 4), jnp.float32))

@@ -119,12 +119,12 @@ def test_prompt_over_context_and_cache_overflow_raise():
 
 
 _LAYOUTS = [(False, False, "out_in"), (True, True, "out_in"), (False, True, "out_major"),
-            (True, True, "in_out")]
+            (True, True, "in_out"), (True, True, "panels")]
 # Every layout for the MoE + MLA, biased and plain MoE archs; the others take
-# the two ends (CI time: each case compiles four programs).
+# the two ends and the panels (CI time: each case compiles four programs).
 _STEP_LAYOUT_CASES = [(name, *layout) for name in sorted(ARCH_CONFIGS)
                       for layout in (_LAYOUTS if name in ("tiny_moe", "deepseek_v3", "gpt_oss")
-                                     else [_LAYOUTS[0], _LAYOUTS[3]])]
+                                     else [_LAYOUTS[0], _LAYOUTS[3], _LAYOUTS[4]])]
 
 
 @pytest.mark.parametrize("name,split_experts,transpose,float_layout", _STEP_LAYOUT_CASES)
@@ -138,7 +138,7 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
   step = transformer.step_layout(cfg, params, WeightForm(
       split_experts=split_experts, transposed=transpose, floats_in_out=float_layout == "in_out",
-      out_major=float_layout == "out_major"))
+      out_major=float_layout == "out_major", panels=float_layout == "panels"))
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
   # Grouped-query q, k and v become one matmul whenever the step transposes,
@@ -151,9 +151,12 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   packed = [w for w in attn.values() if isinstance(w, PackedLinear)]
   assert bool(packed) == (transpose and float_layout != "in_out")
   assert all(w.out_major == (float_layout == "out_major") for w in packed)
+  assert all(w.panels == (float_layout == "panels") for w in packed)
   if transpose and float_layout != "in_out":
-    head = step.get("lm_head", PackedLinear(None, (), (), float_layout == "out_major"))
+    head = step.get("lm_head", PackedLinear(None, (), (), float_layout == "out_major",
+                                            float_layout == "panels"))
     assert isinstance(head, PackedLinear) and head.out_major == (float_layout == "out_major")
+    assert head.panels == (float_layout == "panels")
   if split_experts and cfg.is_moe:
     moe_layer = next(layer for seg in step["layers"] for layer in seg if "router" in layer["mlp"])
     assert len(moe_layer["mlp"]["w_down"]) == cfg.num_experts
@@ -170,6 +173,8 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
     WeightForm(floats_in_out="rows")
   with pytest.raises(ValueError, match="pick one"):
     WeightForm(floats_in_out=True, out_major=True)
+  with pytest.raises(ValueError, match="pick one"):
+    WeightForm(out_major=True, panels=True)
 
 
 @pytest.mark.parametrize("name", sorted(ARCH_CONFIGS))
@@ -178,11 +183,10 @@ def test_stacked_layout_inverts_step_layout(name):
   for every layout option (what `Engine.params` rebuilds from)."""
   from jaxinfer.models import transformer
   cfg, params, _ = _setup(ARCH_CONFIGS[name], seed=6, T=2)
-  for split_experts, transpose, layout in [(False, False, "out_in"), (True, True, "out_in"),
-                                           (False, True, "out_major"), (True, True, "in_out")]:
+  for split_experts, transpose, layout in _LAYOUTS:
     step = transformer.step_layout(cfg, params, WeightForm(
         split_experts=split_experts, transposed=transpose, floats_in_out=layout == "in_out",
-        out_major=layout == "out_major"))
+        out_major=layout == "out_major", panels=layout == "panels"))
     back = transformer.stacked_layout(cfg, step)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
@@ -209,6 +213,29 @@ def test_packed_linear_equals_tensordot(shape, in_dims):
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
   with pytest.raises(ValueError, match="in_dims"):
     pack_linear(w, len(shape))
+
+
+@pytest.mark.parametrize("shape,in_dims", [((6, 10), 1), ((4, 3, 5), 2), ((64, 6, 8), 1)])
+def test_panels_linear_equals_tensordot_on_the_native_kernel(shape, in_dims):
+  """A float32 `PackedLinear` in panels: `linear` equals the plain
+  contraction at decode and prefill row counts, through the C++ kernel's
+  custom call; `unpack_linear` gives the weight back bit for bit; other
+  dtypes stay [Out, In]."""
+  from jaxinfer.models.layers import linear, pack_linear, unpack_linear
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.standard_normal(shape, dtype=np.float32))
+  packed = pack_linear(w, in_dims, panels=True)
+  In, Out = int(np.prod(shape[:in_dims])), int(np.prod(shape[in_dims:]))
+  assert packed.panels and packed.wt.shape == (-(-Out // 32), In, 32)
+  np.testing.assert_array_equal(unpack_linear(packed), w)
+  for lead in [(1,), (2, 4), (37,)]:
+    x = jnp.asarray(rng.standard_normal((*lead, *shape[:in_dims]), dtype=np.float32))
+    f = jax.jit(linear, static_argnums=2)
+    got = f(x, packed, in_dims)
+    np.testing.assert_allclose(got, jnp.tensordot(x, w, axes=in_dims), rtol=1e-5, atol=1e-5)
+    assert "jaxinfer_panel_matmul" in f.lower(x, packed, in_dims).as_text()
+  half = pack_linear(w.astype(jnp.bfloat16), in_dims, panels=True)
+  assert not half.panels and half.wt.shape == (Out, In)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
