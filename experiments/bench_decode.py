@@ -41,7 +41,8 @@ _BANDWIDTH_BYTES = flags.DEFINE_integer("bandwidth_bytes", 1 << 30,
                                         "array size of the bandwidth measurement")
 _SEED = flags.DEFINE_integer("seed", 0, "weights and prompts")
 _QUANT = flags.DEFINE_list("quant", [], "weight-only methods also run (int8, fp8, int4, ...)")
-_LAYOUT = flags.DEFINE_enum("weight_layout", "auto", ["auto", "in_out", "out_in"],
+_LAYOUT = flags.DEFINE_enum("weight_layout", "auto",
+                            ["auto", "in_out", "out_in", "out_major", "panels"],
                             "the Engine's cpu_weight_layout")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "the Engine's decode_steps (multi-step decode)")
 _OUT = flags.DEFINE_string("out", None, "output prefix (.json, .png); default "

@@ -1,5 +1,6 @@
-"""Which way XLA:CPU multiplies float32 projection weights fastest on this
-machine: [In, Out], [Out, In] as rows x w^T, or [Out, In] into [Out, rows]
+"""Which way float32 projection weights multiply fastest on this machine:
+XLA:CPU's [In, Out], [Out, In] as rows x w^T, or [Out, In] into [Out, rows],
+or the C++ kernel's 32-column panels where it builds
 (`jaxinfer.engine.weight_layout`, the probe
 `EngineConfig.cpu_weight_layout="auto"` runs), at 1, 8 and 32 rows, weights
 streaming from memory.
@@ -9,7 +10,7 @@ streaming from memory.
 
 Writes experiments/results/weight_layout.json. The Engine-level comparison
 is `experiments/bench_decode.py --weight_layout=` each of in_out, out_in,
-out_major.
+out_major, panels.
 """
 
 from absl import flags
