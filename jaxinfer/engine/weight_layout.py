@@ -21,7 +21,9 @@ speed for them differs by machine, and not by a little:
 
   2-core AMD EPYC (Zen 5), session 33: "panels" against "out_major" on
     bench_dense's shapes 1.2-1.5x at 8 rows (41-43 GB/s against 28-32),
-    1.0-1.3x at 32, 1.0-1.08x at 512.
+    1.0-1.3x at 32 in one probe, 0.86-1.28x in the next (the down
+    projection, 2816 deep, the slower one), 1.0-1.08x at 512
+    (results/weight_layout.json, the second probe).
 
 So `EngineConfig.cpu_weight_layout="auto"` times them all on this machine,
 once per process and shape, at the model's widest projection.

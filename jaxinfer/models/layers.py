@@ -50,8 +50,9 @@ class PackedLinear:
   (`ops.pack_panels`), multiplied by the C++ CPU kernel at any row count
   (`ops.panel_linear`; float32 only). On the same EPYC, projections of
   bench_dense's shapes, against out_major: 1.2-1.5x at 8 rows (weights
-  streamed at 41-43 GB/s against 28-32), 1.0-1.3x at 32 rows, 1.0-1.08x
-  at 512 (docs/kernels.md has the table)."""
+  streamed at 41-43 GB/s against 28-32), 0.86-1.3x at 32 rows (the
+  2816-deep down projection the slower), 1.0-1.08x at 512 (docs/kernels.md
+  has the table)."""
   wt: jax.Array  # [Out, In], or panels [P, In, 32] with panels
   out_shape: tuple = struct.field(pytree_node=False)  # Out, the weight's trailing dims
   in_shape: tuple = struct.field(pytree_node=False, default=())  # In, its leading dims
