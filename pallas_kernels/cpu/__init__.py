@@ -12,7 +12,7 @@ decode at ~1.4x XLA:CPU's dot on the 2-core Zen 5 EPYC). `panel_matmul`
 calls it; `panel_matmul_reference` is its jnp reference.
 
 The shared library is cached under $JAXINFER_CACHE (default
-~/.cache/jaxinfer) by a hash of the source, the compiler flags, the jax
+~/.cache/jaxinfer) by a hash of the sources, the compiler flags, the jax
 version and the CPU, built with `-march=native` under a file lock (several
 processes may start at once). `available()` is False, with the reason in
 `unavailable_reason()`, when there is no compiler, the build fails, or
@@ -59,7 +59,7 @@ def _library_path() -> Path:
   key = hashlib.sha256("\n".join([*(s.read_text() for s in _SOURCES), " ".join(_FLAGS),
                                   jax.__version__, _cpu_name()]).encode()).hexdigest()[:16]
   root = Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
-  return root / "native" / f"moe_experts-{key}.so"
+  return root / "native" / f"cpu_kernels-{key}.so"
 
 
 def _build(path: Path) -> None:
@@ -205,5 +205,4 @@ def panel_matmul(x, wp):
 
 def panel_matmul_reference(x, wp):
   """`panel_matmul` in jnp (float32, highest precision)."""
-  w = jnp.transpose(wp, (1, 0, 2)).reshape(wp.shape[1], -1)
-  return jnp.dot(x, w, precision=jax.lax.Precision.HIGHEST)
+  return jnp.dot(x, unpack_panels(wp, wp.shape[0] * PANEL), precision=jax.lax.Precision.HIGHEST)
