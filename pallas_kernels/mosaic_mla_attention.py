@@ -8,6 +8,12 @@ split) with two warpgroups:
 
   rows    the Q x N query rows in blocks of 64 (a wgmma tile); DeepSeek's
           128 heads are two row blocks, 16 heads a device under TP one.
+          cluster=True runs a sequence's row blocks (2 to 8) as one
+          cluster of programs: each latent block is read from HBM once and
+          multicast by TMA into every program's shared memory (each loads
+          1 / blocks of it), and a slot is refilled only once every
+          warpgroup of the cluster has released it (a cluster barrier).
+          Without it each row block reads the whole latent (2x at 128 heads).
   keys    32 latent rows a loop step, copied by TMA from the pool (a page of
           64 is two steps; pages of 16 pair up), `slots` steps in flight.
   math    both warpgroups compute S = q . latent^T (the 576-wide dot) and the
@@ -38,12 +44,20 @@ from pallas_kernels.paged_attention import validate_paged
 
 KEYS = 32  # latent rows a loop step: P's [64, 32] tile, one 64-byte swizzle row
 WGS = 2  # warpgroups, each with half of the value columns
+MAX_CLUSTER = 8  # Hopper's portable cluster size: row blocks sharing one latent read
 _LOG2E = math.log2(math.e)
 
 
 def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2) -> int:
   """q, `slots` latent blocks, P and the output tile of each warpgroup, lse."""
   return itemsize * (ROWS * D + slots * KEYS * D + WGS * ROWS * KEYS + ROWS * R) + 4 * ROWS
+
+
+def cluster_blocks(rows: int, cluster: bool) -> int:
+  """Programs in a cluster for `rows` (= Q x N) query rows: their row
+  blocks where cluster is asked for and they number 2 to MAX_CLUSTER, else 1."""
+  blocks = -(-rows // ROWS)
+  return blocks if cluster and 1 < blocks <= MAX_CLUSTER else 1
 
 
 def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
@@ -67,7 +81,7 @@ def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
 
 def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_smem,
           lse_smem, q_bar, kv_bar, used_bar):
-  Q, N, R, ps, slots, num_splits, scale = dims
+  Q, N, R, ps, slots, num_splits, scale, clustered = dims
   half, ppb = R // WGS, max(1, KEYS // ps)
   rb, b, split = lax.axis_index("rows"), lax.axis_index("seqs"), lax.axis_index("splits")
   wg, length = lax.axis_index("wg"), len_ref[b]
@@ -82,7 +96,8 @@ def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem
       key0 = blk * KEYS + j * n
       page = tab_ref[b, lax.div(key0, jnp.int32(ps))]
       plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), n)],
-                              kv_smem.at[slot, pl.ds(j * n, n)], kv_bar.at[slot])
+                              kv_smem.at[slot, pl.ds(j * n, n)], kv_bar.at[slot],
+                              collective_axes="rows" if clustered else None)
 
   @pl.when(wg == 0)
   def _():
@@ -99,7 +114,7 @@ def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem
 def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_smem, kv_smem,
              p_smem, o_smem, lse_smem, kv_bar, used_bar):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2)."""
-  Q, N, R, ps, slots, num_splits, scale = dims
+  Q, N, R, ps, slots, num_splits, scale, clustered = dims
   half, lay = R // WGS, plgpu.Layout.WGMMA
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=lay)
   row = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=lay)
@@ -133,6 +148,11 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
     return acc, m_new, l_i
 
   o, lse = finish(*lax.fori_loop(lo, hi, step, softmax_init(half)))
+  if clustered and w == 0:  # every program's last releases arrived: no peer still
+    for s in range(slots):  # writes into this one's barriers once it exits
+      blk = hi - slots + s
+      pl.when(blk >= lo)(lambda blk=blk: plgpu.barrier_wait(
+          used_bar.at[lax.rem(blk - lo, jnp.int32(slots))]))
   o_smem.at[w][...] = o.astype(o_smem.dtype)
   if w == 0:
     lse_smem[...] = lse
@@ -144,9 +164,11 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
 
 
 def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
-                         num_splits=1, slots=2, interpret=False):
+                         num_splits=1, slots=2, cluster=False, interpret=False):
   """Absorbed MLA decode on Mosaic GPU (see the module docstring; shapes as
-  `mla_paged_attention`). interpret: run on CPU in Mosaic GPU's interpret mode."""
+  `mla_paged_attention`). cluster: a sequence's row blocks share each latent
+  read (`cluster_blocks`). interpret: run on CPU in Mosaic GPU's interpret mode
+  (which copies the whole block into each program: a multicast's result)."""
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mosaic_mla_attention")
   validate_paged(q, latent_pages[None], None, lengths, page_indices, window=0, sinks=None,
                  name="mosaic_mla_attention")
@@ -155,6 +177,8 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
   bad = unsupported(D, R, ps, q.dtype, slots)
   if bad is None and not (isinstance(num_splits, int) and num_splits >= 1):
     bad = ValueError, f"num_splits must be an int >= 1, got {num_splits!r}"
+  if bad is None and not isinstance(cluster, bool):
+    bad = TypeError, f"cluster must be a bool, got {cluster!r}"
   if bad:
     raise bad[0](f"mosaic_mla_attention: {bad[1]}")
   blocks = -(-Q * N // ROWS)
@@ -164,7 +188,15 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
   table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
   tiles = (plgpu.TilingTransform((8, KEYS)), plgpu.SwizzleTransform(2 * KEYS))
   smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=tiles)
-  dims = (Q, N, R, ps, slots, num_splits, float(sm_scale))
+  cb = cluster_blocks(Q * N, cluster)
+  dims = (Q, N, R, ps, slots, num_splits, float(sm_scale), cb > 1)
+  if cb > 1:  # the row blocks are one cluster's programs; slots released cluster-wide
+    launch = dict(grid=(B, num_splits), grid_names=("seqs", "splits"), cluster=(cb,),
+                  cluster_names=("rows",))
+    used = plgpu.ClusterBarrier(collective_axes=("rows",), num_arrivals=WGS, num_barriers=slots)
+  else:
+    launch = dict(grid=(blocks, B, num_splits), grid_names=("rows", "seqs", "splits"))
+    used = plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)
   kernel = plgpu.kernel(
       lambda *refs: _body(dims, *refs),
       out_type=(jax.ShapeDtypeStruct((num_splits, B, blocks, ROWS, R), q.dtype),
@@ -172,10 +204,8 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
       scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, KEYS),
                      smem(WGS, ROWS, R // WGS), plgpu.SMEM((ROWS,), jnp.float32),
                      plgpu.Barrier(num_barriers=1),
-                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
-                     plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)),
-      grid=(blocks, B, num_splits), grid_names=("rows", "seqs", "splits"),
-      num_threads=WGS, thread_name="wg",
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used),
+      num_threads=WGS, thread_name="wg", **launch,
       interpret=_INTERPRETER() if interpret else False)
   o, lse = kernel(rows.reshape(B, blocks, ROWS, D), latent_pages, lengths.astype(jnp.int32), table)
   out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N].reshape(B, Q, N, R).astype(q.dtype)

@@ -203,9 +203,16 @@ def mosaic_report(case: gpu_cases.KernelCase) -> dict:
   t = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=case.K, D=case.D, Dv=case.Dv,
                              ps=case.ps, window=case.window, latent=mla)
   smem = mma.smem_bytes(case.D, case.Dv, 2) if mla else mpa.smem_bytes(case.D, case.ps, 2)
-  return dict(kernel="mosaic_" + kernel, smem_bytes=smem, planned_bytes=t.planned_bytes,
-              minimum_bytes=t.minimum_bytes, planned_over_minimum=t.ratio,
-              kv_over_minimum=t.planned["kv"] / t.minimum["kv"], tiling=t.tiling)
+  row = dict(kernel="mosaic_" + kernel, smem_bytes=smem, planned_bytes=t.planned_bytes,
+             minimum_bytes=t.minimum_bytes, planned_over_minimum=t.ratio,
+             kv_over_minimum=t.planned["kv"] / t.minimum["kv"], tiling=t.tiling)
+  cb = mma.cluster_blocks(case.Q * case.N, True) if mla else 1
+  if cb > 1:  # opt-in (cluster=True) until a GPU run matches: the row blocks share each read
+    c = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=case.K, D=case.D, Dv=case.Dv,
+                               ps=case.ps, latent=True, cluster=True)
+    row["cluster"] = dict(programs=cb, planned_bytes=c.planned_bytes,
+                          planned_over_minimum=c.ratio)
+  return row
 
 
 def case_report(case: gpu_cases.KernelCase, *, ptxas: bool = True) -> dict:

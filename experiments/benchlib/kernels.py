@@ -355,6 +355,13 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
       functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits),
       skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype)),
       note=f"Mosaic GPU (TMA + wgmma, 2 warpgroups), num_splits={mosaic_splits}")
+  if mma.cluster_blocks(N, True) > 1:  # the row blocks as one cluster: each latent read once
+    impls["ours_mosaic_cluster"] = Impl(
+        functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
+                          cluster=True),
+        skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype)),
+        note=f"Mosaic GPU, {mma.cluster_blocks(N, True)} row blocks a cluster sharing each "
+             f"latent read (TMA multicast), num_splits={mosaic_splits}")
   reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
   temp = f32_pages + 3 * 4.0 * B * N * pps * ps
   if env.peers:

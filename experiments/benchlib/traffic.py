@@ -142,7 +142,8 @@ def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv
 
 
 def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv: int,
-                   ps: int, window: int = 0, latent: bool = False, e: int = 2) -> Traffic:
+                   ps: int, window: int = 0, latent: bool = False, cluster: bool = False,
+                   e: int = 2) -> Traffic:
   """The Mosaic GPU kernels' KV traffic, one split (`pallas_kernels.
   mosaic_paged_attention` / `mosaic_ragged_attention`; latent: MLA's
   `mosaic_mla_attention` over one latent pool of D columns, values its
@@ -150,7 +151,8 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   item for a decode step's Q x G <= 64 rows), each loading its keys from
   the window's first block to its last query in blocks of `keys` (whole
   pages, >= 64 keys); MLA: each sequence's Q x N query rows are row blocks
-  of 64, each loading every key block. kv counts those loads; q and out
+  of 64, each loading every key block, or with cluster a cluster of them
+  (`mosaic_mla_attention.cluster_blocks`) loading each key block once. kv counts those loads; q and out
   the tiles once. minimum as `paged_traffic`'s."""
   G, rows = N // K, mpa.ROWS
   if latent:
@@ -162,7 +164,7 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   for q, kv in seqs:
     if latent:
       row_blocks = -(-q * N // rows)
-      kv_tokens += row_blocks * blocks(0, kv)
+      kv_tokens += row_blocks // mma.cluster_blocks(q * N, cluster) * blocks(0, kv)
       items += row_blocks
       continue
     per = mra.tokens_per_item(G)  # a decode / verify step's Q x G <= 64 rows: one item

@@ -62,6 +62,16 @@ def test_mosaic_traffic_by_hand():
   # MLA, 128 heads: two 64-row blocks each read the latent (32-key steps).
   m = traffic.mosaic_traffic([(1, 4096)], N=128, K=1, D=576, Dv=512, ps=64, latent=True)
   assert m.planned["kv"] == 2 * m.minimum["kv"]
+  # As one cluster the two row blocks read it once; 4 verify tokens x 128 heads are 8
+  # row blocks, one cluster; 16 heads are one block, nothing to share.
+  for q, n in ((1, 128), (4, 128), (1, 16)):
+    c = traffic.mosaic_traffic([(q, 4096)], N=n, K=1, D=576, Dv=512, ps=64, latent=True,
+                               cluster=True)
+    assert c.planned["kv"] == c.minimum["kv"]
+  # 16 row blocks are more than a cluster holds (8): each block reads it.
+  c = traffic.mosaic_traffic([(8, 4096)], N=128, K=1, D=576, Dv=512, ps=64, latent=True,
+                             cluster=True)
+  assert c.planned["kv"] == 16 * c.minimum["kv"]
 
 
 def test_mosaic_beside_triton_in_the_report():
@@ -71,6 +81,10 @@ def test_mosaic_beside_triton_in_the_report():
     assert row["kv_over_minimum"] == 1.0 and row["smem_bytes"] <= 227 * 1024
   else:
     assert "jax >= 0.11" in row["why"]
+  mla = kernel_report.mosaic_report(gpu_cases.get("dsv3_mla_dp_decode_ps64"))
+  if mla["kernel"]:  # 128 heads: 2x, or as one cluster of 2 programs within 1.1x
+    assert mla["kv_over_minimum"] == 2.0 and mla["cluster"]["programs"] == 2
+    assert mla["cluster"]["planned_over_minimum"] <= 1.1
   mixed = kernel_report.mosaic_report(gpu_cases.get("dsv3_mla_mixed_512p_31d"))
   assert mixed["kernel"] is None and "decodes only" in mixed["why"]
 

@@ -89,12 +89,17 @@ if mpa.available() is None:
         mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
                                    jnp.zeros((1, 4), jnp.int32), interpret=True, **kw)
 
-    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits", [
-        (2, 1, 16, 128, 64, 64, 3, 1),   # TP-sharded heads, a page = two steps
-        (1, 2, 64, 128, 64, 16, 5, 2),   # 128 rows = two row blocks, pages pair up, split-K
-        (3, 1, 8, 512, 64, 32, 2, 1),    # DeepSeek's latent and rope widths
+    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits,cluster", [
+        (2, 1, 16, 128, 64, 64, 3, 1, False),   # TP-sharded heads, a page = two steps
+        (1, 2, 64, 128, 64, 16, 5, 2, False),   # 128 rows = two row blocks, pages pair up, split-K
+        (3, 1, 8, 512, 64, 32, 2, 1, False),    # DeepSeek's latent and rope widths
+        # The row blocks as one cluster sharing each latent read: 2 blocks with pages
+        # paired and split-K (an empty split when short), 4 (two sequences), 8 (the most).
+        (2, 2, 64, 128, 64, 16, 5, 2, True),
+        (2, 4, 64, 128, 64, 16, 4, 1, True),
+        (1, 4, 128, 128, 64, 64, 2, 2, True),
     ])
-    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits):
+    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits, cluster):
       rng = np.random.default_rng(B * N + ps)
       P = B * pps + 1
       q = jnp.asarray(rng.normal(size=(B, Q, N, R + Hr)), jnp.bfloat16)
@@ -103,7 +108,7 @@ if mpa.available() is None:
       tables = jnp.asarray(rng.permutation(P)[:B * pps].reshape(B, pps), jnp.int32)
       scale = (R + Hr) ** -0.5
       out = mma.mosaic_mla_attention(q[..., :R], q[..., R:], pages, lens, tables, sm_scale=scale,
-                                     num_splits=splits, interpret=self.interpret)
+                                     num_splits=splits, cluster=cluster, interpret=self.interpret)
       f32 = lambda x: x.astype(jnp.float32)
       ref = pk.mla_paged_attention_reference(f32(q[..., :R]), f32(q[..., R:]), f32(pages), lens,
                                              tables, sm_scale=scale)
@@ -118,6 +123,13 @@ if mpa.available() is None:
         mma.mosaic_mla_attention(q[..., :R], q[..., R:], jnp.zeros((2, ps, R + Hr), dtype),
                                  jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32),
                                  sm_scale=0.1, interpret=True)
+
+    def test_mla_cluster_must_be_a_bool(self):
+      q = jnp.zeros((1, 128, 192), jnp.bfloat16)
+      with pytest.raises(TypeError, match="cluster must be a bool"):
+        mma.mosaic_mla_attention(q[..., :128], q[..., 128:], jnp.zeros((2, 16, 192), jnp.bfloat16),
+                                 jnp.ones((1,), jnp.int32), jnp.zeros((1, 2), jnp.int32),
+                                 sm_scale=0.1, cluster="yes", interpret=True)
 
   if ON_GPU:
 
@@ -211,8 +223,9 @@ if mpa.available() is None:
     (`gpu_cases`, 32k-page pools) compiles on the Mosaic kernel. Planned HBM
     bytes (the keys and values the kernel's blocks read) against the minimum
     (each KV byte once per KV head per step): GQA within 1.1x; MLA re-reads
-    the latent once per 64-row block of the Q x N query rows (128 heads: 2x,
-    the known gap), no more."""
+    the latent once per 64-row block of the Q x N query rows (128 heads: 2x),
+    no more, and with cluster=True (the row blocks as one cluster, each
+    latent block multicast) it too compiles and reads it within 1.1x."""
     mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
     sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -234,6 +247,14 @@ if mpa.available() is None:
     planned = rereads * B * -(-case.ctx // keys) * keys * width * 2
     minimum = B * case.ctx * width * 2
     assert planned <= (1.1 if case.kernel == "paged" else rereads) * minimum, planned / minimum
+    if case.kernel == "mla":
+      with gpu_compile.lowering(mesh):
+        lowered = jax.jit(lambda *a: mma.mosaic_mla_attention(*a, sm_scale=0.1, cluster=True)
+                          ).lower(*args)
+      lowered.compile()
+      programs = mma.cluster_blocks(Q * N, True)
+      assert programs == rereads or (rereads == 1 and programs == 1)
+      assert planned / programs <= 1.1 * minimum, planned / programs / minimum
     smem = (mpa.smem_bytes(D, ps, 2) if case.kernel == "paged" else mma.smem_bytes(D, R, 2))
     assert smem <= mpa.SMEM_BYTES
 
