@@ -296,7 +296,8 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                  backend: Backend = Backend()) -> tuple[str, bool, dict]:
   """The kernel `ragged_paged_attention` runs a step on, from shapes alone:
   -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
-  (`mosaic_kernel`), "pallas", or "xla" (the choice, or attention None's
+  (`mosaic_kernel`; "mosaic_mla_cluster" where `Backend.mla_cluster` asks for
+  it and the heads are 2 to 8 row blocks), "pallas", or "xla" (the choice, or attention None's
   fallback where `tile_error` says the GPU kernel cannot tile the shapes).
   Attention None's Mosaic default takes steps of at most `MOSAIC_AUTO_MAX_Q`
   query tokens a sequence (longer chunks: Triton, faster there in run 7).
@@ -307,6 +308,9 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                               latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
                               quantized=quantized)
     if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q):
+      if (kernel == "mla" and backend.mla_cluster
+          and mosaic_mla.cluster_blocks(q_shape[1], True) > 1):
+        kernel = "mla_cluster"
       return f"mosaic_{kernel}", interpret, {}
     impl = "pallas"
   if impl != "pallas" or interpret:
@@ -363,7 +367,8 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
   "mosaic" (the default on a Hopper target, `Backend`): GQA steps on
   `mosaic_paged_attention` (decode-only) or `mosaic_ragged_attention`
-  (mixed), decode-only MLA steps on `mosaic_mla_attention`, where their
+  (mixed), decode-only MLA steps on `mosaic_mla_attention` (a sequence's
+  row blocks as one cluster with `Backend.mla_cluster`), where their
   `unsupported` finds nothing against the shapes (`mosaic_kernel`); other
   steps "pallas".
   """
@@ -544,15 +549,15 @@ def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=
 def _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
                  sinks, scale, v_head_dim, layer, interpret):
   """The step on the Mosaic GPU kernel `paged_kernel` picked."""
-  if kernel == "mosaic_mla":
+  if kernel.startswith("mosaic_mla"):
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
-                              layer, interpret)
+                              layer, interpret, kernel == "mosaic_mla_cluster")
   return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
                         sinks, scale, layer, interpret)
 
 
 def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,
-                       interpret):
+                       interpret, cluster=False):
   """MLA's decode-only step on the Mosaic GPU kernel. The latent pool
   [(L,) 1, P, ps, R + Hr] is read as one run of pages ([L * P, ps, R + Hr],
   a free reshape) with this layer's page numbers offset by layer * P, so no
@@ -568,7 +573,7 @@ def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent
     splits *= 2
   out = mosaic_mla.mosaic_mla_attention(q_pad[..., :latent_dim], q_pad[..., latent_dim:], pages,
                                         kv_lens, table, sm_scale=scale, num_splits=splits,
-                                        interpret=interpret)
+                                        cluster=cluster, interpret=interpret)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
 

@@ -114,7 +114,7 @@ def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem
 def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_smem, kv_smem,
              p_smem, o_smem, lse_smem, kv_bar, used_bar):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2)."""
-  Q, N, R, ps, slots, num_splits, scale, clustered = dims
+  Q, N, R, ps, slots, num_splits, scale, _ = dims
   half, lay = R // WGS, plgpu.Layout.WGMMA
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=lay)
   row = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=lay)
@@ -148,8 +148,11 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
     return acc, m_new, l_i
 
   o, lse = finish(*lax.fori_loop(lo, hi, step, softmax_init(half)))
-  if clustered and w == 0:  # every program's last releases arrived: no peer still
-    for s in range(slots):  # writes into this one's barriers once it exits
+  # The last releases, which no refill waited for: with a cluster no peer then still
+  # arrives on this program's barriers after it exits; without one, every phase of
+  # the barrier is observed before it is freed (jax 0.11.2's interpreter checks).
+  if w == 0:
+    for s in range(slots):
       blk = hi - slots + s
       pl.when(blk >= lo)(lambda blk=blk: plgpu.barrier_wait(
           used_bar.at[lax.rem(blk - lo, jnp.int32(slots))]))

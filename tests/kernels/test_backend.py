@@ -103,6 +103,20 @@ def test_default_kernels_follow_the_target_gpu():
         assert kernel == ("mosaic_gqa" if want else "pallas"), (gpu, max_q, kernel)
   with pytest.raises(ValueError, match=r"Backend.grouped_matmul .*'triton'"):
     Backend(grouped_matmul="triton")
+  with pytest.raises(TypeError, match=r"Backend.mla_cluster must be a bool"):
+    Backend(mla_cluster=1)
+
+
+def test_mla_cluster_is_opt_in_and_only_where_row_blocks_share():
+  """MLA decode on Mosaic: one cluster a sequence only with Backend.mla_cluster
+  and 2 to 8 row blocks of heads (128 heads: 2; 64: one block, nothing shared)."""
+  pool = (1, 64, 64, 576)  # [K, P, page_size, R + Hr]: the latent pool
+  for heads, cluster, want in ((128, False, "mosaic_mla"), (128, True, "mosaic_mla_cluster"),
+                               (64, True, "mosaic_mla"), (1024, True, "mosaic_mla")):
+    backend = Backend(target="gpu", attention="mosaic", mla_cluster=cluster)
+    kernel = ops.paged_kernel((8, heads, 576), "bfloat16", pool, (8, 16), max_q=1,
+                              latent_dim=512, backend=backend)[0]
+    assert kernel == (want if mpa.available() is None else "pallas"), (heads, cluster, kernel)
 
 
 def test_engine_stats_name_the_kernels_the_steps_run():

@@ -137,8 +137,12 @@ if mpa.available() is None:
       interpret = False
 
   ENGINE_MODELS = {  # the Mosaic kernel's sizes: head dim 64; MLA latent 64 + rope 32
-      "gqa": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64)),
-      "mla": ("_ragged_mosaic_mla", dict(name="tiny_moe", qk_rope_head_dim=32)),
+      "gqa": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64), {}),
+      "mla": ("_ragged_mosaic_mla", dict(name="tiny_moe", qk_rope_head_dim=32), {}),
+      # 128 heads: two row blocks, one cluster (Backend.mla_cluster)
+      "mla_cluster": ("_ragged_mosaic_mla", dict(name="tiny_moe", qk_rope_head_dim=32,
+                                                 num_heads=128, num_kv_heads=128),
+                      dict(mla_cluster=True)),
   }
 
   @pytest.mark.parametrize("model", ENGINE_MODELS)
@@ -149,17 +153,19 @@ if mpa.available() is None:
     is the argmax of a float32 full forward up to bfloat16 rounding of the
     logits."""
     calls = []
-    route, preset = ENGINE_MODELS[model]
+    route, preset, extra = ENGINE_MODELS[model]
     real = getattr(ops, route)
-    monkeypatch.setattr(ops, route, lambda *a: calls.append(1) or real(*a))
-    cfg = presets.get(dtype="bfloat16", num_layers=2, backend=Backend(attention="mosaic"),
-                      **preset)
+    monkeypatch.setattr(ops, route, lambda *a: calls.append(a) or real(*a))
+    cfg = presets.get(dtype="bfloat16", num_layers=2,
+                      backend=Backend(attention="mosaic", **extra), **preset)
     params = models.init_params(cfg, jax.random.key(0))
     prompts = [[5, 17, 99], list(range(40, 61))]
     eng = Engine(cfg, params, EngineConfig(page_size=16, num_pages=16, max_num_seqs=2,
                                            max_num_batched_tokens=32))
     outs = eng.generate(prompts, SamplingParams(max_tokens=4))
     assert calls, "no decode step reached the Mosaic kernel"
+    if model.startswith("mla"):  # the last argument: cluster
+      assert all(a[-1] == (model == "mla_cluster") for a in calls)
     f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     for prompt, out in zip(prompts, outs):
