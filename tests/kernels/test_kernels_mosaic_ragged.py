@@ -18,6 +18,7 @@ from conftest import ON_GPU, kernel_rel_err as _rel
 from jaxinfer import gpu_compile
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
+from pallas_kernels import mosaic_wide_attention as mwa
 
 CASES = [  # N, K, D, ps, pps, q_lens, kv_lens, pad tokens, extra
     (8, 2, 64, 16, 8, [1, 37, 5, 1], [40, 100, 5, 128], 3, {}),        # decode + chunks + padding
@@ -41,14 +42,17 @@ def _inputs(rng, N, K, D, ps, pps, q_lens, kv_lens, pad, layers=0):
   return q, kp, vp, jnp.asarray(kv_lens, jnp.int32), table, cu
 
 
+@pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("group,q_lens,kv_lens,T", [
     (4, [1, 37, 5, 1], [40, 100, 5, 128], 47), (16, [9, 0, 1], [70, 0, 128], 11),
     (1, [130, 1], [200, 1], 140), (64, [1] * 8, [3] * 8, 8)])
-def test_work_items_hold_every_token_once(group, q_lens, kv_lens, T):
+def test_work_items_hold_every_token_once(group, q_lens, kv_lens, T, wide):
   """Each real token is in exactly one item, at its own position; the
-  static item bound holds; unused items are empty (end 0)."""
-  per = mra.tokens_per_item(group)
-  I = mra.max_items(T, len(q_lens), group)
+  static item bound holds; unused items are empty (end 0). Wide items hold
+  twice the tokens."""
+  per = mra.tokens_per_item(group, wide)
+  assert per == max(1, (128 if wide else 64) // group)
+  I = mra.max_items(T, len(q_lens), group, wide)
   cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
   items, first, item_cu = map(np.asarray, mra.work_items(
       cu, jnp.asarray(kv_lens, jnp.int32), per_item=per, num_items=I))
@@ -70,8 +74,9 @@ if mpa.available() is None:
   class TestMosaicRagged:
     interpret = True
 
+    @pytest.mark.parametrize("wide", [False, True])
     @pytest.mark.parametrize("case", range(len(CASES)))
-    def test_matches_reference(self, case):
+    def test_matches_reference(self, case, wide):
       N, K, D, ps, pps, q_lens, kv_lens, pad, extra = CASES[case]
       extra = dict(extra)
       rng = np.random.default_rng(case)
@@ -81,7 +86,7 @@ if mpa.available() is None:
       max_q = max(q_lens)
       layer = jnp.int32(1) if layers else None
       out = jax.jit(lambda q, kp, vp, kl, table, cu, layer: mra.mosaic_ragged_attention(
-          q, kp, vp, kl, table, cu, max_q=max_q, sinks=sinks, layer=layer,
+          q, kp, vp, kl, table, cu, max_q=max_q, sinks=sinks, layer=layer, wide=wide,
           interpret=self.interpret, **extra))(q, kp, vp, kl, table, cu, layer)
       f32 = lambda x: x.astype(jnp.float32)
       kp1, vp1 = (kp[1], vp[1]) if layers else (kp, vp)
@@ -100,10 +105,12 @@ if mpa.available() is None:
         (dict(cu=3), ValueError, "cu_q_lens"),
         (dict(max_q=0), ValueError, "max_q"),
         (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(wide=1), TypeError, "wide must be a bool"),
+        (dict(wide=True, D=192), ValueError, "wide items need .* shared memory"),
     ])
     def test_bad_inputs_are_named(self, change, exc, match):
       dims = dict(N=4, K=2, D=64, dtype=jnp.bfloat16, cu=2, max_q=2)
-      kw = {k: change.pop(k) for k in ("num_splits",) if k in change}
+      kw = {k: change.pop(k) for k in ("num_splits", "wide", "slots") if k in change}
       dims.update(change)
       q = jnp.zeros((3, dims["N"], dims["D"]), dims["dtype"])
       pages = jnp.zeros((dims["K"], 4, 16, dims["D"]), dims["dtype"])
@@ -121,12 +128,12 @@ if mpa.available() is None:
   GATE = [c for c in gpu_cases.CASES
           if c.kernel == "ragged" and c.D == c.Dv and not c.kv_dtype and "h100" in c.gpus]
 
-  def _planned_keys(case):
+  def _planned_keys(case, wide=False):
     """Keys the kernel's blocks read for the case's step (the prefill chunk
     at the end of its context, the rest decode), and the minimum (each KV
     byte once per KV head)."""
     G = case.N // case.K
-    per = mra.tokens_per_item(G)
+    per = mra.tokens_per_item(G, wide)
     keys = case.ps * mpa.pages_per_block(case.ps)
     blocks = lambda end: -(-end // keys) * keys
     chunk = case.prefill_tokens
@@ -141,7 +148,9 @@ if mpa.available() is None:
     on the Mosaic kernel within Hopper's shared memory. Planned HBM bytes:
     decode rows read each KV byte once per KV head; the chunk's items each
     stream the keys up to their last query (FlashAttention's query blocks of
-    64 // G tokens), and the test pins that sum."""
+    64 // G tokens), and the test pins that sum. Wide items (128 // G tokens
+    on two warpgroups) compile too, within shared memory, and read the
+    chunk's KV about half as often."""
     mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
     sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -150,9 +159,9 @@ if mpa.available() is None:
     args = (s((c.T, c.N, c.D)), s(pool), s(pool), s((c.B,), jnp.int32),
             s((c.B, c.pages_per_seq), jnp.int32), s((c.B + 1,), jnp.int32),
             s((c.N,), jnp.float32) if c.sinks else None, s((), jnp.int32))
-    fn = lambda q, kp, vp, kl, tab, cu, sinks, layer: mra.mosaic_ragged_attention(
+    fn = lambda q, kp, vp, kl, tab, cu, sinks, layer, wide=False: mra.mosaic_ragged_attention(
         q, kp, vp, kl, tab, cu, max_q=c.prefill_tokens, window=c.window, sinks=sinks,
-        layer=layer, sm_scale=1 / math.sqrt(c.D))
+        layer=layer, sm_scale=1 / math.sqrt(c.D), wide=wide)
     with gpu_compile.lowering(mesh):
       lowered = jax.jit(fn).lower(*args)
     assert "mosaic_gpu" in lowered.as_text()
@@ -163,6 +172,13 @@ if mpa.available() is None:
     assert decode_only <= 1.1 * (c.B - 1) * c.ctx
     assert minimum < planned <= minimum * (1 + c.prefill_tokens // mra.tokens_per_item(
         c.N // c.K) / c.B), planned / minimum
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(lambda *a: fn(*a, wide=True)).lower(*args)
+    assert "mosaic_gpu" in lowered.as_text()
+    lowered.compile()
+    assert mwa.smem_bytes(c.D, c.ps, 2) <= mpa.SMEM_BYTES
+    wide, _ = _planned_keys(c, wide=True)
+    assert minimum < wide and (wide - minimum) <= 0.55 * (planned - minimum), (wide, planned)
 
 else:
 
