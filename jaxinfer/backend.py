@@ -16,12 +16,16 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              `ops.mosaic_grouped_matmul` takes the shapes), or None: "mosaic"
              where attention None picks "mosaic", else "xla". Quantized
              experts always take the Pallas quantized kernel on GPUs.
-  mla_cluster
-             MLA decode on the Mosaic kernel with a sequence's 64-row blocks
-             of heads (2 to 8: DeepSeek's 128 heads are 2) as one cluster of
-             programs sharing each latent read (TMA multicast): the latent
-             read once, not once per block. False by default until a GPU run
-             has matched it against its reference; a bool.
+  trials     Mosaic kernel variants that compile for H100 and match their
+             references interpreted but have not yet run on a GPU, named to
+             try them (a tuple of `TRIALS`; none by default): "mla_cluster",
+             MLA decode with a sequence's 64-row blocks of heads (2 to 8:
+             DeepSeek's 128 heads are 2) as one cluster sharing each latent
+             read (TMA multicast; `mosaic_mla_attention(cluster=True)`);
+             "wide_items", GQA mixed steps on work items of two 64-row tiles
+             on two warpgroups sharing each K / V block
+             (`mosaic_ragged_attention(wide=True)`). A variant leaves this
+             list for the default once a GPU run has matched it.
   target     the device the program is built for: "gpu" (Pallas kernels
              compiled through Triton, even when this process runs on CPU:
              programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -30,8 +34,7 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
 
 The target is part of the value, not read from the process, because a
 program's kernels must match the devices it is compiled for, and a CPU
-process can build GPU programs. Bad values raise ValueError (TypeError for
-mla_cluster) on construction.
+process can build GPU programs. Bad values raise ValueError on construction.
 The default resolution happens when a program is traced (`attention_kernel`),
 so a CPU process building for a compile-only H100 (`jaxinfer.gpu_compile`)
 gets what the H100 would. This module imports nothing from jaxinfer:
@@ -49,6 +52,7 @@ from pallas_kernels import mosaic_paged_attention
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
 GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
+TRIALS = ("mla_cluster", "wide_items")  # Mosaic variants not yet run on a GPU
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
 
 
@@ -77,10 +81,7 @@ class Backend:
   attention: str | None = None
   target: str | None = None
   grouped_matmul: str | None = None
-  # MLA decode on the Mosaic kernel with a sequence's row blocks (128 heads: 2)
-  # as one cluster sharing each latent read (`mosaic_mla_attention(cluster=True)`):
-  # opt-in until a GPU run has matched it against its reference.
-  mla_cluster: bool = False
+  trials: tuple[str, ...] = ()
 
   def __post_init__(self):
     if self.attention is not None and self.attention not in ATTENTION_KERNELS:
@@ -89,8 +90,10 @@ class Backend:
     if self.grouped_matmul is not None and self.grouped_matmul not in GROUPED_MATMULS:
       raise ValueError(f"Backend.grouped_matmul must be None or one of {GROUPED_MATMULS}, "
                        f"got {self.grouped_matmul!r}")
-    if not isinstance(self.mla_cluster, bool):
-      raise TypeError(f"Backend.mla_cluster must be a bool, got {self.mla_cluster!r}")
+    if (not isinstance(self.trials, (tuple, list))
+        or not all(isinstance(t, str) and t in TRIALS for t in self.trials)):
+      raise ValueError(f"Backend.trials must be a tuple of {TRIALS}, got {self.trials!r}")
+    object.__setattr__(self, "trials", tuple(self.trials))  # a saved config's list
     if self.target is not None and self.target not in TARGETS:
       raise ValueError(f"Backend.target must be None or one of {TARGETS}, got {self.target!r}")
 

@@ -38,6 +38,7 @@ from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels import mosaic_mla_attention as mosaic_mla
 from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels import mosaic_ragged_attention as mosaic_ragged
+from pallas_kernels import mosaic_wide_attention as mosaic_wide
 from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
@@ -296,8 +297,8 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                  backend: Backend = Backend()) -> tuple[str, bool, dict]:
   """The kernel `ragged_paged_attention` runs a step on, from shapes alone:
   -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
-  (`mosaic_kernel`; "mosaic_mla_cluster" where `Backend.mla_cluster` asks for
-  it and the heads are 2 to 8 row blocks), "pallas", or "xla" (the choice, or attention None's
+  (`mosaic_kernel`; "mosaic_mla_cluster" / "mosaic_gqa_wide" where
+  `Backend.trials` names their variant and it applies, `_trial`), "pallas", or "xla" (the choice, or attention None's
   fallback where `tile_error` says the GPU kernel cannot tile the shapes).
   Attention None's Mosaic default takes steps of at most `MOSAIC_AUTO_MAX_Q`
   query tokens a sequence (longer chunks: Triton, faster there in run 7).
@@ -308,9 +309,7 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                               latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
                               quantized=quantized)
     if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q):
-      if (kernel == "mla" and backend.mla_cluster
-          and mosaic_mla.cluster_blocks(q_shape[1], True) > 1):
-        kernel = "mla_cluster"
+      kernel = _trial(kernel, q_shape, k_pages_shape, max_q, backend.trials)
       return f"mosaic_{kernel}", interpret, {}
     impl = "pallas"
   if impl != "pallas" or interpret:
@@ -325,6 +324,19 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                                               tiling["pages_per_compute_block"]):
     return "xla", interpret, {}
   return "pallas", interpret, tiling
+
+
+def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
+  """The Mosaic kernel's variant `Backend.trials` asks for, where it applies:
+  "mla_cluster" for 2 to 8 row blocks of heads, "gqa_wide" for steps whose
+  chunks fill more than one 64-row tile (within shared memory); else kernel."""
+  if kernel == "mla" and "mla_cluster" in trials:
+    return "mla_cluster" if mosaic_mla.cluster_blocks(q_shape[1], True) > 1 else kernel
+  if kernel == "gqa" and "wide_items" in trials and max_q > 1:
+    group = q_shape[1] // k_pages_shape[-4]
+    fits = mosaic_wide.smem_bytes(q_shape[-1], k_pages_shape[-2], 2) <= mosaic.SMEM_BYTES
+    return "gqa_wide" if fits and max_q > mosaic_ragged.tokens_per_item(group) else kernel
+  return kernel
 
 
 def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
@@ -367,8 +379,9 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
   "mosaic" (the default on a Hopper target, `Backend`): GQA steps on
   `mosaic_paged_attention` (decode-only) or `mosaic_ragged_attention`
-  (mixed), decode-only MLA steps on `mosaic_mla_attention` (a sequence's
-  row blocks as one cluster with `Backend.mla_cluster`), where their
+  (mixed; its wide items with "wide_items" in `Backend.trials`), decode-only
+  MLA steps on `mosaic_mla_attention` (a sequence's row blocks as one
+  cluster with "mla_cluster" there), where their
   `unsupported` finds nothing against the shapes (`mosaic_kernel`); other
   steps "pallas".
   """
@@ -495,15 +508,15 @@ def _fresh_and_decodes_xla(q_rows, k_pages, v_pages, packed, kv_lens, page_table
 
 
 def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
-                   scale, layer, interpret):
+                   scale, layer, interpret, wide=False):
   """A GQA step on the Mosaic GPU kernels: decode-only steps (one token a
   sequence) laid out per sequence on `mosaic_paged_attention` with split-K
   for small batches; any other step on `mosaic_ragged_attention`'s work
-  items."""
+  items (wide: its two-tile items)."""
   if max_q > 1:
     return mosaic_ragged.mosaic_ragged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
-        window=window, sinks=sinks, layer=layer, interpret=interpret)
+        window=window, sinks=sinks, layer=layer, wide=wide, interpret=interpret)
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
   dims = kernel_dims(k_pages)
   splits = 1
@@ -553,7 +566,7 @@ def _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, ma
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
                               layer, interpret, kernel == "mosaic_mla_cluster")
   return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                        sinks, scale, layer, interpret)
+                        sinks, scale, layer, interpret, kernel == "mosaic_gqa_wide")
 
 
 def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,

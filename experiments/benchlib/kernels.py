@@ -17,7 +17,9 @@ that can run here, and a float32 reference used only to check every output:
   gmm     the MoE grouped matmul (ragged_dot) through `ops.grouped_matmul`
           on jax's Hopper kernel `ragged_dot_mgpu`: XLA's `ragged_dot`
 
-The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper).
+The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper)
+and "ours_mosaic_wide" (its two-warpgroup items, wide=True); MLA also as
+"ours_mosaic_cluster" (row blocks sharing each latent read, cluster=True).
 
 The decode kernels also run as "ours_split": the same kernel with split-K
 (`num_splits`) sized to give the GPU about two programs per SM.
@@ -58,6 +60,7 @@ import pallas_kernels as pk
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
+from pallas_kernels import mosaic_wide_attention as mwa
 from jaxinfer import Backend, ops
 from jaxinfer.models import quant
 
@@ -415,6 +418,15 @@ def _ragged_case(env, *, name, seqs, ps, N, K, D):
       skip=_mosaic_skip(env, mpa.unsupported((1, 1, N, D), env.dtype, (K, 1, ps, D),
                                              values_dim=D)),
       note=f"Mosaic GPU work items of {mra.tokens_per_item(N // K)} tokens (TMA + wgmma)")
+  wide_smem = mwa.smem_bytes(D, ps, 2, item)
+  impls["ours_mosaic_wide"] = Impl(
+      functools.partial(mra.mosaic_ragged_attention, max_q=max_q, wide=True),
+      skip=_mosaic_skip(env, mpa.unsupported((1, 1, N, D), env.dtype, (K, 1, ps, D),
+                                             values_dim=D)
+                        or (None if wide_smem <= mpa.SMEM_BYTES else
+                            (ValueError, f"wide items need {wide_smem} B of shared memory"))),
+      note=f"Mosaic GPU wide items of {mra.tokens_per_item(N // K, True)} tokens on two "
+           "warpgroups sharing each K/V block")
   reference = functools.partial(pk.ragged_paged_attention_reference, max_q=max_q)
   temp = f32_kv + 3 * 4.0 * B * N * max_q * pps * ps
   if env.peers:

@@ -143,7 +143,7 @@ def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv
 
 def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv: int,
                    ps: int, window: int = 0, latent: bool = False, cluster: bool = False,
-                   e: int = 2) -> Traffic:
+                   wide: bool = False, e: int = 2) -> Traffic:
   """The Mosaic GPU kernels' KV traffic, one split (`pallas_kernels.
   mosaic_paged_attention` / `mosaic_ragged_attention`; latent: MLA's
   `mosaic_mla_attention` over one latent pool of D columns, values its
@@ -152,7 +152,8 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   the window's first block to its last query in blocks of `keys` (whole
   pages, >= 64 keys); MLA: each sequence's Q x N query rows are row blocks
   of 64, each loading every key block, or with cluster a cluster of them
-  (`mosaic_mla_attention.cluster_blocks`) loading each key block once. kv counts those loads; q and out
+  (`mosaic_mla_attention.cluster_blocks`) loading each key block once;
+  GQA with wide: items of 128 // G tokens (`mosaic_ragged_attention`'s wide). kv counts those loads; q and out
   the tiles once. minimum as `paged_traffic`'s."""
   G, rows = N // K, mpa.ROWS
   if latent:
@@ -167,7 +168,7 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
       kv_tokens += row_blocks // mma.cluster_blocks(q * N, cluster) * blocks(0, kv)
       items += row_blocks
       continue
-    per = mra.tokens_per_item(G)  # a decode / verify step's Q x G <= 64 rows: one item
+    per = mra.tokens_per_item(G, wide)  # a decode / verify step's Q x G <= 64 rows: one item
     for j in range(-(-q // per)):
       pos0, end = kv - q + j * per, kv - q + min(q, (j + 1) * per)
       kv_tokens += blocks(max(pos0 - window + 1, 0) if window else 0, end)

@@ -68,6 +68,12 @@ def test_mosaic_traffic_by_hand():
     c = traffic.mosaic_traffic([(q, 4096)], N=n, K=1, D=576, Dv=512, ps=64, latent=True,
                                cluster=True)
     assert c.planned["kv"] == c.minimum["kv"]
+  # Wide GQA items: a 128-token chunk at G 4 is 8 items of 16 tokens, or 4 of 32.
+  seqs = [(128, 1024)]
+  narrow = traffic.mosaic_traffic(seqs, N=32, K=8, D=128, Dv=128, ps=16)
+  wide = traffic.mosaic_traffic(seqs, N=32, K=8, D=128, Dv=128, ps=16, wide=True)
+  assert narrow.tiling["items"] == 8 and wide.tiling["items"] == 4
+  assert wide.planned["kv"] < narrow.planned["kv"]
   # 16 row blocks are more than a cluster holds (8): each block reads it.
   c = traffic.mosaic_traffic([(8, 4096)], N=128, K=1, D=576, Dv=512, ps=64, latent=True,
                              cluster=True)
@@ -85,6 +91,10 @@ def test_mosaic_beside_triton_in_the_report():
   if mla["kernel"]:  # 128 heads: 2x, or as one cluster of 2 programs within 1.1x
     assert mla["kv_over_minimum"] == 2.0 and mla["cluster"]["programs"] == 2
     assert mla["cluster"]["planned_over_minimum"] <= 1.1
+  gqa = kernel_report.mosaic_report(gpu_cases.get("llama8b_mixed_512p_63d"))
+  if gqa["kernel"]:  # wide items read the chunk's KV half as often, within shared memory
+    extra, wide_extra = gqa["planned_over_minimum"] - 1, gqa["wide"]["planned_over_minimum"] - 1
+    assert 0 < wide_extra <= 0.55 * extra and gqa["wide"]["smem_bytes"] <= 227 * 1024
   mixed = kernel_report.mosaic_report(gpu_cases.get("dsv3_mla_mixed_512p_31d"))
   assert mixed["kernel"] is None and "decodes only" in mixed["why"]
 

@@ -103,20 +103,33 @@ def test_default_kernels_follow_the_target_gpu():
         assert kernel == ("mosaic_gqa" if want else "pallas"), (gpu, max_q, kernel)
   with pytest.raises(ValueError, match=r"Backend.grouped_matmul .*'triton'"):
     Backend(grouped_matmul="triton")
-  with pytest.raises(TypeError, match=r"Backend.mla_cluster must be a bool"):
-    Backend(mla_cluster=1)
+  for bad in ("mla_cluster", ("wide",), 1):
+    with pytest.raises(ValueError, match=r"Backend.trials must be a tuple of"):
+      Backend(trials=bad)
+  assert Backend(trials=["wide_items"]) == Backend(trials=("wide_items",))  # a saved list
 
 
-def test_mla_cluster_is_opt_in_and_only_where_row_blocks_share():
-  """MLA decode on Mosaic: one cluster a sequence only with Backend.mla_cluster
-  and 2 to 8 row blocks of heads (128 heads: 2; 64: one block, nothing shared)."""
-  pool = (1, 64, 64, 576)  # [K, P, page_size, R + Hr]: the latent pool
-  for heads, cluster, want in ((128, False, "mosaic_mla"), (128, True, "mosaic_mla_cluster"),
-                               (64, True, "mosaic_mla"), (1024, True, "mosaic_mla")):
-    backend = Backend(target="gpu", attention="mosaic", mla_cluster=cluster)
-    kernel = ops.paged_kernel((8, heads, 576), "bfloat16", pool, (8, 16), max_q=1,
-                              latent_dim=512, backend=backend)[0]
-    assert kernel == (want if mpa.available() is None else "pallas"), (heads, cluster, kernel)
+def test_trial_variants_are_opt_in_and_only_where_they_apply():
+  """Backend.trials: MLA decode as one cluster a sequence only for 2 to 8 row
+  blocks of heads (128 heads: 2; 64: one block, nothing shared; 1024: more
+  than a cluster holds); GQA wide items only for steps whose chunks fill
+  more than one 64-row tile (not decode) and within shared memory."""
+  latent = (1, 64, 64, 576)  # [K, P, page_size, R + Hr]: the latent pool
+  cases = [((8, 128, 576), latent, 1, (), "mosaic_mla"),
+           ((8, 128, 576), latent, 1, ("mla_cluster",), "mosaic_mla_cluster"),
+           ((8, 64, 576), latent, 1, ("mla_cluster",), "mosaic_mla"),
+           ((8, 1024, 576), latent, 1, ("mla_cluster",), "mosaic_mla"),
+           ((64, 32, 128), (8, 64, 16, 128), 64, ("wide_items",), "mosaic_gqa_wide"),
+           ((64, 32, 128), (8, 64, 16, 128), 64, (), "mosaic_gqa"),
+           ((64, 32, 128), (8, 64, 16, 128), 16, ("wide_items",), "mosaic_gqa"),  # one tile
+           ((8, 32, 128), (8, 64, 16, 128), 1, ("wide_items",), "mosaic_gqa")]  # decode
+  for q_shape, pool, max_q, trials, want in cases:
+    backend = Backend(target="gpu", attention="mosaic", trials=trials)
+    mla = pool is latent
+    kernel = ops.paged_kernel(q_shape, "bfloat16", pool, (8, 16), max_q=max_q,
+                              latent_dim=512 if mla else None, values_dim=None if mla else 128,
+                              backend=backend)[0]
+    assert kernel == (want if mpa.available() is None else "pallas"), (q_shape, trials, kernel)
 
 
 def test_engine_stats_name_the_kernels_the_steps_run():

@@ -139,10 +139,13 @@ if mpa.available() is None:
   ENGINE_MODELS = {  # the Mosaic kernel's sizes: head dim 64; MLA latent 64 + rope 32
       "gqa": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64), {}),
       "mla": ("_ragged_mosaic_mla", dict(name="tiny_moe", qk_rope_head_dim=32), {}),
-      # 128 heads: two row blocks, one cluster (Backend.mla_cluster)
+      # 128 heads: two row blocks, one cluster (Backend.trials)
       "mla_cluster": ("_ragged_mosaic_mla", dict(name="tiny_moe", qk_rope_head_dim=32,
                                                  num_heads=128, num_kv_heads=128),
-                      dict(mla_cluster=True)),
+                      dict(trials=("mla_cluster",))),
+      # GQA 8: items of 8 tokens, wide ones of 16; the 21-token prompt fills two
+      "gqa_wide": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64, num_heads=8,
+                                          num_kv_heads=1), dict(trials=("wide_items",))),
   }
 
   @pytest.mark.parametrize("model", ENGINE_MODELS)
@@ -164,8 +167,8 @@ if mpa.available() is None:
                                            max_num_batched_tokens=32))
     outs = eng.generate(prompts, SamplingParams(max_tokens=4))
     assert calls, "no decode step reached the Mosaic kernel"
-    if model.startswith("mla"):  # the last argument: cluster
-      assert all(a[-1] == (model == "mla_cluster") for a in calls)
+    # The last argument: cluster (MLA) / wide (GQA), for the trial variants only.
+    assert any(a[-1] for a in calls) == model.endswith(("cluster", "wide"))
     f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     for prompt, out in zip(prompts, outs):
