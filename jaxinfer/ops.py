@@ -298,10 +298,11 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
   """The kernel `ragged_paged_attention` runs a step on, from shapes alone:
   -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
   (`mosaic_kernel`; "mosaic_mla_cluster" / "mosaic_gqa_wide" where
-  `Backend.trials` names their variant and it applies, `_trial`), "pallas", or "xla" (the choice, or attention None's
-  fallback where `tile_error` says the GPU kernel cannot tile the shapes).
-  Attention None's Mosaic default takes steps of at most `MOSAIC_AUTO_MAX_Q`
-  query tokens a sequence (longer chunks: Triton, faster there in run 7).
+  `Backend.trials` names their variant and it applies, `_trial`), "pallas",
+  or "xla" (the choice, or attention None's fallback where `tile_error`
+  says the GPU kernel cannot tile the shapes). Attention None's Mosaic
+  default takes steps of at most `MOSAIC_AUTO_MAX_Q` query tokens a
+  sequence (longer chunks: Triton, faster there in run 7).
   Arguments as `mosaic_kernel`'s; page_table_shape [B, pages_per_seq]."""
   impl, interpret = backend.attention_kernel()
   if impl == "mosaic":
@@ -379,11 +380,9 @@ def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_len
   the XLA path where `tile_error` says the kernel cannot tile the shapes.
   "mosaic" (the default on a Hopper target, `Backend`): GQA steps on
   `mosaic_paged_attention` (decode-only) or `mosaic_ragged_attention`
-  (mixed; its wide items with "wide_items" in `Backend.trials`), decode-only
-  MLA steps on `mosaic_mla_attention` (a sequence's row blocks as one
-  cluster with "mla_cluster" there), where their
-  `unsupported` finds nothing against the shapes (`mosaic_kernel`); other
-  steps "pallas".
+  (mixed), decode-only MLA steps on `mosaic_mla_attention` (variants:
+  `Backend.trials`), where their `unsupported` finds nothing against the
+  shapes (`mosaic_kernel`); other steps "pallas".
   """
   kernel, interpret, tiling = paged_kernel(
       q.shape, q.dtype, k_pages.shape, page_table.shape, max_q=max_q,

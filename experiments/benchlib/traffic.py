@@ -153,8 +153,8 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   pages, >= 64 keys); MLA: each sequence's Q x N query rows are row blocks
   of 64, each loading every key block, or with cluster a cluster of them
   (`mosaic_mla_attention.cluster_blocks`) loading each key block once;
-  GQA with wide: items of 128 // G tokens (`mosaic_ragged_attention`'s wide). kv counts those loads; q and out
-  the tiles once. minimum as `paged_traffic`'s."""
+  GQA with wide: items of 128 // G tokens (`mosaic_ragged_attention`'s
+  wide). kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
   G, rows = N // K, mpa.ROWS
   if latent:
     K, keys = 1, mma.KEYS
