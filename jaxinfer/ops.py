@@ -311,7 +311,8 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                               quantized=quantized)
     if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q):
       kernel = _trial(kernel, q_shape, k_pages_shape, max_q, backend.trials)
-      return f"mosaic_{kernel}", interpret, {}
+      if kernel:
+        return f"mosaic_{kernel}", interpret, {}
     impl = "pallas"
   if impl != "pallas" or interpret:
     return impl, interpret, {}
@@ -329,10 +330,16 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
 
 def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   """The Mosaic kernel's variant `Backend.trials` asks for, where it applies:
-  "mla_cluster" for 2 to 8 row blocks of heads, "gqa_wide" for steps whose
-  chunks fill more than one 64-row tile (within shared memory); else kernel."""
-  if kernel == "mla" and "mla_cluster" in trials:
-    return "mla_cluster" if mosaic_mla.cluster_blocks(q_shape[1], True) > 1 else kernel
+  "mla_cluster" for 2 to 8 row blocks of max_q x heads, "gqa_wide" for steps
+  whose chunks fill more than one 64-row tile (within shared memory); else
+  kernel, or None (Pallas) for an MLA verify step of several row blocks
+  without the cluster."""
+  if kernel == "mla":
+    blocks = mosaic_mla.cluster_blocks(max_q * q_shape[1], True)
+    if blocks > 1 and "mla_cluster" in trials:
+      return "mla_cluster"
+    # Unclustered, a verify step's row blocks each read the latent: Triton's tiling is no worse.
+    return kernel if max_q == 1 or blocks == 1 else None
   if kernel == "gqa" and "wide_items" in trials and max_q > 1:
     group = q_shape[1] // k_pages_shape[-4]
     fits = mosaic_wide.smem_bytes(q_shape[-1], k_pages_shape[-2], 2) <= mosaic.SMEM_BYTES
@@ -534,7 +541,7 @@ def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=
   """Which Mosaic GPU kernel takes a paged step where the attention kernel
   is "mosaic": ("gqa", None) for GQA pages (`mosaic_paged_attention` for
   decode-only steps, `mosaic_ragged_attention` for mixed ones), ("mla",
-  None) for a decode-only step over MLA's latent pool
+  None) for a decode or verify step over MLA's latent pool
   (`mosaic_mla_attention`), or (None, why) when none does (the step then
   runs "pallas").
 
@@ -543,12 +550,17 @@ def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=
   latent pool (keys and values in one pool, the values its first latent_dim
   columns); max_q: the step's most query tokens a sequence; window: an int,
   or a traced one (a scanned layer's); sinks: the layer has attention
-  sinks; quantized: fp8 / int8 pages. The MLA kernel takes decode-only
-  steps without window, sinks or quantized pages."""
+  sinks; quantized: fp8 / int8 pages. The MLA kernel takes decode and
+  verify steps (these: max_q x N query rows within one cluster of row
+  blocks, `mosaic_mla_attention.MAX_CLUSTER` x 64) without window, sinks or
+  quantized pages."""
   page_size = k_pages_shape[-2]  # [..., K, P, page_size, Hk]
   if values_dim is None:
-    if max_q != 1:
-      return None, f"MLA step with max_q {max_q} > 1: the Mosaic MLA kernel decodes only"
+    rows = max_q * q_shape[1]
+    if max_q > 1 and rows > mosaic_mla.MAX_CLUSTER * mosaic.ROWS:
+      return None, (f"MLA step with max_q {max_q} x {q_shape[1]} heads = {rows} query rows > "
+                    f"{mosaic_mla.MAX_CLUSTER * mosaic.ROWS}: the Mosaic MLA kernel takes "
+                    "decode and verify steps")
     if not isinstance(window, int) or window or sinks or quantized:
       return None, "a window (or a traced one), sinks or quantized latent pages"
     bad = mosaic_mla.unsupported(q_shape[-1], latent_dim, page_size, dtype)
@@ -563,22 +575,29 @@ def _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, ma
   """The step on the Mosaic GPU kernel `paged_kernel` picked."""
   if kernel.startswith("mosaic_mla"):
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
-                              layer, interpret, kernel == "mosaic_mla_cluster")
+                              layer, interpret, max_q, kernel == "mosaic_mla_cluster")
   return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
                         sinks, scale, layer, interpret, kernel == "mosaic_gqa_wide")
 
 
 def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,
-                       interpret, cluster=False):
-  """MLA's decode-only step on the Mosaic GPU kernel. The latent pool
-  [(L,) 1, P, ps, R + Hr] is read as one run of pages ([L * P, ps, R + Hr],
-  a free reshape) with this layer's page numbers offset by layer * P, so no
+                       interpret, max_q=1, cluster=False):
+  """MLA's decode or verify step on the Mosaic GPU kernel. A sequence's
+  tokens end its max_q rows (the kernel puts row Q - 1 at position
+  kv_len - 1), the rows before them padding. The latent pool [(L,) 1, P,
+  ps, R + Hr] is read as one run of pages ([L * P, ps, R + Hr], a free
+  reshape) with this layer's page numbers offset by layer * P, so no
   layer's pool is sliced out."""
-  q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
+  q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
+  if max_q > 1:  # right-align: the last token of a sequence on row max_q - 1
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    row = jnp.clip(row + max_q - q_lens[seq], 0, max_q - 1)
+    q_pad = jnp.zeros_like(q_pad).at[jnp.where(valid, seq, q_pad.shape[0]), row].set(
+        q, mode="drop")
   dims = kernel_dims(k_pages)
   pages = k_pages.reshape(-1, dims["slot"], k_pages.shape[-1])
   table = page_table if layer is None else page_table + layer * dims["page"]
-  rows = -(-q.shape[1] // mosaic.ROWS)
+  rows = -(-max_q * q.shape[1] // mosaic.ROWS)
   splits = 1
   while (splits < 8 and page_table.shape[0] * rows * splits < _SM_PROGRAMS
          and 2 * splits * max(1, mosaic_mla.KEYS // dims["slot"]) <= page_table.shape[1]):

@@ -70,8 +70,10 @@ def test_to_hf_round_trip_keeps_the_backend(name):
 def test_mosaic_kernel_choice():
   gqa = dict(q_shape=(8, 8, 64), dtype="bfloat16", k_pages_shape=(2, 64, 16, 64), values_dim=64)
   mla = dict(q_shape=(8, 16, 96), dtype="bfloat16", k_pages_shape=(1, 64, 64, 96), latent_dim=64)
-  # MLA's kernel decodes only, without window, sinks or quantized pages.
-  assert ops.mosaic_kernel(**mla, max_q=2)[1].startswith("MLA step with max_q 2 > 1")
+  # MLA's kernel takes decode and verify steps (up to 8 row blocks of max_q x heads),
+  # without window, sinks or quantized pages.
+  assert ops.mosaic_kernel(**mla, max_q=33)[1].startswith(
+      "MLA step with max_q 33 x 16 heads = 528 query rows > 512")
   for bad in (dict(window=128), dict(sinks=True), dict(quantized=True)):
     kernel, why = ops.mosaic_kernel(**mla, **bad)
     assert kernel is None and "window" in why
@@ -80,7 +82,9 @@ def test_mosaic_kernel_choice():
   missing = mpa.available()  # jax < 0.11: no Mosaic GPU kernels, named
   for max_q in (1, 2, 64):  # GQA: decode-only and mixed steps alike
     assert ops.mosaic_kernel(**gqa, max_q=max_q) == ((None, missing) if missing else ("gqa", None))
-  assert ops.mosaic_kernel(**mla) == ((None, missing) if missing else ("mla", None))
+  for max_q in (1, 4, 32):
+    assert ops.mosaic_kernel(**mla, max_q=max_q) == ((None, missing) if missing else
+                                                     ("mla", None))
 
 
 def test_default_kernels_follow_the_target_gpu():
@@ -111,14 +115,21 @@ def test_default_kernels_follow_the_target_gpu():
 
 def test_trial_variants_are_opt_in_and_only_where_they_apply():
   """Backend.trials: MLA decode as one cluster a sequence only for 2 to 8 row
-  blocks of heads (128 heads: 2; 64: one block, nothing shared; 1024: more
-  than a cluster holds); GQA wide items only for steps whose chunks fill
+  blocks of max_q x heads (128 heads: 2; 64: one block, nothing shared; 1024:
+  more than a cluster holds) and MLA verify steps of several row
+  blocks only as a cluster; GQA wide items only for steps whose chunks fill
   more than one 64-row tile (not decode) and within shared memory."""
   latent = (1, 64, 64, 576)  # [K, P, page_size, R + Hr]: the latent pool
   cases = [((8, 128, 576), latent, 1, (), "mosaic_mla"),
            ((8, 128, 576), latent, 1, ("mla_cluster",), "mosaic_mla_cluster"),
            ((8, 64, 576), latent, 1, ("mla_cluster",), "mosaic_mla"),
-           ((8, 1024, 576), latent, 1, ("mla_cluster",), "mosaic_mla"),
+           ((8, 1024, 576), latent, 1, ("mla_cluster",), "mosaic_mla"),  # > 8 row blocks
+           # Verify steps: 4 tokens x 16 heads are one row block; x 128 heads 8, read
+           # once only as a cluster (else Triton); 8 tokens x 128 heads: 16 blocks.
+           ((8, 16, 576), latent, 4, (), "mosaic_mla"),
+           ((8, 128, 576), latent, 4, (), "pallas"),
+           ((8, 128, 576), latent, 4, ("mla_cluster",), "mosaic_mla_cluster"),
+           ((8, 128, 576), latent, 8, ("mla_cluster",), "pallas"),
            ((64, 32, 128), (8, 64, 16, 128), 64, ("wide_items",), "mosaic_gqa_wide"),
            ((64, 32, 128), (8, 64, 16, 128), 64, (), "mosaic_gqa"),
            ((64, 32, 128), (8, 64, 16, 128), 16, ("wide_items",), "mosaic_gqa"),  # one tile

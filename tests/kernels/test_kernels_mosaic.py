@@ -18,7 +18,8 @@ import pytest
 from benchlib import gpu_cases
 import pallas_kernels as pk
 from conftest import ON_GPU, kernel_rel_err as _rel, subprocess_env
-from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
+from jaxinfer import (Backend, Engine, EngineConfig, MTPConfig, SamplingParams, gpu_compile,
+                      models, ops, presets)
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -169,6 +170,37 @@ if mpa.available() is None:
     assert calls, "no decode step reached the Mosaic kernel"
     # The last argument: cluster (MLA) / wide (GQA), for the trial variants only.
     assert any(a[-1] for a in calls) == model.endswith(("cluster", "wide"))
+    f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
+    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+    for prompt, out in zip(prompts, outs):
+      ids = prompt + out.token_ids
+      logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
+      for t, tok in enumerate(out.token_ids):
+        row = logits[len(prompt) - 1 + t]
+        assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+
+  @pytest.mark.parametrize("heads,trials", [(4, ()), (64, ("mla_cluster",))])
+  def test_mtp_verify_steps_run_on_the_mosaic_mla_kernel(monkeypatch, heads, trials):
+    """MTP speculation under MLA with Backend(attention="mosaic") (CPU:
+    interpreted): verify steps (up to 3 tokens a sequence, in max_q's bucket
+    of 4) reach the Mosaic MLA kernel, with 4 heads as one row block and
+    with 64 heads as one cluster of 4 row blocks (8, at 128 heads, starves
+    the interpreter's threads inside the Engine's step); every emitted
+    token is the argmax of a float32 full forward up to bfloat16 rounding."""
+    calls = []
+    real = ops._ragged_mosaic_mla
+    monkeypatch.setattr(ops, "_ragged_mosaic_mla", lambda *a: calls.append(a) or real(*a))
+    cfg = presets.get("tiny_moe", dtype="bfloat16", num_layers=2, qk_rope_head_dim=32,
+                      num_heads=heads, num_kv_heads=heads,
+                      backend=Backend(attention="mosaic", trials=trials))
+    params = models.init_params(cfg, jax.random.key(1))
+    prompts = [[5, 17, 99], list(range(40, 61))]
+    eng = Engine(cfg, params, EngineConfig(page_size=16, num_pages=16, max_num_seqs=2,
+                                           max_num_batched_tokens=32,
+                                           speculative=MTPConfig(num_draft_tokens=2)))
+    outs = eng.generate(prompts, SamplingParams(max_tokens=5))
+    verify = [a for a in calls if 1 < a[-2] <= 4]  # (..., max_q, cluster); K + 1 -> 4
+    assert verify and all(a[-1] == bool(trials) for a in verify), [a[-2:] for a in calls]
     f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
     p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
     for prompt, out in zip(prompts, outs):
