@@ -302,17 +302,22 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
   or "xla" (the choice, or attention None's fallback where `tile_error`
   says the GPU kernel cannot tile the shapes). Attention None's Mosaic
   default takes steps of at most `MOSAIC_AUTO_MAX_Q` query tokens a
-  sequence (longer chunks: Triton, faster there in run 7).
+  sequence (longer chunks: Triton, faster there in run 7); an MLA verify
+  step of several 64-row blocks takes it only as a cluster (the
+  "mla_cluster" trial), else Triton.
   Arguments as `mosaic_kernel`'s; page_table_shape [B, pages_per_seq]."""
   impl, interpret = backend.attention_kernel()
   if impl == "mosaic":
     kernel, _ = mosaic_kernel(q_shape, dtype, k_pages_shape, values_dim=values_dim,
                               latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
                               quantized=quantized)
+    if kernel == "mla" and max_q > 1 and "mla_cluster" not in backend.trials:
+      # Unclustered, each row block of a verify step reads the whole latent: Triton's
+      # tiling is no worse where there are several.
+      kernel = kernel if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) == 1 else None
     if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q):
       kernel = _trial(kernel, q_shape, k_pages_shape, max_q, backend.trials)
-      if kernel:
-        return f"mosaic_{kernel}", interpret, {}
+      return f"mosaic_{kernel}", interpret, {}
     impl = "pallas"
   if impl != "pallas" or interpret:
     return impl, interpret, {}
@@ -332,14 +337,9 @@ def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   """The Mosaic kernel's variant `Backend.trials` asks for, where it applies:
   "mla_cluster" for 2 to 8 row blocks of max_q x heads, "gqa_wide" for steps
   whose chunks fill more than one 64-row tile (within shared memory); else
-  kernel, or None (Pallas) for an MLA verify step of several row blocks
-  without the cluster."""
-  if kernel == "mla":
-    blocks = mosaic_mla.cluster_blocks(max_q * q_shape[1], True)
-    if blocks > 1 and "mla_cluster" in trials:
-      return "mla_cluster"
-    # Unclustered, a verify step's row blocks each read the latent: Triton's tiling is no worse.
-    return kernel if max_q == 1 or blocks == 1 else None
+  kernel."""
+  if kernel == "mla" and "mla_cluster" in trials:
+    return "mla_cluster" if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) > 1 else kernel
   if kernel == "gqa" and "wide_items" in trials and max_q > 1:
     group = q_shape[1] // k_pages_shape[-4]
     fits = mosaic_wide.smem_bytes(q_shape[-1], k_pages_shape[-2], 2) <= mosaic.SMEM_BYTES

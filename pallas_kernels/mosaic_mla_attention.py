@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mla_paged_attention import _prepare
 from pallas_kernels.mosaic_paged_attention import (ROWS, SMEM_BYTES, _INTERPRETER, available,
                                                    finish, merge_lse, plgpu, softmax_init,
-                                                   softmax_step)
+                                                   softmax_step, wait_last_releases)
 from pallas_kernels.paged_attention import validate_paged
 
 KEYS = 32  # latent rows a loop step: P's [64, 32] tile, one 64-byte swizzle row
@@ -152,10 +152,7 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
   # arrives on this program's barriers after it exits; without one, every phase of
   # the barrier is observed before it is freed (jax 0.11.2's interpreter checks).
   if w == 0:
-    for s in range(slots):
-      blk = hi - slots + s
-      pl.when(blk >= lo)(lambda blk=blk: plgpu.barrier_wait(
-          used_bar.at[lax.rem(blk - lo, jnp.int32(slots))]))
+    wait_last_releases(used_bar, lo, hi, slots)
   o_smem.at[w][...] = o.astype(o_smem.dtype)
   if w == 0:
     lse_smem[...] = lse
@@ -211,5 +208,6 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
       num_threads=WGS, thread_name="wg", **launch,
       interpret=_INTERPRETER() if interpret else False)
   o, lse = kernel(rows.reshape(B, blocks, ROWS, D), latent_pages, lengths.astype(jnp.int32), table)
-  out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N].reshape(B, Q, N, R).astype(q.dtype)
+  out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N]
+  out = out.reshape(B, Q, N, R).astype(q.dtype)
   return out[:, 0] if squeeze else out

@@ -121,25 +121,26 @@ def check_call(q4, k_pages, v_pages, slots, num_splits, block_keys,
     raise bad[0](f"{name}: {bad[1]}")
 
 
-def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
-          v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
-  """One (KV head, work item, split): stream the split's blocks of pages.
-  item_ref [I, 3] int32: the item's sequence, the position of its row 0's
-  query and the end of its keys (0: an empty item); glob_ref [2] int32:
-  the pools' layer and the window (0: none), either traced."""
-  G, D, ps, ppb, slots, num_splits, scale = dims
-  keys = ps * ppb
-  kh, i, split = lax.axis_index("heads"), lax.axis_index("items"), lax.axis_index("splits")
-  layer, window = glob_ref[0], glob_ref[1]
+def item_span(item_ref, glob_ref, i, split, keys, num_splits):
+  """Work item i's sequence, row 0's query position, key end, window and the
+  key blocks [lo, hi) of its split (blocks wholly before every row's window
+  skipped). item_ref [I, 3] int32: sequence, position, end (0: empty item);
+  glob_ref [2] int32: the pools' layer and the window (0: none)."""
+  window = glob_ref[1]
   b, pos0, end = item_ref[i, 0], item_ref[i, 1], item_ref[i, 2]
-  # Blocks wholly before every row's window are skipped.
   first_blk = jnp.where(window > 0,
                         lax.div(jnp.maximum(pos0 - window + 1, 0), jnp.int32(keys)), 0)
   last_blk = lax.div(end + keys - 1, jnp.int32(keys))
   per = lax.div(jnp.maximum(last_blk - first_blk, 0) + num_splits - 1, jnp.int32(num_splits))
   lo = first_blk + split * per
-  hi = jnp.minimum(lo + per, last_blk)
-  plgpu.copy_gmem_to_smem(q_ref.at[i, kh], q_smem, q_bar.at[0])
+  return b, pos0, end, window, lo, jnp.minimum(lo + per, last_blk)
+
+
+def kv_issuer(k_ref, v_ref, tab_ref, layer, kh, b, bufs, ps, ppb):
+  """issue(blk, slot): TMA copies of key block blk's pages of sequence b (KV
+  head kh, pool layer `layer`) into slot `slot` of bufs = (k_smem, v_smem,
+  k_bar, v_bar), one copy per page and pool."""
+  k_smem, v_smem, k_bar, v_bar = bufs
 
   def issue(blk, slot):
     for j in range(ppb):
@@ -148,6 +149,32 @@ def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref
                               k_bar.at[slot])
       plgpu.copy_gmem_to_smem(v_ref.at[layer, kh, page], v_smem.at[slot, pl.ds(j * ps, ps)],
                               v_bar.at[slot])
+  return issue
+
+
+def wait_last_releases(used_bar, lo, hi, slots):
+  """Wait on the release barrier of the last `slots` blocks of [lo, hi),
+  which no refill waited for: every phase is then observed before the
+  barrier is freed, and no cluster peer still arrives on it after exit."""
+  for s in range(slots):
+    blk = hi - slots + s
+    pl.when(blk >= lo)(lambda blk=blk: plgpu.barrier_wait(
+        used_bar.at[lax.rem(blk - lo, jnp.int32(slots))]))
+
+
+def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
+          v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+  """One (KV head, work item, split): stream the split's blocks of pages.
+  item_ref [I, 3] int32: the item's sequence, the position of its row 0's
+  query and the end of its keys (0: an empty item); glob_ref [2] int32:
+  the pools' layer and the window (0: none), either traced."""
+  G, D, ps, ppb, slots, num_splits, scale = dims
+  kh, i, split = lax.axis_index("heads"), lax.axis_index("items"), lax.axis_index("splits")
+  b, pos0, end, window, lo, hi = item_span(item_ref, glob_ref, i, split, ps * ppb, num_splits)
+  keys = ps * ppb
+  plgpu.copy_gmem_to_smem(q_ref.at[i, kh], q_smem, q_bar.at[0])
+  issue = kv_issuer(k_ref, v_ref, tab_ref, glob_ref[0], kh, b, (k_smem, v_smem, k_bar, v_bar),
+                    ps, ppb)
 
   for s in range(slots):
     pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))

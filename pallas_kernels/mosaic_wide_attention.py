@@ -40,24 +40,12 @@ def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref
           v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, used_bar):
   """One (KV head, work item, split), as `mosaic_paged_attention._body`."""
   G, D, ps, ppb, slots, num_splits, scale = dims
-  keys = ps * ppb
   kh, i, split = lax.axis_index("heads"), lax.axis_index("items"), lax.axis_index("splits")
-  wg, layer, window = lax.axis_index("wg"), glob_ref[0], glob_ref[1]
-  b, pos0, end = item_ref[i, 0], item_ref[i, 1], item_ref[i, 2]
-  first_blk = jnp.where(window > 0,
-                        lax.div(jnp.maximum(pos0 - window + 1, 0), jnp.int32(keys)), 0)
-  last_blk = lax.div(end + keys - 1, jnp.int32(keys))
-  per = lax.div(jnp.maximum(last_blk - first_blk, 0) + num_splits - 1, jnp.int32(num_splits))
-  lo = first_blk + split * per
-  hi = jnp.minimum(lo + per, last_blk)
-
-  def issue(blk, slot):
-    for j in range(ppb):
-      page = tab_ref[b, blk * ppb + j]
-      plgpu.copy_gmem_to_smem(k_ref.at[layer, kh, page], k_smem.at[slot, pl.ds(j * ps, ps)],
-                              k_bar.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[layer, kh, page], v_smem.at[slot, pl.ds(j * ps, ps)],
-                              v_bar.at[slot])
+  wg = lax.axis_index("wg")
+  b, pos0, end, window, lo, hi = mpa.item_span(item_ref, glob_ref, i, split, ps * ppb,
+                                               num_splits)
+  issue = mpa.kv_issuer(k_ref, v_ref, tab_ref, glob_ref[0], kh, b,
+                        (k_smem, v_smem, k_bar, v_bar), ps, ppb)
 
   @pl.when(wg == 0)
   def _():
@@ -116,11 +104,8 @@ def _compute(w, dims, span, issue, ins, out, q_smem, k_smem, v_smem, p_smem, o_s
 
   o_smem.at[w][...], lse_smem.at[w][...] = finish(*lax.fori_loop(lo, hi, step,
                                                                  softmax_init(D)))
-  if w == 0:  # observe the last releases, which no refill waited for
-    for s in range(slots):
-      blk = hi - slots + s
-      pl.when(blk >= lo)(lambda blk=blk: plgpu.barrier_wait(
-          used_bar.at[lax.rem(blk - lo, jnp.int32(slots))]))
+  if w == 0:
+    mpa.wait_last_releases(used_bar, lo, hi, slots)
   plgpu.commit_smem()
   plgpu.copy_smem_to_gmem(o_smem.at[w], out[0].at[pl.ds(w * ROWS, ROWS)])
   plgpu.copy_smem_to_gmem(lse_smem.at[w], out[1].at[pl.ds(w * ROWS, ROWS)])

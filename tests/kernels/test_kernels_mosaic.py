@@ -44,6 +44,19 @@ def _inputs(rng, B, Q, N, K, D, ps, pps, lengths):
   return q, kp, vp, jnp.asarray(lens, jnp.int32), jnp.asarray(tables, jnp.int32)
 
 
+def _assert_greedy_is_f32_argmax(cfg, params, prompts, outs):
+  """Every generated token is the argmax of a float32 full forward (XLA
+  attention) up to bfloat16 rounding of the logits (0.1)."""
+  f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
+  p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
+  for prompt, out in zip(prompts, outs):
+    ids = prompt + out.token_ids
+    logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
+    for t, tok in enumerate(out.token_ids):
+      row = logits[len(prompt) - 1 + t]
+      assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+
+
 if mpa.available() is None:
 
   class TestMosaicPaged:
@@ -170,14 +183,7 @@ if mpa.available() is None:
     assert calls, "no decode step reached the Mosaic kernel"
     # The last argument: cluster (MLA) / wide (GQA), for the trial variants only.
     assert any(a[-1] for a in calls) == model.endswith(("cluster", "wide"))
-    f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
-    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-    for prompt, out in zip(prompts, outs):
-      ids = prompt + out.token_ids
-      logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
-      for t, tok in enumerate(out.token_ids):
-        row = logits[len(prompt) - 1 + t]
-        assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+    _assert_greedy_is_f32_argmax(cfg, params, prompts, outs)
 
   @pytest.mark.parametrize("heads,trials", [(4, ()), (64, ("mla_cluster",))])
   def test_mtp_verify_steps_run_on_the_mosaic_mla_kernel(monkeypatch, heads, trials):
@@ -201,14 +207,7 @@ if mpa.available() is None:
     outs = eng.generate(prompts, SamplingParams(max_tokens=5))
     verify = [a for a in calls if 1 < a[-2] <= 4]  # (..., max_q, cluster); K + 1 -> 4
     assert verify and all(a[-1] == bool(trials) for a in verify), [a[-2:] for a in calls]
-    f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
-    p32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
-    for prompt, out in zip(prompts, outs):
-      ids = prompt + out.token_ids
-      logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
-      for t, tok in enumerate(out.token_ids):
-        row = logits[len(prompt) - 1 + t]
-        assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+    _assert_greedy_is_f32_argmax(cfg, params, prompts, outs)
 
   def test_tune_dry_run_writes_checked_variants(tmp_path):
     out = tmp_path / "tune.json"
