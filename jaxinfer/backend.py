@@ -15,7 +15,8 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              "mosaic" (jax's Hopper kernel `ragged_dot_mgpu`, where
              `ops.mosaic_grouped_matmul` takes the shapes), or None: "mosaic"
              where attention None picks "mosaic", else "xla". Quantized
-             experts always take the Pallas quantized kernel on GPUs.
+             experts take the Pallas quantized kernel on GPUs (the
+             "fused_experts" trial: ours on Mosaic, one-byte codes).
   trials     Mosaic kernel variants that compile for H100 and match their
              references interpreted but have not yet run on a GPU, named to
              try them (a tuple of `TRIALS`; none by default): "mla_cluster",
@@ -24,8 +25,13 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              read (TMA multicast; `mosaic_mla_attention(cluster=True)`);
              "wide_items", GQA mixed steps on work items of two 64-row tiles
              on two warpgroups sharing each K / V block
-             (`mosaic_ragged_attention(wide=True)`). A variant leaves this
-             list for the default once a GPU run has matched it.
+             (`mosaic_ragged_attention(wide=True)`); "fused_experts", under
+             grouped_matmul "mosaic", the MoE experts on our Mosaic kernel
+             (`ops.mosaic_experts`): gate and up in one pass with the GLU
+             and biases fused, one-byte quantized (fp8 / int8) experts
+             dequantized tile by tile, interpreted on a CPU target. A
+             variant leaves this list for the default once a GPU run has
+             matched it.
   target     the device the program is built for: "gpu" (Pallas kernels
              compiled through Triton, even when this process runs on CPU:
              programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -52,7 +58,7 @@ from pallas_kernels import mosaic_paged_attention
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
 GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
-TRIALS = ("mla_cluster", "wide_items")  # Mosaic variants not yet run on a GPU
+TRIALS = ("mla_cluster", "wide_items", "fused_experts")  # Mosaic variants not yet run on a GPU
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
 
 

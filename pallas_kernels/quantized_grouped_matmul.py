@@ -51,7 +51,7 @@ def _grouped_kernel(*refs, t: Tiling):
   o_ref[...] = acc.astype(o_ref.dtype)
 
 
-def _work_items(group_sizes, R: int, bm: int):
+def work_items(group_sizes, R: int, bm: int):
   """Rows grouped by expert -> work items of <= bm rows of one expert.
   -> (items [W, 2] (expert, rows), src [W * bm] row of xs per padded row
   (R: none), pos [R] padded row of each row of xs)."""
@@ -103,7 +103,7 @@ def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block=(0, 0),
 def _quantized_grouped_matmul(xs, codes, scale, s2, group_sizes, *, t: Tiling, interpret):
   (R, K), (E, N) = xs.shape, codes.shape[:2]
   codes, scale, N_pad, K_pad = _pad_operands(codes, scale, t, N, K)
-  items, src, pos = _work_items(group_sizes, R, t.bm)
+  items, src, pos = work_items(group_sizes, R, t.bm)
   W = items.shape[0]
   x = _split_x(jnp.pad(xs, ((0, 1), (0, 0)))[src], t, K_pad)  # zero rows past each item
   full = lambda a: pl.BlockSpec(a.shape, lambda w, j: (0,) * a.ndim)

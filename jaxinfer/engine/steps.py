@@ -62,6 +62,7 @@ from jaxinfer.engine.logprobs import step_logprobs
 from jaxinfer.engine.sampling import argmax, request_keys, sample
 from jaxinfer.engine.scheduler import Scheduled, bucket
 from jaxinfer.kv.contexts import PagedContext
+from jaxinfer.models import quant
 from jaxinfer.models.moe_core import ExpertCount
 from jaxinfer.models.transformer import VisualInputs, head, trunk_with_counts
 
@@ -501,12 +502,7 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
                                 max_q=q, **kw)[0]
          for name, q in (("decode", 1), ("mixed", max_q))}
   if cfg.is_moe:
-    kernel = cfg.backend.grouped_matmul_kernel() if cfg.backend.on_gpu() else "xla"
-    if kernel == "mosaic":
-      _, why = ops.mosaic_grouped_matmul((1, cfg.d_model), (1, cfg.d_model, cfg.moe_ffn_dim),
-                                         dtype, dtype)
-      kernel = f"xla ({why})" if why else kernel
-    out["grouped_matmul"] = kernel
+    out["grouped_matmul"] = _experts_kernel(cfg, dtype)
   if cfg.is_moe and form is not None and form.split_experts and not cfg.backend.on_gpu():
     # split experts run XLA's loop, or the C++ kernel where the form lets them
     quantized = cfg.quant is not None and any(cfg.quant.quantizes(f"experts.{w}")
@@ -514,6 +510,28 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
     out["cpu_experts"] = ops.cpu_experts_choice(
         form.native_experts and ops.cpu_experts_fit(cfg.compute_dtype(), quantized, cfg.expert_bias))
   return out
+
+
+def _experts_kernel(cfg: ModelConfig, dtype) -> str:
+  """kernel_choice's "grouped_matmul": "mosaic_fused" where the experts'
+  gate-up runs on our Mosaic kernel (the "fused_experts" trial; interpreted
+  on a CPU target), else "mosaic" (jax's `ragged_dot_mgpu`) or "xla", with
+  why not Mosaic where the Backend asked for it."""
+  b = cfg.backend
+  trial = "fused_experts" in b.trials and b.grouped_matmul_kernel() == "mosaic"
+  if trial:
+    q = cfg.quant if cfg.quant is not None and cfg.quant.quantizes("experts.w_gate") else None
+    E, D, F = cfg.num_experts, cfg.d_model, cfg.moe_ffn_dim
+    why = (ops.mosaic_experts_fit(dtype, (E, D, F), dtype) if q is None else
+           ops.mosaic_experts_fit(dtype, (E, F, D), quant.VALUE_DTYPES[q.method], q.block))
+    if why is None:
+      return "mosaic_fused"
+  kernel = b.grouped_matmul_kernel() if b.on_gpu() else "xla"
+  if kernel == "mosaic":
+    _, why = ops.mosaic_grouped_matmul((1, cfg.d_model), (1, cfg.d_model, cfg.moe_ffn_dim),
+                                       dtype, dtype)
+    kernel = f"xla ({why})" if why else kernel
+  return kernel
 
 
 # With fixed_prefill_shapes, a step with a prompt chunk pads its tokens to
