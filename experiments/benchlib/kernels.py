@@ -15,7 +15,8 @@ that can run here, and a float32 reference used only to check every output:
   qmatmul weight-only quantized matmul (fp8 / int4 / MXFP4 codes): the XLA
           form that dequantizes W and then dots, and a bf16 W dot
   gmm     the MoE grouped matmul (ragged_dot) through `ops.grouped_matmul`
-          on jax's Hopper kernel `ragged_dot_mgpu`: XLA's `ragged_dot`
+          on jax's Hopper kernel `ragged_dot_mgpu`: XLA's `ragged_dot`; also
+          as "ours_mosaic_experts" (`ops.mosaic_experts`, our Mosaic kernel)
 
 The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper)
 and "ours_mosaic_wide" (its two-warpgroup items, wide=True); MLA also as
@@ -541,25 +542,32 @@ def _qmatmul_cases(env, shapes):
 # ----------------------------------------------------------------------------- gmm
 
 
+def _gmm_args(env, key, M, E, In, Out):
+  """x [M, In], w [E, In, Out], group sizes: M rows over E experts at random."""
+  kx, kw, kg = jax.random.split(key, 3)
+  cuts = jnp.sort(jax.random.randint(kg, (E - 1,), 0, M + 1))
+  sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), cuts.dtype), cuts,
+                                    jnp.full((1,), M, cuts.dtype)])).astype(jnp.int32)
+  return _normal(kx, (M, In), env.dtype), _normal(kw, (E, In, Out), env.dtype) * 0.05, sizes
+
+
 def _gmm_case(env, *, name, M, E, In, Out):
   """MoE grouped matmul: M routed rows sorted over E experts (random sizes)
   times w [E, In, Out]."""
   item = jnp.dtype(env.dtype).itemsize
 
-  def make_args(key):
-    kx, kw, kg = jax.random.split(key, 3)
-    cuts = jnp.sort(jax.random.randint(kg, (E - 1,), 0, M + 1))
-    sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), cuts.dtype), cuts,
-                                      jnp.full((1,), M, cuts.dtype)])).astype(jnp.int32)
-    return (_normal(kx, (M, In), env.dtype), _normal(kw, (E, In, Out), env.dtype) * 0.05,
-            sizes)
-
+  make_args = lambda key: _gmm_args(env, key, M, E, In, Out)
   mosaic = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
   tiling, why = ops.mosaic_grouped_matmul((M, In), (E, In, Out), env.dtype, env.dtype)
   impls = {"ours": Impl(lambda x, w, g: ops.grouped_matmul(x, w, g, backend=mosaic),
                         skip=_mosaic_skip(env, None if tiling else (ValueError, why))
                         if env.gpu else "",
                         note="jax's ragged_dot_mgpu through ops.grouped_matmul (CPU: XLA)")}
+  why = ops.mosaic_experts_fit(env.dtype, (E, In, Out), env.dtype)
+  impls["ours_mosaic_experts"] = Impl(
+      lambda x, w, g: ops.mosaic_experts(x, w, g, backend=mosaic),
+      skip=_mosaic_skip(env, None if why is None else (ValueError, why)),
+      note="our Mosaic expert kernel (the fused_experts trial's) on one plain weight")
   if env.peers:
     impls["xla_ragged_dot"] = Impl(jax.lax.ragged_dot, note="XLA's ragged_dot")
   reference = Impl(lambda x, w, g: jax.lax.ragged_dot(x, w, g), temp_bytes=4.0 * M * Out)
@@ -569,6 +577,38 @@ def _gmm_case(env, *, name, M, E, In, Out):
               reference=reference)
 
 
+def _gmm_fused_case(env, *, name, M, E, In, Out):
+  """The experts' gate-up: silu(x W_g) * (x W_u) for M rows over E experts,
+  w [E, In, Out] twice: "ours" two grouped matmuls (ragged_dot_mgpu on
+  Hopper) then the GLU, "ours_mosaic_experts" our kernel fused (x read
+  once, the [M, 2 Out] product never in HBM)."""
+  item = jnp.dtype(env.dtype).itemsize
+
+  def make_args(key):
+    x, w, sizes = _gmm_args(env, key, M, E, In, Out)
+    return x, w, _normal(jax.random.fold_in(key, 1), (E, In, Out), env.dtype) * 0.05, sizes
+
+  mosaic = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
+  gmm = lambda x, w, g: ops.grouped_matmul(x, w, g, backend=mosaic)
+  why = ops.mosaic_experts_fit(env.dtype, (E, In, Out), env.dtype)
+  impls = {"ours": Impl(lambda x, wg, wu, g: jax.nn.silu(gmm(x, wg, g)) * gmm(x, wu, g),
+                        note="two ops.grouped_matmul calls (ragged_dot_mgpu), then the GLU"),
+           "ours_mosaic_experts": Impl(
+               lambda x, wg, wu, g: ops.mosaic_experts(x, wg, g, up=wu, backend=mosaic),
+               skip=_mosaic_skip(env, None if why is None else (ValueError, why)),
+               note="our Mosaic expert kernel, gate and up fused")}
+  rd = jax.lax.ragged_dot
+  if env.peers:
+    impls["xla_ragged_dot"] = Impl(lambda x, wg, wu, g: jax.nn.silu(rd(x, wg, g)) * rd(x, wu, g),
+                                   note="XLA's ragged_dot twice, then the GLU")
+  reference = Impl(lambda x, wg, wu, g: jax.nn.silu(rd(x, wg, g)) * rd(x, wu, g),
+                   temp_bytes=12.0 * M * Out)
+  return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->2x{Out} fused", series=name,
+              context=M, shape=dict(M=M, E=E, In=In, Out=Out, fused=True),
+              flops=4.0 * M * In * Out, bytes=item * (2 * E * In * Out + M * (In + Out)),
+              make_args=make_args, impls=impls, reference=reference)
+
+
 def _gmm_cases(env, shapes):
   if shapes == "tiny":
     specs = [dict(name="tiny", M=40, E=4, In=64, Out=128)]
@@ -576,7 +616,9 @@ def _gmm_cases(env, shapes):
     specs = [dict(name="dsv3_ep8_up", M=M, E=32, In=7168, Out=2048) for M in (256, 4096)]
     specs += [dict(name="dsv3_ep8_down", M=4096, E=32, In=2048, Out=7168),
               dict(name="gptoss_up", M=4096, E=128, In=2880, Out=2880)]
-  return [_gmm_case(env, **s) for s in specs]
+  fused = [dict(name=f"{s['name']}_gate_up", **{k: s[k] for k in ("M", "E", "In", "Out")})
+           for s in specs if s["name"].endswith(("tiny", "_up"))]
+  return [_gmm_case(env, **s) for s in specs] + [_gmm_fused_case(env, **s) for s in fused]
 
 
 _BUILDERS = {"flash": _flash_cases, "paged": _paged_cases, "mla": _mla_cases,
