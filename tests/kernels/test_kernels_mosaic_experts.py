@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchlib import gpu_plan
 from conftest import ON_GPU
 from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops
 from jaxinfer import presets
@@ -176,6 +177,37 @@ if mgm.available() is None:
     assert "mosaic_gpu" in lowered.as_text()
     lowered.compile()
     assert mgm.smem_bytes(2, coded, 3) <= 227 * 1024
+
+  @pytest.mark.parametrize("model,mesh,layout,program", [
+      ("deepseek_v3", {"data": 1, "expert": 8}, "dp_attn_ep", "mixed"),
+      ("gpt_oss_120b", {"data": 1}, "tp", "decode")])
+  def test_engine_moe_step_compiles_on_the_fused_kernel_for_h100(monkeypatch, model, mesh,
+                                                                 layout, program):
+    """The trial inside the Engine's step for one H100: DeepSeek-V3 with its
+    published fp8 128 x 128 experts under EP 8 (32 local experts), GPT-OSS-120B
+    bf16 with biases; the gate-up runs fused and the down projection on the
+    kernel, and the program compiles and fits."""
+    calls = []
+    real = ops.mosaic_experts
+    monkeypatch.setattr(ops, "mosaic_experts",
+                        lambda *a, **k: calls.append(k.get("up") is not None) or real(*a, **k))
+    two = (dict(dense_layers=(0,)) if model == "deepseek_v3"
+           else dict(layer_types=("sliding_attention", "full_attention")))
+    cfg = dataclasses.replace(presets.get(model, num_layers=2, num_mtp_layers=0, **two),
+                              backend=TRIAL)
+    if model == "deepseek_v3":
+      cfg = dataclasses.replace(cfg, quant=QuantConfig(method="fp8", block=(128, 128)))
+    cfg = gpu_plan.gpu_config(cfg, "bfloat16")
+    w = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
+    m = gpu_compile.mesh(mesh, gpu="h100")
+    params = gpu_plan.abstract_params(cfg, m, layout)
+    pool = gpu_plan.abstract_pool(cfg, m, layout, w.pool_pages(), w.page_size)
+    seqs = ([(1, w.context)] * w.batch if program == "decode"
+            else [(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1))
+    lowered, _ = gpu_plan.lower_step(cfg, params, pool, m, layout, seqs, w)
+    assert sorted(calls) == [False, True], calls  # one scanned MoE layer: gate-up, down
+    entry = gpu_plan.compile_program(lowered, gpu_compile.target("h100").hbm_bytes, pool)
+    assert entry["mosaic_kernels"] >= 2 and entry["fits"], entry
 
   def test_named_errors():
     bf = jnp.bfloat16
