@@ -1,12 +1,12 @@
 """The MoE experts' grouped matmul on Mosaic GPU (Hopper, jax >= 0.11), with
-the gate-up fusion and one-byte quantized weights: what jax's own
+the gate-up fusion and quantized weights (fp8 / int8, MXFP4): what jax's own
 `ragged_dot_mgpu` does not take (it multiplies one bf16 / f16 matrix).
 
   y = glu(x W_gate^T + b_gate, x W_up^T + b_up)   fused (up given)
   y = x W^T + b                                   one weight
 
 x [R, In] rows sorted by expert (`jax.lax.ragged_dot` semantics, group_sizes
-[E]); each weight is the experts' stack in one of two layouts:
+[E]); each weight is the experts' stack in one of three layouts:
 
   codes  float8_e4m3fn / int8 [E, Out, In] (the checkpoints' [out, in]) with
          block scales [E, ceil(Out / bo), ceil(In / bi)] (`quantized_matmul`'s
@@ -14,18 +14,28 @@ x [R, In] rows sorted by expert (`jax.lax.ragged_dot` semantics, group_sizes
          multiples of 64 or the whole dimension: DeepSeek's 128 x 128), or
          one scale per output row over all of In (bo 1: fbgemm / compressed-
          tensors per-channel FP8), or one per tensor;
+  e2m1   MXFP4 (GPT-OSS's experts as published): uint8 [E, Out, In / 2], two
+         FP4 codes a byte (the even In column in the low nibble), with E8M0
+         scales uint8 [E, Out, In / 32] (block (1, 32));
   plain  bfloat16 / float16 [E, In, Out] (the model's unquantized layout).
 
 Rows are cut into work items of <= 64 rows of one expert (`quantized_grouped_
 matmul.work_items`); one program (one warpgroup) per (work item, 64 output
-columns) streams In in 64-wide steps, `slots` in flight: TMA copies of the
-x tile and of each weight's tile, a one-byte tile dequantized into a bf16
-shared-memory tile (times its block's scale) that wgmma reads transposed,
-float32 accumulators (two when fused: x is read once for both). The epilogue
-applies per-row scales and biases, then the GLU ("silu": SwiGLU; "gpt_oss":
-the clamped variant with limit and alpha), and stores the tile. An empty
-item reads no weights. Packed 4-bit codes (MXFP4, NVFP4, int4) are not
-taken (`unsupported` says so): the Pallas (Triton) kernel keeps them.
+columns) streams In in steps (64 columns; e2m1 32 bytes, 64 values), `slots`
+in flight: TMA copies of the x tile and of each weight's tile. A quantized
+tile is dequantized in registers into a bf16 shared-memory tile that wgmma
+reads transposed: one-byte codes times their block's scale; e2m1 nibbles
+decoded (sign, 2-bit exponent, 1-bit mantissa) times 2^(scale - 127) of
+their 32-value group, the low and high nibbles as two tiles against x's
+even and odd columns (the wrapper splits x, so no nibbles interleave). The
+scales of a step come by TMA too, from a [E, In / 32, Out] copy XLA makes
+per call (a group's 64 rows contiguous: 1/8 of the codes' bytes written and
+read again; storing them so at load would save it). Float32 accumulators,
+two when fused (x is read once for both). The epilogue applies per-row
+scales and biases, then the GLU ("silu": SwiGLU; "gpt_oss": the clamped
+variant with limit and alpha), and stores the tile. An empty item reads no
+weights. NVFP4 (16-value groups, fp8 scales, a second level) and int4 are
+not taken (`unsupported` says so): the Pallas (Triton) kernel keeps them.
 """
 
 from __future__ import annotations
@@ -38,23 +48,29 @@ from jax.experimental import pallas as pl
 from pallas_kernels.mosaic_paged_attention import SMEM_BYTES, _INTERPRETER, available, plgpu
 from pallas_kernels.quantized_grouped_matmul import work_items
 
-TILE = 64  # rows of a work item, output columns and In columns of a step
+TILE = 64  # rows of a work item, output columns and In columns (bytes of codes) of a step
+GROUP_BYTES = 16  # MXFP4: 32 values, 16 bytes, share one E8M0 scale
+PACKED_STEP = 32  # bytes of e2m1 codes a step (64 values: GPT-OSS's 2880 is 45 steps)
 CODE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
 PLAIN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATIONS = ("silu", "gpt_oss")
 
 
-def smem_bytes(num_weights: int, coded: bool, slots: int) -> int:
-  """x and weight tiles of every slot, the dequantized tiles, the output."""
-  t = TILE * TILE
-  w = (1 if coded else 2) * t
-  return slots * (2 * t + num_weights * w) + num_weights * 2 * t * coded + 2 * t
+def smem_bytes(num_weights: int, mode: str, slots: int) -> int:
+  """x and weight tiles of every slot, the dequantized tiles, the output
+  (mode: "plain", "codes" or "e2m1")."""
+  nx, t = (2, TILE * PACKED_STEP) if mode == "e2m1" else (1, TILE * TILE)
+  w = (2 if mode == "plain" else 1) * t
+  deq = 0 if mode == "plain" else num_weights * nx * 2 * t
+  scales = num_weights * slots * TILE * (PACKED_STEP // GROUP_BYTES) * (mode == "e2m1")
+  return slots * (nx * 2 * t + num_weights * w) + deq + 2 * TILE * TILE + scales
 
 
-def unsupported(x_dtype, w_shape, w_dtype, block=None) -> str | None:
+def unsupported(x_dtype, w_shape, w_dtype, block=None, packed=None) -> str | None:
   """Why the kernel cannot take a weight of this shape / dtype (and, for
   codes, these scale blocks (bo, bi), 0 the whole dimension), else None.
-  w_shape: codes [E, Out, In] or plain [E, In, Out]."""
+  w_shape: codes [E, Out, In] (packed "e2m1": [E, Out, In / 2]) or plain
+  [E, In, Out]."""
   why = available()
   if why:
     return why
@@ -63,20 +79,30 @@ def unsupported(x_dtype, w_shape, w_dtype, block=None) -> str | None:
     return f"x must be bfloat16 or float16 (wgmma inputs), got {x_dtype}"
   if len(w_shape) != 3:
     return f"weights must be an experts' stack [E, ., .], got shape {tuple(w_shape)}"
-  coded = w_dtype in CODE_DTYPES
-  if not coded and w_dtype != x_dtype:
+  if packed not in (None, "e2m1"):
+    return f"packed codes: only \"e2m1\" (MXFP4) is taken, got {packed!r}"
+  if packed and w_dtype != jnp.uint8:
+    return f"e2m1 codes are uint8 (two per byte), got {w_dtype}"
+  if not packed and w_dtype not in CODE_DTYPES and w_dtype != x_dtype:
     return (f"weights must be {x_dtype} (plain) or one-byte codes {[str(d) for d in CODE_DTYPES]}"
             f", got {w_dtype}")
-  out, d_in = (w_shape[1], w_shape[2]) if coded else (w_shape[2], w_shape[1])
-  if out % TILE or d_in % TILE:
-    return f"weights' [Out, In] = [{out}, {d_in}] must be multiples of {TILE}"
-  if coded:
-    if block is None:
-      return "one-byte codes need their scale block (bo, bi)"
-    bo, bi = block[0] or out, block[1] or d_in
-    if not (bo == 1 and bi >= d_in) and (bo % TILE or bi % TILE):
-      return (f"scale blocks {bo} x {bi} must be whole {TILE} x {TILE} tiles or one scale per "
-              "output row")
+  mode = _mode(w_dtype, packed)
+  out, d_in = (w_shape[2], w_shape[1]) if mode == "plain" else (w_shape[1], w_shape[2])
+  d_in *= 2 if packed else 1
+  step = 2 * PACKED_STEP if packed else TILE
+  if out % TILE or d_in % step:
+    return f"weights' [Out, In] = [{out}, {d_in}] must be multiples of [{TILE}, {step}]"
+  if mode == "plain":
+    return None
+  if block is None:
+    return "quantized codes need their scale block (bo, bi)"
+  bo, bi = block[0] or out, block[1] or d_in
+  if packed:
+    return None if (bo, bi) == (1, 2 * GROUP_BYTES) else (
+        f"e2m1 codes take MXFP4's scale block (1, {2 * GROUP_BYTES}), got {(bo, bi)}")
+  if not (bo == 1 and bi >= d_in) and (bo % TILE or bi % TILE):
+    return (f"scale blocks {bo} x {bi} must be whole {TILE} x {TILE} tiles or one scale per "
+            "output row")
   return None
 
 
@@ -87,26 +113,70 @@ def _glu(g, u, activation, limit, alpha):
   return (u + 1.0) * (g * (1.0 / (1.0 + jnp.exp(-alpha * g))))
 
 
-def _body(dims, x_ref, item_ref, *refs):
-  """One (work item, 64 output columns): refs = the weights, their tile
-  scales, row scales and biases (one of each per weight), the output, then
-  the scratch (x slots, weight slots, dequantized tiles, output tile, bars)."""
-  nw, coded, slots, steps, blocks, activation, limit, alpha = dims
+def _e2m1(n):
+  """FP4 (e2m1) nibbles (int32 0..15, bit 3 the sign) -> their float32 values."""
+  e, m = (n >> 1) & 3, (n & 1).astype(jnp.float32)
+  mag = jnp.where(e == 0, 0.5 * m, jnp.exp2((e - 1).astype(jnp.float32)) * (1.0 + 0.5 * m))
+  return jnp.where((n & 8) != 0, -mag, mag)
+
+
+def _dequant(mode, w, tile, ts_ref, e, n0, kb, blocks, deq):
+  # tile [64, step] (plain: [step, 64]); deq [weights, x parts, 64, step] bf16
+  """Weight w's tile of this step as wgmma right-hand sides, one per x part:
+  plain, the tile itself; codes, times its block's scale; e2m1, the low and
+  high nibbles (even and odd In columns) times their E8M0 group scales."""
+  if mode == "plain":
+    return [tile]
+  if mode == "codes":  # per-row scales wait for the epilogue
+    s = ts_ref[e, lax.div(n0, jnp.int32(blocks[0])), lax.div(kb, jnp.int32(blocks[1]))]
+    deq.at[w, 0][...] = (tile[...].astype(jnp.float32) * s).astype(deq.dtype)
+    plgpu.commit_smem()
+    return [deq.at[w, 0].T]
+  lay = plgpu.Layout.WGMMA_8BIT
+  b = plgpu.load(tile, layout=lay).astype(jnp.int32)
+  shape = (TILE, PACKED_STEP)
+  group = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay), jnp.int32(GROUP_BYTES))
+  scale = None  # ts_ref: this step's E8M0 scales in shared memory, [groups, 64 rows]
+  for g in range(PACKED_STEP // GROUP_BYTES):
+    sg = plgpu.load(ts_ref.at[g], layout=lay.reduce(1))
+    sg = lax.broadcast_in_dim(jnp.exp2(sg.astype(jnp.float32) - 127.0), shape, [0])
+    scale = sg if scale is None else jnp.where(group == g, sg, scale)
+  deq.at[w, 0][...] = (_e2m1(b & 15) * scale).astype(deq.dtype)
+  deq.at[w, 1][...] = (_e2m1(b >> 4) * scale).astype(deq.dtype)
+  plgpu.commit_smem()
+  return [deq.at[w, 0].T, deq.at[w, 1].T]
+
+
+def _body(dims, item_ref, *refs):
+  """One (work item, 64 output columns): refs = the x parts (whole, or e2m1's
+  even and odd columns), the weights, their tile scales, row scales and
+  biases (one of each per weight), the output, then the scratch (x slots,
+  weight slots, dequantized tiles, output tile, barriers)."""
+  nx, nw, mode, slots, steps, blocks, activation, limit, alpha = dims
+  x_refs, refs = refs[:nx], refs[nx:]
   w_refs, ts_refs = refs[:nw], refs[nw:2 * nw]
   col_refs, bias_refs, o_ref = refs[2 * nw:3 * nw], refs[3 * nw:4 * nw], refs[4 * nw]
-  x_smem, w_smem, deq_smem, o_smem, bar = refs[4 * nw + 1:]
+  x_smem, w_smem, deq_smem, o_smem, bar, *s_smem = refs[4 * nw + 1:]  # s_smem: e2m1's scales
   i, j = lax.axis_index("items"), lax.axis_index("cols")
   e, rows = item_ref[i, 0], item_ref[i, 1]
   n0 = j * TILE
   hi = jnp.where(rows > 0, jnp.int32(steps), jnp.int32(0))
 
+  kw = PACKED_STEP if mode == "e2m1" else TILE
+
   def issue(kb, slot):
-    k0 = kb * TILE
-    plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * TILE, TILE), pl.ds(k0, TILE)], x_smem.at[slot],
-                            bar.at[slot])
+    k0 = kb * kw
+    for p in range(nx):
+      plgpu.copy_gmem_to_smem(x_refs[p].at[pl.ds(i * TILE, TILE), pl.ds(k0, kw)],
+                              x_smem.at[p, slot], bar.at[slot])
     for w in range(nw):
-      tile = (pl.ds(n0, TILE), pl.ds(k0, TILE)) if coded else (pl.ds(k0, TILE), pl.ds(n0, TILE))
+      tile = (pl.ds(k0, kw), pl.ds(n0, TILE)) if mode == "plain" else (pl.ds(n0, TILE),
+                                                                       pl.ds(k0, kw))
       plgpu.copy_gmem_to_smem(w_refs[w].at[e].at[tile], w_smem.at[w, slot], bar.at[slot])
+      if s_smem:  # the step's E8M0 scales ([E, groups, Out]: a row of each group)
+        groups = PACKED_STEP // GROUP_BYTES
+        plgpu.copy_gmem_to_smem(ts_refs[w].at[e, pl.ds(kb * groups, groups), pl.ds(n0, TILE)],
+                                s_smem[0].at[w, slot], bar.at[slot])
 
   for s in range(min(slots, steps)):  # a static step past In would not even trace
     pl.when(s < hi)(lambda s=s: issue(s, s))
@@ -116,17 +186,12 @@ def _body(dims, x_ref, item_ref, *refs):
     plgpu.barrier_wait(bar.at[slot])
     out = []
     for w in range(nw):
-      if coded:  # the tile's block scale; per-row scales wait for the epilogue
-        s = ts_refs[w][e, lax.div(n0, jnp.int32(blocks[0])), lax.div(kb, jnp.int32(blocks[1]))]
-        deq_smem.at[w][...] = (w_smem.at[w, slot][...].astype(jnp.float32) * s).astype(
-            deq_smem.dtype)
-        plgpu.commit_smem()
-        rhs = deq_smem.at[w].T
-      else:
-        rhs = w_smem.at[w, slot]
+      scales = s_smem[0].at[w, slot] if s_smem else ts_refs[w]
+      rhs = _dequant(mode, w, w_smem.at[w, slot], scales, e, n0, kb, blocks, deq_smem)
 
       def mm(acc_ref, rhs=rhs):
-        plgpu.wgmma(acc_ref, x_smem.at[slot], rhs)
+        for p in range(nx):
+          plgpu.wgmma(acc_ref, x_smem.at[p, slot], rhs[p])
         return acc_ref[...]
       out.append(accs[w] + pl.run_scoped(mm, plgpu.ACC((TILE, TILE), jnp.float32)))
     pl.when(kb + slots < hi)(lambda: issue(kb + slots, slot))
@@ -134,87 +199,120 @@ def _body(dims, x_ref, item_ref, *refs):
 
   zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
   accs = lax.fori_loop(jnp.int32(0), hi, step, (zero,) * nw)
+  _epilogue(accs, col_refs, bias_refs, e, n0, dims, o_smem, o_ref.at[pl.ds(i * TILE, TILE),
+                                                                    pl.ds(n0, TILE)])
+
+
+def _epilogue(accs, col_refs, bias_refs, e, n0, dims, o_smem, o_tile):
+  """Row scales and biases, the GLU when fused; the tile stored."""
+  *_, activation, limit, alpha = dims
   cols = plgpu.Layout.WGMMA.reduce(0)
   ys = []
-  for w in range(nw):
+  for w, acc in enumerate(accs):
     scale = plgpu.load(col_refs[w].at[e, pl.ds(n0, TILE)], layout=cols)
     bias = plgpu.load(bias_refs[w].at[e, pl.ds(n0, TILE)], layout=cols)
-    ys.append(accs[w] * lax.broadcast_in_dim(scale, (TILE, TILE), [1])
+    ys.append(acc * lax.broadcast_in_dim(scale, (TILE, TILE), [1])
               + lax.broadcast_in_dim(bias, (TILE, TILE), [1]))
-  y = _glu(*ys, activation, limit, alpha) if nw == 2 else ys[0]
+  y = _glu(*ys, activation, limit, alpha) if len(ys) == 2 else ys[0]
   o_smem[...] = y.astype(o_smem.dtype)
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem, o_ref.at[pl.ds(i * TILE, TILE), pl.ds(n0, TILE)])
+  plgpu.copy_smem_to_gmem(o_smem, o_tile)
   plgpu.wait_smem_to_gmem(0)
 
 
-def _operands(w, scale, block, bias, E, out, name):
-  """A weight's (tile scales [E, ., .] f32, their block in elements of Out
-  and in steps of In, row scales [E, Out] f32, bias [E, Out] f32)."""
+def _operands(w, scale, block, bias, E, out, mode, name):
+  """A weight's (tile scales: [E, ., .] f32 blocks, or e2m1's E8M0 bytes as
+  stored; their block in elements of Out and in steps of In; row scales [E,
+  Out] f32; bias [E, Out] f32)."""
   ones = jnp.ones((E, out), jnp.float32)
   b = jnp.zeros((E, out), jnp.float32) if bias is None else bias.astype(jnp.float32)
   if b.shape != (E, out):
     raise ValueError(f"{name}: bias must be [E, Out] = {(E, out)}, got {b.shape}")
-  if jnp.dtype(w.dtype) not in CODE_DTYPES:
+  if mode == "plain":
     return jnp.ones((E, 1, 1), jnp.float32), (out, 1 << 30), ones, b
-  d_in = w.shape[2]
+  d_in = w.shape[2] * (2 if mode == "e2m1" else 1)
   bo, bi = block[0] or out, block[1] or d_in
   want = (E, -(-out // bo), -(-d_in // bi))
   if scale is None or tuple(scale.shape) != want:
     raise ValueError(f"{name}: scale must be {want} for block {(bo, bi)}, got "
                      f"{None if scale is None else scale.shape}")
+  if mode == "e2m1":  # [E, groups, Out]: a step's scales one TMA copy of rows (XLA transposes)
+    if jnp.dtype(scale.dtype) != jnp.uint8:
+      raise ValueError(f"{name}: e2m1 codes take E8M0 (uint8) scales, got {scale.dtype}")
+    return jnp.swapaxes(scale, 1, 2), (1, 1), ones, b
   if bo == 1:  # one scale per output row, over all of In: the epilogue's
     return jnp.ones((E, 1, 1), jnp.float32), (out, 1 << 30), scale[:, :, 0].astype(
         jnp.float32), b
   return scale.astype(jnp.float32), (bo, bi // TILE), ones, b
 
 
-def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, bias=None, up=None,
-                          up_scale=None, up_bias=None, activation="silu", limit=7.0,
+def _mode(w_dtype, packed) -> str:
+  if packed is not None:
+    return packed
+  return "codes" if jnp.dtype(w_dtype) in CODE_DTYPES else "plain"
+
+
+def _check(xs, ws, group_sizes, block, packed, activation, slots, name):
+  """The named errors; -> (mode, E, Out, In)."""
+  w = ws[0][0]
+  for u, _, _ in ws:
+    why = unsupported(xs.dtype, u.shape, u.dtype, block, packed)
+    if why:
+      raise (NotImplementedError if why == available() else ValueError)(f"{name}: {why}")
+    if u.shape != w.shape or u.dtype != w.dtype:
+      raise ValueError(f"{name}: up {u.shape} {u.dtype} must match w {w.shape} {w.dtype}")
+  if activation not in ACTIVATIONS:
+    raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
+  if not isinstance(slots, int) or slots < 2:
+    raise ValueError(f"{name}: slots must be an int >= 2, got {slots!r}")
+  mode, E = _mode(w.dtype, packed), w.shape[0]
+  out, d_in = (w.shape[2], w.shape[1]) if mode == "plain" else (w.shape[1], w.shape[2])
+  d_in *= 2 if mode == "e2m1" else 1
+  if xs.ndim != 2 or xs.shape[1] != d_in or group_sizes.shape != (E,):
+    raise ValueError(f"{name}: xs [R, {d_in}] and group_sizes [{E}] expected, got "
+                     f"{xs.shape} and {group_sizes.shape}")
+  return mode, E, out, d_in
+
+
+def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, packed=None, bias=None,
+                          up=None, up_scale=None, up_bias=None, activation="silu", limit=7.0,
                           alpha=1.702, slots=3, interpret=False):
   """glu(xs W^T + bias, xs U^T + up_bias) with up (the fused gate-up), else
   xs W^T + bias: xs [R, In] sorted by expert (group_sizes [E]) -> [R, Out]
   in xs's dtype, rows past sum(group_sizes) zero. w / up: codes [E, Out, In]
   with scale [E, ceil(Out / bo), ceil(In / bi)] for block (bo, bi) (0: the
-  whole dimension; up shares it), or plain [E, In, Out] (see the module
-  docstring); bias [E, Out].
-  interpret: run on CPU in Mosaic GPU's interpret mode."""
+  whole dimension; up shares it), packed="e2m1" codes [E, Out, In / 2] with
+  E8M0 scales for block (1, 32) (MXFP4), or plain [E, In, Out] (see the
+  module docstring); bias [E, Out]. interpret: run on CPU in Mosaic GPU's
+  interpret mode."""
   name = "mosaic_grouped_matmul"
   ws = [(w, scale, bias)] + ([] if up is None else [(up, up_scale, up_bias)])
-  coded = jnp.dtype(w.dtype) in CODE_DTYPES
-  for u, s, _ in ws:
-    why = unsupported(xs.dtype, u.shape, u.dtype, block)
-    if why:
-      raise (NotImplementedError if why == available() else ValueError)(f"{name}: {why}")
-  if up is not None and (up.shape != w.shape or up.dtype != w.dtype):
-    raise ValueError(f"{name}: up {up.shape} {up.dtype} must match w {w.shape} {w.dtype}")
-  if activation not in ACTIVATIONS:
-    raise ValueError(f"{name}: activation must be one of {ACTIVATIONS}, got {activation!r}")
-  if not isinstance(slots, int) or slots < 2:
-    raise ValueError(f"{name}: slots must be an int >= 2, got {slots!r}")
-  E = w.shape[0]
-  out, d_in = (w.shape[1], w.shape[2]) if coded else (w.shape[2], w.shape[1])
-  if xs.ndim != 2 or xs.shape[1] != d_in or group_sizes.shape != (E,):
-    raise ValueError(f"{name}: xs [R, {d_in}] and group_sizes [{E}] expected, got "
-                     f"{xs.shape} and {group_sizes.shape}")
-  ops_ = [_operands(u, s, block, b, E, out, name) for u, s, b in ws]
-  R = xs.shape[0]
-  items, src, pos = work_items(group_sizes, R, TILE)
+  mode, E, out, d_in = _check(xs, ws, group_sizes, block, packed, activation, slots, name)
+  ops_ = [_operands(u, s, block, b, E, out, mode, name) for u, s, b in ws]
+  items, src, pos = work_items(group_sizes, xs.shape[0], TILE)
   x_pad = jnp.concatenate([xs, jnp.zeros((1, d_in), xs.dtype)])[src]
-  W, nw = items.shape[0], len(ws)
-  x_tiles = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(128))
-  w_tiles = (plgpu.TilingTransform((8, TILE)), plgpu.SwizzleTransform(64 if coded else 128))
-  dims = (nw, coded, slots, d_in // TILE, ops_[0][1], activation, float(limit), float(alpha))
+  xparts = (x_pad[:, 0::2], x_pad[:, 1::2]) if mode == "e2m1" else (x_pad,)
+  W, nw, nx = items.shape[0], len(ws), len(xparts)
+  kw = PACKED_STEP if mode == "e2m1" else TILE  # In columns (codes: bytes) a step
+  swizzle = lambda cols, dtype: (plgpu.TilingTransform((8, cols)),
+                                 plgpu.SwizzleTransform(cols * jnp.dtype(dtype).itemsize))
+  w_tile = (kw, TILE) if mode == "plain" else (TILE, kw)
+  steps = xparts[0].shape[1] // kw
+  dims = (nx, nw, mode, slots, steps, ops_[0][1], activation, float(limit), float(alpha))
   kernel = plgpu.kernel(
       lambda *refs: _body(dims, *refs),
       out_type=jax.ShapeDtypeStruct((W * TILE, out), xs.dtype),
-      scratch_types=(plgpu.SMEM((slots, TILE, TILE), xs.dtype, transforms=x_tiles),
-                     plgpu.SMEM((nw, slots, TILE, TILE), w.dtype, transforms=w_tiles),
-                     plgpu.SMEM((nw, TILE, TILE), xs.dtype, transforms=x_tiles),
+      scratch_types=(plgpu.SMEM((nx, slots, TILE, kw), xs.dtype, transforms=swizzle(kw, xs.dtype)),
+                     plgpu.SMEM((nw, slots, *w_tile), w.dtype,
+                                transforms=swizzle(w_tile[1], w.dtype)),
+                     plgpu.SMEM((nw, nx, TILE, kw), xs.dtype, transforms=swizzle(kw, xs.dtype)),
                      plgpu.SMEM((TILE, TILE), xs.dtype),
-                     plgpu.Barrier(num_arrivals=1 + nw, num_barriers=slots)),
+                     plgpu.Barrier(num_arrivals=nx + nw * (1 + (mode == "e2m1")),
+                                   num_barriers=slots),
+                     *([plgpu.SMEM((nw, slots, PACKED_STEP // GROUP_BYTES, TILE), jnp.uint8)]
+                       if mode == "e2m1" else [])),
       grid=(W, out // TILE), grid_names=("items", "cols"),
       interpret=_INTERPRETER() if interpret else False)
-  o = kernel(x_pad, items, *(u for u, _, _ in ws), *(o[0] for o in ops_),
+  o = kernel(items, *xparts, *(u for u, _, _ in ws), *(o[0] for o in ops_),
              *(o[2] for o in ops_), *(o[3] for o in ops_))
   return jnp.concatenate([o, jnp.zeros((1, out), o.dtype)])[pos]

@@ -522,8 +522,10 @@ def _experts_kernel(cfg: ModelConfig, dtype) -> str:
   if trial:
     q = cfg.quant if cfg.quant is not None and cfg.quant.quantizes("experts.w_gate") else None
     E, D, F = cfg.num_experts, cfg.d_model, cfg.moe_ffn_dim
+    packed = None if q is None else quant.PACKING.get(q.method)
     why = (ops.mosaic_experts_fit(dtype, (E, D, F), dtype) if q is None else
-           ops.mosaic_experts_fit(dtype, (E, F, D), quant.VALUE_DTYPES[q.method], q.block))
+           ops.mosaic_experts_fit(dtype, (E, F, D // 2 if packed else D),
+                                  quant.VALUE_DTYPES[q.method], q.block, packed))
     if why is None:
       return "mosaic_fused"
   kernel = b.grouped_matmul_kernel() if b.on_gpu() else "xla"

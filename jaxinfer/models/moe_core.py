@@ -112,18 +112,19 @@ def _grouped_matmul(cfg: ModelConfig, xs, w, sizes):
 
 
 def _mosaic_operands(w, x_dtype):
-  """(array, scale, block) of an experts' weight for `ops.mosaic_experts`, or
-  None where that kernel cannot take it (packed 4-bit codes, NVFP4's second
-  scale level, a weight split over a mesh, shapes `mosaic_experts_fit` refuses)."""
+  """dict(w, scale, block, packed) of an experts' weight for `ops.mosaic_experts`,
+  or None where that kernel cannot take it (NVFP4, int4, a weight split over
+  a mesh, shapes `mosaic_experts_fit` refuses)."""
   if isinstance(w, quant.QuantizedWeight):
-    if (w.method not in ("fp8", "int8") or w.scale2 is not None or len(w.lead) != 1
+    if (w.method not in ("fp8", "int8", "mxfp4") or w.scale2 is not None or len(w.lead) != 1
         or (w.kernel is not None and w.kernel.mesh is not None)):
       return None
-    arrays = (w.values, w.scale, w.block)
+    arrays = dict(w=w.values, scale=w.scale, block=w.block, packed=quant.PACKING.get(w.method))
   else:
-    arrays = (w, None, None)
-  ok = ops.mosaic_experts_fit(x_dtype, arrays[0].shape, arrays[0].dtype, arrays[2]) is None
-  return arrays if ok else None
+    arrays = dict(w=w, scale=None, block=None, packed=None)
+  why = ops.mosaic_experts_fit(x_dtype, arrays["w"].shape, arrays["w"].dtype, arrays["block"],
+                               arrays["packed"])
+  return arrays if why is None else None
 
 
 def mosaic_experts_take(cfg: ModelConfig, p, x_dtype) -> bool:
@@ -134,22 +135,23 @@ def mosaic_experts_take(cfg: ModelConfig, p, x_dtype) -> bool:
   if "fused_experts" not in b.trials or b.grouped_matmul_kernel() != "mosaic":
     return False
   gate, up = _mosaic_operands(p["w_gate"], x_dtype), _mosaic_operands(p["w_up"], x_dtype)
-  return gate is not None and up is not None and gate[2] == up[2]
+  same = lambda k: gate[k] == up[k]
+  return gate is not None and up is not None and same("block") and same("packed")
 
 
 def _mosaic_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):
   """grouped_ffn on the Mosaic expert kernel: gate and up fused with their
   biases and the GLU; the down projection there too where it takes it."""
-  (g, gs, block), (u, us, _) = (_mosaic_operands(p[w], xs.dtype) for w in ("w_gate", "w_up"))
+  gate, up = (_mosaic_operands(p[w], xs.dtype) for w in ("w_gate", "w_up"))
   bias = (lambda name: p[name] if cfg.expert_bias else None)
   act = dict(activation="silu") if cfg.activation == "silu" else dict(
       activation="gpt_oss", limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
-  h = ops.mosaic_experts(xs, g, sizes, scale=gs, block=block, bias=bias("b_gate"), up=u,
-                         up_scale=us, up_bias=bias("b_up"), backend=cfg.backend, **act)
+  h = ops.mosaic_experts(xs, gate.pop("w"), sizes, **gate, bias=bias("b_gate"), up=up["w"],
+                         up_scale=up["scale"], up_bias=bias("b_up"), backend=cfg.backend, **act)
   down = _mosaic_operands(p["w_down"], h.dtype)
   if down is not None:
-    return ops.mosaic_experts(h, down[0], sizes, scale=down[1], block=down[2],
-                              bias=bias("b_down"), backend=cfg.backend)
+    return ops.mosaic_experts(h, down.pop("w"), sizes, **down, bias=bias("b_down"),
+                              backend=cfg.backend)
   ys = _grouped_matmul(cfg, h, p["w_down"], sizes)
   return ys + p["b_down"][expert_ids] if cfg.expert_bias else ys
 

@@ -25,13 +25,16 @@ from pallas_kernels import mosaic_grouped_matmul as mgm
 
 FIXTURES = pathlib.Path(__file__).parents[1] / "fixtures"
 TRIAL = Backend(grouped_matmul="mosaic", trials=("fused_experts",))
-CASES = {  # code dtype (None: plain bf16), block, Out, In, fused, activation, biases, sizes, slots
+LUT_E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+CASES = {  # codes (None: plain bf16), block, Out, In, fused, activation, biases, sizes, slots
     "plain": (None, None, 128, 192, False, "silu", False, [5, 0, 70], 3),
     "plain_fused_bias": (None, None, 64, 128, True, "silu", True, [64, 1, 0], 2),
     "fp8_block_gpt_oss": (jnp.float8_e4m3fn, (128, 128), 192, 256, True, "gpt_oss", True,
                           [3, 66, 9], 3),  # Out 192: a partial last block of rows
     "int8_per_row": (jnp.int8, (1, 0), 128, 128, True, "silu", False, [0, 40, 24], 2),
     "fp8_per_tensor": (jnp.float8_e4m3fn, (0, 0), 64, 192, False, "silu", True, [7, 7, 7], 3),
+    # GPT-OSS's experts as published: In 320 = 5 steps of 64 values (2880 is 45)
+    "mxfp4_gpt_oss": ("e2m1", (1, 32), 128, 320, True, "gpt_oss", True, [9, 0, 60], 3),
 }
 
 
@@ -40,6 +43,12 @@ def _weight(rng, dtype, block, E, out, d_in):
   if dtype is None:
     w = jnp.asarray(rng.normal(size=(E, d_in, out)) * 0.1, jnp.bfloat16)
     return w, None, np.asarray(w.astype(jnp.float32)).transpose(0, 2, 1)
+  if dtype == "e2m1":  # two FP4 codes a byte, the even column low; E8M0 scales
+    codes = rng.integers(0, 256, (E, out, d_in // 2)).astype(np.uint8)
+    scale = rng.integers(118, 124, (E, out, d_in // 32)).astype(np.uint8)
+    vals = np.stack([LUT_E2M1[codes & 15], LUT_E2M1[codes >> 4]], -1).reshape(E, out, d_in)
+    full = np.repeat(np.exp2(scale.astype(np.float32) - 127), 32, 2)
+    return jnp.asarray(codes), jnp.asarray(scale), vals * full
   if dtype == jnp.int8:
     codes = jnp.asarray(rng.integers(-127, 128, (E, out, d_in)), jnp.int8)
   else:
@@ -76,7 +85,7 @@ def _case(name, seed=0):
   ws = [_weight(rng, dtype, block, E, out, d_in) for _ in range(1 + fused)]
   bs = [rng.normal(size=(E, out)).astype(np.float32) if bias else None for _ in ws]
   kw = dict(scale=ws[0][1], block=block, bias=None if bs[0] is None else jnp.asarray(bs[0]),
-            activation=act, slots=slots)
+            activation=act, slots=slots, packed="e2m1" if dtype == "e2m1" else None)
   if fused:
     kw.update(up=ws[1][0], up_scale=ws[1][1], up_bias=None if bs[1] is None else jnp.asarray(bs[1]))
   ref = _reference(xs, [w[2] for w in ws], bs, sizes, act)
@@ -110,6 +119,7 @@ ENGINE_MODELS = {  # config, quantization (method, block) or None
     "tiny_moe_fp8_block": (lambda: presets.get("tiny_moe", num_layers=2), ("fp8", (64, 64))),
     "tiny_moe_int8_per_row": (lambda: presets.get("tiny_moe", num_layers=2), ("int8", (1, 0))),
     "gpt_oss": (_gpt_oss_128, None),
+    "gpt_oss_mxfp4": (_gpt_oss_128, ("mxfp4", (1, 32))),
 }
 
 
@@ -156,37 +166,47 @@ if mgm.available() is None:
     assert eng.stats()["kernels"]["grouped_matmul"] == "mosaic_fused"
     _assert_greedy_is_f32_argmax(cfg, params, prompts, outs)
 
-  @pytest.mark.parametrize("model,E,D,F,dtype,kw", [
-      ("deepseek_v3", 32, 7168, 2048, jnp.float8_e4m3fn, dict(block=(128, 128))),
-      ("gpt_oss_120b", 128, 2880, 2880, jnp.bfloat16, dict(activation="gpt_oss")),
+  @pytest.mark.parametrize("model,E,D,F,mode", [
+      ("deepseek_v3", 32, 7168, 2048, "codes"),   # fp8, 128 x 128 blocks, 32 local experts
+      ("gpt_oss_120b", 128, 2880, 2880, "plain"),  # bf16, biases, clamped GLU
+      ("gpt_oss_120b", 128, 2880, 2880, "e2m1"),   # MXFP4 as published
   ])
-  def test_fused_gate_up_compiles_for_h100(model, E, D, F, dtype, kw):
+  def test_fused_gate_up_compiles_for_h100(model, E, D, F, mode):
     mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
     sh = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
-    coded = dtype != jnp.bfloat16
-    w = s((E, F, D) if coded else (E, D, F), dtype)
-    extra = s((E, F // 128, D // 128) if coded else (E, F), jnp.float32)
-    names = ("scale", "up_scale") if coded else ("bias", "up_bias")
+    w, scale, kw = {
+        "codes": ((E, F, D), jnp.float8_e4m3fn, dict(block=(128, 128))),
+        "plain": ((E, D, F), jnp.bfloat16, dict(activation="gpt_oss")),
+        "e2m1": ((E, F, D // 2), jnp.uint8, dict(block=(1, 32), packed="e2m1",
+                                                  activation="gpt_oss")),
+    }[mode], None, None
+    w, kw = s(w[0], w[1]), w[2]
+    scale = (s((E, F // 128, D // 128), jnp.float32) if mode == "codes" else
+             s((E, F, D // 32), jnp.uint8) if mode == "e2m1" else None)
+    bias = s((E, F), jnp.float32)
 
-    def fused(xs, g, u, sizes, a, b):
-      return mgm.mosaic_grouped_matmul(xs, g, sizes, up=u, **dict(zip(names, (a, b))), **kw)
+    def fused(xs, g, u, sizes, gs, us, bg, bu):
+      return mgm.mosaic_grouped_matmul(xs, g, sizes, scale=gs, bias=bg, up=u, up_scale=us,
+                                       up_bias=bu, **kw)
     with gpu_compile.lowering(mesh):
       lowered = jax.jit(fused).lower(s((512, D), jnp.bfloat16), w, w, s((E,), jnp.int32),
-                                     extra, extra)
+                                     scale, scale, bias, bias)
     assert "mosaic_gpu" in lowered.as_text()
     lowered.compile()
-    assert mgm.smem_bytes(2, coded, 3) <= 227 * 1024
+    assert mgm.smem_bytes(2, mode, 3) <= 227 * 1024
 
-  @pytest.mark.parametrize("model,mesh,layout,program", [
-      ("deepseek_v3", {"data": 1, "expert": 8}, "dp_attn_ep", "mixed"),
-      ("gpt_oss_120b", {"data": 1}, "tp", "decode")])
+  @pytest.mark.parametrize("model,mesh,layout,program,q", [
+      ("deepseek_v3", {"data": 1, "expert": 8}, "dp_attn_ep", "mixed", ("fp8", (128, 128))),
+      ("gpt_oss_120b", {"data": 1}, "tp", "decode", ("mxfp4", (1, 32))),
+      ("gpt_oss_120b", {"data": 1}, "tp", "decode", None)])
   def test_engine_moe_step_compiles_on_the_fused_kernel_for_h100(monkeypatch, model, mesh,
-                                                                 layout, program):
+                                                                 layout, program, q):
     """The trial inside the Engine's step for one H100: DeepSeek-V3 with its
     published fp8 128 x 128 experts under EP 8 (32 local experts), GPT-OSS-120B
-    bf16 with biases; the gate-up runs fused and the down projection on the
-    kernel, and the program compiles and fits."""
+    with its published MXFP4 experts and in bf16 (biases, clamped GLU); the
+    gate-up runs fused and the down projection on the kernel, and the program
+    compiles and fits."""
     calls = []
     real = ops.mosaic_experts
     monkeypatch.setattr(ops, "mosaic_experts",
@@ -195,8 +215,8 @@ if mgm.available() is None:
            else dict(layer_types=("sliding_attention", "full_attention")))
     cfg = dataclasses.replace(presets.get(model, num_layers=2, num_mtp_layers=0, **two),
                               backend=TRIAL)
-    if model == "deepseek_v3":
-      cfg = dataclasses.replace(cfg, quant=QuantConfig(method="fp8", block=(128, 128)))
+    if q is not None:
+      cfg = dataclasses.replace(cfg, quant=QuantConfig(method=q[0], block=q[1]))
     cfg = gpu_plan.gpu_config(cfg, "bfloat16")
     w = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
     m = gpu_compile.mesh(mesh, gpu="h100")
@@ -218,7 +238,15 @@ if mgm.available() is None:
     cases = [
         (lambda: f(xs.astype(jnp.float32), w, sizes), "bfloat16 or float16"),
         (lambda: f(xs, w.astype(jnp.float16), sizes), "weights must be bfloat16"),
-        (lambda: f(xs, jnp.zeros((2, 64, 96), bf), sizes), "multiples of 64"),
+        (lambda: f(xs, jnp.zeros((2, 64, 96), bf), sizes), r"multiples of \[64, 64\]"),
+        (lambda: f(xs, jnp.zeros((2, 64, 48), jnp.uint8), sizes, block=(1, 32), packed="e2m1"),
+         r"\[64, 96\] must be multiples of \[64, 64\]"),
+        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, scale=jnp.ones((2, 64, 2)),
+                   block=(1, 32), packed="e2m1"), r"E8M0 \(uint8\) scales"),
+        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, block=(1, 16), packed="e2m1"),
+         r"MXFP4's scale block \(1, 32\)"),
+        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, block=(1, 32), packed="int4"),
+         "only \"e2m1\""),
         (lambda: f(xs, codes, sizes, scale=scale), "scale block"),
         (lambda: f(xs, codes, sizes, scale=scale, block=(32, 32)), "whole 64 x 64 tiles"),
         (lambda: f(xs, codes, sizes, scale=jnp.ones((2, 2, 1)), block=(0, 0)), "scale must be"),
@@ -233,15 +261,16 @@ if mgm.available() is None:
         call()
 
   def test_weights_the_kernel_leaves_to_the_others():
-    """Packed 4-bit experts (MXFP4 here) and a Backend without the trial keep
-    the other kernels: `mosaic_experts_take` says no, and the stats agree."""
+    """NVFP4 experts (16-value groups, fp8 scales, a second level) and a
+    Backend without the trial keep the other kernels: `mosaic_experts_take`
+    says no."""
     cfg, params = _engine_model("tiny_moe", TRIAL)
     moe = lambda p: jax.tree.map(lambda a: a[0], p["layers"][1]["mlp"])  # layer 1: MoE
     layer = moe(params)
     assert moe_core.mosaic_experts_take(cfg, layer, jnp.bfloat16)
     plain = dataclasses.replace(cfg, backend=Backend(grouped_matmul="mosaic"))
     assert not moe_core.mosaic_experts_take(plain, layer, jnp.bfloat16)
-    q = dataclasses.replace(cfg, quant=QuantConfig(method="mxfp4", block=(1, 32)))
+    q = dataclasses.replace(cfg, quant=QuantConfig(method="nvfp4", block=(1, 16)))
     qlayer = moe(models.specs.quantize_params(q, params))
     assert type(qlayer["w_gate"]).__name__ == "QuantizedWeight"
     assert not moe_core.mosaic_experts_take(q, qlayer, jnp.bfloat16)
