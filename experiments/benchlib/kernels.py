@@ -609,6 +609,48 @@ def _gmm_fused_case(env, *, name, M, E, In, Out):
               make_args=make_args, impls=impls, reference=reference)
 
 
+def _gmm_mxfp4_case(env, *, name, M, E, In, Out):
+  """GPT-OSS's gate-up on its experts as published (MXFP4, E8M0 scales per
+  32 values): "ours" the Pallas (Triton) quantized grouped kernel twice, then
+  the GLU; "ours_mosaic_experts" our Mosaic kernel, fused."""
+  block, item = (1, 32), jnp.dtype(env.dtype).itemsize
+
+  def make_args(key):
+    x, _, sizes = _gmm_args(env, key, M, E, In, Out)
+    kg, ku, ksg, ksu = jax.random.split(jax.random.fold_in(key, 2), 4)
+    codes = lambda k: _random_codes(k, (E, Out, In // 2), jnp.dtype(jnp.uint8))
+    scales = lambda k: _random_scales(k, (E, Out, In // 32), jnp.dtype(jnp.uint8))
+    return x, codes(kg), scales(ksg), codes(ku), scales(ksu), sizes
+
+  interp = not env.gpu
+  qgmm = lambda x, c, s, g: pk.quantized_grouped_matmul(x, c, s, g, block=block, packed="e2m1",
+                                                        interpret=interp)
+  deq = lambda c, s: pk.dequantize_reference(c, s, block=block, packed="e2m1")  # [E, Out, In]
+  rd = lambda x, c, s, g: jax.lax.ragged_dot(x, jnp.swapaxes(deq(c, s), 1, 2).astype(x.dtype), g)
+  why = ops.mosaic_experts_fit(env.dtype, (E, Out, In // 2), jnp.uint8, block, "e2m1")
+  backend = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
+  impls = {"ours": Impl(lambda x, cg, sg, cu, su, g: jax.nn.silu(qgmm(x, cg, sg, g))
+                        * qgmm(x, cu, su, g),
+                        note="the Pallas (Triton) quantized grouped kernel twice, then the GLU"),
+           "ours_mosaic_experts": Impl(
+               lambda x, cg, sg, cu, su, g: ops.mosaic_experts(
+                   x, cg, g, scale=sg, block=block, packed="e2m1", up=cu, up_scale=su,
+                   backend=backend),
+               skip=_mosaic_skip(env, None if why is None else (ValueError, why)),
+               note="our Mosaic expert kernel, MXFP4 gate and up fused")}
+  if env.peers:
+    impls["xla_dequant_ragged_dot"] = Impl(
+        lambda x, cg, sg, cu, su, g: jax.nn.silu(rd(x, cg, sg, g)) * rd(x, cu, su, g),
+        temp_bytes=8.0 * E * In * Out, note="dequantize in XLA, then ragged_dot twice")
+  reference = Impl(lambda x, cg, sg, cu, su, g: jax.nn.silu(rd(x, cg, sg, g)) * rd(x, cu, su, g),
+                   temp_bytes=8.0 * E * In * Out + 12.0 * M * Out)
+  return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->2x{Out} MXFP4 fused", series=name,
+              context=M, shape=dict(M=M, E=E, In=In, Out=Out, fused=True, method="mxfp4"),
+              flops=4.0 * M * In * Out,
+              bytes=2 * E * Out * In * (0.5 + 1 / 32) + item * M * (In + Out),
+              make_args=make_args, impls=impls, reference=reference)
+
+
 def _gmm_cases(env, shapes):
   if shapes == "tiny":
     specs = [dict(name="tiny", M=40, E=4, In=64, Out=128)]
@@ -618,7 +660,10 @@ def _gmm_cases(env, shapes):
               dict(name="gptoss_up", M=4096, E=128, In=2880, Out=2880)]
   fused = [dict(name=f"{s['name']}_gate_up", **{k: s[k] for k in ("M", "E", "In", "Out")})
            for s in specs if s["name"].endswith(("tiny", "_up"))]
-  return [_gmm_case(env, **s) for s in specs] + [_gmm_fused_case(env, **s) for s in fused]
+  mxfp4 = ([dict(name="tiny_mxfp4_gate_up", M=40, E=4, In=64, Out=128)] if shapes == "tiny" else
+           [dict(name="gptoss_mxfp4_gate_up", M=M, E=128, In=2880, Out=2880) for M in (64, 4096)])
+  return ([_gmm_case(env, **s) for s in specs] + [_gmm_fused_case(env, **s) for s in fused]
+          + [_gmm_mxfp4_case(env, **s) for s in mxfp4])
 
 
 _BUILDERS = {"flash": _flash_cases, "paged": _paged_cases, "mla": _mla_cases,
