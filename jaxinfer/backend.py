@@ -16,7 +16,7 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              `ops.mosaic_grouped_matmul` takes the shapes), or None: "mosaic"
              where attention None picks "mosaic", else "xla". Quantized
              experts take the Pallas quantized kernel on GPUs (the
-             "fused_experts" trial: ours on Mosaic, one-byte codes).
+             "fused_experts" trial: ours on Mosaic, but NVFP4 / int4).
   trials     Mosaic kernel variants that compile for H100 and match their
              references interpreted but have not yet run on a GPU, named to
              try them (a tuple of `TRIALS`; none by default): "mla_cluster",
@@ -28,7 +28,7 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              (`mosaic_ragged_attention(wide=True)`); "fused_experts", under
              grouped_matmul "mosaic", the MoE experts on our Mosaic kernel
              (`ops.mosaic_experts`): gate and up in one pass with the GLU
-             and biases fused, one-byte quantized (fp8 / int8) experts
+             and biases fused, quantized experts (fp8 / int8, MXFP4)
              dequantized tile by tile, interpreted on a CPU target. A
              variant leaves this list for the default once a GPU run has
              matched it.

@@ -134,8 +134,7 @@ def mosaic_experts(xs, w, group_sizes, *, scale=None, block=None, packed=None, b
   "fused_experts" trial.)"""
   return mosaic_experts_kernel.mosaic_grouped_matmul(
       xs, w, group_sizes, scale=scale, block=block, packed=packed, bias=bias, up=up,
-      up_scale=up_scale,
-      up_bias=up_bias, activation=activation, limit=limit, alpha=alpha,
+      up_scale=up_scale, up_bias=up_bias, activation=activation, limit=limit, alpha=alpha,
       interpret=not backend.on_gpu())
 
 

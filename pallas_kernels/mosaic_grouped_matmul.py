@@ -121,10 +121,10 @@ def _e2m1(n):
 
 
 def _dequant(mode, w, tile, ts_ref, e, n0, kb, blocks, deq):
-  # tile [64, step] (plain: [step, 64]); deq [weights, x parts, 64, step] bf16
-  """Weight w's tile of this step as wgmma right-hand sides, one per x part:
-  plain, the tile itself; codes, times its block's scale; e2m1, the low and
-  high nibbles (even and odd In columns) times their E8M0 group scales."""
+  """Weight w's tile of this step (tile [64, step], plain [step, 64]) as
+  wgmma right-hand sides, one per x part: plain, the tile itself; codes,
+  times its block's scale; e2m1, the low and high nibbles (even and odd In
+  columns) times their E8M0 group scales. deq [weights, x parts, 64, step]."""
   if mode == "plain":
     return [tile]
   if mode == "codes":  # per-row scales wait for the epilogue
