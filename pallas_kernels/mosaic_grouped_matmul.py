@@ -63,7 +63,8 @@ def smem_bytes(num_weights: int, mode: str, slots: int) -> int:
   w = (2 if mode == "plain" else 1) * t
   deq = 0 if mode == "plain" else num_weights * nx * 2 * t
   scales = num_weights * slots * TILE * (PACKED_STEP // GROUP_BYTES) * (mode == "e2m1")
-  return slots * (nx * 2 * t + num_weights * w) + deq + 2 * TILE * TILE + scales
+  vectors = num_weights * 2 * TILE * 4  # the epilogue's row scales and biases
+  return slots * (nx * 2 * t + num_weights * w) + deq + 2 * TILE * TILE + scales + vectors
 
 
 def unsupported(x_dtype, w_shape, w_dtype, block=None, packed=None) -> str | None:
@@ -156,7 +157,7 @@ def _body(dims, item_ref, *refs):
   x_refs, refs = refs[:nx], refs[nx:]
   w_refs, ts_refs = refs[:nw], refs[nw:2 * nw]
   col_refs, bias_refs, o_ref = refs[2 * nw:3 * nw], refs[3 * nw:4 * nw], refs[4 * nw]
-  x_smem, w_smem, deq_smem, o_smem, bar, *s_smem = refs[4 * nw + 1:]  # s_smem: e2m1's scales
+  x_smem, w_smem, deq_smem, o_smem, vec_smem, bar, vec_bar, *s_smem = refs[4 * nw + 1:]
   i, j = lax.axis_index("items"), lax.axis_index("cols")
   e, rows = item_ref[i, 0], item_ref[i, 1]
   n0 = j * TILE
@@ -180,6 +181,9 @@ def _body(dims, item_ref, *refs):
 
   for s in range(min(slots, steps)):  # a static step past In would not even trace
     pl.when(s < hi)(lambda s=s: issue(s, s))
+  for w in range(nw):  # the epilogue's row scales and biases (s_smem: e2m1's step scales)
+    for v, ref in enumerate((col_refs[w], bias_refs[w])):
+      plgpu.copy_gmem_to_smem(ref.at[e, pl.ds(n0, TILE)], vec_smem.at[w, v], vec_bar.at[0])
 
   def step(kb, accs):
     slot = lax.rem(kb, jnp.int32(slots))
@@ -199,18 +203,20 @@ def _body(dims, item_ref, *refs):
 
   zero = plgpu.layout_cast(jnp.zeros((TILE, TILE), jnp.float32), plgpu.Layout.WGMMA)
   accs = lax.fori_loop(jnp.int32(0), hi, step, (zero,) * nw)
-  _epilogue(accs, col_refs, bias_refs, e, n0, dims, o_smem, o_ref.at[pl.ds(i * TILE, TILE),
-                                                                    pl.ds(n0, TILE)])
+  plgpu.barrier_wait(vec_bar.at[0])
+  _epilogue(accs, vec_smem, dims, o_smem, o_ref.at[pl.ds(i * TILE, TILE), pl.ds(n0, TILE)])
 
 
-def _epilogue(accs, col_refs, bias_refs, e, n0, dims, o_smem, o_tile):
-  """Row scales and biases, the GLU when fused; the tile stored."""
+def _epilogue(accs, vec_smem, dims, o_smem, o_tile):
+  """Row scales and biases (vec_smem [weights, 2, 64]: loaded into registers
+  from shared memory, which jax 0.11's Mosaic needs), the GLU when fused;
+  the tile stored."""
   *_, activation, limit, alpha = dims
   cols = plgpu.Layout.WGMMA.reduce(0)
   ys = []
   for w, acc in enumerate(accs):
-    scale = plgpu.load(col_refs[w].at[e, pl.ds(n0, TILE)], layout=cols)
-    bias = plgpu.load(bias_refs[w].at[e, pl.ds(n0, TILE)], layout=cols)
+    scale = plgpu.load(vec_smem.at[w, 0], layout=cols)
+    bias = plgpu.load(vec_smem.at[w, 1], layout=cols)
     ys.append(acc * lax.broadcast_in_dim(scale, (TILE, TILE), [1])
               + lax.broadcast_in_dim(bias, (TILE, TILE), [1]))
   y = _glu(*ys, activation, limit, alpha) if len(ys) == 2 else ys[0]
@@ -307,8 +313,10 @@ def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, packed=
                                 transforms=swizzle(w_tile[1], w.dtype)),
                      plgpu.SMEM((nw, nx, TILE, kw), xs.dtype, transforms=swizzle(kw, xs.dtype)),
                      plgpu.SMEM((TILE, TILE), xs.dtype),
+                     plgpu.SMEM((nw, 2, TILE), jnp.float32),
                      plgpu.Barrier(num_arrivals=nx + nw * (1 + (mode == "e2m1")),
                                    num_barriers=slots),
+                     plgpu.Barrier(num_arrivals=2 * nw, num_barriers=1),
                      *([plgpu.SMEM((nw, slots, PACKED_STEP // GROUP_BYTES, TILE), jnp.uint8)]
                        if mode == "e2m1" else [])),
       grid=(W, out // TILE), grid_names=("items", "cols"),
