@@ -117,25 +117,25 @@ def grouped_matmul(xs, w, group_sizes, *, backend: Backend = Backend()):
 def mosaic_experts_fit(x_dtype, w_shape, w_dtype, block=None, packed=None) -> str | None:
   """Why the Mosaic expert kernel (`pallas_kernels.mosaic_grouped_matmul`:
   the gate-up fusion, quantized weights) cannot take an experts' weight
-  (codes [E, Out, In] with scale block (bo, bi), packed "e2m1" MXFP4 codes
-  [E, Out, In / 2], or plain [E, In, Out]), else None."""
+  (codes [E, Out, In] with scale block (bo, bi), packed "e2m1" / "int4"
+  codes [E, Out, In / 2], or plain [E, In, Out]), else None."""
   return mosaic_experts_kernel.unsupported(x_dtype, w_shape, w_dtype, block, packed)
 
 
-def mosaic_experts(xs, w, group_sizes, *, scale=None, block=None, packed=None, bias=None,
-                   up=None, up_scale=None, up_bias=None, activation="silu", limit=7.0,
-                   alpha=1.702, backend: Backend = Backend()):
+def mosaic_experts(xs, w, group_sizes, *, scale=None, block=None, packed=None, scale2=None,
+                   bias=None, up=None, up_scale=None, up_scale2=None, up_bias=None,
+                   activation="silu", limit=7.0, alpha=1.702, backend: Backend = Backend()):
   """The experts' grouped matmul on our Mosaic GPU kernel: glu(xs W^T + bias,
   xs U^T + up_bias) with up (the gate-up fusion: xs read once), else xs W^T
   + bias, for rows sorted by expert (group_sizes [E]); weights one-byte
-  codes [E, Out, In] with block scales, MXFP4 (packed "e2m1") or plain [E,
-  In, Out] (`mosaic_experts_fit`). Compiled for a GPU target, interpreted otherwise.
+  codes [E, Out, In] with block scales, packed 4-bit codes (MXFP4 / NVFP4
+  "e2m1", "int4") or plain [E, In, Out] (`mosaic_experts_fit`). Compiled for a GPU target, interpreted otherwise.
   -> [R, Out] in xs's dtype. (`moe_core.grouped_ffn` picks it under the
   "fused_experts" trial.)"""
   return mosaic_experts_kernel.mosaic_grouped_matmul(
-      xs, w, group_sizes, scale=scale, block=block, packed=packed, bias=bias, up=up,
-      up_scale=up_scale, up_bias=up_bias, activation=activation, limit=limit, alpha=alpha,
-      interpret=not backend.on_gpu())
+      xs, w, group_sizes, scale=scale, block=block, packed=packed, scale2=scale2, bias=bias,
+      up=up, up_scale=up_scale, up_scale2=up_scale2, up_bias=up_bias, activation=activation,
+      limit=limit, alpha=alpha, interpret=not backend.on_gpu())
 
 
 # Average rows per expert up to which `cpu_experts` runs the C++ kernel when

@@ -1,6 +1,6 @@
 """The MoE experts' grouped matmul on Mosaic GPU (Hopper, jax >= 0.11), with
-the gate-up fusion and quantized weights (fp8 / int8, MXFP4): what jax's own
-`ragged_dot_mgpu` does not take (it multiplies one bf16 / f16 matrix).
+the gate-up fusion and quantized weights (fp8 / int8, MXFP4, NVFP4, int4):
+what jax's own `ragged_dot_mgpu` does not take (one bf16 / f16 matrix).
 
   y = glu(x W_gate^T + b_gate, x W_up^T + b_up)   fused (up given)
   y = x W^T + b                                   one weight
@@ -14,28 +14,33 @@ x [R, In] rows sorted by expert (`jax.lax.ragged_dot` semantics, group_sizes
          multiples of 64 or the whole dimension: DeepSeek's 128 x 128), or
          one scale per output row over all of In (bo 1: fbgemm / compressed-
          tensors per-channel FP8), or one per tensor;
-  e2m1   MXFP4 (GPT-OSS's experts as published): uint8 [E, Out, In / 2], two
-         FP4 codes a byte (the even In column in the low nibble), with E8M0
-         scales uint8 [E, Out, In / 32] (block (1, 32));
+  packed uint8 [E, Out, In / 2], two 4-bit codes a byte (the even In column
+         in the low nibble): "e2m1" FP4 (MXFP4, GPT-OSS's experts as
+         published: E8M0 scales uint8 [E, Out, In / 32]; NVFP4, NVIDIA's
+         DeepSeek-R1 FP4: float8 scales [E, Out, In / 16] and a second level
+         scale2 [E]) or "int4" (two's complement, float32 / bfloat16 scales);
+         one scale per output row and group of 16, 32 or a multiple of 64
+         values, or per row over all of In;
   plain  bfloat16 / float16 [E, In, Out] (the model's unquantized layout).
 
 Rows are cut into work items of <= 64 rows of one expert (`quantized_grouped_
 matmul.work_items`); one program (one warpgroup) per (work item, 64 output
-columns) streams In in steps (64 columns; e2m1 32 bytes, 64 values), `slots`
+columns) streams In in steps (64 columns; packed: 32 bytes, 64 values), `slots`
 in flight: TMA copies of the x tile and of each weight's tile. A quantized
 tile is dequantized in registers into a bf16 shared-memory tile that wgmma
-reads transposed: one-byte codes times their block's scale; e2m1 nibbles
-decoded (sign, 2-bit exponent, 1-bit mantissa) times 2^(scale - 127) of
-their 32-value group, the low and high nibbles as two tiles against x's
-even and odd columns (the wrapper splits x, so no nibbles interleave). The
-scales of a step come by TMA too, from a [E, In / 32, Out] copy XLA makes
-per call (a group's 64 rows contiguous: 1/8 of the codes' bytes written and
-read again; storing them so at load would save it). Float32 accumulators,
+reads transposed: one-byte codes times their block's scale; packed nibbles
+decoded (FP4: sign, 2-bit exponent, 1-bit mantissa; int4: two's complement)
+times their group's scale (E8M0: 2^(s - 127)), the low and high nibbles as
+two tiles against x's even and odd columns (the wrapper splits x, so no
+nibbles interleave). A step's group scales come by TMA too, from a [E,
+In / group, Out] copy XLA makes per call (a group's 64 rows contiguous, as
+the load into registers needs: 1/8 of the codes' bytes for MXFP4 written
+and read again; storing them so at load would save it). Float32 accumulators,
 two when fused (x is read once for both). The epilogue applies per-row
 scales and biases, then the GLU ("silu": SwiGLU; "gpt_oss": the clamped
 variant with limit and alpha), and stores the tile. An empty item reads no
-weights. NVFP4 (16-value groups, fp8 scales, a second level) and int4 are
-not taken (`unsupported` says so): the Pallas (Triton) kernel keeps them.
+weights. Other blockings (`unsupported` names them) keep the Pallas
+(Triton) kernel.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ from pallas_kernels.mosaic_paged_attention import SMEM_BYTES, _INTERPRETER, avai
 from pallas_kernels.quantized_grouped_matmul import work_items
 
 TILE = 64  # rows of a work item, output columns and In columns (bytes of codes) of a step
-GROUP_BYTES = 16  # MXFP4: 32 values, 16 bytes, share one E8M0 scale
-PACKED_STEP = 32  # bytes of e2m1 codes a step (64 values: GPT-OSS's 2880 is 45 steps)
+PACKED = ("e2m1", "int4")  # two 4-bit codes a byte, the even In column in the low nibble
+PACKED_STEP = 32  # bytes of packed codes a step (64 values: GPT-OSS's 2880 is 45 steps)
 CODE_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.int8))
 PLAIN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 ACTIVATIONS = ("silu", "gpt_oss")
@@ -58,11 +63,11 @@ ACTIVATIONS = ("silu", "gpt_oss")
 
 def smem_bytes(num_weights: int, mode: str, slots: int) -> int:
   """x and weight tiles of every slot, the dequantized tiles, the output
-  (mode: "plain", "codes" or "e2m1")."""
-  nx, t = (2, TILE * PACKED_STEP) if mode == "e2m1" else (1, TILE * TILE)
+  (mode: "plain", "codes" or a packed kind; 4-byte group scales assumed)."""
+  nx, t = (2, TILE * PACKED_STEP) if mode in PACKED else (1, TILE * TILE)
   w = (2 if mode == "plain" else 1) * t
   deq = 0 if mode == "plain" else num_weights * nx * 2 * t
-  scales = num_weights * slots * TILE * (PACKED_STEP // GROUP_BYTES) * (mode == "e2m1")
+  scales = num_weights * slots * 4 * TILE * 4 * (mode in PACKED)  # up to 4 groups a step
   vectors = num_weights * 2 * TILE * 4  # the epilogue's row scales and biases
   return slots * (nx * 2 * t + num_weights * w) + deq + 2 * TILE * TILE + scales + vectors
 
@@ -70,8 +75,8 @@ def smem_bytes(num_weights: int, mode: str, slots: int) -> int:
 def unsupported(x_dtype, w_shape, w_dtype, block=None, packed=None) -> str | None:
   """Why the kernel cannot take a weight of this shape / dtype (and, for
   codes, these scale blocks (bo, bi), 0 the whole dimension), else None.
-  w_shape: codes [E, Out, In] (packed "e2m1": [E, Out, In / 2]) or plain
-  [E, In, Out]."""
+  w_shape: codes [E, Out, In] (packed: [E, Out, In / 2]) or plain [E, In,
+  Out]."""
   why = available()
   if why:
     return why
@@ -80,10 +85,10 @@ def unsupported(x_dtype, w_shape, w_dtype, block=None, packed=None) -> str | Non
     return f"x must be bfloat16 or float16 (wgmma inputs), got {x_dtype}"
   if len(w_shape) != 3:
     return f"weights must be an experts' stack [E, ., .], got shape {tuple(w_shape)}"
-  if packed not in (None, "e2m1"):
-    return f"packed codes: only \"e2m1\" (MXFP4) is taken, got {packed!r}"
+  if packed not in (None, *PACKED):
+    return f"packed must be one of {PACKED}, got {packed!r}"
   if packed and w_dtype != jnp.uint8:
-    return f"e2m1 codes are uint8 (two per byte), got {w_dtype}"
+    return f"{packed} codes are uint8 (two per byte), got {w_dtype}"
   if not packed and w_dtype not in CODE_DTYPES and w_dtype != x_dtype:
     return (f"weights must be {x_dtype} (plain) or one-byte codes {[str(d) for d in CODE_DTYPES]}"
             f", got {w_dtype}")
@@ -98,9 +103,10 @@ def unsupported(x_dtype, w_shape, w_dtype, block=None, packed=None) -> str | Non
   if block is None:
     return "quantized codes need their scale block (bo, bi)"
   bo, bi = block[0] or out, block[1] or d_in
-  if packed:
-    return None if (bo, bi) == (1, 2 * GROUP_BYTES) else (
-        f"e2m1 codes take MXFP4's scale block (1, {2 * GROUP_BYTES}), got {(bo, bi)}")
+  if packed:  # one scale per output row and group of bi values (MXFP4 32, NVFP4 16)
+    ok = bo == 1 and (bi >= d_in or bi in (16, 32) or bi % (2 * PACKED_STEP) == 0)
+    return None if ok else (f"{packed} codes take scale blocks (1, 16 / 32 / a multiple of "
+                            f"{2 * PACKED_STEP} / the whole In), got {(bo, bi)}")
   if not (bo == 1 and bi >= d_in) and (bo % TILE or bi % TILE):
     return (f"scale blocks {bo} x {bi} must be whole {TILE} x {TILE} tiles or one scale per "
             "output row")
@@ -121,11 +127,18 @@ def _e2m1(n):
   return jnp.where((n & 8) != 0, -mag, mag)
 
 
+def _int4(n):
+  """int4 nibbles (int32 0..15, two's complement) -> their float32 values."""
+  return (n - jnp.where(n >= 8, 16, 0)).astype(jnp.float32)
+
+
 def _dequant(mode, w, tile, ts_ref, e, n0, kb, blocks, deq):
   """Weight w's tile of this step (tile [64, step], plain [step, 64]) as
   wgmma right-hand sides, one per x part: plain, the tile itself; codes,
-  times its block's scale; e2m1, the low and high nibbles (even and odd In
-  columns) times their E8M0 group scales. deq [weights, x parts, 64, step]."""
+  times its block's scale; packed, the low and high nibbles (even and odd In
+  columns) times their group scales (ts_ref: the step's, in shared memory,
+  [groups, 64 rows]; none where the row scales wait for the epilogue).
+  deq [weights, x parts, 64, step]."""
   if mode == "plain":
     return [tile]
   if mode == "codes":  # per-row scales wait for the epilogue
@@ -135,22 +148,28 @@ def _dequant(mode, w, tile, ts_ref, e, n0, kb, blocks, deq):
     return [deq.at[w, 0].T]
   lay = plgpu.Layout.WGMMA_8BIT
   b = plgpu.load(tile, layout=lay).astype(jnp.int32)
-  shape = (TILE, PACKED_STEP)
-  group = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay), jnp.int32(GROUP_BYTES))
-  scale = None  # ts_ref: this step's E8M0 scales in shared memory, [groups, 64 rows]
-  for g in range(PACKED_STEP // GROUP_BYTES):
-    sg = plgpu.load(ts_ref.at[g], layout=lay.reduce(1))
-    sg = lax.broadcast_in_dim(jnp.exp2(sg.astype(jnp.float32) - 127.0), shape, [0])
-    scale = sg if scale is None else jnp.where(group == g, sg, scale)
-  deq.at[w, 0][...] = (_e2m1(b & 15) * scale).astype(deq.dtype)
-  deq.at[w, 1][...] = (_e2m1(b >> 4) * scale).astype(deq.dtype)
+  decode = _e2m1 if mode == "e2m1" else _int4
+  lo, hi = decode(b & 15), decode(b >> 4)
+  groups, _, e8m0 = blocks
+  if groups:
+    shape = (TILE, PACKED_STEP)
+    group = lax.div(plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=lay),
+                    jnp.int32(PACKED_STEP // groups))
+    scale = None
+    for g in range(groups):
+      sg = plgpu.load(ts_ref.at[g], layout=lay.reduce(1)).astype(jnp.float32)
+      sg = lax.broadcast_in_dim(jnp.exp2(sg - 127.0) if e8m0 else sg, shape, [0])
+      scale = sg if scale is None else jnp.where(group == g, sg, scale)
+    lo, hi = lo * scale, hi * scale
+  deq.at[w, 0][...] = lo.astype(deq.dtype)
+  deq.at[w, 1][...] = hi.astype(deq.dtype)
   plgpu.commit_smem()
   return [deq.at[w, 0].T, deq.at[w, 1].T]
 
 
 def _body(dims, item_ref, *refs):
-  """One (work item, 64 output columns): refs = the x parts (whole, or e2m1's
-  even and odd columns), the weights, their tile scales, row scales and
+  """One (work item, 64 output columns): refs = the x parts (whole, or the
+  even and odd columns for packed codes), the weights, their tile scales, row scales and
   biases (one of each per weight), the output, then the scratch (x slots,
   weight slots, dequantized tiles, output tile, barriers)."""
   nx, nw, mode, slots, steps, blocks, activation, limit, alpha = dims
@@ -163,7 +182,7 @@ def _body(dims, item_ref, *refs):
   n0 = j * TILE
   hi = jnp.where(rows > 0, jnp.int32(steps), jnp.int32(0))
 
-  kw = PACKED_STEP if mode == "e2m1" else TILE
+  kw = PACKED_STEP if mode in PACKED else TILE
 
   def issue(kb, slot):
     k0 = kb * kw
@@ -174,9 +193,10 @@ def _body(dims, item_ref, *refs):
       tile = (pl.ds(k0, kw), pl.ds(n0, TILE)) if mode == "plain" else (pl.ds(n0, TILE),
                                                                        pl.ds(k0, kw))
       plgpu.copy_gmem_to_smem(w_refs[w].at[e].at[tile], w_smem.at[w, slot], bar.at[slot])
-      if s_smem:  # the step's E8M0 scales ([E, groups, Out]: a row of each group)
-        groups = PACKED_STEP // GROUP_BYTES
-        plgpu.copy_gmem_to_smem(ts_refs[w].at[e, pl.ds(kb * groups, groups), pl.ds(n0, TILE)],
+      if s_smem:  # the step's group scales ([E, groups, Out]: a row of each group)
+        groups, per, _ = blocks  # groups a step, steps a group
+        first = lax.div(kb * groups, jnp.int32(per))
+        plgpu.copy_gmem_to_smem(ts_refs[w].at[e, pl.ds(first, groups), pl.ds(n0, TILE)],
                                 s_smem[0].at[w, slot], bar.at[slot])
 
   for s in range(min(slots, steps)):  # a static step past In would not even trace
@@ -226,30 +246,51 @@ def _epilogue(accs, vec_smem, dims, o_smem, o_tile):
   plgpu.wait_smem_to_gmem(0)
 
 
-def _operands(w, scale, block, bias, E, out, mode, name):
-  """A weight's (tile scales: [E, ., .] f32 blocks, or e2m1's E8M0 bytes as
-  stored; their block in elements of Out and in steps of In; row scales [E,
-  Out] f32; bias [E, Out] f32)."""
+def _operands(w, scale, scale2, block, bias, E, out, mode, name):
+  """A weight's (tile scales: [E, ., .] f32 blocks, or packed codes' group
+  scales [E, In / bi, Out] as stored but transposed; their blocking (codes:
+  rows, In steps; packed: groups a step, steps a group, E8M0); row scales
+  [E, Out] f32; bias [E, Out] f32)."""
   ones = jnp.ones((E, out), jnp.float32)
   b = jnp.zeros((E, out), jnp.float32) if bias is None else bias.astype(jnp.float32)
   if b.shape != (E, out):
     raise ValueError(f"{name}: bias must be [E, Out] = {(E, out)}, got {b.shape}")
   if mode == "plain":
     return jnp.ones((E, 1, 1), jnp.float32), (out, 1 << 30), ones, b
-  d_in = w.shape[2] * (2 if mode == "e2m1" else 1)
+  d_in = w.shape[2] * (2 if mode in PACKED else 1)
   bo, bi = block[0] or out, block[1] or d_in
   want = (E, -(-out // bo), -(-d_in // bi))
   if scale is None or tuple(scale.shape) != want:
     raise ValueError(f"{name}: scale must be {want} for block {(bo, bi)}, got "
                      f"{None if scale is None else scale.shape}")
-  if mode == "e2m1":  # [E, groups, Out]: a step's scales one TMA copy of rows (XLA transposes)
-    if jnp.dtype(scale.dtype) != jnp.uint8:
-      raise ValueError(f"{name}: e2m1 codes take E8M0 (uint8) scales, got {scale.dtype}")
-    return jnp.swapaxes(scale, 1, 2), (1, 1), ones, b
+  if mode in PACKED:
+    return _packed_scales(scale, scale2, bi >= d_in, bi, ones, b, mode, name)
   if bo == 1:  # one scale per output row, over all of In: the epilogue's
     return jnp.ones((E, 1, 1), jnp.float32), (out, 1 << 30), scale[:, :, 0].astype(
         jnp.float32), b
   return scale.astype(jnp.float32), (bo, bi // TILE), ones, b
+
+
+def _packed_scales(scale, scale2, per_row, bi, ones, b, mode, name):
+  """Packed codes' scales: E8M0 bytes (MXFP4), float8 (NVFP4, with its
+  per-expert scale2) or float32 / bfloat16; per output row over all of In
+  (applied in the epilogue) or per group of bi values (a TMA copy a step
+  from the transposed [E, In / bi, Out])."""
+  dt = jnp.dtype(scale.dtype)
+  allowed = ((jnp.uint8, jnp.float8_e4m3fn) if mode == "e2m1" else (jnp.float32, jnp.bfloat16))
+  if dt not in [jnp.dtype(a) for a in allowed]:
+    raise ValueError(f"{name}: {mode} codes take scales of {[str(jnp.dtype(a)) for a in allowed]}"
+                     f", got {dt}")
+  e8m0 = dt == jnp.uint8
+  rows = ones if scale2 is None else ones * scale2.astype(jnp.float32).reshape(-1, 1)
+  if per_row:
+    s = scale[:, :, 0].astype(jnp.float32)
+    return jnp.ones((1, 1, 1), jnp.uint8), (0, 1, False), rows * (
+        jnp.exp2(s - 127.0) if e8m0 else s), b
+  if dt == jnp.bfloat16:  # TMA rows of 4-byte or 1-byte values
+    scale = scale.astype(jnp.float32)
+  groups, per = max(2 * PACKED_STEP // bi, 1), max(bi // (2 * PACKED_STEP), 1)
+  return jnp.swapaxes(scale, 1, 2), (groups, per, e8m0), rows, b
 
 
 def _mode(w_dtype, packed) -> str:
@@ -261,7 +302,7 @@ def _mode(w_dtype, packed) -> str:
 def _check(xs, ws, group_sizes, block, packed, activation, slots, name):
   """The named errors; -> (mode, E, Out, In)."""
   w = ws[0][0]
-  for u, _, _ in ws:
+  for u, *_ in ws:
     why = unsupported(xs.dtype, u.shape, u.dtype, block, packed)
     if why:
       raise (NotImplementedError if why == available() else ValueError)(f"{name}: {why}")
@@ -273,37 +314,41 @@ def _check(xs, ws, group_sizes, block, packed, activation, slots, name):
     raise ValueError(f"{name}: slots must be an int >= 2, got {slots!r}")
   mode, E = _mode(w.dtype, packed), w.shape[0]
   out, d_in = (w.shape[2], w.shape[1]) if mode == "plain" else (w.shape[1], w.shape[2])
-  d_in *= 2 if mode == "e2m1" else 1
+  d_in *= 2 if mode in PACKED else 1
   if xs.ndim != 2 or xs.shape[1] != d_in or group_sizes.shape != (E,):
     raise ValueError(f"{name}: xs [R, {d_in}] and group_sizes [{E}] expected, got "
                      f"{xs.shape} and {group_sizes.shape}")
   return mode, E, out, d_in
 
 
-def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, packed=None, bias=None,
-                          up=None, up_scale=None, up_bias=None, activation="silu", limit=7.0,
-                          alpha=1.702, slots=3, interpret=False):
+def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, packed=None,
+                          scale2=None, bias=None, up=None, up_scale=None, up_scale2=None,
+                          up_bias=None, activation="silu", limit=7.0, alpha=1.702, slots=3,
+                          interpret=False):
   """glu(xs W^T + bias, xs U^T + up_bias) with up (the fused gate-up), else
   xs W^T + bias: xs [R, In] sorted by expert (group_sizes [E]) -> [R, Out]
   in xs's dtype, rows past sum(group_sizes) zero. w / up: codes [E, Out, In]
   with scale [E, ceil(Out / bo), ceil(In / bi)] for block (bo, bi) (0: the
-  whole dimension; up shares it), packed="e2m1" codes [E, Out, In / 2] with
-  E8M0 scales for block (1, 32) (MXFP4), or plain [E, In, Out] (see the
-  module docstring); bias [E, Out]. interpret: run on CPU in Mosaic GPU's
+  whole dimension; up shares it), packed ("e2m1" / "int4") codes [E, Out,
+  In / 2] with per-row group scales (MXFP4: E8M0, block (1, 32); NVFP4: fp8,
+  (1, 16), and scale2 [E]), or plain [E, In, Out] (see the module
+  docstring); bias [E, Out]. interpret: run on CPU in Mosaic GPU's
   interpret mode."""
   name = "mosaic_grouped_matmul"
-  ws = [(w, scale, bias)] + ([] if up is None else [(up, up_scale, up_bias)])
+  ws = [(w, scale, scale2, bias)] + ([] if up is None else [(up, up_scale, up_scale2, up_bias)])
   mode, E, out, d_in = _check(xs, ws, group_sizes, block, packed, activation, slots, name)
-  ops_ = [_operands(u, s, block, b, E, out, mode, name) for u, s, b in ws]
+  ops_ = [_operands(u, s, s2, block, b, E, out, mode, name) for u, s, s2, b in ws]
   items, src, pos = work_items(group_sizes, xs.shape[0], TILE)
   x_pad = jnp.concatenate([xs, jnp.zeros((1, d_in), xs.dtype)])[src]
-  xparts = (x_pad[:, 0::2], x_pad[:, 1::2]) if mode == "e2m1" else (x_pad,)
+  xparts = (x_pad[:, 0::2], x_pad[:, 1::2]) if mode in PACKED else (x_pad,)
   W, nw, nx = items.shape[0], len(ws), len(xparts)
-  kw = PACKED_STEP if mode == "e2m1" else TILE  # In columns (codes: bytes) a step
+  kw = PACKED_STEP if mode in PACKED else TILE  # In columns (codes: bytes) a step
   swizzle = lambda cols, dtype: (plgpu.TilingTransform((8, cols)),
                                  plgpu.SwizzleTransform(cols * jnp.dtype(dtype).itemsize))
   w_tile = (kw, TILE) if mode == "plain" else (TILE, kw)
   steps = xparts[0].shape[1] // kw
+  groups = ops_[0][1][0] if mode in PACKED else 0
+  group_scales = ([plgpu.SMEM((nw, slots, groups, TILE), ops_[0][0].dtype)] if groups else [])
   dims = (nx, nw, mode, slots, steps, ops_[0][1], activation, float(limit), float(alpha))
   kernel = plgpu.kernel(
       lambda *refs: _body(dims, *refs),
@@ -314,13 +359,12 @@ def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, packed=
                      plgpu.SMEM((nw, nx, TILE, kw), xs.dtype, transforms=swizzle(kw, xs.dtype)),
                      plgpu.SMEM((TILE, TILE), xs.dtype),
                      plgpu.SMEM((nw, 2, TILE), jnp.float32),
-                     plgpu.Barrier(num_arrivals=nx + nw * (1 + (mode == "e2m1")),
+                     plgpu.Barrier(num_arrivals=nx + nw * (1 + bool(group_scales)),
                                    num_barriers=slots),
                      plgpu.Barrier(num_arrivals=2 * nw, num_barriers=1),
-                     *([plgpu.SMEM((nw, slots, PACKED_STEP // GROUP_BYTES, TILE), jnp.uint8)]
-                       if mode == "e2m1" else [])),
+                     *group_scales),
       grid=(W, out // TILE), grid_names=("items", "cols"),
       interpret=_INTERPRETER() if interpret else False)
-  o = kernel(items, *xparts, *(u for u, _, _ in ws), *(o[0] for o in ops_),
+  o = kernel(items, *xparts, *(u[0] for u in ws), *(o[0] for o in ops_),
              *(o[2] for o in ops_), *(o[3] for o in ops_))
   return jnp.concatenate([o, jnp.zeros((1, out), o.dtype)])[pos]

@@ -525,7 +525,8 @@ def _experts_kernel(cfg: ModelConfig, dtype) -> str:
     packed = None if q is None else quant.PACKING.get(q.method)
     why = (ops.mosaic_experts_fit(dtype, (E, D, F), dtype) if q is None else
            ops.mosaic_experts_fit(dtype, (E, F, D // 2 if packed else D),
-                                  quant.VALUE_DTYPES[q.method], q.block, packed))
+                                  quant.VALUE_DTYPES[q.method],
+                                  quant.FIXED_BLOCKS.get(q.method, q.block), packed))
     if why is None:
       return "mosaic_fused"
   kernel = b.grouped_matmul_kernel() if b.on_gpu() else "xla"

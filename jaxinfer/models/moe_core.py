@@ -112,16 +112,17 @@ def _grouped_matmul(cfg: ModelConfig, xs, w, sizes):
 
 
 def _mosaic_operands(w, x_dtype):
-  """dict(w, scale, block, packed) of an experts' weight for `ops.mosaic_experts`,
-  or None where that kernel cannot take it (NVFP4, int4, a weight split over
-  a mesh, shapes `mosaic_experts_fit` refuses)."""
+  """dict(w, scale, scale2, block, packed) of an experts' weight for
+  `ops.mosaic_experts`, or None where that kernel cannot take it (a weight
+  split over a mesh, blocks or shapes `mosaic_experts_fit` refuses)."""
   if isinstance(w, quant.QuantizedWeight):
-    if (w.method not in ("fp8", "int8", "mxfp4") or w.scale2 is not None or len(w.lead) != 1
-        or (w.kernel is not None and w.kernel.mesh is not None)):
+    if len(w.lead) != 1 or (w.kernel is not None and w.kernel.mesh is not None):
       return None
-    arrays = dict(w=w.values, scale=w.scale, block=w.block, packed=quant.PACKING.get(w.method))
+    arrays = dict(w=w.values, scale=w.scale, scale2=w.scale2,
+                  block=quant.FIXED_BLOCKS.get(w.method, w.block),
+                  packed=quant.PACKING.get(w.method))
   else:
-    arrays = dict(w=w, scale=None, block=None, packed=None)
+    arrays = dict(w=w, scale=None, scale2=None, block=None, packed=None)
   why = ops.mosaic_experts_fit(x_dtype, arrays["w"].shape, arrays["w"].dtype, arrays["block"],
                                arrays["packed"])
   return arrays if why is None else None
@@ -147,7 +148,8 @@ def _mosaic_ffn(cfg: ModelConfig, p, xs, expert_ids, sizes):
   act = dict(activation="silu") if cfg.activation == "silu" else dict(
       activation="gpt_oss", limit=cfg.swiglu_limit, alpha=cfg.swiglu_alpha)
   h = ops.mosaic_experts(xs, gate.pop("w"), sizes, **gate, bias=bias("b_gate"), up=up["w"],
-                         up_scale=up["scale"], up_bias=bias("b_up"), backend=cfg.backend, **act)
+                         up_scale=up["scale"], up_scale2=up["scale2"], up_bias=bias("b_up"),
+                         backend=cfg.backend, **act)
   down = _mosaic_operands(p["w_down"], h.dtype)
   if down is not None:
     return ops.mosaic_experts(h, down.pop("w"), sizes, **down, bias=bias("b_down"),

@@ -34,8 +34,12 @@ CASES = {  # codes (None: plain bf16), block, Out, In, fused, activation, biases
     "int8_per_row": (jnp.int8, (1, 0), 128, 128, True, "silu", False, [0, 40, 24], 2),
     "fp8_per_tensor": (jnp.float8_e4m3fn, (0, 0), 64, 192, False, "silu", True, [7, 7, 7], 3),
     # GPT-OSS's experts as published: In 320 = 5 steps of 64 values (2880 is 45)
-    "mxfp4_gpt_oss": ("e2m1", (1, 32), 128, 320, True, "gpt_oss", True, [9, 0, 60], 3),
+    "mxfp4_gpt_oss": ("mxfp4", (1, 32), 128, 320, True, "gpt_oss", True, [9, 0, 60], 3),
+    "nvfp4": ("nvfp4", (1, 16), 64, 128, True, "silu", False, [30, 3, 0], 2),  # scale2 too
+    "int4_groups_of_128": ("int4", (1, 128), 64, 256, False, "silu", True, [1, 64, 2], 3),
+    "int4_per_row": ("int4", (1, 0), 128, 192, True, "silu", False, [0, 0, 33], 2),
 }
+PACKED = {"mxfp4": "e2m1", "nvfp4": "e2m1", "int4": "int4"}
 
 
 def _weight(rng, dtype, block, E, out, d_in):
@@ -43,12 +47,20 @@ def _weight(rng, dtype, block, E, out, d_in):
   if dtype is None:
     w = jnp.asarray(rng.normal(size=(E, d_in, out)) * 0.1, jnp.bfloat16)
     return w, None, np.asarray(w.astype(jnp.float32)).transpose(0, 2, 1)
-  if dtype == "e2m1":  # two FP4 codes a byte, the even column low; E8M0 scales
+  if dtype in PACKED:  # two 4-bit codes a byte, the even column low
     codes = rng.integers(0, 256, (E, out, d_in // 2)).astype(np.uint8)
-    scale = rng.integers(118, 124, (E, out, d_in // 32)).astype(np.uint8)
-    vals = np.stack([LUT_E2M1[codes & 15], LUT_E2M1[codes >> 4]], -1).reshape(E, out, d_in)
-    full = np.repeat(np.exp2(scale.astype(np.float32) - 127), 32, 2)
-    return jnp.asarray(codes), jnp.asarray(scale), vals * full
+    bi = block[1] or d_in
+    if dtype == "mxfp4":  # E8M0
+      scale = rng.integers(118, 124, (E, out, d_in // bi)).astype(np.uint8)
+      sf = np.exp2(scale.astype(np.float32) - 127)
+    else:
+      sf = rng.uniform(0.01, 0.2, (E, out, d_in // bi)).astype(np.float32)
+      scale = sf.astype(jnp.float8_e4m3fn) if dtype == "nvfp4" else sf
+      sf = np.asarray(jnp.asarray(scale).astype(jnp.float32))
+    lut = LUT_E2M1 if dtype != "int4" else np.arange(16, dtype=np.float32) - 16 * (
+        np.arange(16) >= 8)
+    vals = np.stack([lut[codes & 15], lut[codes >> 4]], -1).reshape(E, out, d_in)
+    return jnp.asarray(codes), jnp.asarray(scale), vals * np.repeat(sf, bi, 2)
   if dtype == jnp.int8:
     codes = jnp.asarray(rng.integers(-127, 128, (E, out, d_in)), jnp.int8)
   else:
@@ -85,10 +97,15 @@ def _case(name, seed=0):
   ws = [_weight(rng, dtype, block, E, out, d_in) for _ in range(1 + fused)]
   bs = [rng.normal(size=(E, out)).astype(np.float32) if bias else None for _ in ws]
   kw = dict(scale=ws[0][1], block=block, bias=None if bs[0] is None else jnp.asarray(bs[0]),
-            activation=act, slots=slots, packed="e2m1" if dtype == "e2m1" else None)
+            activation=act, slots=slots, packed=PACKED.get(dtype))
   if fused:
     kw.update(up=ws[1][0], up_scale=ws[1][1], up_bias=None if bs[1] is None else jnp.asarray(bs[1]))
-  ref = _reference(xs, [w[2] for w in ws], bs, sizes, act)
+  mats = [w[2] for w in ws]
+  if dtype == "nvfp4":  # the per-tensor second level, one per expert
+    s2 = [rng.uniform(0.5, 2.0, E).astype(np.float32) for _ in ws]
+    kw.update(scale2=jnp.asarray(s2[0]), up_scale2=jnp.asarray(s2[-1]) if fused else None)
+    mats = [m * v[:, None, None] for m, v in zip(mats, s2)]
+  ref = _reference(xs, mats, bs, sizes, act)
   return (xs, ws[0][0], jnp.asarray(sizes, jnp.int32)), kw, ref
 
 
@@ -120,6 +137,7 @@ ENGINE_MODELS = {  # config, quantization (method, block) or None
     "tiny_moe_int8_per_row": (lambda: presets.get("tiny_moe", num_layers=2), ("int8", (1, 0))),
     "gpt_oss": (_gpt_oss_128, None),
     "gpt_oss_mxfp4": (_gpt_oss_128, ("mxfp4", (1, 32))),
+    "tiny_moe_nvfp4": (lambda: presets.get("tiny_moe", num_layers=2), ("nvfp4", (1, 16))),
 }
 
 
@@ -170,6 +188,8 @@ if mgm.available() is None:
       ("deepseek_v3", 32, 7168, 2048, "codes"),   # fp8, 128 x 128 blocks, 32 local experts
       ("gpt_oss_120b", 128, 2880, 2880, "plain"),  # bf16, biases, clamped GLU
       ("gpt_oss_120b", 128, 2880, 2880, "e2m1"),   # MXFP4 as published
+      ("deepseek_v3", 32, 7168, 2048, "nvfp4"),    # NVIDIA's FP4 DeepSeek-R1: fp8 scales / 16
+      ("deepseek_v3", 32, 7168, 2048, "int4"),     # int4, float32 scales / 128
   ])
   def test_fused_gate_up_compiles_for_h100(model, E, D, F, mode):
     mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
@@ -180,10 +200,14 @@ if mgm.available() is None:
         "plain": ((E, D, F), jnp.bfloat16, dict(activation="gpt_oss")),
         "e2m1": ((E, F, D // 2), jnp.uint8, dict(block=(1, 32), packed="e2m1",
                                                   activation="gpt_oss")),
+        "nvfp4": ((E, F, D // 2), jnp.uint8, dict(block=(1, 16), packed="e2m1")),
+        "int4": ((E, F, D // 2), jnp.uint8, dict(block=(1, 128), packed="int4")),
     }[mode], None, None
     w, kw = s(w[0], w[1]), w[2]
-    scale = (s((E, F // 128, D // 128), jnp.float32) if mode == "codes" else
-             s((E, F, D // 32), jnp.uint8) if mode == "e2m1" else None)
+    scale = {"codes": s((E, F // 128, D // 128), jnp.float32),
+             "e2m1": s((E, F, D // 32), jnp.uint8),
+             "nvfp4": s((E, F, D // 16), jnp.float8_e4m3fn),
+             "int4": s((E, F, D // 128), jnp.float32)}.get(mode)
     bias = s((E, F), jnp.float32)
 
     def fused(xs, g, u, sizes, gs, us, bg, bu):
@@ -194,7 +218,7 @@ if mgm.available() is None:
                                      scale, scale, bias, bias)
     assert "mosaic_gpu" in lowered.as_text()
     lowered.compile()
-    assert mgm.smem_bytes(2, mode, 3) <= 227 * 1024
+    assert mgm.smem_bytes(2, "e2m1" if mode == "nvfp4" else mode, 3) <= 227 * 1024
 
   @pytest.mark.parametrize("model,mesh,layout,program,q", [
       ("deepseek_v3", {"data": 1, "expert": 8}, "dp_attn_ep", "mixed", ("fp8", (128, 128))),
@@ -242,11 +266,11 @@ if mgm.available() is None:
         (lambda: f(xs, jnp.zeros((2, 64, 48), jnp.uint8), sizes, block=(1, 32), packed="e2m1"),
          r"\[64, 96\] must be multiples of \[64, 64\]"),
         (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, scale=jnp.ones((2, 64, 2)),
-                   block=(1, 32), packed="e2m1"), r"E8M0 \(uint8\) scales"),
-        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, block=(1, 16), packed="e2m1"),
-         r"MXFP4's scale block \(1, 32\)"),
-        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, block=(1, 32), packed="int4"),
-         "only \"e2m1\""),
+                   block=(1, 32), packed="e2m1"), r"e2m1 codes take scales of \[.uint8., .float8_e4m3fn.\]"),
+        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, block=(1, 8), packed="e2m1"),
+         r"scale blocks \(1, 16 / 32"),
+        (lambda: f(xs, jnp.zeros((2, 64, 32), jnp.uint8), sizes, block=(1, 32), packed="nf4"),
+         "packed must be one of"),
         (lambda: f(xs, codes, sizes, scale=scale), "scale block"),
         (lambda: f(xs, codes, sizes, scale=scale, block=(32, 32)), "whole 64 x 64 tiles"),
         (lambda: f(xs, codes, sizes, scale=jnp.ones((2, 2, 1)), block=(0, 0)), "scale must be"),
@@ -261,7 +285,7 @@ if mgm.available() is None:
         call()
 
   def test_weights_the_kernel_leaves_to_the_others():
-    """NVFP4 experts (16-value groups, fp8 scales, a second level) and a
+    """int4 experts in blocks the kernel does not tile (8 values) and a
     Backend without the trial keep the other kernels: `mosaic_experts_take`
     says no."""
     cfg, params = _engine_model("tiny_moe", TRIAL)
@@ -270,7 +294,7 @@ if mgm.available() is None:
     assert moe_core.mosaic_experts_take(cfg, layer, jnp.bfloat16)
     plain = dataclasses.replace(cfg, backend=Backend(grouped_matmul="mosaic"))
     assert not moe_core.mosaic_experts_take(plain, layer, jnp.bfloat16)
-    q = dataclasses.replace(cfg, quant=QuantConfig(method="nvfp4", block=(1, 16)))
+    q = dataclasses.replace(cfg, quant=QuantConfig(method="int4", block=(1, 8)))
     qlayer = moe(models.specs.quantize_params(q, params))
     assert type(qlayer["w_gate"]).__name__ == "QuantizedWeight"
     assert not moe_core.mosaic_experts_take(q, qlayer, jnp.bfloat16)
