@@ -77,6 +77,24 @@ def float32_model(name: str, seed: int = 0):
   return cfg, models.init_params(cfg, jax.random.key(seed))
 
 
+def assert_greedy_is_f32_argmax(cfg, params, prompts, outs) -> None:
+  """Every generated token is the argmax of a float32 full forward on XLA
+  attention (quantized weights dequantized whole) up to bfloat16 rounding
+  of the logits (0.1)."""
+  import dataclasses
+  import jax.numpy as jnp
+  from jaxinfer import Backend, models
+  f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
+  up = lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
+  p32 = jax.tree.map(up, params)
+  for prompt, out in zip(prompts, outs):
+    ids = prompt + out.token_ids
+    logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
+    for t, tok in enumerate(out.token_ids):
+      row = logits[len(prompt) - 1 + t]
+      assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
+
+
 def random_prompts(cfg, lengths, seed: int = 0) -> list[list[int]]:
   """Random token-id prompts of the given lengths."""
   import numpy as np

@@ -52,17 +52,21 @@ import re
 import statistics
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from benchlib.kernel_case import (Case, Impl, mosaic_skip as _mosaic_skip, normal as _normal,
+                                  random_codes as _random_codes,
+                                  random_scales as _random_scales)
+from benchlib.kernel_gmm import gmm_cases
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels import mosaic_wide_attention as mwa
-from jaxinfer import Backend, ops
+from jaxinfer import ops
 from jaxinfer.models import quant
 
 KERNELS = ("flash", "paged", "mla", "ragged", "qmatmul", "gmm")
@@ -94,39 +98,6 @@ _ROTATE_BYTES, _MAX_SETS = 256 * _MiB, 512  # GPU input rotation (L2 is ~50 MB)
 
 
 @dataclasses.dataclass(frozen=True)
-class Impl:
-  """fn(*args) is jitted and timed. prep(*args) -> args runs once per input set,
-  untimed (layout adapters). temp_bytes: memory it needs beyond its inputs; past
-  the run's budget it is skipped. skip: a reason not to run it at all.
-  A peer outside jax (torch) sets `sync(out)`, which waits for its outputs:
-  fn is then called as it is, not jitted; `post(out)` turns its output into a
-  jax array [in the reference's layout] for the error check."""
-  fn: Callable
-  prep: Callable | None = None
-  temp_bytes: float = 0.0
-  note: str = ""
-  skip: str = ""
-  sync: Callable | None = None
-  post: Callable | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  """One shape of one kernel. make_args(key) -> the inputs (one input set);
-  impls: "ours" first; reference: the float32 check, given float32 inputs."""
-  kernel: str
-  label: str
-  series: str  # curves in the plot: cases of one series differ only in context
-  context: int
-  shape: dict
-  flops: float
-  bytes: float
-  make_args: Callable
-  impls: dict
-  reference: Impl
-
-
-@dataclasses.dataclass(frozen=True)
 class _Env:
   gpu: bool
   dtype: Any
@@ -134,10 +105,6 @@ class _Env:
   peers: bool
   budget: float  # bytes a peer or reference may allocate beyond its inputs
   sms: int  # programs are sized for this many cores
-
-
-def _normal(key, shape, dtype):
-  return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
 def _gpu_peer(env, module):
@@ -148,16 +115,6 @@ def _gpu_peer(env, module):
     return importlib.import_module(module), ""
   except Exception as e:  # noqa: BLE001  (any import failure means "not available")
     return None, f"not importable: {short_error(e)}"
-
-
-def _mosaic_skip(env, unsupported) -> str:
-  """Why a Mosaic GPU kernel cannot run this case here ("" if it can);
-  unsupported: the kernel's own verdict on the shapes (None: it takes them)."""
-  if not env.gpu:
-    return "GPU only (Hopper)"
-  if not str(getattr(jax.devices()[0], "compute_capability", "")).startswith("9"):
-    return "Hopper (sm90) only"
-  return "" if unsupported is None else unsupported[1]
 
 
 def _split_count(env, programs, pages_per_seq):
@@ -466,23 +423,6 @@ def _ragged_cases(env, shapes):
 # ----------------------------------------------------------------------------- qmatmul
 
 
-def _random_codes(key, shape, dtype):
-  """Random stored codes of one format: every byte pattern for packed uint8,
-  normal values for fp8, the int8 range."""
-  if dtype == jnp.uint8:
-    return jax.random.randint(key, shape, 0, 256, jnp.int32).astype(jnp.uint8)
-  if dtype == jnp.int8:
-    return jax.random.randint(key, shape, -127, 128, jnp.int32).astype(jnp.int8)
-  return _normal(key, shape, dtype)
-
-
-def _random_scales(key, shape, dtype):
-  """Positive block scales: E8M0 exponents 2^-9..2^-4, else uniform 0.25..1."""
-  if dtype == jnp.uint8:
-    return jax.random.randint(key, shape, 118, 124, jnp.int32).astype(jnp.uint8)
-  return jax.random.uniform(key, shape, jnp.float32, 0.25, 1.0).astype(dtype)
-
-
 def _qmatmul_case(env, *, M, N, K, method, block):
   block = quant.FIXED_BLOCKS.get(method, block)
   bo, bi = block[0] or N, block[1] or K
@@ -539,135 +479,8 @@ def _qmatmul_cases(env, shapes):
   return [_qmatmul_case(env, **s) for s in specs]
 
 
-# ----------------------------------------------------------------------------- gmm
-
-
-def _gmm_args(env, key, M, E, In, Out):
-  """x [M, In], w [E, In, Out], group sizes: M rows over E experts at random."""
-  kx, kw, kg = jax.random.split(key, 3)
-  cuts = jnp.sort(jax.random.randint(kg, (E - 1,), 0, M + 1))
-  sizes = jnp.diff(jnp.concatenate([jnp.zeros((1,), cuts.dtype), cuts,
-                                    jnp.full((1,), M, cuts.dtype)])).astype(jnp.int32)
-  return _normal(kx, (M, In), env.dtype), _normal(kw, (E, In, Out), env.dtype) * 0.05, sizes
-
-
-def _gmm_case(env, *, name, M, E, In, Out):
-  """MoE grouped matmul: M routed rows sorted over E experts (random sizes)
-  times w [E, In, Out]."""
-  item = jnp.dtype(env.dtype).itemsize
-
-  make_args = lambda key: _gmm_args(env, key, M, E, In, Out)
-  mosaic = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
-  tiling, why = ops.mosaic_grouped_matmul((M, In), (E, In, Out), env.dtype, env.dtype)
-  impls = {"ours": Impl(lambda x, w, g: ops.grouped_matmul(x, w, g, backend=mosaic),
-                        skip=_mosaic_skip(env, None if tiling else (ValueError, why))
-                        if env.gpu else "",
-                        note="jax's ragged_dot_mgpu through ops.grouped_matmul (CPU: XLA)")}
-  why = ops.mosaic_experts_fit(env.dtype, (E, In, Out), env.dtype)
-  impls["ours_mosaic_experts"] = Impl(
-      lambda x, w, g: ops.mosaic_experts(x, w, g, backend=mosaic),
-      skip=_mosaic_skip(env, None if why is None else (ValueError, why)),
-      note="our Mosaic expert kernel (the fused_experts trial's) on one plain weight")
-  if env.peers:
-    impls["xla_ragged_dot"] = Impl(jax.lax.ragged_dot, note="XLA's ragged_dot")
-  reference = Impl(lambda x, w, g: jax.lax.ragged_dot(x, w, g), temp_bytes=4.0 * M * Out)
-  return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->{Out}", series=name, context=M,
-              shape=dict(M=M, E=E, In=In, Out=Out), flops=2.0 * M * In * Out,
-              bytes=item * (E * In * Out + M * (In + Out)), make_args=make_args, impls=impls,
-              reference=reference)
-
-
-def _gmm_fused_case(env, *, name, M, E, In, Out):
-  """The experts' gate-up: silu(x W_g) * (x W_u) for M rows over E experts,
-  w [E, In, Out] twice: "ours" two grouped matmuls (ragged_dot_mgpu on
-  Hopper) then the GLU, "ours_mosaic_experts" our kernel fused (x read
-  once, the [M, 2 Out] product never in HBM)."""
-  item = jnp.dtype(env.dtype).itemsize
-
-  def make_args(key):
-    x, w, sizes = _gmm_args(env, key, M, E, In, Out)
-    return x, w, _normal(jax.random.fold_in(key, 1), (E, In, Out), env.dtype) * 0.05, sizes
-
-  mosaic = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
-  gmm = lambda x, w, g: ops.grouped_matmul(x, w, g, backend=mosaic)
-  why = ops.mosaic_experts_fit(env.dtype, (E, In, Out), env.dtype)
-  impls = {"ours": Impl(lambda x, wg, wu, g: jax.nn.silu(gmm(x, wg, g)) * gmm(x, wu, g),
-                        note="two ops.grouped_matmul calls (ragged_dot_mgpu), then the GLU"),
-           "ours_mosaic_experts": Impl(
-               lambda x, wg, wu, g: ops.mosaic_experts(x, wg, g, up=wu, backend=mosaic),
-               skip=_mosaic_skip(env, None if why is None else (ValueError, why)),
-               note="our Mosaic expert kernel, gate and up fused")}
-  rd = jax.lax.ragged_dot
-  if env.peers:
-    impls["xla_ragged_dot"] = Impl(lambda x, wg, wu, g: jax.nn.silu(rd(x, wg, g)) * rd(x, wu, g),
-                                   note="XLA's ragged_dot twice, then the GLU")
-  reference = Impl(lambda x, wg, wu, g: jax.nn.silu(rd(x, wg, g)) * rd(x, wu, g),
-                   temp_bytes=12.0 * M * Out)
-  return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->2x{Out} fused", series=name,
-              context=M, shape=dict(M=M, E=E, In=In, Out=Out, fused=True),
-              flops=4.0 * M * In * Out, bytes=item * (2 * E * In * Out + M * (In + Out)),
-              make_args=make_args, impls=impls, reference=reference)
-
-
-def _gmm_mxfp4_case(env, *, name, M, E, In, Out):
-  """GPT-OSS's gate-up on its experts as published (MXFP4, E8M0 scales per
-  32 values): "ours" the Pallas (Triton) quantized grouped kernel twice, then
-  the GLU; "ours_mosaic_experts" our Mosaic kernel, fused."""
-  block, item = (1, 32), jnp.dtype(env.dtype).itemsize
-
-  def make_args(key):
-    x, _, sizes = _gmm_args(env, key, M, E, In, Out)
-    kg, ku, ksg, ksu = jax.random.split(jax.random.fold_in(key, 2), 4)
-    codes = lambda k: _random_codes(k, (E, Out, In // 2), jnp.dtype(jnp.uint8))
-    scales = lambda k: _random_scales(k, (E, Out, In // 32), jnp.dtype(jnp.uint8))
-    return x, codes(kg), scales(ksg), codes(ku), scales(ksu), sizes
-
-  interp = not env.gpu
-  qgmm = lambda x, c, s, g: pk.quantized_grouped_matmul(x, c, s, g, block=block, packed="e2m1",
-                                                        interpret=interp)
-  deq = lambda c, s: pk.dequantize_reference(c, s, block=block, packed="e2m1")  # [E, Out, In]
-  rd = lambda x, c, s, g: jax.lax.ragged_dot(x, jnp.swapaxes(deq(c, s), 1, 2).astype(x.dtype), g)
-  why = ops.mosaic_experts_fit(env.dtype, (E, Out, In // 2), jnp.uint8, block, "e2m1")
-  backend = Backend(target="gpu" if env.gpu else "cpu", grouped_matmul="mosaic")
-  impls = {"ours": Impl(lambda x, cg, sg, cu, su, g: jax.nn.silu(qgmm(x, cg, sg, g))
-                        * qgmm(x, cu, su, g),
-                        note="the Pallas (Triton) quantized grouped kernel twice, then the GLU"),
-           "ours_mosaic_experts": Impl(
-               lambda x, cg, sg, cu, su, g: ops.mosaic_experts(
-                   x, cg, g, scale=sg, block=block, packed="e2m1", up=cu, up_scale=su,
-                   backend=backend),
-               skip=_mosaic_skip(env, None if why is None else (ValueError, why)),
-               note="our Mosaic expert kernel, MXFP4 gate and up fused")}
-  if env.peers:
-    impls["xla_dequant_ragged_dot"] = Impl(
-        lambda x, cg, sg, cu, su, g: jax.nn.silu(rd(x, cg, sg, g)) * rd(x, cu, su, g),
-        temp_bytes=8.0 * E * In * Out, note="dequantize in XLA, then ragged_dot twice")
-  reference = Impl(lambda x, cg, sg, cu, su, g: jax.nn.silu(rd(x, cg, sg, g)) * rd(x, cu, su, g),
-                   temp_bytes=8.0 * E * In * Out + 12.0 * M * Out)
-  return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->2x{Out} MXFP4 fused", series=name,
-              context=M, shape=dict(M=M, E=E, In=In, Out=Out, fused=True, method="mxfp4"),
-              flops=4.0 * M * In * Out,
-              bytes=2 * E * Out * In * (0.5 + 1 / 32) + item * M * (In + Out),
-              make_args=make_args, impls=impls, reference=reference)
-
-
-def _gmm_cases(env, shapes):
-  if shapes == "tiny":
-    specs = [dict(name="tiny", M=40, E=4, In=64, Out=128)]
-  else:  # DeepSeek-V3 under EP 8 (32 local experts), GPT-OSS-120B's 128 experts
-    specs = [dict(name="dsv3_ep8_up", M=M, E=32, In=7168, Out=2048) for M in (256, 4096)]
-    specs += [dict(name="dsv3_ep8_down", M=4096, E=32, In=2048, Out=7168),
-              dict(name="gptoss_up", M=4096, E=128, In=2880, Out=2880)]
-  fused = [dict(name=f"{s['name']}_gate_up", **{k: s[k] for k in ("M", "E", "In", "Out")})
-           for s in specs if s["name"].endswith(("tiny", "_up"))]
-  mxfp4 = ([dict(name="tiny_mxfp4_gate_up", M=40, E=4, In=64, Out=128)] if shapes == "tiny" else
-           [dict(name="gptoss_mxfp4_gate_up", M=M, E=128, In=2880, Out=2880) for M in (64, 4096)])
-  return ([_gmm_case(env, **s) for s in specs] + [_gmm_fused_case(env, **s) for s in fused]
-          + [_gmm_mxfp4_case(env, **s) for s in mxfp4])
-
-
 _BUILDERS = {"flash": _flash_cases, "paged": _paged_cases, "mla": _mla_cases,
-             "ragged": _ragged_cases, "qmatmul": _qmatmul_cases, "gmm": _gmm_cases}
+             "ragged": _ragged_cases, "qmatmul": _qmatmul_cases, "gmm": gmm_cases}
 
 
 # ----------------------------------------------------------------------------- timing

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from benchlib import gpu_plan
-from conftest import ON_GPU
+from conftest import ON_GPU, assert_greedy_is_f32_argmax
 from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops
 from jaxinfer import presets
 from jaxinfer.config import ModelConfig, QuantConfig
@@ -109,20 +109,6 @@ def _case(name, seed=0):
   return (xs, ws[0][0], jnp.asarray(sizes, jnp.int32)), kw, ref
 
 
-def _assert_greedy_is_f32_argmax(cfg, params, prompts, outs):
-  """Every generated token is the argmax of a float32 full forward on XLA
-  (quantized weights dequantized whole) up to bfloat16 rounding (0.1)."""
-  f32 = dataclasses.replace(cfg, dtype="float32", backend=Backend(attention="xla"))
-  up = lambda x: x.astype(jnp.float32) if x.dtype in (jnp.bfloat16, jnp.float16) else x
-  p32 = jax.tree.map(up, params)
-  for prompt, out in zip(prompts, outs):
-    ids = prompt + out.token_ids
-    logits = np.asarray(models.logits(f32, p32, np.asarray([ids], np.int32))[0])
-    for t, tok in enumerate(out.token_ids):
-      row = logits[len(prompt) - 1 + t]
-      assert row[tok] >= row.max() - 0.1, (t, row[tok], row.max())
-
-
 def _gpt_oss_128():
   """The GPT-OSS fixture at widths the kernel tiles (128): biases, clamped GLU."""
   hf = json.loads((FIXTURES / "hf" / "gpt_oss" / "config.json").read_text())
@@ -182,7 +168,7 @@ if mgm.available() is None:
     assert any(k.get("up") is not None for k in calls), "no fused gate-up call"
     assert any(k.get("up") is None for k in calls), "the down projection did not run on it"
     assert eng.stats()["kernels"]["grouped_matmul"] == "mosaic_fused"
-    _assert_greedy_is_f32_argmax(cfg, params, prompts, outs)
+    assert_greedy_is_f32_argmax(cfg, params, prompts, outs)
 
   @pytest.mark.parametrize("model,E,D,F,mode", [
       ("deepseek_v3", 32, 7168, 2048, "codes"),   # fp8, 128 x 128 blocks, 32 local experts
