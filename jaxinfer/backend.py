@@ -25,7 +25,10 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              read (TMA multicast; `mosaic_mla_attention(cluster=True)`);
              "wide_items", GQA mixed steps on work items of two 64-row tiles
              on two warpgroups sharing each K / V block
-             (`mosaic_ragged_attention(wide=True)`); "fused_experts", under
+             (`mosaic_ragged_attention(wide=True)`); "cluster_items", those
+             items with a chunk's consecutive ones (up to 8) as one cluster
+             sharing each K / V read (TMA multicast; `cluster=True`);
+             "fused_experts", under
              grouped_matmul "mosaic", the MoE experts on our Mosaic kernel
              (`ops.mosaic_experts`): gate and up in one pass with the GLU
              and biases fused, quantized experts (fp8 / int8, MXFP4)
@@ -58,7 +61,7 @@ from pallas_kernels import mosaic_paged_attention
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
 GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
-TRIALS = ("mla_cluster", "wide_items", "fused_experts")  # Mosaic variants not yet run on a GPU
+TRIALS = ("mla_cluster", "wide_items", "cluster_items", "fused_experts")  # Mosaic variants not yet run on a GPU
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
 
 

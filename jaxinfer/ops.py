@@ -322,8 +322,9 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                  backend: Backend = Backend()) -> tuple[str, bool, dict]:
   """The kernel `ragged_paged_attention` runs a step on, from shapes alone:
   -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
-  (`mosaic_kernel`; "mosaic_mla_cluster" / "mosaic_gqa_wide" where
-  `Backend.trials` names their variant and it applies, `_trial`), "pallas",
+  (`mosaic_kernel`; "mosaic_mla_cluster" / "mosaic_gqa_wide" /
+  "mosaic_gqa_cluster" where `Backend.trials` names their variant and it
+  applies, `_trial`), "pallas",
   or "xla" (the choice, or attention None's fallback where `tile_error`
   says the GPU kernel cannot tile the shapes). Attention None's Mosaic
   default takes steps of at most `MOSAIC_AUTO_MAX_Q` query tokens a
@@ -361,14 +362,20 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
 def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   """The Mosaic kernel's variant `Backend.trials` asks for, where it applies:
   "mla_cluster" for 2 to 8 row blocks of max_q x heads, "gqa_wide" for steps
-  whose chunks fill more than one 64-row tile (within shared memory); else
-  kernel."""
+  whose chunks fill more than one 64-row tile (within shared memory),
+  "gqa_cluster" ("cluster_items") for those whose chunks fill more than one
+  wide item; else kernel."""
   if kernel == "mla" and "mla_cluster" in trials:
     return "mla_cluster" if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) > 1 else kernel
-  if kernel == "gqa" and "wide_items" in trials and max_q > 1:
+  wide = {"wide_items", "cluster_items"} & set(trials)
+  if kernel == "gqa" and wide and max_q > 1:
     group = q_shape[1] // k_pages_shape[-4]
     fits = mosaic_wide.smem_bytes(q_shape[-1], k_pages_shape[-2], 2) <= mosaic.SMEM_BYTES
-    return "gqa_wide" if fits and max_q > mosaic_ragged.tokens_per_item(group) else kernel
+    if not (fits and max_q > mosaic_ragged.tokens_per_item(group)):
+      return kernel
+    clustered = ("cluster_items" in trials
+                 and max_q > mosaic_ragged.tokens_per_item(group, wide=True))
+    return "gqa_cluster" if clustered else "gqa_wide"
   return kernel
 
 
@@ -539,15 +546,17 @@ def _fresh_and_decodes_xla(q_rows, k_pages, v_pages, packed, kv_lens, page_table
 
 
 def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
-                   scale, layer, interpret, wide=False):
+                   scale, layer, interpret, variant="gqa"):
   """A GQA step on the Mosaic GPU kernels: decode-only steps (one token a
   sequence) laid out per sequence on `mosaic_paged_attention` with split-K
   for small batches; any other step on `mosaic_ragged_attention`'s work
-  items (wide: its two-tile items)."""
+  items (variant "gqa_wide": its two-tile items; "gqa_cluster": those in
+  clusters)."""
   if max_q > 1:
     return mosaic_ragged.mosaic_ragged_attention(
         q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
-        window=window, sinks=sinks, layer=layer, wide=wide, interpret=interpret)
+        window=window, sinks=sinks, layer=layer, wide=variant != "gqa",
+        cluster=variant == "gqa_cluster", interpret=interpret)
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, 1)
   dims = kernel_dims(k_pages)
   splits = 1
@@ -602,7 +611,7 @@ def _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, ma
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
                               layer, interpret, max_q, kernel == "mosaic_mla_cluster")
   return _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                        sinks, scale, layer, interpret, kernel == "mosaic_gqa_wide")
+                        sinks, scale, layer, interpret, kernel.removeprefix("mosaic_"))
 
 
 def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim, layer,

@@ -136,19 +136,21 @@ def item_span(item_ref, glob_ref, i, split, keys, num_splits):
   return b, pos0, end, window, lo, jnp.minimum(lo + per, last_blk)
 
 
-def kv_issuer(k_ref, v_ref, tab_ref, layer, kh, b, bufs, ps, ppb):
+def kv_issuer(k_ref, v_ref, tab_ref, layer, kh, b, bufs, ps, ppb, collective_axes=None):
   """issue(blk, slot): TMA copies of key block blk's pages of sequence b (KV
   head kh, pool layer `layer`) into slot `slot` of bufs = (k_smem, v_smem,
-  k_bar, v_bar), one copy per page and pool."""
+  k_bar, v_bar), one copy per page and pool; with collective_axes (a
+  cluster's), multicast into every member's slot, each member issuing its
+  share."""
   k_smem, v_smem, k_bar, v_bar = bufs
 
   def issue(blk, slot):
     for j in range(ppb):
       page = tab_ref[b, blk * ppb + j]
       plgpu.copy_gmem_to_smem(k_ref.at[layer, kh, page], k_smem.at[slot, pl.ds(j * ps, ps)],
-                              k_bar.at[slot])
+                              k_bar.at[slot], collective_axes=collective_axes)
       plgpu.copy_gmem_to_smem(v_ref.at[layer, kh, page], v_smem.at[slot, pl.ds(j * ps, ps)],
-                              v_bar.at[slot])
+                              v_bar.at[slot], collective_axes=collective_axes)
   return issue
 
 

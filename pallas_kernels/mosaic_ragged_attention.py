@@ -22,6 +22,12 @@ wide=True: items of two 64-row tiles (128 // G tokens) on two warpgroups
 sharing each K / V block (`mosaic_wide_attention`): a chunk's KV is read
 half as often, for prefill-heavy steps; a decode token's item then fills
 one tile of two.
+
+cluster=True (with wide): a sequence of two or more wide items runs them in
+clusters of up to CLUSTER (Hopper's portable 8) programs that share each K /
+V block (`cluster_items`): a chunk's KV is read once per CLUSTER x 128 // G
+tokens. Sequences of one item (decodes) keep the unclustered wide launch;
+the step takes two launches, their outputs merged per item.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_wide_attention as mwa
 from pallas_kernels.paged_attention import validate_paged
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
+
+
+CLUSTER = 8  # Hopper's portable cluster size: wide items sharing each K / V block
 
 
 def tokens_per_item(group: int, wide: bool = False) -> int:
@@ -68,6 +77,41 @@ def work_items(cu_q_lens, kv_lens, *, per_item: int, num_items: int):
   return items.astype(jnp.int32), cu_q_lens[b] + j * per_item, item_cu
 
 
+def cluster_items(items, item_cu, *, cluster: int, num_clusters: int):
+  """The wide items of sequences holding two or more, in clusters of
+  `cluster` consecutive items of one sequence -> (member items
+  [num_clusters * cluster, 3] (a member past its sequence's items: that
+  sequence, position 0, end 0), spans [num_clusters, 3] (sequence, the first
+  member's position, the last member's end; (0, 0, 0) unused), item index
+  of each member [num_clusters * cluster] (-1: none), whether each item is
+  clustered [I])."""
+  counts = item_cu[1:] - item_cu[:-1]
+  per_seq = jnp.where(counts >= 2, -(-counts // cluster), 0)
+  c_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_seq).astype(jnp.int32)])
+  B = counts.shape[0]
+  c = jnp.arange(num_clusters, dtype=jnp.int32)
+  b = jnp.clip(jnp.searchsorted(c_cu, c, side="right") - 1, 0, B - 1).astype(jnp.int32)
+  live = c < c_cu[-1]
+  j = (c - c_cu[b])[:, None] * cluster + jnp.arange(cluster, dtype=jnp.int32)[None]
+  held = live[:, None] & (j < counts[b][:, None])  # [C, cluster]
+  idx = jnp.where(held, item_cu[b][:, None] + j, -1)
+  member = jnp.where(held[..., None], items[jnp.maximum(idx, 0)],
+                     jnp.stack([b, jnp.zeros_like(b), jnp.zeros_like(b)], 1)[:, None])
+  last = jnp.maximum(jnp.sum(held, axis=1) - 1, 0)
+  spans = jnp.stack([b, member[:, 0, 1], member[c, last, 2]], axis=1)
+  spans = jnp.where(live[:, None], spans, 0)
+  seq_of_item = jnp.clip(jnp.searchsorted(item_cu, jnp.arange(items.shape[0]), side="right") - 1,
+                         0, B - 1)
+  clustered = (counts[seq_of_item] >= 2) & (jnp.arange(items.shape[0]) < item_cu[-1])
+  return member.reshape(-1, 3), spans, idx.reshape(-1), clustered
+
+
+def max_clusters(num_tokens: int, num_items: int, group: int, cluster: int) -> int:
+  """A static bound on `cluster_items`' clusters: every sequence of two or
+  more items (more than one item's tokens) adds at most one partial cluster."""
+  return max(1, num_items // cluster + num_tokens // (tokens_per_item(group, True) + 1))
+
+
 def item_rows(q, first_token, items, *, group: int, per_item: int, rows: int = mpa.ROWS):
   """q [T, N, D] -> rows [I, K, rows, D]: item i's tokens x group heads of
   each KV head; rows of tokens the item does not hold are 0."""
@@ -84,7 +128,8 @@ def item_rows(q, first_token, items, *, group: int, per_item: int, rows: int = m
 
 def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
                             sm_scale=None, window=0, sinks=None, num_splits=1, slots=2,
-                            block_keys=mpa.MIN_KEYS, layer=None, wide=False, interpret=False):
+                            block_keys=mpa.MIN_KEYS, layer=None, wide=False, cluster=False,
+                            interpret=False):
   """See the module docstring. q [T, N, D] -> [T, N, D]; max_q (static) >=
   every sequence's query count (checked like `ragged_paged_attention`)."""
   if q.ndim != 3:
@@ -104,7 +149,7 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
                  name="mosaic_ragged_attention", q_lens=cu[1:] - cu[:-1])
   mpa.check_call(jax.ShapeDtypeStruct((1, 1, N, D), q.dtype), k_pages, v_pages, slots,
                  num_splits, block_keys, "mosaic_ragged_attention")
-  _check_wide(wide, D, k_pages.shape[-2], slots, q.dtype, block_keys)
+  _check_wide(wide, cluster, D, k_pages.shape[-2], slots, q.dtype, block_keys)
   K = k_pages.shape[1]
   G = N // K
   per = tokens_per_item(G, wide)
@@ -114,9 +159,14 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
   rows = item_rows(q, first, items, group=G, per_item=per,
                    rows=mwa.WIDE_ROWS if wide else mpa.ROWS)
   scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
-  o, lse = (mwa.launch if wide else mpa.launch)(
-      rows, k_pages, v_pages, items, page_indices, layer, window, G=G, scale=scale,
-      num_splits=num_splits, slots=slots, block_keys=block_keys, interpret=interpret)
+  kw = dict(G=G, scale=scale, num_splits=num_splits, slots=slots, block_keys=block_keys,
+            interpret=interpret)
+  if cluster:
+    o, lse = _clustered(rows, k_pages, v_pages, items, item_cu, page_indices, layer, window,
+                        T=T, **kw)
+  else:
+    o, lse = (mwa.launch if wide else mpa.launch)(
+        rows, k_pages, v_pages, items, page_indices, layer, window, **kw)
   out = mpa.merge_lse(o, lse, sinks, G)[:, :, :per * G]  # [I, K, per * G, D]
   out = out.reshape(I, K, per, G, D)
   t = jnp.arange(T, dtype=jnp.int32)
@@ -127,9 +177,33 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
   return jnp.where(valid[:, None, None], picked.reshape(T, N, D), 0).astype(q.dtype)
 
 
-def _check_wide(wide, D, page_size, slots, dtype, block_keys):
+def _clustered(rows, k_pages, v_pages, items, item_cu, page_indices, layer, window, *, T, G,
+               **kw):
+  """The wide launch of sequences of one item and the clustered launch of
+  the rest (`cluster_items`) -> their outputs merged per item, as `launch`'s."""
+  C = CLUSTER
+  member, spans, idx, clustered = cluster_items(
+      items, item_cu, cluster=C, num_clusters=max_clusters(T, items.shape[0], G, C))
+  alone = jnp.where(clustered[:, None], jnp.zeros_like(items), items)  # clustered: empty here
+  o, lse = mwa.launch(rows, k_pages, v_pages, alone, page_indices, layer, window, G=G, **kw)
+  picked = jnp.where((idx >= 0)[:, None, None, None], rows[jnp.maximum(idx, 0)], 0)
+  oc, lc = mwa.launch(picked, k_pages, v_pages, member, page_indices, layer, window, G=G,
+                      spans=spans, cluster=C, **kw)
+  # item i of a clustered sequence is the member that holds it
+  slot = jnp.zeros((items.shape[0],), jnp.int32).at[jnp.where(idx >= 0, idx, items.shape[0])].set(
+      jnp.arange(idx.shape[0], dtype=jnp.int32), mode="drop")
+  pick = lambda a, b: jnp.where(
+      clustered.reshape(1, -1, *([1] * (a.ndim - 2))), b[:, slot], a)
+  return pick(o, oc), pick(lse, lc)
+
+
+def _check_wide(wide, cluster, D, page_size, slots, dtype, block_keys):
   if not isinstance(wide, bool):
     raise TypeError(f"mosaic_ragged_attention: wide must be a bool, got {wide!r}")
+  if not isinstance(cluster, bool):
+    raise TypeError(f"mosaic_ragged_attention: cluster must be a bool, got {cluster!r}")
+  if cluster and not wide:
+    raise ValueError("mosaic_ragged_attention: cluster=True clusters wide items: pass wide=True")
   used = mwa.smem_bytes(D, page_size, slots, jnp.dtype(dtype).itemsize, block_keys)
   if wide and used > mpa.SMEM_BYTES:
     raise ValueError(f"mosaic_ragged_attention: wide items need {used} bytes of shared memory "

@@ -11,6 +11,14 @@ the TMA copies; a slot is refilled once both have arrived on its release
 barrier, as in `mosaic_mla_attention`. Same results and masking as `launch`
 (causal, window, keys < the item's end); a decode token's item leaves its
 second tile to padding rows, so decode steps keep `launch`.
+
+cluster > 1 (`launch`'s `spans`): a sequence's consecutive items, up to
+`cluster` of them, run as one cluster of programs over the union of their
+key blocks: each block is copied from HBM once for the cluster (a TMA
+multicast into every member's shared memory) and a slot refilled once every
+warpgroup of the cluster has released it (a cluster barrier). Each member
+masks its own rows (a member past the sequence's items computes on zero
+rows); a chunk's KV is then read once per cluster x 128 // G tokens.
 """
 
 from __future__ import annotations
@@ -36,16 +44,31 @@ def smem_bytes(D: int, page_size: int, slots: int, itemsize: int = 2,
           + 4 * (WIDE_ROWS * D + WIDE_ROWS))
 
 
-def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
-          v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, used_bar):
-  """One (KV head, work item, split), as `mosaic_paged_attention._body`."""
-  G, D, ps, ppb, slots, num_splits, scale = dims
-  kh, i, split = lax.axis_index("heads"), lax.axis_index("items"), lax.axis_index("splits")
+def _span(dims, item_ref, span_ref, glob_ref, split):
+  """-> (this program's item, its sequence, its row 0's position, its key
+  end, the window, the key blocks [lo, hi) it streams): its item's own, or
+  in a cluster the union of the members' (span_ref [clusters, 3])."""
+  G, D, ps, ppb, slots, num_splits, scale, cluster = dims
+  if cluster == 1:
+    i = lax.axis_index("items")
+    return (i, *mpa.item_span(item_ref, glob_ref, i, split, ps * ppb, num_splits))
+  c = lax.axis_index("clusters")
+  i = c * cluster + lax.axis_index("members")
+  b, _, _, window, lo, hi = mpa.item_span(span_ref, glob_ref, c, split, ps * ppb, num_splits)
+  return i, b, item_ref[i, 1], item_ref[i, 2], window, lo, hi
+
+
+def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, span_ref, o_ref, lse_ref,
+          q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, used_bar):
+  """One (KV head, work item, split), as `mosaic_paged_attention._body`; in
+  a cluster, one member."""
+  G, D, ps, ppb, slots, num_splits, scale, cluster = dims
+  kh, split = lax.axis_index("heads"), lax.axis_index("splits")
   wg = lax.axis_index("wg")
-  b, pos0, end, window, lo, hi = mpa.item_span(item_ref, glob_ref, i, split, ps * ppb,
-                                               num_splits)
+  i, b, pos0, end, window, lo, hi = _span(dims, item_ref, span_ref, glob_ref, split)
   issue = mpa.kv_issuer(k_ref, v_ref, tab_ref, glob_ref[0], kh, b,
-                        (k_smem, v_smem, k_bar, v_bar), ps, ppb)
+                        (k_smem, v_smem, k_bar, v_bar), ps, ppb,
+                        collective_axes="members" if cluster > 1 else None)
 
   @pl.when(wg == 0)
   def _():
@@ -62,7 +85,7 @@ def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref
 def _compute(w, dims, span, issue, ins, out, q_smem, k_smem, v_smem, p_smem, o_smem, lse_smem):
   """Warpgroup w: rows [64 w, 64 (w + 1)) of the item over every block (its
   own q tile copied by itself: one copy of both would stride 6 dimensions)."""
-  G, D, ps, ppb, slots, num_splits, scale = dims
+  G, D, ps, ppb, slots, num_splits, scale, _ = dims
   lo, hi, pos0, end, window = span
   q_item, q_bar, k_bar, v_bar, used_bar = ins
   plgpu.copy_gmem_to_smem(q_item.at[w], q_smem.at[w], q_bar.at[w])
@@ -113,9 +136,12 @@ def _compute(w, dims, span, issue, ins, out, q_smem, k_smem, v_smem, p_smem, o_s
 
 
 def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, scale,
-           num_splits, slots, block_keys, interpret):
+           num_splits, slots, block_keys, interpret, spans=None, cluster=1):
   """As `mosaic_paged_attention.launch` with rows [I, K, 128, D] -> (outputs
-  [W, I, K, 128, D], log-sum-exps [W, I, K, 128]), float32."""
+  [W, I, K, 128, D], log-sum-exps [W, I, K, 128]), float32. cluster > 1:
+  item c * cluster + m is member m of cluster c, which streams the key
+  blocks of spans[c] = (sequence, first item's position, last item's end)
+  (I = clusters x cluster)."""
   I, K, _, D = rows.shape
   ps = k_pages.shape[-2]
   ppb = mpa.pages_per_block(ps, block_keys)
@@ -123,7 +149,16 @@ def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, sca
   table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))
   keys = ps * ppb
   tiles = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-  dims = (G, D, ps, ppb, slots, num_splits, float(scale))
+  dims = (G, D, ps, ppb, slots, num_splits, float(scale), cluster)
+  if cluster > 1:
+    grid = dict(grid=(K, I // cluster, num_splits), grid_names=("heads", "clusters", "splits"),
+                cluster=(cluster,), cluster_names=("members",))
+    used = plgpu.ClusterBarrier(collective_axes=("members",), num_arrivals=WGS,
+                                num_barriers=slots)
+  else:
+    grid = dict(grid=(K, I, num_splits), grid_names=("heads", "items", "splits"))
+    used = plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)
+    spans = jnp.zeros((1, 3), jnp.int32)
   kernel = plgpu.kernel(
       lambda *refs: _body(dims, *refs),
       out_type=(jax.ShapeDtypeStruct((num_splits, I, K, WIDE_ROWS, D), jnp.float32),
@@ -137,10 +172,9 @@ def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, sca
                      plgpu.Barrier(num_barriers=WGS),
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
-                     plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)),
-      grid=(K, I, num_splits), grid_names=("heads", "items", "splits"),
-      num_threads=WGS, thread_name="wg",
+                     used),
+      num_threads=WGS, thread_name="wg", **grid,
       interpret=_INTERPRETER() if interpret else False)
   glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
   return kernel(rows.reshape(I, K, WGS, ROWS, D), k_pages, v_pages, items.astype(jnp.int32),
-                table, glob)
+                table, glob, spans.astype(jnp.int32))

@@ -77,6 +77,23 @@ def float32_model(name: str, seed: int = 0):
   return cfg, models.init_params(cfg, jax.random.key(seed))
 
 
+def compile_moe_step_for_h100(model: str, mesh_axes: dict, layout: str, program: str,
+                              **changes) -> dict:
+  """A preset cut to one dense and one MoE layer (DeepSeek) or one sliding and
+  one full attention layer (GPT-OSS), no MTP, `changes` applied (backend,
+  quant), its step `program` compiled for H100s at a small workload ->
+  `gpu_plan.compile_step`'s dict."""
+  import dataclasses
+  from benchlib import gpu_plan
+  from jaxinfer import presets
+  two = (dict(dense_layers=(0,)) if model == "deepseek_v3"
+         else dict(layer_types=("sliding_attention", "full_attention")))
+  cfg = dataclasses.replace(presets.get(model, num_layers=2, num_mtp_layers=0, **two), **changes)
+  w = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
+  return gpu_plan.compile_step(gpu_plan.gpu_config(cfg, "bfloat16"), mesh_axes, layout, program,
+                               workload=w)
+
+
 def assert_greedy_is_f32_argmax(cfg, params, prompts, outs) -> None:
   """Every generated token is the argmax of a float32 full forward on XLA
   attention (quantized weights dequantized whole) up to bfloat16 rounding

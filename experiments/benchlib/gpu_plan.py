@@ -400,15 +400,34 @@ def compile_program(lowered, hbm_bytes: float, pool=None) -> dict:
               collectives=collectives(hlo))
 
 
+def _step_seqs(w: Workload) -> dict:
+  """The plain step programs' (query rows, context) per sequence: "decode"
+  (every sequence one row) and "mixed" (one prefill chunk beside decodes)."""
+  return dict(decode=[(1, w.context)] * w.batch,
+              mixed=[(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1))
+
+
+def compile_step(cfg: ModelConfig, mesh_axes: dict, layout: str, program: str, *,
+                 workload: Workload = Workload(), gpu: str = "h100") -> dict:
+  """One plain step program of `cfg` ("decode" or "mixed", a config as
+  `gpu_config` gives it) lowered and compiled for `gpu`s on a mesh of
+  `mesh_axes`, as `gpu_plan` does for each -> `compile_program`'s dict."""
+  w = workload
+  mesh = gpu_compile.mesh(dict(mesh_axes), gpu=gpu)
+  params = abstract_params(cfg, mesh, layout)
+  pool = abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size,
+                       kv_cache_dtype=w.kv_cache_dtype)
+  lowered, _ = lower_step(cfg, params, pool, mesh, layout, _step_seqs(w)[program], w)
+  return compile_program(lowered, gpu_compile.target(gpu).hbm_bytes, pool)
+
+
 def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, list]:
   """-> ([(name, seqs, ranks, draft, lower(params, pools))], notes on skipped programs)."""
-  decode = [(1, w.context)] * w.batch
-  mixed = [(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1)
   dp = sharding.dp_axes(mesh, layout)
   out, notes = [], []
   n = math.prod(mesh.shape[a] for a in dp) if dp else 1
   prefix = "dp_attn_ep " if dp else ""
-  for name, seqs in (("decode", decode), ("mixed", mixed)):
+  for name, seqs in _step_seqs(w).items():
     out.append((prefix + name, seqs, n, 0, lambda p, pools, s=seqs: lower_step(
         cfg, p, pools[0], mesh, layout, s, w)))
   K = w.num_draft_tokens

@@ -39,6 +39,7 @@ from benchlib import gpu_cases, gpu_executable, results, traffic
 from jaxinfer import gpu_compile, ops
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
+from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels import mosaic_wide_attention as mwa
 
 L2_BYTES = {"h100": 50e6, "a100": 40e6}  # datasheet L2 sizes, for the notes only
@@ -218,6 +219,10 @@ def mosaic_report(case: gpu_cases.KernelCase) -> dict:
                                ps=case.ps, window=case.window, wide=True)
     row["wide"] = dict(smem_bytes=mwa.smem_bytes(case.D, case.ps, 2),
                        planned_bytes=w.planned_bytes, planned_over_minimum=w.ratio)
+    c = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=case.K, D=case.D, Dv=case.Dv,
+                               ps=case.ps, window=case.window, wide=True, cluster=True)
+    row["wide_cluster"] = dict(programs=mra.CLUSTER, planned_bytes=c.planned_bytes,
+                               planned_over_minimum=c.ratio)
   return row
 
 

@@ -19,8 +19,10 @@ that can run here, and a float32 reference used only to check every output:
           as "ours_mosaic_experts" (`ops.mosaic_experts`, our Mosaic kernel)
 
 The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper)
-and "ours_mosaic_wide" (its two-warpgroup items, wide=True); MLA also as
-"ours_mosaic_cluster" (row blocks sharing each latent read, cluster=True).
+, "ours_mosaic_wide" (its two-warpgroup items, wide=True) and
+"ours_mosaic_cluster" (those items in clusters sharing each K/V read,
+cluster=True); MLA also as "ours_mosaic_cluster" (row blocks sharing each
+latent read, cluster=True).
 
 The decode kernels also run as "ours_split": the same kernel with split-K
 (`num_splits`) sized to give the GPU about two programs per SM.
@@ -385,6 +387,11 @@ def _ragged_case(env, *, name, seqs, ps, N, K, D):
                             (ValueError, f"wide items need {wide_smem} B of shared memory"))),
       note=f"Mosaic GPU wide items of {mra.tokens_per_item(N // K, True)} tokens on two "
            "warpgroups sharing each K/V block")
+  impls["ours_mosaic_cluster"] = dataclasses.replace(
+      impls["ours_mosaic_wide"],
+      fn=functools.partial(mra.mosaic_ragged_attention, max_q=max_q, wide=True, cluster=True),
+      note=f"the wide items, a chunk's consecutive ones (up to {mra.CLUSTER}) as one cluster "
+           "sharing each K/V read (TMA multicast)")
   reference = functools.partial(pk.ragged_paged_attention_reference, max_q=max_q)
   temp = f32_kv + 3 * 4.0 * B * N * max_q * pps * ps
   if env.peers:

@@ -154,7 +154,9 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   of 64, each loading every key block, or with cluster a cluster of them
   (`mosaic_mla_attention.cluster_blocks`) loading each key block once;
   GQA with wide: items of 128 // G tokens (`mosaic_ragged_attention`'s
-  wide). kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
+  wide), and with cluster too a sequence of two or more of them in
+  clusters of `mosaic_ragged_attention.CLUSTER` loading the union of their
+  blocks once. kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
   G, rows = N // K, mpa.ROWS
   if latent:
     K, keys = 1, mma.KEYS
@@ -169,10 +171,12 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
       items += row_blocks
       continue
     per = mra.tokens_per_item(G, wide)  # a decode / verify step's Q x G <= 64 rows: one item
-    for j in range(-(-q // per)):
-      pos0, end = kv - q + j * per, kv - q + min(q, (j + 1) * per)
+    n = -(-q // per)
+    together = mra.CLUSTER if cluster and wide and n >= 2 else 1  # items sharing each read
+    for j in range(0, n, together):
+      pos0, end = kv - q + j * per, kv - q + min(q, (j + together) * per)
       kv_tokens += blocks(max(pos0 - window + 1, 0) if window else 0, end)
-      items += 1
+      items += min(together, n - j)
   tok_bytes = (D if latent else D + Dv) * e
   T = sum(q for q, _ in seqs)
   planned = dict(kv=K * kv_tokens * tok_bytes, q=T * N * D * e, out=T * N * Dv * e)

@@ -567,8 +567,8 @@ class Engine:
     spec_mean_accepted_length (tokens per sequence per verify step),
     spec_acceptance_per_position and spec_drafted_per_position; kernels: the
     attention kernels of decode-only and mixed steps and the MoE matmul
-    (`steps.kernel_choice`: "mosaic_gqa[_wide]" / "mosaic_mla[_cluster]" / "pallas" / "xla",
-    "mosaic" / "xla"; "cpu_experts": split experts on a CPU target)."""
+    (`steps.kernel_choice`: "mosaic_gqa[_wide / _cluster]" / "mosaic_mla[_cluster]" /
+    "pallas" / "xla", "mosaic" / "xla"; "cpu_experts": split experts on a CPU target)."""
     return dict(**self.core.stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
                 kernels=dict(self.kernels),
                 **self.images.stats(), **self._runner.stats())

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchlib import gpu_plan
-from conftest import ON_GPU
-from jaxinfer import Backend, gpu_compile, ops, presets
+from conftest import ON_GPU, compile_moe_step_for_h100
+from jaxinfer import Backend, gpu_compile, ops
 from pallas_kernels import mosaic_paged_attention as mpa
 
 
@@ -57,20 +56,9 @@ if mpa.available() is None:
     """A Hopper target's default Backend puts the unquantized experts on
     jax's ragged_dot_mgpu inside the Engine's step (as many Mosaic calls as
     expert matmuls and Mosaic attention calls in the one scanned layer)."""
-    two = (dict(dense_layers=(0,)) if model == "deepseek_v3"
-           else dict(layer_types=("sliding_attention", "full_attention")))
-    cfg = gpu_plan.gpu_config(presets.get(model, num_layers=2, num_mtp_layers=0, **two),
-                              "bfloat16")
-    w = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
-    m = gpu_compile.mesh(mesh, gpu="h100")
-    params = gpu_plan.abstract_params(cfg, m, layout)
-    pool = gpu_plan.abstract_pool(cfg, m, layout, w.pool_pages(), w.page_size)
-    seqs = ([(1, w.context)] * w.batch if program == "decode"
-            else [(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1))
-    lowered, _ = gpu_plan.lower_step(cfg, params, pool, m, layout, seqs, w)
-    with gpu_compile.lowering(m):
+    with gpu_compile.lowering(gpu_compile.mesh(mesh, gpu="h100")):
       assert Backend(target="gpu").grouped_matmul_kernel() == "mosaic"
-    entry = gpu_plan.compile_program(lowered, gpu_compile.target("h100").hbm_bytes, pool)
+    entry = compile_moe_step_for_h100(model, mesh, layout, program)
     attention = 1 if model == "gpt_oss_120b" else 0  # DeepSeek's mixed step: MLA on Triton
     assert entry["mosaic_kernels"] >= 3 + attention, entry["mosaic_kernels"]
     assert entry["fits"]

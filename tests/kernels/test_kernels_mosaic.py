@@ -146,6 +146,9 @@ if mpa.available() is None:
       # GQA 8: items of 8 tokens, wide ones of 16; the 21-token prompt fills two
       "gqa_wide": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64, num_heads=8,
                                           num_kv_heads=1), dict(trials=("wide_items",))),
+      # the 21-token prompt's two wide items as one cluster
+      "gqa_cluster": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64, num_heads=8,
+                                             num_kv_heads=1), dict(trials=("cluster_items",))),
   }
 
   @pytest.mark.parametrize("model", ENGINE_MODELS)
@@ -167,8 +170,9 @@ if mpa.available() is None:
                                            max_num_batched_tokens=32))
     outs = eng.generate(prompts, SamplingParams(max_tokens=4))
     assert calls, "no decode step reached the Mosaic kernel"
-    # The last argument: cluster (MLA) / wide (GQA), for the trial variants only.
-    assert any(a[-1] for a in calls) == model.endswith(("cluster", "wide"))
+    # The last argument: cluster (MLA, a bool) / the variant (GQA), the trials' own.
+    seen = {"mla_cluster" if a[-1] is True else a[-1] for a in calls} - {False, "gqa"}
+    assert seen == ({model} if "_" in model else set())
     assert_greedy_is_f32_argmax(cfg, params, prompts, outs)
 
   @pytest.mark.parametrize("heads,trials", [(4, ()), (64, ("mla_cluster",))])

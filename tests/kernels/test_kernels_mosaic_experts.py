@@ -15,8 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchlib import gpu_plan
-from conftest import ON_GPU, assert_greedy_is_f32_argmax
+from conftest import ON_GPU, assert_greedy_is_f32_argmax, compile_moe_step_for_h100
 from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops
 from jaxinfer import presets
 from jaxinfer.config import ModelConfig, QuantConfig
@@ -221,22 +220,9 @@ if mgm.available() is None:
     real = ops.mosaic_experts
     monkeypatch.setattr(ops, "mosaic_experts",
                         lambda *a, **k: calls.append(k.get("up") is not None) or real(*a, **k))
-    two = (dict(dense_layers=(0,)) if model == "deepseek_v3"
-           else dict(layer_types=("sliding_attention", "full_attention")))
-    cfg = dataclasses.replace(presets.get(model, num_layers=2, num_mtp_layers=0, **two),
-                              backend=TRIAL)
-    if q is not None:
-      cfg = dataclasses.replace(cfg, quant=QuantConfig(method=q[0], block=q[1]))
-    cfg = gpu_plan.gpu_config(cfg, "bfloat16")
-    w = gpu_plan.Workload(batch=4, context=64, prefill_tokens=32)
-    m = gpu_compile.mesh(mesh, gpu="h100")
-    params = gpu_plan.abstract_params(cfg, m, layout)
-    pool = gpu_plan.abstract_pool(cfg, m, layout, w.pool_pages(), w.page_size)
-    seqs = ([(1, w.context)] * w.batch if program == "decode"
-            else [(w.prefill_tokens, w.prefill_tokens)] + [(1, w.context)] * (w.batch - 1))
-    lowered, _ = gpu_plan.lower_step(cfg, params, pool, m, layout, seqs, w)
+    quant = {} if q is None else dict(quant=QuantConfig(method=q[0], block=q[1]))
+    entry = compile_moe_step_for_h100(model, mesh, layout, program, backend=TRIAL, **quant)
     assert sorted(calls) == [False, True], calls  # one scanned MoE layer: gate-up, down
-    entry = gpu_plan.compile_program(lowered, gpu_compile.target("h100").hbm_bytes, pool)
     assert entry["mosaic_kernels"] >= 2 and entry["fits"], entry
 
   def test_named_errors():

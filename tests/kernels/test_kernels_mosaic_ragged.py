@@ -26,7 +26,12 @@ CASES = [  # N, K, D, ps, pps, q_lens, kv_lens, pad tokens, extra
     (8, 2, 128, 16, 10, [3, 1, 18], [150, 160, 18], 2, dict(num_splits=3)),  # split-K
     (16, 1, 64, 32, 4, [9, 0, 1], [70, 0, 128], 1, dict(slots=3)),    # GQA 16: 4 tokens an item
     (2, 2, 64, 8, 12, [70, 2], [96, 2], 0, dict(layered=True)),       # MHA: 64 tokens an item
+    # GQA 16: wide items of 8 tokens, the 75-token chunk's 10 in two clusters (8 + 2)
+    (16, 1, 64, 16, 8, [75, 1, 20], [120, 50, 20], 2, dict(window=40, num_splits=2)),
 ]
+# Clusters (cluster=True) where a chunk fills two or more wide items.
+VARIANTS = ([(c, v) for c in range(len(CASES)) for v in ("plain", "wide")]
+            + [(c, "cluster") for c in (0, 3, 5)])
 
 
 def _inputs(rng, N, K, D, ps, pps, q_lens, kv_lens, pad, layers=0):
@@ -69,16 +74,49 @@ def test_work_items_hold_every_token_once(group, q_lens, kv_lens, T, wide):
   assert held == want
 
 
+@pytest.mark.parametrize("q_lens,T", [([1, 37, 5, 1], 47), ([300, 1, 65, 64, 1], 440),
+                                       ([1] * 6, 8)])
+def test_cluster_items_hold_each_chunk_item_once(q_lens, T):
+  """Every item of a sequence of two or more wide items is one member of one
+  cluster of its sequence's consecutive items (at most CLUSTER), the spans
+  run from its first member's position to its last member's end, and the
+  static cluster bound holds; sequences of one item are in none."""
+  G, C = 4, mra.CLUSTER
+  per = mra.tokens_per_item(G, wide=True)
+  kv_lens = jnp.asarray([q + 7 for q in q_lens], jnp.int32)
+  cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+  I = mra.max_items(T, len(q_lens), G, wide=True)
+  items, _, item_cu = mra.work_items(cu, kv_lens, per_item=per, num_items=I)
+  n = mra.max_clusters(T, I, G, C)
+  member, spans, idx, clustered = map(np.asarray, mra.cluster_items(
+      items, item_cu, cluster=C, num_clusters=n))
+  items, item_cu = np.asarray(items), np.asarray(item_cu)
+  counts = np.diff(item_cu)
+  want = [i for b in range(len(q_lens)) if counts[b] >= 2 for i in range(item_cu[b], item_cu[b + 1])]
+  assert sorted(idx[idx >= 0].tolist()) == want
+  assert clustered.tolist() == [i in want for i in range(I)]
+  assert -(-sum(counts[counts >= 2]) // C) <= n
+  for c in range(n):
+    held = idx[c * C:(c + 1) * C]
+    live = held[held >= 0]
+    assert (np.diff(live) == 1).all() and (held[:len(live)] == live).all()
+    for m, i in enumerate(held):
+      assert (member[c * C + m] == items[i]).all() if i >= 0 else member[c * C + m, 2] == 0
+    if len(live):
+      assert spans[c].tolist() == [items[live[0], 0], items[live[0], 1], items[live[-1], 2]]
+    else:
+      assert not spans[c].any()
+
+
 if mpa.available() is None:
 
   class TestMosaicRagged:
     interpret = True
 
-    @pytest.mark.parametrize("wide", [False, True])
-    @pytest.mark.parametrize("case", range(len(CASES)))
-    def test_matches_reference(self, case, wide):
+    @pytest.mark.parametrize("case,variant", VARIANTS)
+    def test_matches_reference(self, case, variant):
       N, K, D, ps, pps, q_lens, kv_lens, pad, extra = CASES[case]
-      extra = dict(extra)
+      extra = dict(extra, wide=variant != "plain", cluster=variant == "cluster")
       rng = np.random.default_rng(case)
       layers = 3 if extra.pop("layered", False) else 0
       q, kp, vp, kl, table, cu = _inputs(rng, N, K, D, ps, pps, q_lens, kv_lens, pad, layers)
@@ -86,7 +124,7 @@ if mpa.available() is None:
       max_q = max(q_lens)
       layer = jnp.int32(1) if layers else None
       out = jax.jit(lambda q, kp, vp, kl, table, cu, layer: mra.mosaic_ragged_attention(
-          q, kp, vp, kl, table, cu, max_q=max_q, sinks=sinks, layer=layer, wide=wide,
+          q, kp, vp, kl, table, cu, max_q=max_q, sinks=sinks, layer=layer,
           interpret=self.interpret, **extra))(q, kp, vp, kl, table, cu, layer)
       f32 = lambda x: x.astype(jnp.float32)
       kp1, vp1 = (kp[1], vp[1]) if layers else (kp, vp)
@@ -106,11 +144,13 @@ if mpa.available() is None:
         (dict(max_q=0), ValueError, "max_q"),
         (dict(num_splits=0), ValueError, "num_splits"),
         (dict(wide=1), TypeError, "wide must be a bool"),
+        (dict(wide=True, cluster=1), TypeError, "cluster must be a bool"),
+        (dict(cluster=True), ValueError, "cluster=True clusters wide items: pass wide=True"),
         (dict(wide=True, D=192), ValueError, "wide items need .* shared memory"),
     ])
     def test_bad_inputs_are_named(self, change, exc, match):
       dims = dict(N=4, K=2, D=64, dtype=jnp.bfloat16, cu=2, max_q=2)
-      kw = {k: change.pop(k) for k in ("num_splits", "wide", "slots") if k in change}
+      kw = {k: change.pop(k) for k in ("num_splits", "wide", "cluster", "slots") if k in change}
       dims.update(change)
       q = jnp.zeros((3, dims["N"], dims["D"]), dims["dtype"])
       pages = jnp.zeros((dims["K"], 4, 16, dims["D"]), dims["dtype"])
@@ -128,12 +168,12 @@ if mpa.available() is None:
   GATE = [c for c in gpu_cases.CASES
           if c.kernel == "ragged" and c.D == c.Dv and not c.kv_dtype and "h100" in c.gpus]
 
-  def _planned_keys(case, wide=False):
+  def _planned_keys(case, wide=False, together=1):
     """Keys the kernel's blocks read for the case's step (the prefill chunk
     at the end of its context, the rest decode), and the minimum (each KV
-    byte once per KV head)."""
+    byte once per KV head); together: items sharing each read (a cluster)."""
     G = case.N // case.K
-    per = mra.tokens_per_item(G, wide)
+    per = mra.tokens_per_item(G, wide) * together
     keys = case.ps * mpa.pages_per_block(case.ps)
     blocks = lambda end: -(-end // keys) * keys
     chunk = case.prefill_tokens
@@ -150,7 +190,8 @@ if mpa.available() is None:
     stream the keys up to their last query (FlashAttention's query blocks of
     64 // G tokens), and the test pins that sum. Wide items (128 // G tokens
     on two warpgroups) compile too, within shared memory, and read the
-    chunk's KV about half as often."""
+    chunk's KV about half as often; in clusters of 8 (multicast) they
+    compile too and read it about an eighth as often as wide items."""
     mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
     sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
@@ -159,9 +200,9 @@ if mpa.available() is None:
     args = (s((c.T, c.N, c.D)), s(pool), s(pool), s((c.B,), jnp.int32),
             s((c.B, c.pages_per_seq), jnp.int32), s((c.B + 1,), jnp.int32),
             s((c.N,), jnp.float32) if c.sinks else None, s((), jnp.int32))
-    fn = lambda q, kp, vp, kl, tab, cu, sinks, layer, wide=False: mra.mosaic_ragged_attention(
+    fn = lambda q, kp, vp, kl, tab, cu, sinks, layer, **kw: mra.mosaic_ragged_attention(
         q, kp, vp, kl, tab, cu, max_q=c.prefill_tokens, window=c.window, sinks=sinks,
-        layer=layer, sm_scale=1 / math.sqrt(c.D), wide=wide)
+        layer=layer, sm_scale=1 / math.sqrt(c.D), **kw)
     with gpu_compile.lowering(mesh):
       lowered = jax.jit(fn).lower(*args)
     assert "mosaic_gpu" in lowered.as_text()
@@ -179,6 +220,12 @@ if mpa.available() is None:
     assert mwa.smem_bytes(c.D, c.ps, 2) <= mpa.SMEM_BYTES
     wide, _ = _planned_keys(c, wide=True)
     assert minimum < wide and (wide - minimum) <= 0.55 * (planned - minimum), (wide, planned)
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(lambda *a: fn(*a, wide=True, cluster=True)).lower(*args)
+    assert lowered.as_text().count("mosaic_gpu") > 0
+    lowered.compile()
+    clustered, _ = _planned_keys(c, wide=True, together=mra.CLUSTER)
+    assert minimum < clustered and (clustered - minimum) <= (wide - minimum) / 7, (clustered, wide)
 
 else:
 
