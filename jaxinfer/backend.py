@@ -25,9 +25,10 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              read (TMA multicast; `mosaic_mla_attention(cluster=True)`);
              "wide_items", GQA mixed steps on work items of two 64-row tiles
              on two warpgroups sharing each K / V block
-             (`mosaic_ragged_attention(wide=True)`); "cluster_items", those
-             items with a chunk's consecutive ones (up to 8) as one cluster
-             sharing each K / V read (TMA multicast; `cluster=True`);
+             (`mosaic_ragged_attention(wide=True)`); "cluster_items", a
+             chunk longer than an item of four tiles on such items, up to 8
+             consecutive ones as one cluster sharing each K / V read (TMA
+             multicast; `cluster=True`);
              "fused_experts", under
              grouped_matmul "mosaic", the MoE experts on our Mosaic kernel
              (`ops.mosaic_experts`): gate and up in one pass with the GLU

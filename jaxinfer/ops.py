@@ -364,17 +364,18 @@ def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   "mla_cluster" for 2 to 8 row blocks of max_q x heads, "gqa_wide" for steps
   whose chunks fill more than one 64-row tile (within shared memory),
   "gqa_cluster" ("cluster_items") for those whose chunks fill more than one
-  wide item; else kernel."""
+  item of `mosaic_wide_attention.CLUSTER_TILES` tiles; else kernel."""
   if kernel == "mla" and "mla_cluster" in trials:
     return "mla_cluster" if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) > 1 else kernel
   wide = {"wide_items", "cluster_items"} & set(trials)
   if kernel == "gqa" and wide and max_q > 1:
     group = q_shape[1] // k_pages_shape[-4]
-    fits = mosaic_wide.smem_bytes(q_shape[-1], k_pages_shape[-2], 2) <= mosaic.SMEM_BYTES
-    if not (fits and max_q > mosaic_ragged.tokens_per_item(group)):
+    fits = lambda tiles: mosaic_wide.smem_bytes(q_shape[-1], k_pages_shape[-2], 2,
+                                                tiles=tiles) <= mosaic.SMEM_BYTES
+    if not (fits(mosaic_wide.TILES) and max_q > mosaic_ragged.tokens_per_item(group)):
       return kernel
-    clustered = ("cluster_items" in trials
-                 and max_q > mosaic_ragged.tokens_per_item(group, wide=True))
+    clustered = ("cluster_items" in trials and fits(mosaic_wide.CLUSTER_TILES)
+                 and max_q > mosaic_ragged.tokens_per_item(group, tiles=mosaic_wide.CLUSTER_TILES))
     return "gqa_cluster" if clustered else "gqa_wide"
   return kernel
 

@@ -23,11 +23,12 @@ sharing each K / V block (`mosaic_wide_attention`): a chunk's KV is read
 half as often, for prefill-heavy steps; a decode token's item then fills
 one tile of two.
 
-cluster=True (with wide): a sequence of two or more wide items runs them in
-clusters of up to CLUSTER (Hopper's portable 8) programs that share each K /
-V block (`cluster_items`): a chunk's KV is read once per CLUSTER x 128 // G
-tokens. Sequences of one item (decodes) keep the unclustered wide launch;
-the step takes two launches, their outputs merged per item.
+cluster=True (with wide): a sequence longer than one item of CLUSTER_TILES
+(4) 64-row tiles runs on such items, in clusters of up to CLUSTER (Hopper's
+portable 8) programs that share each K / V block (`cluster_items`): a
+chunk's KV is read once per CLUSTER x 256 // G tokens. The other sequences
+(decodes, short chunks) keep the wide items; the step takes two launches,
+each token's output taken from its sequence's.
 """
 
 from __future__ import annotations
@@ -43,19 +44,24 @@ from pallas_kernels.paged_attention import validate_paged
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 
-CLUSTER = 8  # Hopper's portable cluster size: wide items sharing each K / V block
+CLUSTER = 8  # Hopper's portable cluster size: items sharing each K / V block
+# Interpreted on jax < 0.12 clusters hold 4 items: jax 0.11's Mosaic GPU interpreter
+# stalls with 32 program threads a cluster (8 members x 4 warpgroups; 20 run).
+INTERPRETED_CLUSTER_011 = 4
 
 
-def tokens_per_item(group: int, wide: bool = False) -> int:
+def tokens_per_item(group: int, wide: bool = False, *, tiles: int | None = None) -> int:
   """Query tokens of one work item: as many as fill its 64-row tile (wide:
-  its two tiles)."""
-  return max(1, (mwa.WIDE_ROWS if wide else mpa.ROWS) // group)
+  its `mosaic_wide_attention.TILES`; or `tiles` of them)."""
+  tiles = tiles if tiles is not None else (mwa.TILES if wide else 1)
+  return max(1, tiles * mpa.ROWS // group)
 
 
-def max_items(num_tokens: int, num_seqs: int, group: int, wide: bool = False) -> int:
+def max_items(num_tokens: int, num_seqs: int, group: int, wide: bool = False, *,
+              tiles: int | None = None) -> int:
   """A static bound on a step's work items: every sequence adds at most one
   partial item, and every item holds at least one token."""
-  return min(num_tokens // tokens_per_item(group, wide) + num_seqs, num_tokens)
+  return min(num_tokens // tokens_per_item(group, wide, tiles=tiles) + num_seqs, num_tokens)
 
 
 def work_items(cu_q_lens, kv_lens, *, per_item: int, num_items: int):
@@ -78,13 +84,12 @@ def work_items(cu_q_lens, kv_lens, *, per_item: int, num_items: int):
 
 
 def cluster_items(items, item_cu, *, cluster: int, num_clusters: int):
-  """The wide items of sequences holding two or more, in clusters of
-  `cluster` consecutive items of one sequence -> (member items
-  [num_clusters * cluster, 3] (a member past its sequence's items: that
-  sequence, position 0, end 0), spans [num_clusters, 3] (sequence, the first
-  member's position, the last member's end; (0, 0, 0) unused), item index
-  of each member [num_clusters * cluster] (-1: none), whether each item is
-  clustered [I])."""
+  """The items of sequences holding two or more, in clusters of `cluster`
+  consecutive items of one sequence -> (member items [num_clusters *
+  cluster, 3] (a member past its sequence's items: that sequence, position
+  0, end 0), spans [num_clusters, 3] (sequence, the first member's position,
+  the last member's end; (0, 0, 0) unused), item index of each member
+  [num_clusters * cluster] (-1: none))."""
   counts = item_cu[1:] - item_cu[:-1]
   per_seq = jnp.where(counts >= 2, -(-counts // cluster), 0)
   c_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_seq).astype(jnp.int32)])
@@ -93,23 +98,21 @@ def cluster_items(items, item_cu, *, cluster: int, num_clusters: int):
   b = jnp.clip(jnp.searchsorted(c_cu, c, side="right") - 1, 0, B - 1).astype(jnp.int32)
   live = c < c_cu[-1]
   j = (c - c_cu[b])[:, None] * cluster + jnp.arange(cluster, dtype=jnp.int32)[None]
-  held = live[:, None] & (j < counts[b][:, None])  # [C, cluster]
+  held = live[:, None] & (j < counts[b][:, None])  # [clusters, cluster]
   idx = jnp.where(held, item_cu[b][:, None] + j, -1)
   member = jnp.where(held[..., None], items[jnp.maximum(idx, 0)],
                      jnp.stack([b, jnp.zeros_like(b), jnp.zeros_like(b)], 1)[:, None])
   last = jnp.maximum(jnp.sum(held, axis=1) - 1, 0)
   spans = jnp.stack([b, member[:, 0, 1], member[c, last, 2]], axis=1)
-  spans = jnp.where(live[:, None], spans, 0)
-  seq_of_item = jnp.clip(jnp.searchsorted(item_cu, jnp.arange(items.shape[0]), side="right") - 1,
-                         0, B - 1)
-  clustered = (counts[seq_of_item] >= 2) & (jnp.arange(items.shape[0]) < item_cu[-1])
-  return member.reshape(-1, 3), spans, idx.reshape(-1), clustered
+  return member.reshape(-1, 3), jnp.where(live[:, None], spans, 0), idx.reshape(-1)
 
 
 def max_clusters(num_tokens: int, num_items: int, group: int, cluster: int) -> int:
-  """A static bound on `cluster_items`' clusters: every sequence of two or
-  more items (more than one item's tokens) adds at most one partial cluster."""
-  return max(1, num_items // cluster + num_tokens // (tokens_per_item(group, True) + 1))
+  """A static bound on `cluster_items`' clusters of num_items items of
+  CLUSTER_TILES tiles: every sequence of two or more (more than one item's
+  tokens) adds at most one partial cluster."""
+  per = tokens_per_item(group, tiles=mwa.CLUSTER_TILES)
+  return max(1, num_items // cluster + num_tokens // (per + 1))
 
 
 def item_rows(q, first_token, items, *, group: int, per_item: int, rows: int = mpa.ROWS):
@@ -152,49 +155,63 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
   _check_wide(wide, cluster, D, k_pages.shape[-2], slots, q.dtype, block_keys)
   K = k_pages.shape[1]
   G = N // K
-  per = tokens_per_item(G, wide)
-  I = max_items(T, B, G, wide)
   kv_lens = kv_lens.astype(jnp.int32)
-  items, first, item_cu = work_items(cu, kv_lens, per_item=per, num_items=I)
-  rows = item_rows(q, first, items, group=G, per_item=per,
-                   rows=mwa.WIDE_ROWS if wide else mpa.ROWS)
   scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
   kw = dict(G=G, scale=scale, num_splits=num_splits, slots=slots, block_keys=block_keys,
             interpret=interpret)
-  if cluster:
-    o, lse = _clustered(rows, k_pages, v_pages, items, item_cu, page_indices, layer, window,
-                        T=T, **kw)
-  else:
+  tiles = mwa.TILES if wide else 1
+  per = tokens_per_item(G, tiles=tiles)
+  items, first, item_cu = work_items(cu, kv_lens, per_item=per,
+                                     num_items=max_items(T, B, G, tiles=tiles))
+  rows = item_rows(q, first, items, group=G, per_item=per, rows=tiles * mpa.ROWS)
+  seq = jnp.clip(jnp.searchsorted(cu, jnp.arange(T, dtype=jnp.int32), side="right") - 1, 0, B - 1)
+  if not cluster:
     o, lse = (mwa.launch if wide else mpa.launch)(
         rows, k_pages, v_pages, items, page_indices, layer, window, **kw)
+    out = _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq)
+  else:
+    c_items, c_first, c_cu = work_items(
+        cu, kv_lens, per_item=tokens_per_item(G, tiles=mwa.CLUSTER_TILES),
+        num_items=max_items(T, B, G, tiles=mwa.CLUSTER_TILES))
+    clustered = (c_cu[1:] - c_cu[:-1]) >= 2  # [B]: sequences on the clustered launch
+    alone = jnp.where(clustered[items[:, 0]][:, None], 0, items)  # theirs empty here
+    o, lse = mwa.launch(rows, k_pages, v_pages, alone, page_indices, layer, window, **kw)
+    out = jnp.where(clustered[seq][:, None, None],
+                    _clustered(q, k_pages, v_pages, c_items, c_first, c_cu, page_indices,
+                               layer, window, sinks, seq, cu, **kw),
+                    _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq))
+  valid = jnp.arange(T) < cu[-1]
+  return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+
+
+def _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq):
+  """A launch's split outputs o [W, I, K, R, D] and log-sum-exps -> [T, N,
+  D] float32 in token order (token t of sequence seq[t])."""
+  _, I, K, _, D = o.shape
   out = mpa.merge_lse(o, lse, sinks, G)[:, :, :per * G]  # [I, K, per * G, D]
   out = out.reshape(I, K, per, G, D)
-  t = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu, t, side="right") - 1, 0, B - 1)
-  u = t - cu[seq]
-  picked = out[item_cu[seq] + u // per, :, u % per]  # [T, K, G, D]
-  valid = t < cu[-1]
-  return jnp.where(valid[:, None, None], picked.reshape(T, N, D), 0).astype(q.dtype)
+  u = jnp.arange(seq.shape[0], dtype=jnp.int32) - cu[seq]
+  return out[item_cu[seq] + u // per, :, u % per].reshape(seq.shape[0], K * G, D)
 
 
-def _clustered(rows, k_pages, v_pages, items, item_cu, page_indices, layer, window, *, T, G,
-               **kw):
-  """The wide launch of sequences of one item and the clustered launch of
-  the rest (`cluster_items`) -> their outputs merged per item, as `launch`'s."""
-  C = CLUSTER
-  member, spans, idx, clustered = cluster_items(
-      items, item_cu, cluster=C, num_clusters=max_clusters(T, items.shape[0], G, C))
-  alone = jnp.where(clustered[:, None], jnp.zeros_like(items), items)  # clustered: empty here
-  o, lse = mwa.launch(rows, k_pages, v_pages, alone, page_indices, layer, window, G=G, **kw)
-  picked = jnp.where((idx >= 0)[:, None, None, None], rows[jnp.maximum(idx, 0)], 0)
-  oc, lc = mwa.launch(picked, k_pages, v_pages, member, page_indices, layer, window, G=G,
+def _clustered(q, k_pages, v_pages, items, first, item_cu, page_indices, layer, window, sinks,
+               seq, cu, *, G, **kw):
+  """The launch of `cluster_items` over items of CLUSTER_TILES tiles ->
+  [T, N, D] float32 (the tokens of sequences of two or more such items)."""
+  T, tiles = q.shape[0], mwa.CLUSTER_TILES
+  C = (INTERPRETED_CLUSTER_011 if kw["interpret"] and jax.__version_info__ < (0, 12)
+       else CLUSTER)
+  per = tokens_per_item(G, tiles=tiles)
+  member, spans, idx = cluster_items(items, item_cu, cluster=C,
+                                     num_clusters=max_clusters(T, items.shape[0], G, C))
+  rows = item_rows(q, first, items, group=G, per_item=per, rows=tiles * mpa.ROWS)
+  rows = jnp.where((idx >= 0)[:, None, None, None], rows[jnp.maximum(idx, 0)], 0)
+  o, lse = mwa.launch(rows, k_pages, v_pages, member, page_indices, layer, window, G=G,
                       spans=spans, cluster=C, **kw)
-  # item i of a clustered sequence is the member that holds it
-  slot = jnp.zeros((items.shape[0],), jnp.int32).at[jnp.where(idx >= 0, idx, items.shape[0])].set(
+  I = items.shape[0]  # item i is the member that holds it (0: an item of no cluster)
+  slot = jnp.zeros((I,), jnp.int32).at[jnp.where(idx >= 0, idx, I)].set(
       jnp.arange(idx.shape[0], dtype=jnp.int32), mode="drop")
-  pick = lambda a, b: jnp.where(
-      clustered.reshape(1, -1, *([1] * (a.ndim - 2))), b[:, slot], a)
-  return pick(o, oc), pick(lse, lc)
+  return _to_tokens(o[:, slot], lse[:, slot], sinks, G, per, item_cu, cu, seq)
 
 
 def _check_wide(wide, cluster, D, page_size, slots, dtype, block_keys):
@@ -204,10 +221,12 @@ def _check_wide(wide, cluster, D, page_size, slots, dtype, block_keys):
     raise TypeError(f"mosaic_ragged_attention: cluster must be a bool, got {cluster!r}")
   if cluster and not wide:
     raise ValueError("mosaic_ragged_attention: cluster=True clusters wide items: pass wide=True")
-  used = mwa.smem_bytes(D, page_size, slots, jnp.dtype(dtype).itemsize, block_keys)
+  tiles = mwa.CLUSTER_TILES if cluster else mwa.TILES
+  used = mwa.smem_bytes(D, page_size, slots, jnp.dtype(dtype).itemsize, block_keys, tiles)
   if wide and used > mpa.SMEM_BYTES:
-    raise ValueError(f"mosaic_ragged_attention: wide items need {used} bytes of shared memory "
-                     f"> {mpa.SMEM_BYTES} (fewer slots or block_keys)")
+    raise ValueError(f"mosaic_ragged_attention: {'clustered' if cluster else 'wide'} items "
+                     f"need {used} bytes of shared memory > {mpa.SMEM_BYTES} (fewer slots or "
+                     "block_keys)")
 
 
 def mosaic_ragged_attention_reference(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *,

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels import mosaic_ragged_attention as mra
 from jaxinfer import ops
 
 POOL_PAGES = 32768  # pages in every case's pool
@@ -185,6 +186,22 @@ def build(case: KernelCase, sharding=None):
             (S((c.T, c.N, c.D)), kp, vp, lengths, tables, S((c.B + 1,), i32), sinks,
              S((), i32), scale))
   raise ValueError(f"unknown kernel {c.kernel!r}")
+
+
+def build_mosaic_ragged(case: KernelCase, sharding=None, **variant):
+  """-> (fn, abstract args) of an unquantized GQA ragged case on
+  `mosaic_ragged_attention` (variant: wide / cluster), as `build`."""
+  c = case
+  if c.kernel != "ragged" or c.D != c.Dv or c.kv_dtype:
+    raise ValueError(f"case {c.name}: not an unquantized GQA ragged case")
+  S = lambda shape, d=jnp.dtype(c.dtype): jax.ShapeDtypeStruct(shape, d, sharding=sharding)
+  pool = S((c.layers, c.K, POOL_PAGES, c.ps, c.D))
+  fn = lambda q, kp, vp, kv_lens, tables, cu, sinks, layer: mra.mosaic_ragged_attention(
+      q, kp, vp, kv_lens, tables, cu, max_q=c.prefill_tokens, window=c.window, sinks=sinks,
+      layer=layer, sm_scale=1 / math.sqrt(c.D), **variant)
+  return fn, (S((c.T, c.N, c.D)), pool, pool, S((c.B,), jnp.int32),
+              S((c.B, c.pages_per_seq), jnp.int32), S((c.B + 1,), jnp.int32),
+              S((c.N,), jnp.float32) if c.sinks else None, S((), jnp.int32))
 
 
 def _flash(q, k, v, sinks, *, window):

@@ -43,6 +43,7 @@ binary of the `gpu-compile` extra.
 from __future__ import annotations
 
 import dataclasses
+import os
 import pathlib
 import re
 import struct
@@ -420,6 +421,40 @@ def ptxas_spills(ptx: str, arch: str) -> dict:
   frame, stores, loads, regs = map(int, m.groups())
   return dict(stack_frame_bytes=frame, spill_store_bytes=stores, spill_load_bytes=loads,
               registers=regs)
+
+
+_MOSAIC_DUMPS = ("MOSAIC_GPU_DUMP_PTXAS", "MOSAIC_GPU_DUMP_TO")
+
+
+def mosaic_kernels(compile_fn) -> list[dict]:
+  """Runs compile_fn() (lowering and compiling a program that holds Mosaic
+  GPU kernels: their cubins are built inside the custom calls, out of the
+  executable's kernel list) with Mosaic GPU's dumps on -> per kernel built,
+  in build order: registers, stack frame and spill bytes (its ptxas -v). A
+  kernel this process built before (Mosaic GPU caches them) is not listed.
+  (Its resource dumps are numbered on their own count, so shared memory is
+  left to the kernels' formulas.)"""
+  saved = {k: os.environ.get(k) for k in _MOSAIC_DUMPS}
+  with tempfile.TemporaryDirectory() as tmp:
+    os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_TO=tmp)
+    try:
+      compile_fn()
+    finally:
+      for k, v in saved.items():
+        if v is None:
+          os.environ.pop(k, None)
+        else:
+          os.environ[k] = v
+    order = lambda p: re.sub(r"\d+", lambda m: m.group().zfill(9), p.stem)  # _2 before _10
+    out = []
+    for path in sorted(pathlib.Path(tmp).glob("*.ptxas"), key=order):
+      m = _PTXAS_INFO.search(path.read_text())
+      if m is None:
+        raise RuntimeError(f"no ptxas figures in Mosaic GPU's dump {path.name}")
+      frame, stores, loads, regs = map(int, m.groups())
+      out.append(dict(kernel=path.stem, registers=regs, stack_frame_bytes=frame,
+                      spill_store_bytes=stores, spill_load_bytes=loads))
+  return out
 
 
 def ptx_target(ptx: str) -> str | None:

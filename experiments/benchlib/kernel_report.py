@@ -221,8 +221,10 @@ def mosaic_report(case: gpu_cases.KernelCase) -> dict:
                        planned_bytes=w.planned_bytes, planned_over_minimum=w.ratio)
     c = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=case.K, D=case.D, Dv=case.Dv,
                                ps=case.ps, window=case.window, wide=True, cluster=True)
-    row["wide_cluster"] = dict(programs=mra.CLUSTER, planned_bytes=c.planned_bytes,
-                               planned_over_minimum=c.ratio)
+    row["wide_cluster"] = dict(programs=mra.CLUSTER, tiles=mwa.CLUSTER_TILES,
+                               smem_bytes=mwa.smem_bytes(case.D, case.ps, 2,
+                                                         tiles=mwa.CLUSTER_TILES),
+                               planned_bytes=c.planned_bytes, planned_over_minimum=c.ratio)
   return row
 
 

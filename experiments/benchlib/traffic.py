@@ -15,6 +15,7 @@ from typing import Sequence
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
+from pallas_kernels import mosaic_wide_attention as mwa
 from pallas_kernels.flash_attention import BlockSizes
 from pallas_kernels.paged_attention import item_sizes, max_rows
 
@@ -154,9 +155,10 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   of 64, each loading every key block, or with cluster a cluster of them
   (`mosaic_mla_attention.cluster_blocks`) loading each key block once;
   GQA with wide: items of 128 // G tokens (`mosaic_ragged_attention`'s
-  wide), and with cluster too a sequence of two or more of them in
-  clusters of `mosaic_ragged_attention.CLUSTER` loading the union of their
-  blocks once. kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
+  wide), and with cluster too a sequence longer than one item of
+  `mosaic_wide_attention.CLUSTER_TILES` tiles on such items, in clusters
+  of `mosaic_ragged_attention.CLUSTER` loading the union of their blocks
+  once. kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
   G, rows = N // K, mpa.ROWS
   if latent:
     K, keys = 1, mma.KEYS
@@ -171,8 +173,10 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
       items += row_blocks
       continue
     per = mra.tokens_per_item(G, wide)  # a decode / verify step's Q x G <= 64 rows: one item
+    together = 1  # items sharing each read
+    if cluster and wide and q > mra.tokens_per_item(G, tiles=mwa.CLUSTER_TILES):
+      per, together = mra.tokens_per_item(G, tiles=mwa.CLUSTER_TILES), mra.CLUSTER
     n = -(-q // per)
-    together = mra.CLUSTER if cluster and wide and n >= 2 else 1  # items sharing each read
     for j in range(0, n, together):
       pos0, end = kv - q + j * per, kv - q + min(q, (j + together) * per)
       kv_tokens += blocks(max(pos0 - window + 1, 0) if window else 0, end)

@@ -119,7 +119,7 @@ def test_trial_variants_are_opt_in_and_only_where_they_apply():
   more than a cluster holds) and MLA verify steps of several row
   blocks only as a cluster; GQA wide items only for steps whose chunks fill
   more than one 64-row tile (not decode) and within shared memory, in
-  clusters for those whose chunks fill more than one wide item."""
+  clusters for those whose chunks fill more than one item of 4 tiles."""
   latent = (1, 64, 64, 576)  # [K, P, page_size, R + Hr]: the latent pool
   cases = [((8, 128, 576), latent, 1, (), "mosaic_mla"),
            ((8, 128, 576), latent, 1, ("mla_cluster",), "mosaic_mla_cluster"),
@@ -135,9 +135,9 @@ def test_trial_variants_are_opt_in_and_only_where_they_apply():
            ((64, 32, 128), (8, 64, 16, 128), 64, (), "mosaic_gqa"),
            ((64, 32, 128), (8, 64, 16, 128), 16, ("wide_items",), "mosaic_gqa"),  # one tile
            ((8, 32, 128), (8, 64, 16, 128), 1, ("wide_items",), "mosaic_gqa"),  # decode
-           # Clusters where a chunk fills more than one wide item (32 tokens at GQA 4).
-           ((64, 32, 128), (8, 64, 16, 128), 64, ("cluster_items",), "mosaic_gqa_cluster"),
-           ((64, 32, 128), (8, 64, 16, 128), 32, ("cluster_items",), "mosaic_gqa_wide"),
+           # Clusters where a chunk fills more than one item of 4 tiles (64 tokens at GQA 4).
+           ((128, 32, 128), (8, 64, 16, 128), 128, ("cluster_items",), "mosaic_gqa_cluster"),
+           ((64, 32, 128), (8, 64, 16, 128), 64, ("cluster_items",), "mosaic_gqa_wide"),
            ((8, 32, 128), (8, 64, 16, 128), 1, ("cluster_items",), "mosaic_gqa")]
   for q_shape, pool, max_q, trials, want in cases:
     backend = Backend(target="gpu", attention="mosaic", trials=trials)

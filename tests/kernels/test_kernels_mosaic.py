@@ -146,8 +146,8 @@ if mpa.available() is None:
       # GQA 8: items of 8 tokens, wide ones of 16; the 21-token prompt fills two
       "gqa_wide": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64, num_heads=8,
                                           num_kv_heads=1), dict(trials=("wide_items",))),
-      # the 21-token prompt's two wide items as one cluster
-      "gqa_cluster": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64, num_heads=8,
+      # GQA 16: the 21-token prompt's two items of 4 tiles (16 tokens) as one cluster
+      "gqa_cluster": ("_ragged_mosaic", dict(name="tiny_dense", head_dim=64, num_heads=16,
                                              num_kv_heads=1), dict(trials=("cluster_items",))),
   }
 
