@@ -62,7 +62,8 @@ from pallas_kernels import mosaic_paged_attention
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
 GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
-TRIALS = ("mla_cluster", "wide_items", "cluster_items", "fused_experts")  # Mosaic variants not yet run on a GPU
+# Mosaic variants not yet run on a GPU
+TRIALS = ("mla_cluster", "wide_items", "cluster_items", "fused_experts")
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
 
 

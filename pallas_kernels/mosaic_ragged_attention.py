@@ -184,14 +184,16 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 
-def _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq):
+def _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq, slot=None):
   """A launch's split outputs o [W, I, K, R, D] and log-sum-exps -> [T, N,
-  D] float32 in token order (token t of sequence seq[t])."""
+  D] float32 in token order (token t of sequence seq[t]); slot: the launch's
+  program of each item (clusters), else the item itself."""
   _, I, K, _, D = o.shape
   out = mpa.merge_lse(o, lse, sinks, G)[:, :, :per * G]  # [I, K, per * G, D]
   out = out.reshape(I, K, per, G, D)
   u = jnp.arange(seq.shape[0], dtype=jnp.int32) - cu[seq]
-  return out[item_cu[seq] + u // per, :, u % per].reshape(seq.shape[0], K * G, D)
+  item = item_cu[seq] + u // per
+  return out[item if slot is None else slot[item], :, u % per].reshape(seq.shape[0], K * G, D)
 
 
 def _clustered(q, k_pages, v_pages, items, first, item_cu, page_indices, layer, window, sinks,
@@ -211,7 +213,7 @@ def _clustered(q, k_pages, v_pages, items, first, item_cu, page_indices, layer, 
   I = items.shape[0]  # item i is the member that holds it (0: an item of no cluster)
   slot = jnp.zeros((I,), jnp.int32).at[jnp.where(idx >= 0, idx, I)].set(
       jnp.arange(idx.shape[0], dtype=jnp.int32), mode="drop")
-  return _to_tokens(o[:, slot], lse[:, slot], sinks, G, per, item_cu, cu, seq)
+  return _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq, slot)
 
 
 def _check_wide(wide, cluster, D, page_size, slots, dtype, block_keys):

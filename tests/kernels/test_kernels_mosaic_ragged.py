@@ -93,7 +93,8 @@ def test_cluster_items_hold_each_chunk_item_once(q_lens, T):
                                                          num_clusters=n))
   items, item_cu = np.asarray(items), np.asarray(item_cu)
   counts = np.diff(item_cu)
-  want = [i for b in range(len(q_lens)) if counts[b] >= 2 for i in range(item_cu[b], item_cu[b + 1])]
+  want = [i for b in range(len(q_lens)) if counts[b] >= 2
+          for i in range(item_cu[b], item_cu[b + 1])]
   assert sorted(idx[idx >= 0].tolist()) == want
   assert -(-sum(counts[counts >= 2]) // C) <= n
   for c in range(n):
@@ -225,7 +226,8 @@ if mpa.available() is None:
     assert minimum < wide and (wide - minimum) <= 0.55 * (planned - minimum), (wide, planned)
     assert mwa.smem_bytes(c.D, c.ps, 2, tiles=mwa.CLUSTER_TILES) <= mpa.SMEM_BYTES
     clustered, _ = _planned_keys(c, tiles=mwa.CLUSTER_TILES, together=mra.CLUSTER)
-    assert minimum <= clustered and (clustered - minimum) <= (wide - minimum) / 14, (clustered, wide)
+    assert minimum <= clustered, (clustered, minimum)
+    assert clustered - minimum <= (wide - minimum) / 14, (clustered, wide)
 
 else:
 
