@@ -28,7 +28,12 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              (`mosaic_ragged_attention(wide=True)`); "cluster_items", a
              chunk longer than an item of four tiles on such items, up to 8
              consecutive ones as one cluster sharing each K / V read (TMA
-             multicast; `cluster=True`);
+             multicast; `cluster=True`); "mla_items", MLA verify and mixed
+             steps (prefill chunks) on work items of whole tokens, a long
+             chunk's items of 8 row blocks each one cluster sharing each
+             latent read (`mosaic_mla_ragged_attention(cluster=True)`;
+             without it these steps run "pallas" where their rows exceed
+             one 64-row block, or one cluster with "mla_cluster");
              "fused_experts", under
              grouped_matmul "mosaic", the MoE experts on our Mosaic kernel
              (`ops.mosaic_experts`): gate and up in one pass with the GLU
@@ -63,7 +68,7 @@ ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
 GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
 # Mosaic variants not yet run on a GPU
-TRIALS = ("mla_cluster", "wide_items", "cluster_items", "fused_experts")
+TRIALS = ("mla_cluster", "wide_items", "cluster_items", "mla_items", "fused_experts")
 HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
 
 

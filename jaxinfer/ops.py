@@ -37,6 +37,7 @@ import pallas_kernels
 from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels import mosaic_grouped_matmul as mosaic_experts_kernel
 from pallas_kernels import mosaic_mla_attention as mosaic_mla
+from pallas_kernels import mosaic_mla_ragged
 from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels import mosaic_ragged_attention as mosaic_ragged
 from pallas_kernels import mosaic_wide_attention as mosaic_wide
@@ -322,27 +323,30 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
                  backend: Backend = Backend()) -> tuple[str, bool, dict]:
   """The kernel `ragged_paged_attention` runs a step on, from shapes alone:
   -> (kernel, interpret, Pallas tiling). kernel: "mosaic_gqa" / "mosaic_mla"
-  (`mosaic_kernel`; "mosaic_mla_cluster" / "mosaic_gqa_wide" /
-  "mosaic_gqa_cluster" where `Backend.trials` names their variant and it
+  (`mosaic_kernel`; "mosaic_mla_cluster" / "mosaic_mla_items" /
+  "mosaic_gqa_wide" / "mosaic_gqa_cluster" where `Backend.trials` names their variant and it
   applies, `_trial`), "pallas",
   or "xla" (the choice, or attention None's fallback where `tile_error`
   says the GPU kernel cannot tile the shapes). Attention None's Mosaic
   default takes steps of at most `MOSAIC_AUTO_MAX_Q` query tokens a
-  sequence (longer chunks: Triton, faster there in run 7); an MLA verify
+  sequence (longer chunks: Triton, faster there in run 7), but for the
+  trials made for long chunks ("gqa_cluster", "mla_items"); an MLA verify
   step of several 64-row blocks takes it only as a cluster (the
   "mla_cluster" trial), else Triton.
   Arguments as `mosaic_kernel`'s; page_table_shape [B, pages_per_seq]."""
   impl, interpret = backend.attention_kernel()
   if impl == "mosaic":
+    items = values_dim is None and max_q > 1 and "mla_items" in backend.trials
     kernel, _ = mosaic_kernel(q_shape, dtype, k_pages_shape, values_dim=values_dim,
                               latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
-                              quantized=quantized)
-    if kernel == "mla" and max_q > 1 and "mla_cluster" not in backend.trials:
+                              quantized=quantized, items=items)
+    if kernel == "mla" and max_q > 1 and not items and "mla_cluster" not in backend.trials:
       # Unclustered, each row block of a verify step reads the whole latent: Triton's
       # tiling is no worse where there are several.
       kernel = kernel if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) == 1 else None
-    if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q):
-      kernel = _trial(kernel, q_shape, k_pages_shape, max_q, backend.trials)
+    kernel = kernel and _trial(kernel, q_shape, k_pages_shape, max_q, backend.trials)
+    if kernel and (backend.attention == "mosaic" or max_q <= MOSAIC_AUTO_MAX_Q
+                   or kernel in ("gqa_cluster", "mla_items")):  # trials for long chunks
       return f"mosaic_{kernel}", interpret, {}
     impl = "pallas"
   if impl != "pallas" or interpret:
@@ -364,7 +368,10 @@ def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   "mla_cluster" for 2 to 8 row blocks of max_q x heads, "gqa_wide" for steps
   whose chunks fill more than one 64-row tile (within shared memory),
   "gqa_cluster" ("cluster_items") for those whose chunks fill more than one
-  item of `mosaic_wide_attention.CLUSTER_TILES` tiles; else kernel."""
+  item of `mosaic_wide_attention.CLUSTER_TILES` tiles, "mla_items" for MLA
+  verify and mixed steps; else kernel."""
+  if kernel == "mla" and max_q > 1 and "mla_items" in trials:
+    return "mla_items"
   if kernel == "mla" and "mla_cluster" in trials:
     return "mla_cluster" if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) > 1 else kernel
   wide = {"wide_items", "cluster_items"} & set(trials)
@@ -571,8 +578,8 @@ def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, w
 
 
 def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=None,
-                  max_q: int = 1, window=0, sinks: bool = False,
-                  quantized: bool = False) -> tuple[str | None, str | None]:
+                  max_q: int = 1, window=0, sinks: bool = False, quantized: bool = False,
+                  items: bool = False) -> tuple[str | None, str | None]:
   """Which Mosaic GPU kernel takes a paged step where the attention kernel
   is "mosaic": ("gqa", None) for GQA pages (`mosaic_paged_attention` for
   decode-only steps, `mosaic_ragged_attention` for mixed ones), ("mla",
@@ -587,12 +594,13 @@ def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=
   or a traced one (a scanned layer's); sinks: the layer has attention
   sinks; quantized: fp8 / int8 pages. The MLA kernel takes decode and
   verify steps (these: max_q x N query rows within one cluster of row
-  blocks, `mosaic_mla_attention.MAX_CLUSTER` x 64) without window, sinks or
-  quantized pages."""
+  blocks, `mosaic_mla_attention.MAX_CLUSTER` x 64; items: any step, on
+  `mosaic_mla_ragged`'s work items) without window, sinks or quantized
+  pages."""
   page_size = k_pages_shape[-2]  # [..., K, P, page_size, Hk]
   if values_dim is None:
     rows = max_q * q_shape[1]
-    if max_q > 1 and rows > mosaic_mla.MAX_CLUSTER * mosaic.ROWS:
+    if max_q > 1 and not items and rows > mosaic_mla.MAX_CLUSTER * mosaic.ROWS:
       return None, (f"MLA step with max_q {max_q} x {q_shape[1]} heads = {rows} query rows > "
                     f"{mosaic_mla.MAX_CLUSTER * mosaic.ROWS}: the Mosaic MLA kernel takes "
                     "decode and verify steps")
@@ -608,6 +616,9 @@ def mosaic_kernel(q_shape, dtype, k_pages_shape, *, values_dim=None, latent_dim=
 def _mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
                  sinks, scale, v_head_dim, layer, interpret):
   """The step on the Mosaic GPU kernel `paged_kernel` picked."""
+  if kernel == "mosaic_mla_items":
+    return _ragged_mosaic_mla_items(q, k_pages, kv_lens, page_table, cu_q_lens, scale,
+                                    v_head_dim, layer, interpret, max_q)
   if kernel.startswith("mosaic_mla"):
     return _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, v_head_dim,
                               layer, interpret, max_q, kernel == "mosaic_mla_cluster")
@@ -619,28 +630,49 @@ def _ragged_mosaic_mla(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent
                        interpret, max_q=1, cluster=False):
   """MLA's decode or verify step on the Mosaic GPU kernel. A sequence's
   tokens end its max_q rows (the kernel puts row Q - 1 at position
-  kv_len - 1), the rows before them padding. The latent pool [(L,) 1, P,
-  ps, R + Hr] is read as one run of pages ([L * P, ps, R + Hr], a free
-  reshape) with this layer's page numbers offset by layer * P, so no
-  layer's pool is sliced out."""
+  kv_len - 1), the rows before them padding; the pool read as
+  `_latent_run`'s one run of pages."""
   q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
   if max_q > 1:  # right-align: the last token of a sequence on row max_q - 1
     q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
     row = jnp.clip(row + max_q - q_lens[seq], 0, max_q - 1)
     q_pad = jnp.zeros_like(q_pad).at[jnp.where(valid, seq, q_pad.shape[0]), row].set(
         q, mode="drop")
-  dims = kernel_dims(k_pages)
-  pages = k_pages.reshape(-1, dims["slot"], k_pages.shape[-1])
-  table = page_table if layer is None else page_table + layer * dims["page"]
-  rows = -(-max_q * q.shape[1] // mosaic.ROWS)
-  splits = 1
-  while (splits < 8 and page_table.shape[0] * rows * splits < _SM_PROGRAMS
-         and 2 * splits * max(1, mosaic_mla.KEYS // dims["slot"]) <= page_table.shape[1]):
-    splits *= 2
+  blocks = -(-max_q * q.shape[1] // mosaic.ROWS)
+  pages, table, splits = _latent_run(k_pages, page_table, layer, rows=blocks)
   out = mosaic_mla.mosaic_mla_attention(q_pad[..., :latent_dim], q_pad[..., latent_dim:], pages,
                                         kv_lens, table, sm_scale=scale, num_splits=splits,
                                         cluster=cluster, interpret=interpret)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
+
+
+def _latent_run(k_pages, page_table, layer, rows):
+  """MLA's latent pool [(L,) 1, P, ps, R + Hr] as one run of pages ([L * P,
+  ps, R + Hr], a free reshape), this layer's page numbers offset by layer *
+  P (no layer's pool sliced out), and split-K for a step of B sequences x
+  `rows` row blocks: doubled (to 8) while the programs fill fewer than the
+  SMs and each split keeps two latent blocks."""
+  dims = kernel_dims(k_pages)
+  pages = k_pages.reshape(-1, dims["slot"], k_pages.shape[-1])
+  table = page_table if layer is None else page_table + layer * dims["page"]
+  splits = 1
+  while (splits < 8 and page_table.shape[0] * rows * splits < _SM_PROGRAMS
+         and 2 * splits * max(1, mosaic_mla.KEYS // dims["slot"]) <= page_table.shape[1]):
+    splits *= 2
+  return pages, table, splits
+
+
+def _ragged_mosaic_mla_items(q, k_pages, kv_lens, page_table, cu_q_lens, scale, latent_dim,
+                             layer, interpret, max_q):
+  """MLA's verify or mixed step on `mosaic_mla_ragged`'s work items, a long
+  chunk's in clusters (the "mla_items" trial); interpreted (CPU) without
+  clusters, whose launches stall the interpreter inside a jitted step (same
+  sums)."""
+  pages, table, splits = _latent_run(k_pages, page_table, layer,
+                                     rows=mosaic_mla_ragged.row_blocks(q.shape[1]))
+  return mosaic_mla_ragged.mosaic_mla_ragged_attention(
+      q[..., :latent_dim], q[..., latent_dim:], pages, kv_lens, table, cu_q_lens, max_q=max_q,
+      sm_scale=scale, num_splits=splits, cluster=not interpret, interpret=interpret)
 
 
 def xla_item_size(num_tokens: int, num_seqs: int, max_q: int) -> int:

@@ -3,8 +3,10 @@ over the latent page pool, each latent block read once for keys and values.
 
 Same arguments and result as `mla_paged_attention` (q_latent [B, (Q,) N, R],
 q_rope [B, (Q,) N, Hr], latent_pages [P, page_size, R + Hr], lengths,
-page_indices; -> [B, (Q,) N, R]). One program per (row block, sequence,
-split) with two warpgroups:
+page_indices; -> [B, (Q,) N, R]). One program per (row block, work item,
+split) with two warpgroups (`launch`); a decode or verify step's items are
+its sequences, a mixed step's its tokens in items of whole tokens
+(`mosaic_mla_ragged`):
 
   rows    the Q x N query rows in blocks of 64 (a wgmma tile); DeepSeek's
           128 heads are two row blocks, 16 heads a device under TP one.
@@ -14,6 +16,7 @@ split) with two warpgroups:
           1 / blocks of it), and a slot is refilled only once every
           warpgroup of the cluster has released it (a cluster barrier).
           Without it each row block reads the whole latent (2x at 128 heads).
+          An item's keys end at its last token, each row causal.
   keys    32 latent rows a loop step, copied by TMA from the pool (a page of
           64 is two steps; pages of 16 pair up), `slots` steps in flight.
   math    both warpgroups compute S = q . latent^T (the 576-wide dot) and the
@@ -79,13 +82,18 @@ def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
   return None
 
 
-def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_smem,
-          lse_smem, q_bar, kv_bar, used_bar):
-  Q, N, R, ps, slots, num_splits, scale, clustered = dims
-  half, ppb = R // WGS, max(1, KEYS // ps)
-  rb, b, split = lax.axis_index("rows"), lax.axis_index("seqs"), lax.axis_index("splits")
-  wg, length = lax.axis_index("wg"), len_ref[b]
-  blocks = lax.div(length + KEYS - 1, jnp.int32(KEYS))
+def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, p_smem,
+          o_smem, lse_smem, q_bar, kv_bar, used_bar):
+  """One (row block, work item, split). item_ref [I, 3] int32: the item's
+  sequence, the position of its first query token and the end of its keys
+  (0: an empty item); row r of the item is query head r % N of its token
+  r // N."""
+  N, R, ps, slots, num_splits, scale, clustered = dims
+  ppb = max(1, KEYS // ps)
+  rb, i, split = lax.axis_index("rows"), lax.axis_index("items"), lax.axis_index("splits")
+  wg = lax.axis_index("wg")
+  b, pos0, end = item_ref[i, 0], item_ref[i, 1], item_ref[i, 2]
+  blocks = lax.div(end + KEYS - 1, jnp.int32(KEYS))
   per = lax.div(blocks + num_splits - 1, jnp.int32(num_splits))
   lo = split * per
   hi = jnp.minimum(lo + per, blocks)
@@ -101,24 +109,25 @@ def _body(dims, q_ref, kv_ref, len_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem
 
   @pl.when(wg == 0)
   def _():
-    plgpu.copy_gmem_to_smem(q_ref.at[b, rb], q_smem, q_bar.at[0])
+    plgpu.copy_gmem_to_smem(q_ref.at[i, rb], q_smem, q_bar.at[0])
     for s in range(slots):
       pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))
   plgpu.barrier_wait(q_bar.at[0])
+  span = (pos0, end, lo, hi, rb, split, i)
   for w in range(WGS):  # static slices of the value columns per warpgroup
-    pl.when(wg == w)(lambda w=w: _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref,
-                                          lse_ref, q_smem, kv_smem, p_smem, o_smem, lse_smem,
-                                          kv_bar, used_bar))
+    pl.when(wg == w)(lambda w=w: _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem,
+                                          p_smem, o_smem, lse_smem, kv_bar, used_bar))
 
 
-def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_smem, kv_smem,
-             p_smem, o_smem, lse_smem, kv_bar, used_bar):
+def _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_smem, lse_smem,
+             kv_bar, used_bar):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2)."""
-  Q, N, R, ps, slots, num_splits, scale, _ = dims
+  N, R, ps, slots, num_splits, scale, _ = dims
+  pos0, end, lo, hi, rb, split, i = span
   half, lay = R // WGS, plgpu.Layout.WGMMA
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=lay)
   row = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=lay)
-  q_pos = length - Q + lax.div(rb * ROWS + row, jnp.int32(N))
+  q_pos = pos0 + lax.div(rb * ROWS + row, jnp.int32(N))
 
   def step(blk, carry):
     acc, m_i, l_i = carry
@@ -129,7 +138,8 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
       plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].T)
       return acc_ref[...]
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * (scale * _LOG2E)
-    visible = blk * KEYS + col <= q_pos  # causal among the Q queries; keys < length
+    k_pos = blk * KEYS + col
+    visible = (k_pos <= q_pos) & (k_pos < end)  # causal; rows past the item's tokens dropped
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
     p_smem.at[w][...] = p.astype(p_smem.dtype)
     plgpu.commit_smem()
@@ -157,10 +167,60 @@ def _compute(w, dims, lo, hi, length, rb, split, b, issue, o_ref, lse_ref, q_sme
   if w == 0:
     lse_smem[...] = lse
   plgpu.commit_smem()
-  plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[split, b, rb, :, pl.ds(w * half, half)])
+  plgpu.copy_smem_to_gmem(o_smem.at[w], o_ref.at[split, i, rb, :, pl.ds(w * half, half)])
   if w == 0:
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, b, rb])
+    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, i, rb])
   plgpu.wait_smem_to_gmem(0)
+
+
+def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1, slots=2,
+           cluster=False, interpret=False):
+  """The kernel over work items: rows [I, blocks, ROWS, D] (item i's query
+  rows, row r = query head r % N of the item's token r // N), latent_pages
+  [P, page_size, D], items [I, 3] int32 (sequence, position of the item's
+  first token, end of its keys; 0: empty), page_indices [B, pages] ->
+  (normalised outputs [W, I, blocks, ROWS, R] in q's dtype, log-sum-exps [W,
+  I, blocks, ROWS] float32) of the W = num_splits splits (`merge_lse` joins
+  them). cluster: an item's 2 to MAX_CLUSTER row blocks run as one cluster
+  sharing each latent read."""
+  I, blocks, _, D = rows.shape
+  ps = latent_pages.shape[1]
+  ppb = max(1, KEYS // ps)
+  table = page_indices.astype(jnp.int32)
+  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
+  tiles = (plgpu.TilingTransform((8, KEYS)), plgpu.SwizzleTransform(2 * KEYS))
+  smem = lambda *shape: plgpu.SMEM(shape, rows.dtype, transforms=tiles)
+  clustered = cluster and 1 < blocks <= MAX_CLUSTER
+  dims = (N, R, ps, slots, num_splits, float(scale), clustered)
+  if clustered:  # the row blocks are one cluster's programs; slots released cluster-wide
+    grid = dict(grid=(I, num_splits), grid_names=("items", "splits"), cluster=(blocks,),
+                cluster_names=("rows",))
+    used = plgpu.ClusterBarrier(collective_axes=("rows",), num_arrivals=WGS, num_barriers=slots)
+  else:
+    grid = dict(grid=(blocks, I, num_splits), grid_names=("rows", "items", "splits"))
+    used = plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)
+  kernel = plgpu.kernel(
+      lambda *refs: _body(dims, *refs),
+      out_type=(jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS, R), rows.dtype),
+                jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS), jnp.float32)),
+      scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, KEYS),
+                     smem(WGS, ROWS, R // WGS), plgpu.SMEM((ROWS,), jnp.float32),
+                     plgpu.Barrier(num_barriers=1),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used),
+      num_threads=WGS, thread_name="wg", **grid,
+      interpret=_INTERPRETER() if interpret else False)
+  return kernel(rows, latent_pages, items.astype(jnp.int32), table)
+
+
+def check_call(D, R, ps, dtype, slots, num_splits, cluster, name):
+  """Raise the named error `unsupported` (or the call's own arguments) finds."""
+  bad = unsupported(D, R, ps, dtype, slots)
+  if bad is None and not (isinstance(num_splits, int) and num_splits >= 1):
+    bad = ValueError, f"num_splits must be an int >= 1, got {num_splits!r}"
+  if bad is None and not isinstance(cluster, bool):
+    bad = TypeError, f"cluster must be a bool, got {cluster!r}"
+  if bad:
+    raise bad[0](f"{name}: {bad[1]}")
 
 
 def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
@@ -173,41 +233,15 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
   validate_paged(q, latent_pages[None], None, lengths, page_indices, window=0, sinks=None,
                  name="mosaic_mla_attention")
   B, Q, N, D = q.shape
-  ps = latent_pages.shape[1]
-  bad = unsupported(D, R, ps, q.dtype, slots)
-  if bad is None and not (isinstance(num_splits, int) and num_splits >= 1):
-    bad = ValueError, f"num_splits must be an int >= 1, got {num_splits!r}"
-  if bad is None and not isinstance(cluster, bool):
-    bad = TypeError, f"cluster must be a bool, got {cluster!r}"
-  if bad:
-    raise bad[0](f"mosaic_mla_attention: {bad[1]}")
+  check_call(D, R, latent_pages.shape[1], q.dtype, slots, num_splits, cluster,
+             "mosaic_mla_attention")
   blocks = -(-Q * N // ROWS)
   rows = jnp.pad(q.reshape(B, Q * N, D), ((0, 0), (0, blocks * ROWS - Q * N), (0, 0)))
-  ppb = max(1, KEYS // ps)
-  table = page_indices.astype(jnp.int32)
-  table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
-  tiles = (plgpu.TilingTransform((8, KEYS)), plgpu.SwizzleTransform(2 * KEYS))
-  smem = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=tiles)
-  cb = cluster_blocks(Q * N, cluster)
-  dims = (Q, N, R, ps, slots, num_splits, float(sm_scale), cb > 1)
-  if cb > 1:  # the row blocks are one cluster's programs; slots released cluster-wide
-    launch = dict(grid=(B, num_splits), grid_names=("seqs", "splits"), cluster=(cb,),
-                  cluster_names=("rows",))
-    used = plgpu.ClusterBarrier(collective_axes=("rows",), num_arrivals=WGS, num_barriers=slots)
-  else:
-    launch = dict(grid=(blocks, B, num_splits), grid_names=("rows", "seqs", "splits"))
-    used = plgpu.Barrier(num_arrivals=WGS, num_barriers=slots)
-  kernel = plgpu.kernel(
-      lambda *refs: _body(dims, *refs),
-      out_type=(jax.ShapeDtypeStruct((num_splits, B, blocks, ROWS, R), q.dtype),
-                jax.ShapeDtypeStruct((num_splits, B, blocks, ROWS), jnp.float32)),
-      scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, KEYS),
-                     smem(WGS, ROWS, R // WGS), plgpu.SMEM((ROWS,), jnp.float32),
-                     plgpu.Barrier(num_barriers=1),
-                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used),
-      num_threads=WGS, thread_name="wg", **launch,
-      interpret=_INTERPRETER() if interpret else False)
-  o, lse = kernel(rows.reshape(B, blocks, ROWS, D), latent_pages, lengths.astype(jnp.int32), table)
+  lengths = lengths.astype(jnp.int32)
+  items = jnp.stack([jnp.arange(B, dtype=jnp.int32), lengths - Q, lengths], axis=1)
+  o, lse = launch(rows.reshape(B, blocks, ROWS, D), latent_pages, items, page_indices, N=N,
+                  R=R, scale=sm_scale, num_splits=num_splits, slots=slots, cluster=cluster,
+                  interpret=interpret)
   out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N]
   out = out.reshape(B, Q, N, R).astype(q.dtype)
   return out[:, 0] if squeeze else out

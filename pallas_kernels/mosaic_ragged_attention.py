@@ -168,7 +168,7 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
   if not cluster:
     o, lse = (mwa.launch if wide else mpa.launch)(
         rows, k_pages, v_pages, items, page_indices, layer, window, **kw)
-    out = _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq)
+    out = to_tokens(o, lse, sinks, G, per, item_cu, cu, seq)
   else:
     c_items, c_first, c_cu = work_items(
         cu, kv_lens, per_item=tokens_per_item(G, tiles=mwa.CLUSTER_TILES),
@@ -179,12 +179,12 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
     out = jnp.where(clustered[seq][:, None, None],
                     _clustered(q, k_pages, v_pages, c_items, c_first, c_cu, page_indices,
                                layer, window, sinks, seq, cu, **kw),
-                    _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq))
+                    to_tokens(o, lse, sinks, G, per, item_cu, cu, seq))
   valid = jnp.arange(T) < cu[-1]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 
-def _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq, slot=None):
+def to_tokens(o, lse, sinks, G, per, item_cu, cu, seq, slot=None):
   """A launch's split outputs o [W, I, K, R, D] and log-sum-exps -> [T, N,
   D] float32 in token order (token t of sequence seq[t]); slot: the launch's
   program of each item (clusters), else the item itself."""
@@ -213,7 +213,7 @@ def _clustered(q, k_pages, v_pages, items, first, item_cu, page_indices, layer, 
   I = items.shape[0]  # item i is the member that holds it (0: an item of no cluster)
   slot = jnp.zeros((I,), jnp.int32).at[jnp.where(idx >= 0, idx, I)].set(
       jnp.arange(idx.shape[0], dtype=jnp.int32), mode="drop")
-  return _to_tokens(o, lse, sinks, G, per, item_cu, cu, seq, slot)
+  return to_tokens(o, lse, sinks, G, per, item_cu, cu, seq, slot)
 
 
 def _check_wide(wide, cluster, D, page_size, slots, dtype, block_keys):

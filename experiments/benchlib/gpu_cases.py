@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from pallas_kernels import mosaic_mla_ragged as mmr
 from pallas_kernels import mosaic_ragged_attention as mra
 from jaxinfer import ops
 
@@ -202,6 +203,20 @@ def build_mosaic_ragged(case: KernelCase, sharding=None, **variant):
   return fn, (S((c.T, c.N, c.D)), pool, pool, S((c.B,), jnp.int32),
               S((c.B, c.pages_per_seq), jnp.int32), S((c.B + 1,), jnp.int32),
               S((c.N,), jnp.float32) if c.sinks else None, S((), jnp.int32))
+
+
+def build_mosaic_mla_ragged(case: KernelCase, sharding=None, *, cluster=True):
+  """-> (fn, abstract args) of an MLA ragged case on `mosaic_mla_ragged`
+  (one layer's latent pool), as `build`."""
+  c = case
+  if c.kernel != "ragged" or c.D == c.Dv or c.kv_dtype:
+    raise ValueError(f"case {c.name}: not an unquantized MLA ragged case")
+  S = lambda shape, d=jnp.dtype(c.dtype): jax.ShapeDtypeStruct(shape, d, sharding=sharding)
+  fn = lambda q, pages, kv_lens, tables, cu: mmr.mosaic_mla_ragged_attention(
+      q[..., :c.Dv], q[..., c.Dv:], pages, kv_lens, tables, cu, max_q=c.prefill_tokens,
+      sm_scale=1 / math.sqrt(192), cluster=cluster)
+  return fn, (S((c.T, c.N, c.D)), S((POOL_PAGES, c.ps, c.D)), S((c.B,), jnp.int32),
+              S((c.B, c.pages_per_seq), jnp.int32), S((c.B + 1,), jnp.int32))
 
 
 def _flash(q, k, v, sinks, *, window):

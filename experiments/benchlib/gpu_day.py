@@ -40,6 +40,7 @@ _PLOT_RESERVE_S = 10.0
 # pytest selections: on a GPU the GPU subclasses of every kernel test file;
 # the dry run takes a few interpret-mode cases of the same files.
 TEST_FILES = (  # the kernels a GPU has checked least first: a time box cuts the tail
+    "tests/kernels/test_kernels_mosaic_mla_ragged.py",
     "tests/kernels/test_kernels_mosaic_experts.py", "tests/kernels/test_kernels_hstu.py",
     "tests/kernels/test_kernels_mosaic_ragged.py",
     "tests/kernels/test_grouped_matmul.py", "tests/kernels/test_kernels_mosaic.py",

@@ -201,7 +201,10 @@ def mosaic_report(case: gpu_cases.KernelCase) -> dict:
                                   max_q=case.prefill_tokens or case.Q, window=case.window,
                                   sinks=case.sinks, quantized=bool(case.kv_dtype))
   if kernel is None:
-    return dict(kernel=None, why=why)
+    row = dict(kernel=None, why=why)
+    if mla and case.kernel == "ragged":
+      row["items"] = _mla_items(case)
+    return row
   t = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=case.K, D=case.D, Dv=case.Dv,
                              ps=case.ps, window=case.window, latent=mla)
   smem = mma.smem_bytes(case.D, case.Dv, 2) if mla else mpa.smem_bytes(case.D, case.ps, 2)
@@ -226,6 +229,19 @@ def mosaic_report(case: gpu_cases.KernelCase) -> dict:
                                                          tiles=mwa.CLUSTER_TILES),
                                planned_bytes=c.planned_bytes, planned_over_minimum=c.ratio)
   return row
+
+
+def _mla_items(case: gpu_cases.KernelCase) -> dict:
+  """The "mla_items" trial's figures for an MLA mixed case
+  (`mosaic_mla_ragged`, clustered): the kernel's shared memory, its planned
+  / minimum HBM bytes and its flops per planned byte (the step is
+  compute-bound where that passes the GPU's flops / bandwidth)."""
+  t = traffic.mosaic_traffic(case_sequences(case), N=case.N, K=1, D=case.D, Dv=case.Dv,
+                             ps=case.ps, latent=True, items=True)
+  return dict(kernel="mosaic_mla_items", smem_bytes=mma.smem_bytes(case.D, case.Dv, 2),
+              planned_bytes=t.planned_bytes, planned_over_minimum=t.ratio,
+              kv_over_minimum=t.planned["kv"] / t.minimum["kv"],
+              flops_per_byte=t.flops / t.planned_bytes, programs=t.tiling["items"])
 
 
 def case_report(case: gpu_cases.KernelCase, *, ptxas: bool = True) -> dict:

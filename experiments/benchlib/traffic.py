@@ -13,6 +13,7 @@ import dataclasses
 from typing import Sequence
 
 from pallas_kernels import mosaic_mla_attention as mma
+from pallas_kernels import mosaic_mla_ragged as mmr
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels import mosaic_wide_attention as mwa
@@ -144,7 +145,7 @@ def paged_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv
 
 def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, Dv: int,
                    ps: int, window: int = 0, latent: bool = False, cluster: bool = False,
-                   wide: bool = False, e: int = 2) -> Traffic:
+                   wide: bool = False, items: bool = False, e: int = 2) -> Traffic:
   """The Mosaic GPU kernels' KV traffic, one split (`pallas_kernels.
   mosaic_paged_attention` / `mosaic_ragged_attention`; latent: MLA's
   `mosaic_mla_attention` over one latent pool of D columns, values its
@@ -158,19 +159,30 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
   wide), and with cluster too a sequence longer than one item of
   `mosaic_wide_attention.CLUSTER_TILES` tiles on such items, in clusters
   of `mosaic_ragged_attention.CLUSTER` loading the union of their blocks
-  once. kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
+  once; MLA with items (`mosaic_mla_ragged`, clustered): a sequence's q
+  tokens in items of `tokens_per_item(N)` tokens, or of
+  `tokens_per_item(N, True)` where q is more than one such item, each item
+  (its row blocks one cluster) loading the keys up to its last token once.
+  kv counts those loads; q and out the tiles once. minimum as `paged_traffic`'s."""
   G, rows = N // K, mpa.ROWS
   if latent:
     K, keys = 1, mma.KEYS
   else:
     keys = ps * mpa.pages_per_block(ps)
   blocks = lambda lo, hi: max(-(-hi // keys) - lo // keys, 0) * keys
-  kv_tokens, items = 0, 0
+  kv_tokens, count = 0, 0
   for q, kv in seqs:
+    if latent and items:
+      wide = q > mmr.tokens_per_item(N)
+      per = mmr.tokens_per_item(N, wide)
+      for j in range(-(-q // per)):
+        kv_tokens += blocks(0, kv - q + min(q, (j + 1) * per))
+        count += mmr.row_blocks(N, wide)
+      continue
     if latent:
       row_blocks = -(-q * N // rows)
       kv_tokens += row_blocks // mma.cluster_blocks(q * N, cluster) * blocks(0, kv)
-      items += row_blocks
+      count += row_blocks
       continue
     per = mra.tokens_per_item(G, wide)  # a decode / verify step's Q x G <= 64 rows: one item
     together = 1  # items sharing each read
@@ -180,7 +192,7 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
     for j in range(0, n, together):
       pos0, end = kv - q + j * per, kv - q + min(q, (j + together) * per)
       kv_tokens += blocks(max(pos0 - window + 1, 0) if window else 0, end)
-      items += min(together, n - j)
+      count += min(together, n - j)
   tok_bytes = (D if latent else D + Dv) * e
   T = sum(q for q, _ in seqs)
   planned = dict(kv=K * kv_tokens * tok_bytes, q=T * N * D * e, out=T * N * Dv * e)
@@ -188,7 +200,7 @@ def mosaic_traffic(seqs: Sequence[tuple[int, int]], *, N: int, K: int, D: int, D
                  q=T * N * D * e, out=T * N * Dv * e)
   return Traffic(attention_flops(seqs, N=N, D=D, Dv=Dv, window=window),
                  float(K * kv_tokens * rows * 2 * (D + Dv)), planned, minimum,
-                 dict(keys_per_block=keys, items=items, G=G))
+                 dict(keys_per_block=keys, items=count, G=G))
 
 
 def _pow2(n: int) -> int:

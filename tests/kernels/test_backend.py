@@ -74,6 +74,9 @@ def test_mosaic_kernel_choice():
   # without window, sinks or quantized pages.
   assert ops.mosaic_kernel(**mla, max_q=33)[1].startswith(
       "MLA step with max_q 33 x 16 heads = 528 query rows > 512")
+  # On work items (the "mla_items" trial) any step.
+  assert ops.mosaic_kernel(**mla, max_q=512, items=True) == (
+      (None, mpa.available()) if mpa.available() else ("mla", None))
   for bad in (dict(window=128), dict(sinks=True), dict(quantized=True)):
     kernel, why = ops.mosaic_kernel(**mla, **bad)
     assert kernel is None and "window" in why
@@ -117,7 +120,8 @@ def test_trial_variants_are_opt_in_and_only_where_they_apply():
   """Backend.trials: MLA decode as one cluster a sequence only for 2 to 8 row
   blocks of max_q x heads (128 heads: 2; 64: one block, nothing shared; 1024:
   more than a cluster holds) and MLA verify steps of several row
-  blocks only as a cluster; GQA wide items only for steps whose chunks fill
+  blocks only as a cluster ("mla_items": MLA verify and mixed steps on work
+  items); GQA wide items only for steps whose chunks fill
   more than one 64-row tile (not decode) and within shared memory, in
   clusters for those whose chunks fill more than one item of 4 tiles."""
   latent = (1, 64, 64, 576)  # [K, P, page_size, R + Hr]: the latent pool
@@ -131,6 +135,11 @@ def test_trial_variants_are_opt_in_and_only_where_they_apply():
            ((8, 128, 576), latent, 4, (), "pallas"),
            ((8, 128, 576), latent, 4, ("mla_cluster",), "mosaic_mla_cluster"),
            ((8, 128, 576), latent, 8, ("mla_cluster",), "pallas"),
+           # "mla_items": verify and mixed steps on work items, decode as before.
+           ((8, 128, 576), latent, 8, ("mla_items",), "mosaic_mla_items"),
+           ((543, 128, 576), latent, 512, ("mla_items", "mla_cluster"), "mosaic_mla_items"),
+           ((8, 16, 576), latent, 4, ("mla_items",), "mosaic_mla_items"),
+           ((8, 128, 576), latent, 1, ("mla_items",), "mosaic_mla"),
            ((64, 32, 128), (8, 64, 16, 128), 64, ("wide_items",), "mosaic_gqa_wide"),
            ((64, 32, 128), (8, 64, 16, 128), 64, (), "mosaic_gqa"),
            ((64, 32, 128), (8, 64, 16, 128), 16, ("wide_items",), "mosaic_gqa"),  # one tile
@@ -146,6 +155,22 @@ def test_trial_variants_are_opt_in_and_only_where_they_apply():
                               latent_dim=512 if mla else None, values_dim=None if mla else 128,
                               backend=backend)[0]
     assert kernel == (want if mpa.available() is None else "pallas"), (q_shape, trials, kernel)
+  # Attention None keeps chunks past MOSAIC_AUTO_MAX_Q on Triton (or XLA where Triton
+  # cannot tile them), but for the trials made for long chunks.
+  long = ops.MOSAIC_AUTO_MAX_Q + 1
+  for q_shape, pool, trials, want in (
+      ((543, 128, 576), latent, ("mla_items",), "mosaic_mla_items"),
+      ((543, 32, 128), (8, 64, 16, 128), ("cluster_items",), "mosaic_gqa_cluster"),
+      ((543, 32, 128), (8, 64, 16, 128), ("wide_items",), None)):
+    mla = pool is latent
+    with gpu_compile.lowering(gpu_compile.mesh({"data": 1}, gpu="h100")):
+      kernel, plain = (ops.paged_kernel(q_shape, "bfloat16", pool, (8, 16), max_q=long,
+                                        latent_dim=512 if mla else None,
+                                        values_dim=None if mla else 128,
+                                        backend=Backend(target="gpu", trials=t))[0]
+                       for t in (trials, ()))
+    assert plain in ("pallas", "xla")
+    assert kernel == (want if want and mpa.available() is None else plain), (trials, kernel)
 
 
 def test_engine_stats_name_the_kernels_the_steps_run():
