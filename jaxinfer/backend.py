@@ -8,7 +8,9 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              the Mosaic GPU kernels where they take the shapes,
              `ops.mosaic_kernel`, the rest "pallas"), or None: "mosaic" for
              a Hopper GPU target on a jax with Mosaic GPU (prefill chunks
-             past `ops.MOSAIC_AUTO_MAX_Q` tokens on "pallas"), "pallas" for
+             past `ops.MOSAIC_AUTO_MAX_Q` tokens on "pallas", but where the
+             trials for long chunks, "cluster_items" and "mla_items", take
+             them), "pallas" for
              other GPU targets (A100, jax 0.10), XLA otherwise.
   grouped_matmul
              the unquantized MoE expert matmul: "xla" (`lax.ragged_dot`),

@@ -306,13 +306,15 @@ def test_unrolled_step_layout_matches_scanned(name):
   prompts = _prompts(cfg, [3, 37, 70, 37], seed=4)
   prompts[3] = prompts[1][:32] + prompts[3][:5]  # shares two pages with prompt 1
   outs, loads = [], []
-  for unroll, layout in ((False, "auto"), (True, "in_out"), (True, "out_in"), (True, "panels")):
+  # The CPU weight layouts split between the models (CI time): each against the scan.
+  layouts = ("in_out", "panels") if name == "tiny_moe" else ("out_in", "panels")
+  for unroll, layout in ((False, "auto"), *((True, lay) for lay in layouts)):
     eng = Engine(cfg, params, EngineConfig(num_pages=64, max_num_batched_tokens=32,
                                            unroll_layers=unroll, cpu_weight_layout=layout))
     outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=9))])
     loads.append(eng.expert_load() if cfg.is_moe else None)
     _no_leak(eng)
-  assert outs[0] == outs[1] == outs[2] == outs[3]
+  assert outs[0] == outs[1] == outs[2]
   if cfg.is_moe:
     for load in loads[1:]:
       np.testing.assert_array_equal(loads[0], load)
