@@ -190,7 +190,7 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
   table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
   tiles = (plgpu.TilingTransform((8, KEYS)), plgpu.SwizzleTransform(2 * KEYS))
   smem = lambda *shape: plgpu.SMEM(shape, rows.dtype, transforms=tiles)
-  clustered = cluster and 1 < blocks <= MAX_CLUSTER
+  clustered = cluster_blocks(blocks * ROWS, cluster) > 1
   dims = (N, R, ps, slots, num_splits, float(scale), clustered)
   if clustered:  # the row blocks are one cluster's programs; slots released cluster-wide
     grid = dict(grid=(I, num_splits), grid_names=("items", "splits"), cluster=(blocks,),

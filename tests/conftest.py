@@ -94,6 +94,23 @@ def compile_moe_step_for_h100(model: str, mesh_axes: dict, layout: str, program:
                                workload=w)
 
 
+def mosaic_kernels_for_h100(build, **variant) -> list[dict]:
+  """Compile `build(sharding, **variant)`'s (fn, abstract args) for one H100
+  (the lowering must hold a Mosaic GPU kernel) -> ptxas's figures per Mosaic
+  kernel built (`gpu_executable.mosaic_kernels`)."""
+  from benchlib import gpu_executable
+  from jaxinfer import gpu_compile
+  mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+  fn, args = build(jax.sharding.SingleDeviceSharding(mesh.devices.flat[0]), **variant)
+
+  def compile_it():
+    with gpu_compile.lowering(mesh):
+      lowered = jax.jit(fn).lower(*args)
+    assert "mosaic_gpu" in lowered.as_text()
+    lowered.compile()
+  return gpu_executable.mosaic_kernels(compile_it)
+
+
 def assert_greedy_is_f32_argmax(cfg, params, prompts, outs) -> None:
   """Every generated token is the argmax of a float32 full forward on XLA
   attention (quantized weights dequantized whole) up to bfloat16 rounding

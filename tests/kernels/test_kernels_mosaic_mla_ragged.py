@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchlib import gpu_cases, gpu_executable, kernel_report, traffic
-from conftest import ON_GPU, assert_greedy_is_f32_argmax, kernel_rel_err as _rel
-from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, gpu_compile, models, ops, presets
+from benchlib import gpu_cases, kernel_report, traffic
+from conftest import (ON_GPU, assert_greedy_is_f32_argmax, kernel_rel_err as _rel,
+                      mosaic_kernels_for_h100)
+from jaxinfer import Backend, Engine, EngineConfig, SamplingParams, models, ops, presets
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_mla_ragged as mmr
 from pallas_kernels import mosaic_paged_attention as mpa
@@ -146,18 +147,8 @@ if mpa.available() is None:
     blocks), within shared memory; ptxas: at most 255 registers a thread
     and at most 1 KiB of spill stores in every kernel built."""
     case = gpu_cases.get("dsv3_mla_mixed_512p_31d")
-    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
-    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
-    kernels = {}
-    for cluster in (False, True):
-      fn, args = gpu_cases.build_mosaic_mla_ragged(case, sharding, cluster=cluster)
-
-      def compile_it(fn=fn, args=args):
-        with gpu_compile.lowering(mesh):
-          lowered = jax.jit(fn).lower(*args)
-        assert "mosaic_gpu" in lowered.as_text()
-        lowered.compile()
-      kernels[cluster] = gpu_executable.mosaic_kernels(compile_it)
+    build = lambda sharding, **v: gpu_cases.build_mosaic_mla_ragged(case, sharding, **v)
+    kernels = {c: mosaic_kernels_for_h100(build, cluster=c) for c in (False, True)}
     assert kernels[False] and kernels[True], kernels
     # Measured (jax 0.12): 255 registers and 908-1000 bytes of spill stores a thread: a
     # warpgroup's [64, 256] float32 accumulator is 128 registers, and the 576-wide

@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchlib import gpu_cases, gpu_executable
+from benchlib import gpu_cases
 import pallas_kernels as pk
-from conftest import ON_GPU, kernel_rel_err as _rel
-from jaxinfer import gpu_compile
+from conftest import ON_GPU, kernel_rel_err as _rel, mosaic_kernels_for_h100
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels import mosaic_wide_attention as mwa
@@ -193,20 +192,11 @@ if mpa.available() is None:
     chunk's KV about half as often; items of 4 tiles in clusters of 8
     (multicast) compile too and read it about a sixteenth as often as wide
     items."""
-    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
-    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
     c = case
-    kernels = {}
-    for name, variant in (("plain", {}), ("wide", dict(wide=True)),
-                          ("cluster", dict(wide=True, cluster=True))):
-      fn, args = gpu_cases.build_mosaic_ragged(c, sharding, **variant)
-
-      def compile_it(fn=fn, args=args):
-        with gpu_compile.lowering(mesh):
-          lowered = jax.jit(fn).lower(*args)
-        assert "mosaic_gpu" in lowered.as_text()
-        lowered.compile()
-      kernels[name] = gpu_executable.mosaic_kernels(compile_it)
+    build = lambda sharding, **v: gpu_cases.build_mosaic_ragged(c, sharding, **v)
+    kernels = {name: mosaic_kernels_for_h100(build, **variant)
+               for name, variant in (("plain", {}), ("wide", dict(wide=True)),
+                                     ("cluster", dict(wide=True, cluster=True)))}
     # ptxas's figures per kernel built: the clustered step is two launches, wide items
     # for the decodes (built already, unless a cached build is reused) and clustered
     # ones for the chunk, lowered last; its 4 warpgroups share the register file (128
