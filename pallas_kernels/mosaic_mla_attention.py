@@ -21,10 +21,14 @@ its sequences, a mixed step's its tokens in items of whole tokens
           64 is two steps; pages of 16 pair up), `slots` steps in flight.
   math    both warpgroups compute S = q . latent^T (the 576-wide dot) and the
           same online softmax; each owns half of the 512 value columns of
-          O += P V, so its f32 accumulator fits its registers. The first
-          warpgroup refills a slot once both have arrived on its barrier.
+          O += P V, so its f32 accumulator fits its registers: P goes to
+          wgmma from registers and the product accumulates onto O in place
+          (as jax's `attention_mgpu`), one [64, 256] accumulator (128
+          registers a thread) and no spills (ptxas: 234-238 registers). The
+          first warpgroup refills a slot once both have arrived on its barrier.
   smem    every tile swizzled 64 bytes wide (32 bf16): wgmma takes its two
-          operands in one swizzle, and P's [64, 32] tile is that wide.
+          operands in one swizzle (interpreted, P's [64, 32] tile goes
+          through shared memory, that wide).
 
 On CPU it runs in Mosaic GPU's interpret mode; jax 0.10 gets a named error.
 Not yet: quantized latent pages; Q x N is padded to whole row blocks.
@@ -52,7 +56,8 @@ _LOG2E = math.log2(math.e)
 
 
 def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2) -> int:
-  """q, `slots` latent blocks, P and the output tile of each warpgroup, lse."""
+  """q, `slots` latent blocks, P (interpreted; counted always) and the
+  output tile of each warpgroup, lse."""
   return itemsize * (ROWS * D + slots * KEYS * D + WGS * ROWS * KEYS + ROWS * R) + 4 * ROWS
 
 
@@ -82,8 +87,8 @@ def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
   return None
 
 
-def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, p_smem,
-          o_smem, lse_smem, q_bar, kv_bar, used_bar):
+def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, o_smem,
+          lse_smem, q_bar, kv_bar, used_bar, *p_smem):
   """One (row block, work item, split). item_ref [I, 3] int32: the item's
   sequence, the position of its first query token and the end of its keys
   (0: an empty item); row r of the item is query head r % N of its token
@@ -121,7 +126,9 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kv_sme
 
 def _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_smem, lse_smem,
              kv_bar, used_bar):
-  """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2)."""
+  """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2).
+  p_smem: [the P tiles] where interpreted (Mosaic GPU's interpreter takes
+  neither a register operand nor a stateful wgmma), else []."""
   N, R, ps, slots, num_splits, scale, _ = dims
   pos0, end, lo, hi, rb, split, i = span
   half, lay = R // WGS, plgpu.Layout.WGMMA
@@ -141,14 +148,19 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_sm
     k_pos = blk * KEYS + col
     visible = (k_pos <= q_pos) & (k_pos < end)  # causal; rows past the item's tokens dropped
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
-    p_smem.at[w][...] = p.astype(p_smem.dtype)
-    plgpu.commit_smem()
+    p16 = p.astype(kv_smem.dtype)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if p_smem:  # interpreted: P through shared memory, the product added (same sum)
+      p_smem[0].at[w][...] = p16
+      plgpu.commit_smem()
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem.at[w], kv_smem.at[slot, :, pl.ds(w * half, half)])
-      return acc_ref[...]
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, half), jnp.float32))
+      plgpu.wgmma(acc_ref, p_smem[0].at[w] if p_smem else p16,
+                  kv_smem.at[slot, :, pl.ds(w * half, half)])
+    if p_smem:
+      acc = acc + pl.run_scoped(lambda r: pv(r) or r[...], plgpu.ACC((ROWS, half), jnp.float32))
+    else:  # P from registers, accumulated onto acc in place: one [64, R/2] accumulator
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     plgpu.barrier_arrive(used_bar.at[slot])
     if w == 0:  # refill the slot once both warpgroups are done with it
       @pl.when(blk + slots < hi)
@@ -203,10 +215,10 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
       lambda *refs: _body(dims, *refs),
       out_type=(jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS, R), rows.dtype),
                 jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS), jnp.float32)),
-      scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, KEYS),
-                     smem(WGS, ROWS, R // WGS), plgpu.SMEM((ROWS,), jnp.float32),
-                     plgpu.Barrier(num_barriers=1),
-                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used),
+      scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, R // WGS),
+                     plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_barriers=1),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used,
+                     *([smem(WGS, ROWS, KEYS)] if interpret else [])),
       num_threads=WGS, thread_name="wg", **grid,
       interpret=_INTERPRETER() if interpret else False)
   return kernel(rows, latent_pages, items.astype(jnp.int32), table)

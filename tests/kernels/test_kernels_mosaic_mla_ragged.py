@@ -144,17 +144,17 @@ if mpa.available() is None:
   def test_gate_mixed_step_compiles_for_h100():
     """The gate's MLA mixed case compiles for H100 on the items, plain and
     clustered (two launches: decodes, then the chunk's clusters of 8
-    blocks), within shared memory; ptxas: at most 255 registers a thread
-    and at most 1 KiB of spill stores in every kernel built."""
+    blocks), within shared memory; ptxas: every kernel built fits the
+    registers (255 a thread) without spilling."""
     case = gpu_cases.get("dsv3_mla_mixed_512p_31d")
     build = lambda sharding, **v: gpu_cases.build_mosaic_mla_ragged(case, sharding, **v)
     kernels = {c: mosaic_kernels_for_h100(build, cluster=c) for c in (False, True)}
     assert kernels[False] and kernels[True], kernels
-    # Measured (jax 0.12): 255 registers and 908-1000 bytes of spill stores a thread: a
-    # warpgroup's [64, 256] float32 accumulator is 128 registers, and the 576-wide
-    # scores' operands and softmax state do not fit beside it. Pinned so a change shows.
+    # Measured (jax 0.12): 238 registers, no spills. A warpgroup's [64, 256] float32
+    # accumulator is 128 registers; before P V accumulated in place (a second one for
+    # the product), 255 registers and 908-1000 bytes of spill stores a thread.
     for k in sum(kernels.values(), []):
-      assert 0 < k["registers"] <= 255 and k["spill_store_bytes"] <= 1024, kernels
+      assert 0 < k["registers"] <= 255 and k["spill_store_bytes"] == 0, kernels
     assert mma.smem_bytes(case.D, case.Dv, 2) <= mpa.SMEM_BYTES
 
 else:
