@@ -56,9 +56,10 @@ _LOG2E = math.log2(math.e)
 
 
 def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2) -> int:
-  """q, `slots` latent blocks, P (interpreted; counted always) and the
-  output tile of each warpgroup, lse."""
-  return itemsize * (ROWS * D + slots * KEYS * D + WGS * ROWS * KEYS + ROWS * R) + 4 * ROWS
+  """q; `slots` latent blocks, then (the same bytes, once the loop is done)
+  the output tiles of both warpgroups; lse. (Interpreted, P's tiles add
+  WGS x ROWS x KEYS; the interpreter has no shared-memory limit.)"""
+  return itemsize * (ROWS * D + max(slots * KEYS * D, ROWS * R)) + 4 * ROWS
 
 
 def cluster_blocks(rows: int, cluster: bool) -> int:
@@ -87,13 +88,15 @@ def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
   return None
 
 
-def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kv_smem, o_smem,
-          lse_smem, q_bar, kv_bar, used_bar, *p_smem):
+def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_smem, lse_smem,
+          q_bar, kv_bar, used_bar, done_bar, *p_smem):
   """One (row block, work item, split). item_ref [I, 3] int32: the item's
   sequence, the position of its first query token and the end of its keys
   (0: an empty item); row r of the item is query head r % N of its token
-  r // N."""
+  r // N. kvo_smem: the latent slots and, once both warpgroups are done
+  with them (done_bar), the output tiles in the same bytes."""
   N, R, ps, slots, num_splits, scale, clustered = dims
+  kv_smem, o_smem = kvo_smem
   ppb = max(1, KEYS // ps)
   rb, i, split = lax.axis_index("rows"), lax.axis_index("items"), lax.axis_index("splits")
   wg = lax.axis_index("wg")
@@ -119,18 +122,20 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kv_sme
       pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))
   plgpu.barrier_wait(q_bar.at[0])
   span = (pos0, end, lo, hi, rb, split, i)
+  smem = (q_smem, kv_smem, o_smem, lse_smem, p_smem)
   for w in range(WGS):  # static slices of the value columns per warpgroup
-    pl.when(wg == w)(lambda w=w: _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem,
-                                          p_smem, o_smem, lse_smem, kv_bar, used_bar))
+    pl.when(wg == w)(lambda w=w: _compute(w, dims, span, issue, o_ref, lse_ref, smem,
+                                          (kv_bar, used_bar, done_bar)))
 
 
-def _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_smem, lse_smem,
-             kv_bar, used_bar):
+def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2).
   p_smem: [the P tiles] where interpreted (Mosaic GPU's interpreter takes
   neither a register operand nor a stateful wgmma), else []."""
   N, R, ps, slots, num_splits, scale, _ = dims
   pos0, end, lo, hi, rb, split, i = span
+  q_smem, kv_smem, o_smem, lse_smem, p_smem = smem
+  kv_bar, used_bar, done_bar = bars
   half, lay = R // WGS, plgpu.Layout.WGMMA
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=lay)
   row = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=lay)
@@ -175,6 +180,9 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, q_smem, kv_smem, p_smem, o_sm
   # the barrier is observed before it is freed (jax 0.11.2's interpreter checks).
   if w == 0:
     wait_last_releases(used_bar, lo, hi, slots)
+  # The output tiles share the latent slots' bytes: written once both are done with them.
+  plgpu.barrier_arrive(done_bar.at[0])
+  plgpu.barrier_wait(done_bar.at[0])
   o_smem.at[w][...] = o.astype(o_smem.dtype)
   if w == 0:
     lse_smem[...] = lse
@@ -215,9 +223,11 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
       lambda *refs: _body(dims, *refs),
       out_type=(jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS, R), rows.dtype),
                 jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS), jnp.float32)),
-      scratch_types=(smem(ROWS, D), smem(slots, KEYS, D), smem(WGS, ROWS, R // WGS),
+      scratch_types=(smem(ROWS, D),
+                     plgpu.RefUnion(smem(slots, KEYS, D), smem(WGS, ROWS, R // WGS)),
                      plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_barriers=1),
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used,
+                     plgpu.Barrier(num_arrivals=WGS, num_barriers=1),
                      *([smem(WGS, ROWS, KEYS)] if interpret else [])),
       num_threads=WGS, thread_name="wg", **grid,
       interpret=_INTERPRETER() if interpret else False)

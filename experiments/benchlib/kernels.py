@@ -22,7 +22,10 @@ The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper)
 , "ours_mosaic_wide" (its two-warpgroup items, wide=True) and
 "ours_mosaic_cluster" (those items in clusters sharing each K/V read,
 cluster=True); MLA also as "ours_mosaic_cluster" (row blocks sharing each
-latent read, cluster=True).
+latent read, cluster=True) and "ours_mosaic_slots4" (4 latent blocks in
+flight); a mixed MLA step ("ragged", DeepSeek's 128 heads) on the Triton
+ragged kernel ("ours") and the Mosaic items ("ours_mosaic_items", clustered;
+"ours_mosaic_items_plain").
 
 The decode kernels also run as "ours_split": the same kernel with split-K
 (`num_splits`) sized to give the GPU about two programs per SM.
@@ -65,6 +68,7 @@ from benchlib.kernel_case import (Case, Impl, mosaic_skip as _mosaic_skip, norma
                                   random_scales as _random_scales)
 from benchlib.kernel_gmm import gmm_cases
 from pallas_kernels import mosaic_mla_attention as mma
+from pallas_kernels import mosaic_mla_ragged as mmr
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels import mosaic_wide_attention as mwa
@@ -325,6 +329,12 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
         skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype)),
         note=f"Mosaic GPU, {mma.cluster_blocks(N, True)} row blocks a cluster sharing each "
              f"latent read (TMA multicast), num_splits={mosaic_splits}")
+  cluster = mma.cluster_blocks(N, True) > 1
+  impls["ours_mosaic_slots4"] = Impl(
+      functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
+                        cluster=cluster, slots=4),
+      skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, slots=4)),
+      note=f"as ours_mosaic{'_cluster' if cluster else ''} with 4 latent blocks in flight")
   reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
   temp = f32_pages + 3 * 4.0 * B * N * pps * ps
   if env.peers:
@@ -424,7 +434,65 @@ def _ragged_cases(env, shapes):
              ("mix64", [(128, n) for n in (8192, 32768)]
               + [(1, n) for n in _geometric(512, 32768, 62)])]
   dims = dict(ps=16, N=4, K=2, D=32) if shapes == "tiny" else dict(ps=16, N=32, K=8, D=128)
-  return [_ragged_case(env, name=name, seqs=seqs, **dims) for name, seqs in mixes]
+  cases = [_ragged_case(env, name=name, seqs=seqs, **dims) for name, seqs in mixes]
+  if shapes == "tiny":
+    return cases + [_mla_ragged_case(env, name="tiny_mla", seqs=[(8, 32), (1, 48), (3, 20)],
+                                     ps=16, N=8, R=64, Hr=32)]
+  # DeepSeek-V3 (128 heads): a 256-token chunk at the end of 2k keys beside 15 decodes
+  # (the float32 reference pads every sequence to the chunk: ~13 GB)
+  return cases + [_mla_ragged_case(env, name="dsv3_mix16",
+                                   seqs=[(256, 2048)] + [(1, n) for n in _geometric(512, 2048, 15)],
+                                   ps=64, N=128, R=512, Hr=64)]
+
+
+def _mla_ragged_case(env, *, name, seqs, ps, N, R, Hr):
+  """A mixed MLA step over one latent pool: the Triton ragged kernel ("ours",
+  values the latent's first R columns) and the Mosaic items
+  (`mosaic_mla_ragged`, clustered and plain)."""
+  item = jnp.dtype(env.dtype).itemsize
+  q_lens, lengths = [q for q, _ in seqs], [n for _, n in seqs]
+  B, T, max_q, D = len(seqs), sum(q_lens), max(q_lens), R + Hr
+  pps = max(-(-n // ps) for n in lengths)
+  scale = 1.0 / math.sqrt(128 + 64)
+  cu = [0]
+  for q in q_lens:
+    cu.append(cu[-1] + q)
+
+  def make_args(key):
+    kq, kp, kt = jax.random.split(key, 3)
+    tables, P = _page_tables(kt, lengths, ps)
+    return (_normal(kq, (T, N, D), env.dtype), _normal(kp, (P, ps, D), env.dtype),
+            jnp.asarray(lengths, jnp.int32), tables, jnp.asarray(cu, jnp.int32))
+
+  triton = lambda q, pages, *rest: pk.ragged_paged_attention(
+      q, pages[None], None, *rest, max_q=max_q, sm_scale=scale, v_head_dim=R,
+      interpret=env.interpret)
+  mosaic = lambda q, pages, *rest, cluster: mmr.mosaic_mla_ragged_attention(
+      q[..., :R], q[..., R:], pages, *rest, max_q=max_q, sm_scale=scale, cluster=cluster)
+  skip = _mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype))
+  impls = {"ours": Impl(triton, note="Triton ragged kernel over the latent pool")}
+  impls["ours_mosaic_items"] = Impl(
+      functools.partial(mosaic, cluster=True), skip=skip,
+      note=f"Mosaic GPU items of {mmr.tokens_per_item(N, True)} tokens in clusters of "
+           f"{mmr.row_blocks(N, True)} row blocks sharing each latent read")
+  impls["ours_mosaic_items_plain"] = Impl(
+      functools.partial(mosaic, cluster=False), skip=skip,
+      note=f"Mosaic GPU items of {mmr.tokens_per_item(N)} tokens, no clusters")
+  reference = lambda q, *rest: mmr.mosaic_mla_ragged_attention_reference(
+      q[..., :R], q[..., R:], *rest, max_q=max_q, sm_scale=scale)
+  temp = 4.0 * B * pps * ps * D + 3 * 4.0 * B * N * max_q * pps * ps
+  if env.peers:
+    impls["xla_reference"] = Impl(reference, temp_bytes=temp, note="pure jnp, float32 compute")
+  chunks = sum(q > 1 for q in q_lens)
+  return Case(
+      kernel="ragged", label=f"{name}: MLA N{N}, {chunks} chunks + {B - chunks} decodes, "
+                             f"S<={max(lengths)}",
+      series=name, context=max(lengths),
+      shape=dict(B=B, T=T, max_q=max_q, page_size=ps, N=N, R=R, Hr=Hr, q_lens=q_lens,
+                 kv_lens=lengths),
+      flops=2.0 * (2 * R + Hr) * N * _pairs(lengths, q_lens),
+      bytes=item * (sum(-(-n // ps) for n in lengths) * ps * D + T * N * (D + R)),
+      make_args=make_args, impls=impls, reference=Impl(reference, temp_bytes=temp))
 
 
 # ----------------------------------------------------------------------------- qmatmul

@@ -90,17 +90,18 @@ if mpa.available() is None:
         mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
                                    jnp.zeros((1, 4), jnp.int32), interpret=True, **kw)
 
-    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits,cluster", [
-        (2, 1, 16, 128, 64, 64, 3, 1, False),   # TP-sharded heads, a page = two steps
-        (1, 2, 64, 128, 64, 16, 5, 2, False),   # 128 rows = two row blocks, pages pair up, split-K
-        (3, 1, 8, 512, 64, 32, 2, 1, False),    # DeepSeek's latent and rope widths
+    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits,cluster,slots", [
+        (2, 1, 16, 128, 64, 64, 3, 1, False, 2),   # TP-sharded heads, a page = two steps
+        # 128 rows = two row blocks, pages pair up, split-K; 3 slots in flight
+        (1, 2, 64, 128, 64, 16, 5, 2, False, 3),
+        (3, 1, 8, 512, 64, 32, 2, 1, False, 2),    # DeepSeek's latent and rope widths
         # The row blocks as one cluster sharing each latent read: 2 blocks with pages
-        # paired and split-K (an empty split when short), 4 (two sequences), 8 (the most).
-        (2, 2, 64, 128, 64, 16, 5, 2, True),
-        (2, 4, 64, 128, 64, 16, 4, 1, True),
-        (1, 4, 128, 128, 64, 64, 2, 2, True),
+        # paired and split-K (an empty split when short), 4 (two sequences; 4 slots), 8.
+        (2, 2, 64, 128, 64, 16, 5, 2, True, 2),
+        (2, 4, 64, 128, 64, 16, 4, 1, True, 4),
+        (1, 4, 128, 128, 64, 64, 2, 2, True, 2),
     ])
-    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits, cluster):
+    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits, cluster, slots):
       rng = np.random.default_rng(B * N + ps)
       P = B * pps + 1
       q = jnp.asarray(rng.normal(size=(B, Q, N, R + Hr)), jnp.bfloat16)
@@ -109,7 +110,8 @@ if mpa.available() is None:
       tables = jnp.asarray(rng.permutation(P)[:B * pps].reshape(B, pps), jnp.int32)
       scale = (R + Hr) ** -0.5
       out = mma.mosaic_mla_attention(q[..., :R], q[..., R:], pages, lens, tables, sm_scale=scale,
-                                     num_splits=splits, cluster=cluster, interpret=self.interpret)
+                                     num_splits=splits, cluster=cluster, slots=slots,
+                                     interpret=self.interpret)
       f32 = lambda x: x.astype(jnp.float32)
       ref = pk.mla_paged_attention_reference(f32(q[..., :R]), f32(q[..., R:]), f32(pages), lens,
                                              tables, sm_scale=scale)
