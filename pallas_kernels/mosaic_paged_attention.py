@@ -17,8 +17,10 @@ into items of whole tokens, `launch` runs either):
           swizzled shared-memory tile, `slots` blocks in flight (the copy
           of block i + slots is issued when block i is done).
   math    S = Q K^T and O += P V with wgmma (bf16 / f16 in, f32 out); P goes
-          through shared memory (a register A operand is not interpretable);
-          online softmax in base 2 with a finite mask value, so blocks a
+          to wgmma from registers and P V accumulates onto O in place (as
+          jax's `attention_mgpu`; interpreted, P goes through shared memory
+          and the product is added: the interpreter takes no register
+          operand); online softmax in base 2 with a finite mask value, so blocks a
           window hides entirely leave no NaN.
   split-K a sequence's blocks are divided over `num_splits` programs; each
           returns its normalised output and log-sum-exp, merged here with
@@ -69,10 +71,11 @@ def pages_per_block(page_size: int, block_keys: int = MIN_KEYS) -> int:
 
 def smem_bytes(D: int, page_size: int, slots: int, itemsize: int = 2,
                block_keys: int = MIN_KEYS) -> int:
-  """Shared memory of one program: q, `slots` K and V blocks, P, the f32
-  output tile and the log-sum-exp row."""
+  """Shared memory of one program: q, `slots` K and V blocks, the f32
+  output tile and the log-sum-exp row. (Interpreted, P's tile adds ROWS x
+  keys; the interpreter has no shared-memory limit.)"""
   keys = page_size * pages_per_block(page_size, block_keys)
-  return itemsize * (ROWS * D + 2 * slots * keys * D + ROWS * keys) + 4 * (ROWS * D + ROWS)
+  return itemsize * (ROWS * D + 2 * slots * keys * D) + 4 * (ROWS * D + ROWS)
 
 
 def unsupported(q_shape, dtype, pages_shape, *, values_dim=None, quantized=False,
@@ -165,11 +168,13 @@ def wait_last_releases(used_bar, lo, hi, slots):
 
 
 def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref, q_smem, k_smem,
-          v_smem, p_smem, o_smem, lse_smem, q_bar, k_bar, v_bar):
+          v_smem, o_smem, lse_smem, q_bar, k_bar, v_bar, *p_smem):
   """One (KV head, work item, split): stream the split's blocks of pages.
   item_ref [I, 3] int32: the item's sequence, the position of its row 0's
   query and the end of its keys (0: an empty item); glob_ref [2] int32:
-  the pools' layer and the window (0: none), either traced."""
+  the pools' layer and the window (0: none), either traced. p_smem: [P's
+  tile] where interpreted (Mosaic GPU's interpreter takes neither a
+  register operand nor a stateful wgmma), else []."""
   G, D, ps, ppb, slots, num_splits, scale = dims
   kh, i, split = lax.axis_index("heads"), lax.axis_index("items"), lax.axis_index("splits")
   b, pos0, end, window, lo, hi = item_span(item_ref, glob_ref, i, split, ps * ppb, num_splits)
@@ -199,15 +204,19 @@ def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref
     # Causal: keys < end too for every row that is a query (padding rows are dropped).
     visible = (k_pos <= q_pos) & (k_pos < end) & ((window == 0) | (q_pos - k_pos < window))
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
-    p_smem[...] = p.astype(p_smem.dtype)
-    plgpu.commit_smem()
+    p16 = p.astype(v_smem.dtype)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    if p_smem:  # interpreted: P through shared memory, the product added (same sum)
+      p_smem[0][...] = p16
+      plgpu.commit_smem()
     plgpu.barrier_wait(v_bar.at[slot])
 
     def pv(acc_ref):
-      plgpu.wgmma(acc_ref, p_smem, v_smem.at[slot])
-      return acc_ref[...]
-    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, D), jnp.float32))
+      plgpu.wgmma(acc_ref, p_smem[0] if p_smem else p16, v_smem.at[slot])
+    if p_smem:
+      acc = acc + pl.run_scoped(lambda r: pv(r) or r[...], plgpu.ACC((ROWS, D), jnp.float32))
+    else:  # P from registers, accumulated onto acc in place: one [64, D] accumulator
+      acc = pl.run_state(pv)(plgpu.ACC.init(acc))
     pl.when(blk + slots < hi)(lambda: issue(blk + slots, slot))
     return acc, m_new, l_i
 
@@ -285,12 +294,13 @@ def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, sca
       scratch_types=(plgpu.SMEM((ROWS, D), rows.dtype, transforms=tiles),
                      plgpu.SMEM((slots, keys, D), rows.dtype, transforms=tiles),
                      plgpu.SMEM((slots, keys, D), rows.dtype, transforms=tiles),
-                     plgpu.SMEM((ROWS, keys), rows.dtype, transforms=tiles),
                      plgpu.SMEM((ROWS, D), jnp.float32),
                      plgpu.SMEM((ROWS,), jnp.float32),
                      plgpu.Barrier(num_barriers=1),
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
-                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots)),
+                     plgpu.Barrier(num_arrivals=ppb, num_barriers=slots),
+                     *([plgpu.SMEM((ROWS, keys), rows.dtype, transforms=tiles)]
+                       if interpret else [])),
       grid=(K, I, num_splits), grid_names=("heads", "items", "splits"),
       interpret=_INTERPRETER() if interpret else False)
   glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])

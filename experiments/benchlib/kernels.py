@@ -5,7 +5,8 @@ that can run here, and a float32 reference used only to check every output:
 
   flash   prefill, T = S: jax.nn.dot_product_attention (xla, cudnn), tokamax
           (mosaic, triton), jax's Pallas GPU `mha` (no GQA: K/V are repeated to
-          N heads outside the timed call), torch's scaled_dot_product_attention
+          N heads outside the timed call), jax's Mosaic GPU `attention_mgpu`
+          ("jax_mosaic_fa3", Hopper), torch's scaled_dot_product_attention
           where torch with CUDA is installed (same inputs, through DLPack)
   paged   decode / verify over the page pool: `paged_attention_reference` (the
           XLA baseline), jax's Pallas GPU `paged_attention` (Q = 1 only)
@@ -178,6 +179,15 @@ def _flash_case(env, *, B, T, N, K, H, causal):
     impls["jax_pallas_mha"] = Impl(
         lambda q, k, v: mha.mha(q, k, v, None, scale, causal), prep=repeat, skip=why,
         note="K/V repeated to N heads outside the timed call" if N != K else "")
+    fa3, why = _gpu_peer(env, "jax.experimental.pallas.ops.gpu.attention_mgpu")
+    block_kv = 128 if H <= 128 else 64  # K and V stages within shared memory at H = 192
+    impls["jax_mosaic_fa3"] = Impl(
+        lambda q, k, v: fa3.attention(q, k, v, fa3.TuningConfig(
+            block_q=64, block_kv=block_kv, max_concurrent_steps=2, causal=causal)),
+        prep=lambda q, k, v: (q * jnp.asarray(scale, q.dtype), k, v),
+        skip=why or _mosaic_skip(env, None),
+        note=f"jax's attention_mgpu (Mosaic GPU, FlashAttention-3 style), block_kv {block_kv}; "
+             "q scaled outside the timed call (the kernel takes no softmax scale)")
     impls["torch_sdpa"] = _torch_sdpa(env, causal=causal, gqa=N != K)
   reference = Impl(functools.partial(pk.flash_attention_reference, causal=causal),
                    temp_bytes=4 * logits)

@@ -217,17 +217,18 @@ if mpa.available() is None:
       (8, 4, 64, 8, 64, 64, 128, dict(num_splits=4, slots=3)),  # GPT-OSS verify, 8k, split-K
   ])
   def test_compiles_for_h100_at_serving_shapes(B, Q, N, K, D, ps, pps, kw):
-    mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
-    sharding = jax.sharding.SingleDeviceSharding(mesh.devices.flat[0])
-    s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+    """ptxas: no spills (P V accumulates in place; 196-202 registers measured
+    at the gate's Llama-8B cases, 226-231 before)."""
     P = B * pps
-    args = (s((B, Q, N, D), jnp.bfloat16), s((K, P, ps, D), jnp.bfloat16),
-            s((K, P, ps, D), jnp.bfloat16), s((B,), jnp.int32), s((B, pps), jnp.int32))
-    with gpu_compile.lowering(mesh):
-      lowered = jax.jit(lambda *a: mpa.mosaic_paged_attention(*a, **kw)).lower(*args)
-    assert "mosaic_gpu" in lowered.as_text()
-    compiled = lowered.compile()
-    assert compiled.memory_analysis().argument_size_in_bytes >= 2 * K * P * ps * D * 2
+
+    def build(sharding):
+      s = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt, sharding=sharding)
+      return (lambda *a: mpa.mosaic_paged_attention(*a, **kw),
+              (s((B, Q, N, D), jnp.bfloat16), s((K, P, ps, D), jnp.bfloat16),
+               s((K, P, ps, D), jnp.bfloat16), s((B,), jnp.int32), s((B, pps), jnp.int32)))
+    kernels = mosaic_kernels_for_h100(build)
+    assert kernels and all(0 < k["registers"] <= 255 and k["spill_store_bytes"] == 0
+                           for k in kernels), kernels
     assert mpa.smem_bytes(D, ps, kw.get("slots", 2)) <= mpa.SMEM_BYTES
 
   @pytest.mark.parametrize("B,N,ps,pps,splits", [
