@@ -84,30 +84,31 @@ def mosaic_mla_ragged_attention(q_latent, q_rope, latent_pages, kv_lens, page_in
   kw = dict(N=N, R=R, scale=sm_scale, num_splits=num_splits, slots=slots, cluster=cluster,
             interpret=interpret)
   seq = jnp.clip(jnp.searchsorted(cu, jnp.arange(T, dtype=jnp.int32), side="right") - 1, 0, B - 1)
-  launch = lambda q, wide, keep=None: _items(q, latent_pages, kv_lens, page_indices, cu, seq,
-                                             wide, kw, keep)
+  launch = lambda q, wide, keep=None, num=None: _items(q, latent_pages, kv_lens, page_indices,
+                                                       cu, seq, wide, kw, keep, num)
   per = tokens_per_item(N)
   if not cluster or max_q <= per:
     out = launch(q, False)
   else:
     long = (cu[1:] - cu[:-1]) > per  # [B]: sequences on the clustered items
-    out = jnp.where(long[seq][:, None, None], launch(q, True, long), launch(q, False, ~long))
+    # The others hold at most one short item each: that launch is B items.
+    out = jnp.where(long[seq][:, None, None], launch(q, True, long),
+                    launch(q, False, ~long, B))
   valid = jnp.arange(T) < cu[-1]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 
-def _items(q, latent_pages, kv_lens, page_indices, cu, seq, wide, kw, keep=None):
+def _items(q, latent_pages, kv_lens, page_indices, cu, seq, wide, kw, keep=None, num=None):
   """One launch over the step's items of `tokens_per_item(N, wide)` tokens
-  (keep [B]: the sequences it runs, the others' items left empty) -> [T,
-  N, R] float32 in token order."""
+  (keep [B]: the sequences it runs, which alone get items; num: a bound on
+  their items, else the step's) -> [T, N, R] float32 in token order (the
+  tokens of the sequences it runs)."""
   T, N, D = q.shape
   B = kv_lens.shape[0]
   per, blocks = tokens_per_item(N, wide), row_blocks(N, wide)
   # At most one partial item a sequence, at least one token an item.
   items, first, item_cu = mra.work_items(cu, kv_lens, per_item=per,
-                                         num_items=min(T // per + B, T))
-  if keep is not None:
-    items = jnp.where(keep[items[:, 0]][:, None], items, 0)
+                                         num_items=num or min(T // per + B, T), keep=keep)
   rows = mra.item_rows(q, first, items, group=N, per_item=per, rows=blocks * ROWS)
   o, lse = mma.launch(rows.reshape(-1, blocks, ROWS, D), latent_pages, items, page_indices, **kw)
   I = items.shape[0]

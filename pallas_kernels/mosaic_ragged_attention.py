@@ -64,12 +64,15 @@ def max_items(num_tokens: int, num_seqs: int, group: int, wide: bool = False, *,
   return min(num_tokens // tokens_per_item(group, wide, tiles=tiles) + num_seqs, num_tokens)
 
 
-def work_items(cu_q_lens, kv_lens, *, per_item: int, num_items: int):
+def work_items(cu_q_lens, kv_lens, *, per_item: int, num_items: int, keep=None):
   """-> (items [I, 3] int32: sequence, position of the item's first query,
   end of its keys (0 for unused items); first token [I]; first item of
-  each sequence [B + 1])."""
+  each sequence [B + 1]). keep [B] bool: only these sequences get items
+  (the others none: their tokens' item indices are meaningless)."""
   q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
   counts = -(-q_lens // per_item)
+  if keep is not None:
+    counts = jnp.where(keep, counts, 0)
   item_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
   i = jnp.arange(num_items, dtype=jnp.int32)
   B = kv_lens.shape[0]

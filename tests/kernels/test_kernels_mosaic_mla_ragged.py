@@ -49,6 +49,24 @@ def test_items_and_blocks():
   assert [mmr.row_blocks(n, True) for n in (16, 40, 128)] == [8, 8, 8]
 
 
+def test_a_launch_of_kept_sequences_holds_their_items_only():
+  """keep: the clustered step's launch of short sequences enumerates only
+  theirs (one item each, so B items suffice), each at its own first token;
+  the long sequences' tokens get none (not a row gathered for them)."""
+  from pallas_kernels import mosaic_ragged_attention as mra
+  cu = jnp.asarray([0, 40, 41, 46, 47], jnp.int32)  # a 40-token chunk, a decode, 5, a decode
+  kv_lens = jnp.asarray([100, 33, 5, 64], jnp.int32)
+  keep = (cu[1:] - cu[:-1]) <= 4
+  items, first, item_cu = mra.work_items(cu, kv_lens, per_item=4, num_items=4, keep=keep)
+  np.testing.assert_array_equal(items, [[1, 32, 33], [3, 63, 64], [0, 0, 0], [0, 0, 0]])
+  np.testing.assert_array_equal(first[:2], [40, 46])
+  np.testing.assert_array_equal(item_cu, [0, 0, 1, 1, 2])
+  # Without keep, the chunk's 10 items and the 5-token prompt's 2 come first.
+  items, _, item_cu = mra.work_items(cu, kv_lens, per_item=4, num_items=14)
+  np.testing.assert_array_equal(item_cu, [0, 10, 11, 13, 14])
+  assert items[10].tolist() == [1, 32, 33] and items[13].tolist() == [3, 63, 64]
+
+
 def test_gate_case_planned_bytes():
   """The gate's MLA mixed case (a 512-token chunk at the end of 8k keys
   beside 31 decodes, 128 heads): every decode reads its latent once (2
