@@ -33,7 +33,7 @@ _OUT_DIR = flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(__file__)
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "CPU, tiny shapes, Pallas interpreted")
 _BUDGET_S = flags.DEFINE_float("budget_s", 450.0, "the whole run's time box, seconds")
 _PARTS = flags.DEFINE_list("parts", list(gpu_day.PARTS), f"subset of {','.join(gpu_day.PARTS)}")
-_KERNELS = flags.DEFINE_list("kernels", list(kernels.KERNELS),
+_KERNELS = flags.DEFINE_list("kernels", list(gpu_day.KERNEL_ORDER),
                              "the kernels part's kernels, in this order (first measured first)")
 # Set by the run for the process of one part; not for users.
 _PART = flags.DEFINE_enum("part", None, list(gpu_day.PARTS), "internal: run this part only")

@@ -66,6 +66,12 @@ def test_pytest_log_parser_reads_plain_xdist_and_streamed_failures():
   assert r["passed"] == ["tests/test_a.py::TestX::test_one", "tests/test_b.py::test_three[Gpu-5]"]
 
 
+def test_the_kernels_part_orders_every_kernel():
+  """Its default order (least measured first) names each kernel once."""
+  from benchlib import kernels
+  assert sorted(gpu_day.KERNEL_ORDER) == sorted(kernels.KERNELS)
+
+
 def test_part_deadlines_pass_unused_time_on():
   parts = list(gpu_day.PARTS)
   ends = [gpu_day.part_deadline(p, parts=parts, start=100.0, budget_s=410.0) for p in parts]
