@@ -340,7 +340,9 @@ def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
     kernel, _ = mosaic_kernel(q_shape, dtype, k_pages_shape, values_dim=values_dim,
                               latent_dim=latent_dim, max_q=max_q, window=window, sinks=sinks,
                               quantized=quantized, items=items)
-    if kernel == "mla" and max_q > 1 and not items and "mla_cluster" not in backend.trials:
+    if kernel == "mla" and items:
+      kernel = "mla_items"
+    elif kernel == "mla" and max_q > 1 and "mla_cluster" not in backend.trials:
       # Unclustered, each row block of a verify step reads the whole latent: Triton's
       # tiling is no worse where there are several.
       kernel = kernel if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) == 1 else None
@@ -368,10 +370,8 @@ def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   "mla_cluster" for 2 to 8 row blocks of max_q x heads, "gqa_wide" for steps
   whose chunks fill more than one 64-row tile (within shared memory),
   "gqa_cluster" ("cluster_items") for those whose chunks fill more than one
-  item of `mosaic_wide_attention.CLUSTER_TILES` tiles, "mla_items" for MLA
-  verify and mixed steps; else kernel."""
-  if kernel == "mla" and max_q > 1 and "mla_items" in trials:
-    return "mla_items"
+  item of `mosaic_wide_attention.CLUSTER_TILES` tiles; else kernel.
+  ("mla_items" is `paged_kernel`'s: it also bounds `mosaic_kernel`'s rows.)"""
   if kernel == "mla" and "mla_cluster" in trials:
     return "mla_cluster" if mosaic_mla.cluster_blocks(max_q * q_shape[1], True) > 1 else kernel
   wide = {"wide_items", "cluster_items"} & set(trials)
