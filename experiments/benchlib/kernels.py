@@ -51,6 +51,7 @@ import dataclasses
 import datetime
 import functools
 import importlib
+import itertools
 import json
 import math
 import os
@@ -372,17 +373,21 @@ def _mla_cases(env, shapes):
 # ----------------------------------------------------------------------------- ragged
 
 
+def _step_layout(seqs):
+  """(query tokens, KV tokens after the step) per sequence -> (q_lens, kv
+  lengths, cu_q_lens) as lists."""
+  q_lens, lengths = [q for q, _ in seqs], [n for _, n in seqs]
+  return q_lens, lengths, [0, *itertools.accumulate(q_lens)]
+
+
 def _ragged_case(env, *, name, seqs, ps, N, K, D):
   """seqs: (query tokens, KV tokens after the step) per sequence."""
   item = jnp.dtype(env.dtype).itemsize
-  q_lens, lengths = [q for q, _ in seqs], [n for _, n in seqs]
+  q_lens, lengths, cu = _step_layout(seqs)
   B, T, max_q = len(seqs), sum(q_lens), max(q_lens)
   pages_read = sum(-(-n // ps) for n in lengths)
   pps = max(-(-n // ps) for n in lengths)
   f32_kv = 4.0 * B * pps * ps * K * 2 * D
-  cu = [0]
-  for q in q_lens:
-    cu.append(cu[-1] + q)
 
   def make_args(key):
     kq, kk, kv, kt = jax.random.split(key, 4)
@@ -461,13 +466,10 @@ def _mla_ragged_case(env, *, name, seqs, ps, N, R, Hr):
   values the latent's first R columns) and the Mosaic items
   (`mosaic_mla_ragged`, clustered and plain)."""
   item = jnp.dtype(env.dtype).itemsize
-  q_lens, lengths = [q for q, _ in seqs], [n for _, n in seqs]
+  q_lens, lengths, cu = _step_layout(seqs)
   B, T, max_q, D = len(seqs), sum(q_lens), max(q_lens), R + Hr
   pps = max(-(-n // ps) for n in lengths)
   scale = 1.0 / math.sqrt(128 + 64)
-  cu = [0]
-  for q in q_lens:
-    cu.append(cu[-1] + q)
 
   def make_args(key):
     kq, kp, kt = jax.random.split(key, 3)
