@@ -45,7 +45,7 @@ from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels.mla_paged_attention import _prepare
 from pallas_kernels.mosaic_paged_attention import ROWS
-from pallas_kernels.paged_attention import validate_paged
+from pallas_kernels.paged_attention import token_sequences, validate_paged
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 
@@ -83,7 +83,7 @@ def mosaic_mla_ragged_attention(q_latent, q_rope, latent_pages, kv_lens, page_in
   kv_lens = kv_lens.astype(jnp.int32)
   kw = dict(N=N, R=R, scale=sm_scale, num_splits=num_splits, slots=slots, cluster=cluster,
             interpret=interpret)
-  seq = jnp.clip(jnp.searchsorted(cu, jnp.arange(T, dtype=jnp.int32), side="right") - 1, 0, B - 1)
+  _, seq, valid = token_sequences(cu, T)
   launch = lambda q, wide, keep=None, num=None: _items(q, latent_pages, kv_lens, page_indices,
                                                        cu, seq, wide, kw, keep, num)
   per = tokens_per_item(N)
@@ -94,7 +94,6 @@ def mosaic_mla_ragged_attention(q_latent, q_rope, latent_pages, kv_lens, page_in
     # The others hold at most one short item each: that launch is B items.
     out = jnp.where(long[seq][:, None, None], launch(q, True, long),
                     launch(q, False, ~long, B))
-  valid = jnp.arange(T) < cu[-1]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_wide_attention as mwa
-from pallas_kernels.paged_attention import validate_paged
+from pallas_kernels.paged_attention import token_sequences, validate_paged
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
 
 
@@ -167,7 +167,7 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
   items, first, item_cu = work_items(cu, kv_lens, per_item=per,
                                      num_items=max_items(T, B, G, tiles=tiles))
   rows = item_rows(q, first, items, group=G, per_item=per, rows=tiles * mpa.ROWS)
-  seq = jnp.clip(jnp.searchsorted(cu, jnp.arange(T, dtype=jnp.int32), side="right") - 1, 0, B - 1)
+  _, seq, valid = token_sequences(cu, T)
   if not cluster:
     o, lse = (mwa.launch if wide else mpa.launch)(
         rows, k_pages, v_pages, items, page_indices, layer, window, **kw)
@@ -183,7 +183,6 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
                     _clustered(q, k_pages, v_pages, c_items, c_first, c_cu, page_indices,
                                layer, window, sinks, seq, cu, **kw),
                     to_tokens(o, lse, sinks, G, per, item_cu, cu, seq))
-  valid = jnp.arange(T) < cu[-1]
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 

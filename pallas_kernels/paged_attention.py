@@ -368,13 +368,11 @@ def ragged_core(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, max_q,
                                            num_stages=blocks.num_stages))(*args)
   out = outs[0][:, :, 0] if normalize else merge_splits(*outs, sinks, G)  # [W, K, rows, Dv]
   # Token t of sequence b sits in item first[b] + i // block_q, row (i % block_q) G + g.
-  t = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  t, seq, valid = token_sequences(cu_q_lens, T)
   i = t - cu_q_lens[seq]
   w = jnp.clip(it.first[seq] + i // block_q, 0, W - 1)
   tok_rows = (i % block_q)[:, None] * G + jnp.arange(G)[None]  # [T, G]
   out = out[w[:, None, None], jnp.arange(K)[None, :, None], tok_rows[:, None, :]]  # [T, K, G, Dv]
-  valid = t < cu_q_lens[-1]
   return jnp.where(valid[:, None, None], out.reshape(T, N, dv), 0).astype(q.dtype)
 
 
@@ -394,6 +392,16 @@ def merge_splits(acc, m, l, sinks, group):
 
 def _drop_arg(kernel, index, *refs):
   return kernel(*refs[:index], None, *refs[index:])
+
+
+def token_sequences(cu_q_lens, num_tokens: int):
+  """Token-flattened steps: -> (t, seq, valid) [T] int32 / int32 / bool:
+  token t belongs to sequence seq[t] (cu_q_lens [B + 1]); tokens past
+  cu_q_lens[-1] are padding (not valid, seq clipped to a real one)."""
+  t = jnp.arange(num_tokens, dtype=jnp.int32)
+  B = cu_q_lens.shape[0] - 1
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  return t, seq, t < cu_q_lens[-1]
 
 
 def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks, name,

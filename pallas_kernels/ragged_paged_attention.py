@@ -23,18 +23,15 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import (PagedBlocks, check_tiles, paged_attention_reference,
-                                            ragged_core, validate_paged)
+                                            ragged_core, token_sequences, validate_paged)
 
 
 def to_padded(q, cu_q_lens, max_q):
   """Token-flattened q [T, ...] -> ([B, max_q, ...], seq [T], row [T], valid [T]):
   token t is row `row[t]` of sequence `seq[t]`; padding tokens are not valid."""
-  T = q.shape[0]
   B = cu_q_lens.shape[0] - 1
-  t = jnp.arange(T, dtype=jnp.int32)
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  t, seq, valid = token_sequences(cu_q_lens, q.shape[0])
   row = t - cu_q_lens[seq]
-  valid = t < cu_q_lens[-1]
   q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype)
   q_pad = q_pad.at[jnp.where(valid, seq, B), row].set(q, mode="drop")
   return q_pad, seq, jnp.minimum(row, max_q - 1), valid
