@@ -17,8 +17,11 @@ its sequences, a mixed step's its tokens in items of whole tokens
           warpgroup of the cluster has released it (a cluster barrier).
           Without it each row block reads the whole latent (2x at 128 heads).
           An item's keys end at its last token, each row causal.
-  keys    32 latent rows a loop step, copied by TMA from the pool (a page of
-          64 is two steps; pages of 16 pair up), `slots` steps in flight.
+  keys    block_keys (32, or 64) latent rows a loop step, copied by TMA from
+          the pool (at 32 a page of 64 is two steps; pages of 16 pair up),
+          `slots` steps in flight. 64 halves the loop's steps (softmax,
+          barriers) and doubles each S wgmma's width, in the shared memory
+          of 4 slots of 32 (2 slots fit).
   math    both warpgroups compute S = q . latent^T (the 576-wide dot) and the
           same online softmax; each owns half of the 512 value columns of
           O += P V, so its f32 accumulator fits its registers: P goes to
@@ -26,9 +29,9 @@ its sequences, a mixed step's its tokens in items of whole tokens
           (as jax's `attention_mgpu`), one [64, 256] accumulator (128
           registers a thread) and no spills (ptxas: 234-238 registers). The
           first warpgroup refills a slot once both have arrived on its barrier.
-  smem    every tile swizzled 64 bytes wide (32 bf16): wgmma takes its two
-          operands in one swizzle (interpreted, P's [64, 32] tile goes
-          through shared memory, that wide).
+  smem    every tile swizzled block_keys x 2 bytes wide: wgmma takes its two
+          operands in one swizzle (interpreted, P's [64, block_keys] tile
+          goes through shared memory, that wide).
 
 On CPU it runs in Mosaic GPU's interpret mode; jax 0.10 gets a named error.
 Not yet: quantized latent pages; Q x N is padded to whole row blocks.
@@ -49,17 +52,18 @@ from pallas_kernels.mosaic_paged_attention import (ROWS, SMEM_BYTES, _INTERPRETE
                                                    softmax_step, wait_last_releases)
 from pallas_kernels.paged_attention import validate_paged
 
-KEYS = 32  # latent rows a loop step: P's [64, 32] tile, one 64-byte swizzle row
+KEYS = 32  # latent rows a loop step by default: P's [64, 32] tile, one 64-byte swizzle row
+BLOCK_KEYS = (32, 64)  # the loop steps the kernel takes (swizzles of 64 and 128 bytes)
 WGS = 2  # warpgroups, each with half of the value columns
 MAX_CLUSTER = 8  # Hopper's portable cluster size: row blocks sharing one latent read
 _LOG2E = math.log2(math.e)
 
 
-def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2) -> int:
+def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2, block_keys: int = KEYS) -> int:
   """q; `slots` latent blocks, then (the same bytes, once the loop is done)
   the output tiles of both warpgroups; lse. (Interpreted, P's tiles add
-  WGS x ROWS x KEYS; the interpreter has no shared-memory limit.)"""
-  return itemsize * (ROWS * D + max(slots * KEYS * D, ROWS * R)) + 4 * ROWS
+  WGS x ROWS x block_keys; the interpreter has no shared-memory limit.)"""
+  return itemsize * (ROWS * D + max(slots * block_keys * D, ROWS * R)) + 4 * ROWS
 
 
 def cluster_blocks(rows: int, cluster: bool) -> int:
@@ -69,20 +73,23 @@ def cluster_blocks(rows: int, cluster: bool) -> int:
   return blocks if cluster and 1 < blocks <= MAX_CLUSTER else 1
 
 
-def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2):
+def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2, block_keys: int = KEYS):
   """(exception type, why) when the kernel cannot take these sizes, else None."""
   why = available()
   if why:
     return NotImplementedError, why
   if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
     return TypeError, f"q must be bfloat16 or float16 (wgmma inputs), got {jnp.dtype(dtype)}"
-  if R % (WGS * KEYS) or D % KEYS:
-    return ValueError, f"latent width {R} must be a multiple of {WGS * KEYS}, R + Hr of {KEYS}"
-  if page_size % 8 or (page_size % KEYS and KEYS % page_size):
-    return ValueError, f"page_size must divide or be a multiple of {KEYS}, got {page_size}"
+  if block_keys not in BLOCK_KEYS:
+    return ValueError, f"block_keys must be one of {BLOCK_KEYS}, got {block_keys!r}"
+  keys = block_keys
+  if R % (WGS * keys) or D % keys:
+    return ValueError, f"latent width {R} must be a multiple of {WGS * keys}, R + Hr of {keys}"
+  if page_size % 8 or (page_size % keys and keys % page_size):
+    return ValueError, f"page_size must divide or be a multiple of {keys}, got {page_size}"
   if not isinstance(slots, int) or slots < 2:
     return ValueError, f"slots must be an int >= 2, got {slots!r}"
-  used = smem_bytes(D, R, slots, jnp.dtype(dtype).itemsize)
+  used = smem_bytes(D, R, slots, jnp.dtype(dtype).itemsize, keys)
   if used > SMEM_BYTES:
     return ValueError, f"{used} bytes of shared memory > {SMEM_BYTES} (fewer slots)"
   return None
@@ -95,21 +102,21 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_sm
   (0: an empty item); row r of the item is query head r % N of its token
   r // N. kvo_smem: the latent slots and, once both warpgroups are done
   with them (done_bar), the output tiles in the same bytes."""
-  N, R, ps, slots, num_splits, scale, clustered = dims
+  N, R, ps, slots, num_splits, scale, clustered, keys = dims
   kv_smem, o_smem = kvo_smem
-  ppb = max(1, KEYS // ps)
+  ppb = max(1, keys // ps)
   rb, i, split = lax.axis_index("rows"), lax.axis_index("items"), lax.axis_index("splits")
   wg = lax.axis_index("wg")
   b, pos0, end = item_ref[i, 0], item_ref[i, 1], item_ref[i, 2]
-  blocks = lax.div(end + KEYS - 1, jnp.int32(KEYS))
+  blocks = lax.div(end + keys - 1, jnp.int32(keys))
   per = lax.div(blocks + num_splits - 1, jnp.int32(num_splits))
   lo = split * per
   hi = jnp.minimum(lo + per, blocks)
 
   def issue(blk, slot):
-    n = min(ps, KEYS)
+    n = min(ps, keys)
     for j in range(ppb):
-      key0 = blk * KEYS + j * n
+      key0 = blk * keys + j * n
       page = tab_ref[b, lax.div(key0, jnp.int32(ps))]
       plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), n)],
                               kv_smem.at[slot, pl.ds(j * n, n)], kv_bar.at[slot],
@@ -132,13 +139,13 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2).
   p_smem: [the P tiles] where interpreted (Mosaic GPU's interpreter takes
   neither a register operand nor a stateful wgmma), else []."""
-  N, R, ps, slots, num_splits, scale, _ = dims
+  N, R, ps, slots, num_splits, scale, _, keys = dims
   pos0, end, lo, hi, rb, split, i = span
   q_smem, kv_smem, o_smem, lse_smem, p_smem = smem
   kv_bar, used_bar, done_bar = bars
   half, lay = R // WGS, plgpu.Layout.WGMMA
-  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 1, layout=lay)
-  row = plgpu.broadcasted_iota(jnp.int32, (ROWS, KEYS), 0, layout=lay)
+  col = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 1, layout=lay)
+  row = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 0, layout=lay)
   q_pos = pos0 + lax.div(rb * ROWS + row, jnp.int32(N))
 
   def step(blk, carry):
@@ -149,8 +156,8 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
     def qk(acc_ref):
       plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].T)
       return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, KEYS), jnp.float32)) * (scale * _LOG2E)
-    k_pos = blk * KEYS + col
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
+    k_pos = blk * keys + col
     visible = (k_pos <= q_pos) & (k_pos < end)  # causal; rows past the item's tokens dropped
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
     p16 = p.astype(kv_smem.dtype)
@@ -194,7 +201,7 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
 
 
 def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1, slots=2,
-           cluster=False, interpret=False):
+           cluster=False, block_keys=KEYS, interpret=False):
   """The kernel over work items: rows [I, blocks, ROWS, D] (item i's query
   rows, row r = query head r % N of the item's token r // N), latent_pages
   [P, page_size, D], items [I, 3] int32 (sequence, position of the item's
@@ -202,16 +209,16 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
   (normalised outputs [W, I, blocks, ROWS, R] in q's dtype, log-sum-exps [W,
   I, blocks, ROWS] float32) of the W = num_splits splits (`merge_lse` joins
   them). cluster: an item's 2 to MAX_CLUSTER row blocks run as one cluster
-  sharing each latent read."""
+  sharing each latent read. block_keys: latent rows a loop step (`BLOCK_KEYS`)."""
   I, blocks, _, D = rows.shape
-  ps = latent_pages.shape[1]
-  ppb = max(1, KEYS // ps)
+  ps, keys = latent_pages.shape[1], block_keys
+  ppb = max(1, keys // ps)
   table = page_indices.astype(jnp.int32)
   table = jnp.pad(table, ((0, 0), (0, -table.shape[1] % ppb)))  # whole blocks; padding masked
-  tiles = (plgpu.TilingTransform((8, KEYS)), plgpu.SwizzleTransform(2 * KEYS))
+  tiles = (plgpu.TilingTransform((8, keys)), plgpu.SwizzleTransform(2 * keys))
   smem = lambda *shape: plgpu.SMEM(shape, rows.dtype, transforms=tiles)
   clustered = cluster_blocks(blocks * ROWS, cluster) > 1
-  dims = (N, R, ps, slots, num_splits, float(scale), clustered)
+  dims = (N, R, ps, slots, num_splits, float(scale), clustered, keys)
   if clustered:  # the row blocks are one cluster's programs; slots released cluster-wide
     grid = dict(grid=(I, num_splits), grid_names=("items", "splits"), cluster=(blocks,),
                 cluster_names=("rows",))
@@ -224,19 +231,19 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
       out_type=(jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS, R), rows.dtype),
                 jax.ShapeDtypeStruct((num_splits, I, blocks, ROWS), jnp.float32)),
       scratch_types=(smem(ROWS, D),
-                     plgpu.RefUnion(smem(slots, KEYS, D), smem(WGS, ROWS, R // WGS)),
+                     plgpu.RefUnion(smem(slots, keys, D), smem(WGS, ROWS, R // WGS)),
                      plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_barriers=1),
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used,
                      plgpu.Barrier(num_arrivals=WGS, num_barriers=1),
-                     *([smem(WGS, ROWS, KEYS)] if interpret else [])),
+                     *([smem(WGS, ROWS, keys)] if interpret else [])),
       num_threads=WGS, thread_name="wg", **grid,
       interpret=_INTERPRETER() if interpret else False)
   return kernel(rows, latent_pages, items.astype(jnp.int32), table)
 
 
-def check_call(D, R, ps, dtype, slots, num_splits, cluster, name):
+def check_call(D, R, ps, dtype, slots, num_splits, cluster, name, block_keys=KEYS):
   """Raise the named error `unsupported` (or the call's own arguments) finds."""
-  bad = unsupported(D, R, ps, dtype, slots)
+  bad = unsupported(D, R, ps, dtype, slots, block_keys)
   if bad is None and not (isinstance(num_splits, int) and num_splits >= 1):
     bad = ValueError, f"num_splits must be an int >= 1, got {num_splits!r}"
   if bad is None and not isinstance(cluster, bool):
@@ -246,24 +253,25 @@ def check_call(D, R, ps, dtype, slots, num_splits, cluster, name):
 
 
 def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
-                         num_splits=1, slots=2, cluster=False, interpret=False):
+                         num_splits=1, slots=2, cluster=False, block_keys=KEYS,
+                         interpret=False):
   """Absorbed MLA decode on Mosaic GPU (see the module docstring; shapes as
   `mla_paged_attention`). cluster: a sequence's row blocks share each latent
-  read (`cluster_blocks`). interpret: run on CPU in Mosaic GPU's interpret mode
+  read (`cluster_blocks`). block_keys: latent rows a loop step. interpret: run on CPU in Mosaic GPU's interpret mode
   (which copies the whole block into each program: a multicast's result)."""
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mosaic_mla_attention")
   validate_paged(q, latent_pages[None], None, lengths, page_indices, window=0, sinks=None,
                  name="mosaic_mla_attention")
   B, Q, N, D = q.shape
   check_call(D, R, latent_pages.shape[1], q.dtype, slots, num_splits, cluster,
-             "mosaic_mla_attention")
+             "mosaic_mla_attention", block_keys)
   blocks = -(-Q * N // ROWS)
   rows = jnp.pad(q.reshape(B, Q * N, D), ((0, 0), (0, blocks * ROWS - Q * N), (0, 0)))
   lengths = lengths.astype(jnp.int32)
   items = jnp.stack([jnp.arange(B, dtype=jnp.int32), lengths - Q, lengths], axis=1)
   o, lse = launch(rows.reshape(B, blocks, ROWS, D), latent_pages, items, page_indices, N=N,
                   R=R, scale=sm_scale, num_splits=num_splits, slots=slots, cluster=cluster,
-                  interpret=interpret)
+                  block_keys=block_keys, interpret=interpret)
   out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N]
   out = out.reshape(B, Q, N, R).astype(q.dtype)
   return out[:, 0] if squeeze else out
