@@ -29,6 +29,11 @@ its sequences, a mixed step's its tokens in items of whole tokens
           (as jax's `attention_mgpu`), one [64, 256] accumulator (128
           registers a thread) and no spills (ptxas: 234-238 registers). The
           first warpgroup refills a slot once both have arrived on its barrier.
+          split_scores=True: each warpgroup computes S over half of the 576
+          columns instead of all of them (the whole step's tensor-core work
+          1.5x -> 1x) and the two add their halves through shared memory
+          (float32, double-buffered, a barrier a step); the sum is the same
+          in both (addition commutes), so are their softmax statistics.
   smem    every tile swizzled block_keys x 2 bytes wide: wgmma takes its two
           operands in one swizzle (interpreted, P's [64, block_keys] tile
           goes through shared memory, that wide).
@@ -59,11 +64,14 @@ MAX_CLUSTER = 8  # Hopper's portable cluster size: row blocks sharing one latent
 _LOG2E = math.log2(math.e)
 
 
-def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2, block_keys: int = KEYS) -> int:
+def smem_bytes(D: int, R: int, slots: int, itemsize: int = 2, block_keys: int = KEYS,
+               split_scores: bool = False) -> int:
   """q; `slots` latent blocks, then (the same bytes, once the loop is done)
-  the output tiles of both warpgroups; lse. (Interpreted, P's tiles add
+  the output tiles of both warpgroups; lse; with split_scores the float32
+  halves of S, two steps of each warpgroup's. (Interpreted, P's tiles add
   WGS x ROWS x block_keys; the interpreter has no shared-memory limit.)"""
-  return itemsize * (ROWS * D + max(slots * block_keys * D, ROWS * R)) + 4 * ROWS
+  xchg = 2 * WGS * ROWS * block_keys * 4 if split_scores else 0
+  return itemsize * (ROWS * D + max(slots * block_keys * D, ROWS * R)) + 4 * ROWS + xchg
 
 
 def cluster_blocks(rows: int, cluster: bool) -> int:
@@ -73,7 +81,8 @@ def cluster_blocks(rows: int, cluster: bool) -> int:
   return blocks if cluster and 1 < blocks <= MAX_CLUSTER else 1
 
 
-def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2, block_keys: int = KEYS):
+def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2, block_keys: int = KEYS,
+                split_scores: bool = False):
   """(exception type, why) when the kernel cannot take these sizes, else None."""
   why = available()
   if why:
@@ -89,20 +98,24 @@ def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2, block_key
     return ValueError, f"page_size must divide or be a multiple of {keys}, got {page_size}"
   if not isinstance(slots, int) or slots < 2:
     return ValueError, f"slots must be an int >= 2, got {slots!r}"
-  used = smem_bytes(D, R, slots, jnp.dtype(dtype).itemsize, keys)
+  if not isinstance(split_scores, bool):
+    return TypeError, f"split_scores must be a bool, got {split_scores!r}"
+  used = smem_bytes(D, R, slots, jnp.dtype(dtype).itemsize, keys, split_scores)
   if used > SMEM_BYTES:
     return ValueError, f"{used} bytes of shared memory > {SMEM_BYTES} (fewer slots)"
   return None
 
 
 def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_smem, lse_smem,
-          q_bar, kv_bar, used_bar, done_bar, *p_smem):
+          q_bar, kv_bar, used_bar, done_bar, *extra):
   """One (row block, work item, split). item_ref [I, 3] int32: the item's
   sequence, the position of its first query token and the end of its keys
   (0: an empty item); row r of the item is query head r % N of its token
   r // N. kvo_smem: the latent slots and, once both warpgroups are done
-  with them (done_bar), the output tiles in the same bytes."""
-  N, R, ps, slots, num_splits, scale, clustered, keys = dims
+  with them (done_bar), the output tiles in the same bytes. extra: S's
+  halves and their barriers (split_scores), then P's tiles (interpreted)."""
+  N, R, ps, slots, num_splits, scale, clustered, keys, split_scores = dims
+  xchg, p_smem = extra[:2 * split_scores], extra[2 * split_scores:]
   kv_smem, o_smem = kvo_smem
   ppb = max(1, keys // ps)
   rb, i, split = lax.axis_index("rows"), lax.axis_index("items"), lax.axis_index("splits")
@@ -129,7 +142,7 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_sm
       pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))
   plgpu.barrier_wait(q_bar.at[0])
   span = (pos0, end, lo, hi, rb, split, i)
-  smem = (q_smem, kv_smem, o_smem, lse_smem, p_smem)
+  smem = (q_smem, kv_smem, o_smem, lse_smem, p_smem, xchg)
   for w in range(WGS):  # static slices of the value columns per warpgroup
     pl.when(wg == w)(lambda w=w: _compute(w, dims, span, issue, o_ref, lse_ref, smem,
                                           (kv_bar, used_bar, done_bar)))
@@ -139,9 +152,9 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2).
   p_smem: [the P tiles] where interpreted (Mosaic GPU's interpreter takes
   neither a register operand nor a stateful wgmma), else []."""
-  N, R, ps, slots, num_splits, scale, _, keys = dims
+  N, R, ps, slots, num_splits, scale, _, keys, _ = dims
   pos0, end, lo, hi, rb, split, i = span
-  q_smem, kv_smem, o_smem, lse_smem, p_smem = smem
+  q_smem, kv_smem, o_smem, lse_smem, p_smem, xchg = smem
   kv_bar, used_bar, done_bar = bars
   half, lay = R // WGS, plgpu.Layout.WGMMA
   col = plgpu.broadcasted_iota(jnp.int32, (ROWS, keys), 1, layout=lay)
@@ -154,9 +167,17 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
     plgpu.barrier_wait(kv_bar.at[slot])
 
     def qk(acc_ref):
-      plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].T)
+      if xchg:  # this warpgroup's columns of the dot
+        c0, c1 = score_columns(q_smem.shape[-1], keys, w)
+        plgpu.wgmma(acc_ref, q_smem.at[:, pl.ds(c0, c1 - c0)],
+                    kv_smem.at[slot, :, pl.ds(c0, c1 - c0)].T)
+      else:
+        plgpu.wgmma(acc_ref, q_smem, kv_smem.at[slot].T)
       return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
+    if xchg:
+      s = _add_halves(s, w, lax.rem(blk - lo, jnp.int32(2)), *xchg)
+    s = s * (scale * _LOG2E)
     k_pos = blk * keys + col
     visible = (k_pos <= q_pos) & (k_pos < end)  # causal; rows past the item's tokens dropped
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
@@ -200,8 +221,26 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
   plgpu.wait_smem_to_gmem(0)
 
 
+def score_columns(D: int, keys: int, w: int) -> tuple[int, int]:
+  """Warpgroup w's columns [c0, c1) of S's dot under split_scores: halves
+  at a swizzle tile's edge (576 at 32 keys a step: 288 each; at 64: 320 and
+  256)."""
+  cut = (D // keys + 1) // 2 * keys
+  return (0, cut) if w == 0 else (cut, D)
+
+
+def _add_halves(s, w, parity, xs_smem, x_bar):
+  """S from this warpgroup's half and the other's, through shared memory:
+  buffer `parity` (a step's), so a warpgroup writes a buffer again only
+  after the other has passed the next step's barrier, that is, has read it."""
+  xs_smem.at[parity, w][...] = s
+  plgpu.barrier_arrive(x_bar.at[parity])
+  plgpu.barrier_wait(x_bar.at[parity])
+  return s + plgpu.load(xs_smem.at[parity, 1 - w], layout=plgpu.Layout.WGMMA)
+
+
 def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1, slots=2,
-           cluster=False, block_keys=KEYS, interpret=False):
+           cluster=False, block_keys=KEYS, split_scores=False, interpret=False):
   """The kernel over work items: rows [I, blocks, ROWS, D] (item i's query
   rows, row r = query head r % N of the item's token r // N), latent_pages
   [P, page_size, D], items [I, 3] int32 (sequence, position of the item's
@@ -209,7 +248,8 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
   (normalised outputs [W, I, blocks, ROWS, R] in q's dtype, log-sum-exps [W,
   I, blocks, ROWS] float32) of the W = num_splits splits (`merge_lse` joins
   them). cluster: an item's 2 to MAX_CLUSTER row blocks run as one cluster
-  sharing each latent read. block_keys: latent rows a loop step (`BLOCK_KEYS`)."""
+  sharing each latent read. block_keys: latent rows a loop step (`BLOCK_KEYS`).
+  split_scores: each warpgroup computes half of S's dot (module docstring)."""
   I, blocks, _, D = rows.shape
   ps, keys = latent_pages.shape[1], block_keys
   ppb = max(1, keys // ps)
@@ -218,7 +258,10 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
   tiles = (plgpu.TilingTransform((8, keys)), plgpu.SwizzleTransform(2 * keys))
   smem = lambda *shape: plgpu.SMEM(shape, rows.dtype, transforms=tiles)
   clustered = cluster_blocks(blocks * ROWS, cluster) > 1
-  dims = (N, R, ps, slots, num_splits, float(scale), clustered, keys)
+  dims = (N, R, ps, slots, num_splits, float(scale), clustered, keys, split_scores)
+  f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+  xchg = (plgpu.SMEM((2, WGS, ROWS, keys), jnp.float32, transforms=f32_tiles),
+          plgpu.Barrier(num_arrivals=WGS, num_barriers=2)) if split_scores else ()
   if clustered:  # the row blocks are one cluster's programs; slots released cluster-wide
     grid = dict(grid=(I, num_splits), grid_names=("items", "splits"), cluster=(blocks,),
                 cluster_names=("rows",))
@@ -234,16 +277,17 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
                      plgpu.RefUnion(smem(slots, keys, D), smem(WGS, ROWS, R // WGS)),
                      plgpu.SMEM((ROWS,), jnp.float32), plgpu.Barrier(num_barriers=1),
                      plgpu.Barrier(num_arrivals=ppb, num_barriers=slots), used,
-                     plgpu.Barrier(num_arrivals=WGS, num_barriers=1),
+                     plgpu.Barrier(num_arrivals=WGS, num_barriers=1), *xchg,
                      *([smem(WGS, ROWS, keys)] if interpret else [])),
       num_threads=WGS, thread_name="wg", **grid,
       interpret=_INTERPRETER() if interpret else False)
   return kernel(rows, latent_pages, items.astype(jnp.int32), table)
 
 
-def check_call(D, R, ps, dtype, slots, num_splits, cluster, name, block_keys=KEYS):
+def check_call(D, R, ps, dtype, slots, num_splits, cluster, name, block_keys=KEYS,
+               split_scores=False):
   """Raise the named error `unsupported` (or the call's own arguments) finds."""
-  bad = unsupported(D, R, ps, dtype, slots, block_keys)
+  bad = unsupported(D, R, ps, dtype, slots, block_keys, split_scores)
   if bad is None and not (isinstance(num_splits, int) and num_splits >= 1):
     bad = ValueError, f"num_splits must be an int >= 1, got {num_splits!r}"
   if bad is None and not isinstance(cluster, bool):
@@ -254,24 +298,25 @@ def check_call(D, R, ps, dtype, slots, num_splits, cluster, name, block_keys=KEY
 
 def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *, sm_scale,
                          num_splits=1, slots=2, cluster=False, block_keys=KEYS,
-                         interpret=False):
+                         split_scores=False, interpret=False):
   """Absorbed MLA decode on Mosaic GPU (see the module docstring; shapes as
   `mla_paged_attention`). cluster: a sequence's row blocks share each latent
-  read (`cluster_blocks`). block_keys: latent rows a loop step. interpret: run on CPU in Mosaic GPU's interpret mode
+  read (`cluster_blocks`). block_keys: latent rows a loop step. split_scores:
+  each warpgroup computes half of S's dot. interpret: run on CPU in Mosaic GPU's interpret mode
   (which copies the whole block into each program: a multicast's result)."""
   q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mosaic_mla_attention")
   validate_paged(q, latent_pages[None], None, lengths, page_indices, window=0, sinks=None,
                  name="mosaic_mla_attention")
   B, Q, N, D = q.shape
   check_call(D, R, latent_pages.shape[1], q.dtype, slots, num_splits, cluster,
-             "mosaic_mla_attention", block_keys)
+             "mosaic_mla_attention", block_keys, split_scores)
   blocks = -(-Q * N // ROWS)
   rows = jnp.pad(q.reshape(B, Q * N, D), ((0, 0), (0, blocks * ROWS - Q * N), (0, 0)))
   lengths = lengths.astype(jnp.int32)
   items = jnp.stack([jnp.arange(B, dtype=jnp.int32), lengths - Q, lengths], axis=1)
   o, lse = launch(rows.reshape(B, blocks, ROWS, D), latent_pages, items, page_indices, N=N,
                   R=R, scale=sm_scale, num_splits=num_splits, slots=slots, cluster=cluster,
-                  block_keys=block_keys, interpret=interpret)
+                  block_keys=block_keys, split_scores=split_scores, interpret=interpret)
   out = merge_lse(o.astype(jnp.float32), lse).reshape(B, blocks * ROWS, R)[:, :Q * N]
   out = out.reshape(B, Q, N, R).astype(q.dtype)
   return out[:, 0] if squeeze else out

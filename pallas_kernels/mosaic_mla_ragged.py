@@ -62,10 +62,10 @@ def row_blocks(N: int, cluster: bool = False) -> int:
 
 def mosaic_mla_ragged_attention(q_latent, q_rope, latent_pages, kv_lens, page_indices, cu_q_lens,
                                 *, max_q, sm_scale, num_splits=1, slots=2, cluster=False,
-                                block_keys=mma.KEYS, interpret=False):
+                                block_keys=mma.KEYS, split_scores=False, interpret=False):
   """See the module docstring. max_q (static) >= every sequence's query
-  count (checked like `ragged_paged_attention`). block_keys: latent rows a
-  loop step (`mosaic_mla_attention.BLOCK_KEYS`)."""
+  count (checked like `ragged_paged_attention`). block_keys, split_scores:
+  as `mosaic_mla_attention`'s."""
   name = "mosaic_mla_ragged_attention"
   if q_latent.ndim != 3:
     raise ValueError(f"{name}: q_latent must be [T, N, R], got {q_latent.shape}")
@@ -81,10 +81,10 @@ def mosaic_mla_ragged_attention(q_latent, q_rope, latent_pages, kv_lens, page_in
   validate_paged(jax.ShapeDtypeStruct((B, max_q, N, D), q.dtype), latent_pages[None], None,
                  kv_lens, page_indices, window=0, sinks=None, name=name, q_lens=cu[1:] - cu[:-1])
   mma.check_call(D, R, latent_pages.shape[1], q.dtype, slots, num_splits, cluster, name,
-                 block_keys)
+                 block_keys, split_scores)
   kv_lens = kv_lens.astype(jnp.int32)
   kw = dict(N=N, R=R, scale=sm_scale, num_splits=num_splits, slots=slots, cluster=cluster,
-            block_keys=block_keys, interpret=interpret)
+            block_keys=block_keys, split_scores=split_scores, interpret=interpret)
   _, seq, valid = token_sequences(cu, T)
   launch = lambda q, wide, keep=None, num=None: _items(q, latent_pages, kv_lens, page_indices,
                                                        cu, seq, wide, kw, keep, num)

@@ -24,10 +24,11 @@ The ragged step also runs as "ours_mosaic" (`mosaic_ragged_attention`, Hopper)
 "ours_mosaic_cluster" (those items in clusters sharing each K/V read,
 cluster=True); MLA also as "ours_mosaic_cluster" (row blocks sharing each
 latent read, cluster=True), "ours_mosaic_slots4" (4 latent blocks in
-flight) and "ours_mosaic_keys64" (64 latent rows a loop step, block_keys=64);
+flight), "ours_mosaic_keys64" (64 latent rows a loop step, block_keys=64)
+and "ours_mosaic_split" (each warpgroup half of S's dot, split_scores=True);
 a mixed MLA step ("ragged", DeepSeek's 128 heads) on the Triton ragged kernel
 ("ours") and the Mosaic items ("ours_mosaic_items", clustered;
-"ours_mosaic_items_plain"; "ours_mosaic_items_keys64").
+"ours_mosaic_items_plain"; "ours_mosaic_items_keys64"; "ours_mosaic_items_split").
 
 The decode kernels also run as "ours_split": the same kernel with split-K
 (`num_splits`) sized to give the GPU about two programs per SM.
@@ -352,6 +353,11 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
                         cluster=cluster, block_keys=64),
       skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, block_keys=64)),
       note=f"as ours_mosaic{'_cluster' if cluster else ''} with 64 latent rows a loop step")
+  impls["ours_mosaic_split"] = Impl(
+      functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
+                        cluster=cluster, split_scores=True),
+      skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, split_scores=True)),
+      note=f"as ours_mosaic{'_cluster' if cluster else ''}, each warpgroup half of S's dot")
   reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
   temp = f32_pages + 3 * 4.0 * B * N * pps * ps
   if env.peers:
@@ -486,9 +492,8 @@ def _mla_ragged_case(env, *, name, seqs, ps, N, R, Hr):
   triton = lambda q, pages, *rest: pk.ragged_paged_attention(
       q, pages[None], None, *rest, max_q=max_q, sm_scale=scale, v_head_dim=R,
       interpret=env.interpret)
-  mosaic = lambda q, pages, *rest, cluster, keys=mma.KEYS: mmr.mosaic_mla_ragged_attention(
-      q[..., :R], q[..., R:], pages, *rest, max_q=max_q, sm_scale=scale, cluster=cluster,
-      block_keys=keys)
+  mosaic = lambda q, pages, *rest, cluster, **kw: mmr.mosaic_mla_ragged_attention(
+      q[..., :R], q[..., R:], pages, *rest, max_q=max_q, sm_scale=scale, cluster=cluster, **kw)
   skip = _mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype))
   impls = {"ours": Impl(triton, note="Triton ragged kernel over the latent pool")}
   impls["ours_mosaic_items"] = Impl(
@@ -499,9 +504,13 @@ def _mla_ragged_case(env, *, name, seqs, ps, N, R, Hr):
       functools.partial(mosaic, cluster=False), skip=skip,
       note=f"Mosaic GPU items of {mmr.tokens_per_item(N)} tokens, no clusters")
   impls["ours_mosaic_items_keys64"] = Impl(
-      functools.partial(mosaic, cluster=True, keys=64),
+      functools.partial(mosaic, cluster=True, block_keys=64),
       skip=_mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype, block_keys=64)),
       note="as ours_mosaic_items with 64 latent rows a loop step")
+  impls["ours_mosaic_items_split"] = Impl(
+      functools.partial(mosaic, cluster=True, split_scores=True),
+      skip=_mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype, split_scores=True)),
+      note="as ours_mosaic_items, each warpgroup half of S's dot")
   reference = lambda q, *rest: mmr.mosaic_mla_ragged_attention_reference(
       q[..., :R], q[..., R:], *rest, max_q=max_q, sm_scale=scale)
   temp = 4.0 * B * pps * ps * D + 3 * 4.0 * B * N * max_q * pps * ps

@@ -90,22 +90,27 @@ if mpa.available() is None:
         mpa.mosaic_paged_attention(q, pages, pages, jnp.ones((1,), jnp.int32),
                                    jnp.zeros((1, 4), jnp.int32), interpret=True, **kw)
 
-    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits,cluster,slots,keys", [
-        (2, 1, 16, 128, 64, 64, 3, 1, False, 2, 32),   # TP-sharded heads, a page = two steps
+    @pytest.mark.parametrize("B,Q,N,R,Hr,ps,pps,splits,cluster,slots,kw", [
+        (2, 1, 16, 128, 64, 64, 3, 1, False, 2, {}),   # TP-sharded heads, a page = two steps
         # 128 rows = two row blocks, pages pair up, split-K; 3 slots in flight
-        (1, 2, 64, 128, 64, 16, 5, 2, False, 3, 32),
-        (3, 1, 8, 512, 64, 32, 2, 1, False, 2, 32),    # DeepSeek's latent and rope widths
+        (1, 2, 64, 128, 64, 16, 5, 2, False, 3, {}),
+        (3, 1, 8, 512, 64, 32, 2, 1, False, 2, {}),    # DeepSeek's latent and rope widths
         # The row blocks as one cluster sharing each latent read: 2 blocks with pages
         # paired and split-K (an empty split when short), 4 (two sequences; 4 slots), 8.
-        (2, 2, 64, 128, 64, 16, 5, 2, True, 2, 32),
-        (2, 4, 64, 128, 64, 16, 4, 1, True, 4, 32),
-        (1, 4, 128, 128, 64, 64, 2, 2, True, 2, 32),
+        (2, 2, 64, 128, 64, 16, 5, 2, True, 2, {}),
+        (2, 4, 64, 128, 64, 16, 4, 1, True, 4, {}),
+        (1, 4, 128, 128, 64, 64, 2, 2, True, 2, {}),
         # 64 keys a step (128-byte swizzles): DeepSeek's widths with pages of 32
         # paired; 4 pages of 16 a step, clustered and split-K (the last block partial).
-        (3, 1, 8, 512, 64, 32, 3, 1, False, 2, 64),
-        (2, 2, 64, 128, 64, 16, 5, 2, True, 2, 64),
+        (3, 1, 8, 512, 64, 32, 3, 1, False, 2, dict(block_keys=64)),
+        (2, 2, 64, 128, 64, 16, 5, 2, True, 2, dict(block_keys=64)),
+        # Each warpgroup computes half of S's dot (halves 288 + 288 at 32 keys a step;
+        # 128 + 64 of 192 at 64), the two added through shared memory: over 3 slots,
+        # clustered and split-K.
+        (3, 1, 8, 512, 64, 32, 3, 1, False, 3, dict(split_scores=True)),
+        (2, 2, 64, 128, 64, 16, 5, 2, True, 2, dict(split_scores=True, block_keys=64)),
     ])
-    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits, cluster, slots, keys):
+    def test_mla_matches_reference(self, B, Q, N, R, Hr, ps, pps, splits, cluster, slots, kw):
       rng = np.random.default_rng(B * N + ps)
       P = B * pps + 1
       q = jnp.asarray(rng.normal(size=(B, Q, N, R + Hr)), jnp.bfloat16)
@@ -115,7 +120,7 @@ if mpa.available() is None:
       scale = (R + Hr) ** -0.5
       out = mma.mosaic_mla_attention(q[..., :R], q[..., R:], pages, lens, tables, sm_scale=scale,
                                      num_splits=splits, cluster=cluster, slots=slots,
-                                     block_keys=keys, interpret=self.interpret)
+                                     interpret=self.interpret, **kw)
       f32 = lambda x: x.astype(jnp.float32)
       ref = pk.mla_paged_attention_reference(f32(q[..., :R]), f32(q[..., R:]), f32(pages), lens,
                                              tables, sm_scale=scale)
@@ -127,7 +132,9 @@ if mpa.available() is None:
         (128, 64, 16, jnp.float32, {}, "bfloat16"),
         (128, 64, 16, jnp.bfloat16, dict(block_keys=48), "block_keys must be one of"),
         (64, 64, 16, jnp.bfloat16, dict(block_keys=64), "multiple of 128"),
-        (512, 64, 64, jnp.bfloat16, dict(block_keys=64, slots=3), "shared memory")])
+        (512, 64, 64, jnp.bfloat16, dict(block_keys=64, slots=3), "shared memory"),
+        (512, 64, 64, jnp.bfloat16, dict(block_keys=64, split_scores=True), "shared memory"),
+        (128, 64, 16, jnp.bfloat16, dict(split_scores=1), "split_scores must be a bool")])
     def test_mla_bad_inputs_are_named(self, R, Hr, ps, dtype, kw, match):
       q = jnp.zeros((1, 4, R + Hr), dtype)
       with pytest.raises((ValueError, TypeError), match=match):
@@ -239,24 +246,26 @@ if mpa.available() is None:
                            for k in kernels), kernels
     assert mpa.smem_bytes(D, ps, kw.get("slots", 2)) <= mpa.SMEM_BYTES
 
-  @pytest.mark.parametrize("B,N,ps,pps,splits,keys,cluster", [
-      (8, 128, 64, 128, 4, 32, False),   # DeepSeek-V3 without TP: 128 heads, 8k context
-      (64, 16, 64, 16, 1, 32, False),    # 16 heads a device under TP 8, 1k context
-      (8, 128, 16, 512, 4, 64, True),    # 64 keys a step (4 pages of 16), clustered
+  @pytest.mark.parametrize("B,N,ps,pps,splits,kw", [
+      (8, 128, 64, 128, 4, {}),   # DeepSeek-V3 without TP: 128 heads, 8k context
+      (64, 16, 64, 16, 1, {}),    # 16 heads a device under TP 8, 1k context
+      # 64 keys a step (4 pages of 16), clustered; S's dot split, over 3 slots
+      (8, 128, 16, 512, 4, dict(block_keys=64, cluster=True)),
+      (8, 128, 64, 128, 4, dict(split_scores=True, cluster=True, slots=3)),
   ])
-  def test_mla_compiles_for_h100_at_serving_shapes(B, N, ps, pps, splits, keys, cluster):
-    """ptxas: no spills (P V accumulates in place; 234 registers measured at
-    32 keys a step, 254-255 at 64)."""
+  def test_mla_compiles_for_h100_at_serving_shapes(B, N, ps, pps, splits, kw):
+    """ptxas: no spills (P V accumulates in place; measured: 234 registers
+    at 32 keys a step, 254-255 at 64, 232 with S's dot split over 3 slots)."""
     def build(sharding):
       s = lambda shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sharding)
       i = lambda shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
-      fn = lambda *a: mma.mosaic_mla_attention(*a, sm_scale=0.1, num_splits=splits,
-                                               block_keys=keys, cluster=cluster)
+      fn = lambda *a: mma.mosaic_mla_attention(*a, sm_scale=0.1, num_splits=splits, **kw)
       return fn, (s((B, N, 512)), s((B, N, 64)), s((B * pps, ps, 576)), i((B,)), i((B, pps)))
     kernels = mosaic_kernels_for_h100(build)
     assert kernels and all(0 < k["registers"] <= 255 and k["spill_store_bytes"] == 0
                            for k in kernels), kernels
-    assert mma.smem_bytes(576, 512, 2, block_keys=keys) <= mpa.SMEM_BYTES
+    assert mma.smem_bytes(576, 512, kw.get("slots", 2), 2, kw.get("block_keys", mma.KEYS),
+                          kw.get("split_scores", False)) <= mpa.SMEM_BYTES
 
   GATE = [c for c in gpu_cases.CASES
           if c.kernel in ("paged", "mla") and "h100" in c.gpus and not c.kv_dtype]

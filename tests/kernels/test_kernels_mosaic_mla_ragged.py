@@ -18,7 +18,7 @@ from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_mla_ragged as mmr
 from pallas_kernels import mosaic_paged_attention as mpa
 
-CASES = [  # N, R, Hr, ps, pps, q_lens, kv_lens, pad tokens, cluster, splits(, block_keys)
+CASES = [  # N, R, Hr, ps, pps, q_lens, kv_lens, pad tokens, cluster, splits(, kernel kwargs)
     # 16 heads (DeepSeek under TP 8): items of 4 tokens, one 64-row block each; a 40-token
     # chunk beside decodes, a fresh 5-token prompt and padding tokens
     (16, 64, 32, 16, 8, [40, 1, 5, 1], [100, 33, 5, 64], 2, False, 1),
@@ -29,7 +29,9 @@ CASES = [  # N, R, Hr, ps, pps, q_lens, kv_lens, pad tokens, cluster, splits(, b
     # tokens (8 blocks); pages of 32 are one 32-key step
     (128, 64, 32, 32, 4, [6, 1], [70, 40], 1, True, 1),
     # 64 keys a step (4 pages of 16): items' causal ends inside a step, split-K
-    (16, 128, 64, 16, 8, [40, 1, 5, 1], [100, 33, 5, 64], 2, False, 2, 64),
+    (16, 128, 64, 16, 8, [40, 1, 5, 1], [100, 33, 5, 64], 2, False, 2, dict(block_keys=64)),
+    # each warpgroup half of S's dot (`mosaic_mla_attention`'s split_scores)
+    (16, 64, 32, 16, 8, [40, 1, 5, 1], [100, 33, 5, 64], 2, False, 2, dict(split_scores=True)),
 ]
 
 
@@ -95,7 +97,7 @@ if mpa.available() is None:
 
     @pytest.mark.parametrize("case", range(len(CASES)))
     def test_matches_reference(self, case):
-      N, R, Hr, ps, pps, q_lens, kv_lens, pad, cluster, splits, *keys = CASES[case]
+      N, R, Hr, ps, pps, q_lens, kv_lens, pad, cluster, splits, *kw = CASES[case]
       q, pages, kl, table, cu = _inputs(np.random.default_rng(case), N, R, Hr, ps, pps, q_lens,
                                         kv_lens, pad)
       scale, max_q = (R + Hr) ** -0.5, max(q_lens)
@@ -103,8 +105,7 @@ if mpa.available() is None:
       # (`mosaic_mla_ragged`'s docstring); compiled, jit.
       call = lambda q, pages, kl, table, cu: mmr.mosaic_mla_ragged_attention(
           q[..., :R], q[..., R:], pages, kl, table, cu, max_q=max_q, sm_scale=scale,
-          num_splits=splits, cluster=cluster, block_keys=(keys or [mma.KEYS])[0],
-          interpret=self.interpret)
+          num_splits=splits, cluster=cluster, interpret=self.interpret, **(kw or [{}])[0])
       out = (call if self.interpret else jax.jit(call))(q, pages, kl, table, cu)
       ref = mmr.mosaic_mla_ragged_attention_reference(q[..., :R], q[..., R:], pages, kl, table,
                                                       cu, max_q=max_q, sm_scale=scale)
