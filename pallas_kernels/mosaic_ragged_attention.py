@@ -28,7 +28,8 @@ cluster=True (with wide): a sequence longer than one item of CLUSTER_TILES
 portable 8) programs that share each K / V block (`cluster_items`): a
 chunk's KV is read once per CLUSTER x 256 // G tokens. The other sequences
 (decodes, short chunks) keep the wide items; the step takes two launches,
-each token's output taken from its sequence's.
+each token's output taken from its sequence's, and each launch enumerates
+(and gathers query rows for) its own sequences' items only.
 """
 
 from __future__ import annotations
@@ -164,25 +165,24 @@ def mosaic_ragged_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_len
             interpret=interpret)
   tiles = mwa.TILES if wide else 1
   per = tokens_per_item(G, tiles=tiles)
-  items, first, item_cu = work_items(cu, kv_lens, per_item=per,
-                                     num_items=max_items(T, B, G, tiles=tiles))
-  rows = item_rows(q, first, items, group=G, per_item=per, rows=tiles * mpa.ROWS)
+  num_items, keep = max_items(T, B, G, tiles=tiles), None
   _, seq, valid = token_sequences(cu, T)
-  if not cluster:
-    o, lse = (mwa.launch if wide else mpa.launch)(
-        rows, k_pages, v_pages, items, page_indices, layer, window, **kw)
-    out = to_tokens(o, lse, sinks, G, per, item_cu, cu, seq)
-  else:
-    c_items, c_first, c_cu = work_items(
-        cu, kv_lens, per_item=tokens_per_item(G, tiles=mwa.CLUSTER_TILES),
-        num_items=max_items(T, B, G, tiles=mwa.CLUSTER_TILES))
-    clustered = (c_cu[1:] - c_cu[:-1]) >= 2  # [B]: sequences on the clustered launch
-    alone = jnp.where(clustered[items[:, 0]][:, None], 0, items)  # theirs empty here
-    o, lse = mwa.launch(rows, k_pages, v_pages, alone, page_indices, layer, window, **kw)
-    out = jnp.where(clustered[seq][:, None, None],
+  if cluster:
+    c_per = tokens_per_item(G, tiles=mwa.CLUSTER_TILES)
+    c_items, c_first, c_cu = work_items(cu, kv_lens, per_item=c_per,
+                                        num_items=max_items(T, B, G, tiles=mwa.CLUSTER_TILES))
+    keep = (c_cu[1:] - c_cu[:-1]) < 2  # [B]: sequences not on the clustered launch
+    # Each holds at most one clustered item's tokens: the wide launch is theirs only.
+    num_items = min(num_items, B * -(-c_per // per))
+  items, first, item_cu = work_items(cu, kv_lens, per_item=per, num_items=num_items, keep=keep)
+  rows = item_rows(q, first, items, group=G, per_item=per, rows=tiles * mpa.ROWS)
+  o, lse = (mwa.launch if wide else mpa.launch)(
+      rows, k_pages, v_pages, items, page_indices, layer, window, **kw)
+  out = to_tokens(o, lse, sinks, G, per, item_cu, cu, seq)
+  if cluster:
+    out = jnp.where(keep[seq][:, None, None], out,
                     _clustered(q, k_pages, v_pages, c_items, c_first, c_cu, page_indices,
-                               layer, window, sinks, seq, cu, **kw),
-                    to_tokens(o, lse, sinks, G, per, item_cu, cu, seq))
+                               layer, window, sinks, seq, cu, **kw))
   return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
 
 
@@ -208,8 +208,9 @@ def _clustered(q, k_pages, v_pages, items, first, item_cu, page_indices, layer, 
   per = tokens_per_item(G, tiles=tiles)
   member, spans, idx = cluster_items(items, item_cu, cluster=C,
                                      num_clusters=max_clusters(T, items.shape[0], G, C))
-  rows = item_rows(q, first, items, group=G, per_item=per, rows=tiles * mpa.ROWS)
-  rows = jnp.where((idx >= 0)[:, None, None, None], rows[jnp.maximum(idx, 0)], 0)
+  # The members' rows, gathered once (a member of no item ends at 0: its rows are 0).
+  rows = item_rows(q, first[jnp.maximum(idx, 0)], member, group=G, per_item=per,
+                   rows=tiles * mpa.ROWS)
   o, lse = mwa.launch(rows, k_pages, v_pages, member, page_indices, layer, window, G=G,
                       spans=spans, cluster=C, **kw)
   I = items.shape[0]  # item i is the member that holds it (0: an item of no cluster)

@@ -110,6 +110,33 @@ def test_cluster_items_hold_each_chunk_item_once(q_lens, T):
 
 if mpa.available() is None:
 
+  def test_each_launch_of_a_clustered_step_gathers_its_own_items_only(monkeypatch):
+    """cluster=True: the wide launch enumerates only the sequences left out
+    of clusters (at most 2 wide items each), not the step's every item, and
+    the clustered launch gathers each member's rows once, at its item."""
+    calls = []
+
+    def launch(rows, k_pages, v_pages, items, *args, num_splits, **kw):
+      calls.append((np.asarray(rows, np.float32), np.asarray(items)))
+      shape = (num_splits, *rows.shape)
+      return jnp.zeros(shape, rows.dtype), jnp.zeros(shape[:-1], jnp.float32)
+    monkeypatch.setattr(mwa, "launch", launch)
+    N, K, D, ps, pps, q_lens, kv_lens, pad, _ = CASES[5]  # 150 and 20 tokens cluster, 1 not
+    q, kp, vp, kl, table, cu = _inputs(np.random.default_rng(0), N, K, D, ps, pps, q_lens,
+                                       kv_lens, pad)
+    mra.mosaic_ragged_attention(q, kp, vp, kl, table, cu, max_q=150, wide=True, cluster=True,
+                                interpret=True)
+    (rows, items), (c_rows, members) = calls
+    assert len(items) == 3 * 2 < mra.max_items(q.shape[0], 3, N // K, True)
+    assert items.tolist() == [[1, 49, 50]] + [[0, 0, 0]] * 5
+    assert rows[0, 0, :N // K].any() and not rows[0, 0, N // K:].any() and not rows[1:].any()
+    live = members[:, 2] > 0
+    assert live.sum() == 10 + 2  # the 150-token chunk's items of 16 tokens, the 20-token one's
+    assert all(c_rows[m].any() for m in np.flatnonzero(live)) and not c_rows[~live].any()
+    first = int(np.flatnonzero(live)[0])  # the chunk's first item: its first 16 tokens
+    np.testing.assert_array_equal(c_rows[first, 0].reshape(16, N // K, D),
+                                  np.asarray(q[:16], np.float32).reshape(16, N // K, D))
+
   class TestMosaicRagged:
     interpret = True
 
