@@ -225,13 +225,14 @@ if mpa.available() is None:
                for name, variant in (("plain", {}), ("wide", dict(wide=True)),
                                      ("cluster", dict(wide=True, cluster=True)))}
     # ptxas's figures per kernel built: the clustered step is two launches, wide items
-    # for the decodes (built already, unless a cached build is reused) and clustered
-    # ones for the chunk, lowered last; its 4 warpgroups share the register file (128
-    # a thread), spilling at most a few registers.
-    assert [len(k) for k in kernels.values()][:2] == [1, 1] and kernels["cluster"], kernels
+    # for the sequences left out of clusters (a grid of their items only: a build of
+    # its own, 147 registers at Qwen3-MoE's case) and clustered ones for the chunk, whose
+    # 4 warpgroups share the register file (128 a thread), spilling at most a few.
+    assert [len(k) for k in kernels.values()][:2] == [1, 1], kernels
+    assert 1 <= len(kernels["cluster"]) <= 2, kernels
     for k in sum(kernels.values(), []):
       assert 0 < k["registers"] <= 255 and k["spill_store_bytes"] <= 256, (c.name, kernels)
-    assert kernels["cluster"][-1]["registers"] <= 128
+    assert min(k["registers"] for k in kernels["cluster"]) <= 128, kernels
     assert mpa.smem_bytes(c.D, c.ps, 2) <= mpa.SMEM_BYTES
     planned, minimum = _planned_keys(c)
     decode_only = (c.B - 1) * -(-c.ctx // 64) * 64
