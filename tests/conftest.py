@@ -17,13 +17,16 @@ is XLA:CPU compiling small programs that then run a few steps. The jax flag
 sets it; XLA's HLO passes are the same, only LLVM optimises the machine code
 less. Full suite, `-n 2`, one run each on the 2-core machine: 35 min at level
 0 (62 CPU-minutes), 49 min at level 1 (89). Tests whose time goes into
-running many steps rather than compiling take the `optimized` fixture: the
-soaks (alone, 31 + 34 s at level 0, 16 + 23 s optimised) and the MTP
-training tests (20 + 19 s, 12 + 14 s). The speculative tests on the default
-model are compile-bound (22-38 s each at level 0; 28-51 s optimised), so
-they stay at 0. The notebooks (tests/repo/test_notebooks.py), benchmarks
-(experiments/) and users keep XLA's default (colab/sharding.ipynb: 54 s at
-the default, 100 s at level 0). Test subprocesses get TEST_ENV
+running many steps rather than compiling take the `optimized` fixture (the
+recommender and video serving tests). The soaks and the MTP training tests
+took it too until their compiles outgrew their steps (2026-11-29, each
+alone: the speculative soak 125 s optimised, 74 s at level 0, 92 s of it
+XLA compiling 59 programs when optimised; the multi-step soak 33 s at level
+0; the MTP tests 34 + 30 + 12 s against 18 + 17 + 3 s), so they run at 0.
+The speculative tests on the default model are compile-bound (22-38 s each
+at level 0; 28-51 s optimised), so they stay at 0. The notebooks
+(tests/repo/test_notebooks.py), benchmarks (experiments/) and users keep
+XLA's default (colab/sharding.ipynb: 54 s at the default, 100 s at level 0). Test subprocesses get TEST_ENV
 (`subprocess_env`).
 
 On jax 0.10, XLA:CPU also compiles with its older loop fusion emitters

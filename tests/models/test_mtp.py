@@ -21,7 +21,7 @@ def _cfg(**kw):
 
 @pytest.mark.parametrize("kw", [dict(), dict(num_mtp_layers=2, dense_layers=(0, 2))],
                          ids=["one-moe-module", "two-modules-dense"])
-def test_train_form_equals_cached_form(kw, optimized):
+def test_train_form_equals_cached_form(kw):
   cfg = _cfg(**kw)
   params = models.init_params(cfg, jax.random.key(0))
   B, T = 2, 12
@@ -65,7 +65,7 @@ def test_mtp_block_follows_dense_layers():
     mtp.module_for(_cfg(num_mtp_layers=0), 1)
 
 
-def test_loss_masks_and_training_lowers_it(optimized):
+def test_loss_masks_and_training_lowers_it():
   cfg = _cfg()
   params = models.init_params(cfg, jax.random.key(1))
   data = np.frombuffer(b"def f(x):\n    return x + 1\n" * 40, np.uint8)

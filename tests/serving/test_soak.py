@@ -21,8 +21,7 @@ def default_model():
 # Speculative steps, and plain multi-step decodes (CI time: plain single steps
 # are the engine tests' default, and experiments/soak.py runs them long).
 @pytest.mark.parametrize("speculative,decode_steps,seed", [(2, 1, 2), (0, 4, 4)])
-def test_short_soak_keeps_every_invariant(default_model, speculative, decode_steps, seed,
-                                          optimized):
+def test_short_soak_keeps_every_invariant(default_model, speculative, decode_steps, seed):
   engine = dataclasses.replace(soak.SoakConfig().engine, decode_steps=decode_steps)
   config = soak.SoakConfig(steps=32, seed=seed, speculative=speculative,
                            engine=engine,
