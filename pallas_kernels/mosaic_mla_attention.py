@@ -45,6 +45,7 @@ Not yet: quantized latent pages; Q x N is padded to whole row blocks.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +107,20 @@ def unsupported(D: int, R: int, page_size: int, dtype, slots: int = 2, block_key
   return None
 
 
-def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_smem, lse_smem,
+class _Dims(NamedTuple):
+  """A launch's static sizes and choices (`launch`'s arguments)."""
+  N: int  # query heads
+  R: int  # latent (value) width
+  ps: int  # page size
+  slots: int
+  num_splits: int
+  scale: float
+  clustered: bool
+  keys: int  # block_keys
+  split_scores: bool
+
+
+def _body(dims: _Dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_smem, lse_smem,
           q_bar, kv_bar, used_bar, done_bar, *extra):
   """One (row block, work item, split). item_ref [I, 3] int32: the item's
   sequence, the position of its first query token and the end of its keys
@@ -114,8 +128,8 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_sm
   r // N. kvo_smem: the latent slots and, once both warpgroups are done
   with them (done_bar), the output tiles in the same bytes. extra: S's
   halves and their barriers (split_scores), then P's tiles (interpreted)."""
-  N, R, ps, slots, num_splits, scale, clustered, keys, split_scores = dims
-  xchg, p_smem = extra[:2 * split_scores], extra[2 * split_scores:]
+  ps, num_splits, keys = dims.ps, dims.num_splits, dims.keys
+  xchg, p_smem = extra[:2 * dims.split_scores], extra[2 * dims.split_scores:]
   kv_smem, o_smem = kvo_smem
   ppb = max(1, keys // ps)
   rb, i, split = lax.axis_index("rows"), lax.axis_index("items"), lax.axis_index("splits")
@@ -133,12 +147,12 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_sm
       page = tab_ref[b, lax.div(key0, jnp.int32(ps))]
       plgpu.copy_gmem_to_smem(kv_ref.at[page, pl.ds(lax.rem(key0, jnp.int32(ps)), n)],
                               kv_smem.at[slot, pl.ds(j * n, n)], kv_bar.at[slot],
-                              collective_axes="rows" if clustered else None)
+                              collective_axes="rows" if dims.clustered else None)
 
   @pl.when(wg == 0)
   def _():
     plgpu.copy_gmem_to_smem(q_ref.at[i, rb], q_smem, q_bar.at[0])
-    for s in range(slots):
+    for s in range(dims.slots):
       pl.when(lo + s < hi)(lambda s=s: issue(lo + s, s))
   plgpu.barrier_wait(q_bar.at[0])
   span = (pos0, end, lo, hi, rb, split, i)
@@ -148,11 +162,11 @@ def _body(dims, q_ref, kv_ref, item_ref, tab_ref, o_ref, lse_ref, q_smem, kvo_sm
                                           (kv_bar, used_bar, done_bar)))
 
 
-def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
+def _compute(w, dims: _Dims, span, issue, o_ref, lse_ref, smem, bars):
   """Warpgroup w: the whole softmax, value columns [w * R/2, (w + 1) * R/2).
   p_smem: [the P tiles] where interpreted (Mosaic GPU's interpreter takes
   neither a register operand nor a stateful wgmma), else []."""
-  N, R, ps, slots, num_splits, scale, _, keys, _ = dims
+  N, R, slots, keys = dims.N, dims.R, dims.slots, dims.keys
   pos0, end, lo, hi, rb, split, i = span
   q_smem, kv_smem, o_smem, lse_smem, p_smem, xchg = smem
   kv_bar, used_bar, done_bar = bars
@@ -177,7 +191,7 @@ def _compute(w, dims, span, issue, o_ref, lse_ref, smem, bars):
     s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32))
     if xchg:
       s = _add_halves(s, w, lax.rem(blk - lo, jnp.int32(2)), *xchg)
-    s = s * (scale * _LOG2E)
+    s = s * (dims.scale * _LOG2E)
     k_pos = blk * keys + col
     visible = (k_pos <= q_pos) & (k_pos < end)  # causal; rows past the item's tokens dropped
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
@@ -258,7 +272,7 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
   tiles = (plgpu.TilingTransform((8, keys)), plgpu.SwizzleTransform(2 * keys))
   smem = lambda *shape: plgpu.SMEM(shape, rows.dtype, transforms=tiles)
   clustered = cluster_blocks(blocks * ROWS, cluster) > 1
-  dims = (N, R, ps, slots, num_splits, float(scale), clustered, keys, split_scores)
+  dims = _Dims(N, R, ps, slots, num_splits, float(scale), clustered, keys, split_scores)
   f32_tiles = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
   xchg = (plgpu.SMEM((2, WGS, ROWS, keys), jnp.float32, transforms=f32_tiles),
           plgpu.Barrier(num_arrivals=WGS, num_barriers=2)) if split_scores else ()
