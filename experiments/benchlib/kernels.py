@@ -310,6 +310,12 @@ def _paged_cases(env, shapes):
 # ----------------------------------------------------------------------------- mla
 
 
+# The MLA kernel's variants kernel_bench times beside it: name, kwargs, what changes.
+_MLA_VARIANTS = (("slots4", dict(slots=4), " with 4 latent blocks in flight"),
+                 ("keys64", dict(block_keys=64), " with 64 latent rows a loop step"),
+                 ("split", dict(split_scores=True), ", each warpgroup half of S's dot"))
+
+
 def _mla_case(env, *, B, S, ps, N, R, Hr):
   item, lengths = jnp.dtype(env.dtype).itemsize, [S] * B
   pps = -(-S // ps)
@@ -343,21 +349,12 @@ def _mla_case(env, *, B, S, ps, N, R, Hr):
         note=f"Mosaic GPU, {mma.cluster_blocks(N, True)} row blocks a cluster sharing each "
              f"latent read (TMA multicast), num_splits={mosaic_splits}")
   cluster = mma.cluster_blocks(N, True) > 1
-  impls["ours_mosaic_slots4"] = Impl(
-      functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
-                        cluster=cluster, slots=4),
-      skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, slots=4)),
-      note=f"as ours_mosaic{'_cluster' if cluster else ''} with 4 latent blocks in flight")
-  impls["ours_mosaic_keys64"] = Impl(
-      functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
-                        cluster=cluster, block_keys=64),
-      skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, block_keys=64)),
-      note=f"as ours_mosaic{'_cluster' if cluster else ''} with 64 latent rows a loop step")
-  impls["ours_mosaic_split"] = Impl(
-      functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
-                        cluster=cluster, split_scores=True),
-      skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, split_scores=True)),
-      note=f"as ours_mosaic{'_cluster' if cluster else ''}, each warpgroup half of S's dot")
+  for name, kw, what in _MLA_VARIANTS:  # each as ours_mosaic(_cluster) with one change
+    impls[f"ours_mosaic_{name}"] = Impl(
+        functools.partial(mma.mosaic_mla_attention, sm_scale=scale, num_splits=mosaic_splits,
+                          cluster=cluster, **kw),
+        skip=_mosaic_skip(env, mma.unsupported(R + Hr, R, ps, env.dtype, **kw)),
+        note=f"as ours_mosaic{'_cluster' if cluster else ''}{what}")
   reference = functools.partial(pk.mla_paged_attention_reference, sm_scale=scale)
   temp = f32_pages + 3 * 4.0 * B * N * pps * ps
   if env.peers:
@@ -503,14 +500,11 @@ def _mla_ragged_case(env, *, name, seqs, ps, N, R, Hr):
   impls["ours_mosaic_items_plain"] = Impl(
       functools.partial(mosaic, cluster=False), skip=skip,
       note=f"Mosaic GPU items of {mmr.tokens_per_item(N)} tokens, no clusters")
-  impls["ours_mosaic_items_keys64"] = Impl(
-      functools.partial(mosaic, cluster=True, block_keys=64),
-      skip=_mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype, block_keys=64)),
-      note="as ours_mosaic_items with 64 latent rows a loop step")
-  impls["ours_mosaic_items_split"] = Impl(
-      functools.partial(mosaic, cluster=True, split_scores=True),
-      skip=_mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype, split_scores=True)),
-      note="as ours_mosaic_items, each warpgroup half of S's dot")
+  for name, kw, what in _MLA_VARIANTS[1:]:  # 64 keys a step; S's dot split
+    impls[f"ours_mosaic_items_{name}"] = Impl(
+        functools.partial(mosaic, cluster=True, **kw),
+        skip=_mosaic_skip(env, mma.unsupported(D, R, ps, env.dtype, **kw)),
+        note=f"as ours_mosaic_items{what}")
   reference = lambda q, *rest: mmr.mosaic_mla_ragged_attention_reference(
       q[..., :R], q[..., R:], *rest, max_q=max_q, sm_scale=scale)
   temp = 4.0 * B * pps * ps * D + 3 * 4.0 * B * N * max_q * pps * ps
