@@ -1,7 +1,8 @@
 """Compile for GPUs from a CPU process: compile-only H100 / A100 devices.
 
-With `jax[cuda12]`'s PJRT plugin and ptxas installed (the `gpu-compile` extra:
-`jax-cuda12-plugin`, `jax-cuda12-pjrt`, `nvidia-cuda-nvcc-cu12`), XLA builds real
+With a CUDA PJRT plugin and ptxas installed (the `gpu-compile` extra: on Python
+3.11 / jax 0.10.2 `jax-cuda12-plugin` and `nvidia-cuda-nvcc-cu12`, on Python 3.12+ /
+the newest jax `jax-cuda13-plugin` and `nvidia-cuda-nvcc` 13), XLA builds real
 GPU executables on a machine without a GPU: `jax.experimental.topologies`
 describes the devices from a `GpuTargetConfig` (the text protos in
 `jaxinfer/gpu_targets/`), and programs lowered for a mesh of them compile
@@ -33,8 +34,12 @@ import jax
 from jaxinfer import sharding
 
 _TARGETS_DIR = pathlib.Path(__file__).parent / "gpu_targets"
-INSTALL_HINT = ('pip install -e ".[gpu-compile]" (jax-cuda12-plugin, jax-cuda12-pjrt and '
-                'nvidia-cuda-nvcc-cu12 matching the installed jax)')
+INSTALL_HINT = ('pip install -e ".[gpu-compile]" (a CUDA PJRT plugin matching the installed '
+                'jax and its ptxas: jax-cuda13-plugin + nvidia-cuda-nvcc on Python 3.12+, '
+                'jax-cuda12-plugin + nvidia-cuda-nvcc-cu12 on 3.11)')
+# (PJRT plugin module, the pip package that ships its ptxas), newest CUDA first.
+TOOLCHAINS = (("jax_plugins.xla_cuda13", "nvidia.cu13"),
+              ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +73,29 @@ def target(gpu: str = "h100") -> GpuTarget:
 
 def toolchain_error() -> str | None:
   """Why GPU programs cannot be compiled in this environment, or None."""
-  missing = [m for m in ("jax_plugins.xla_cuda12", "nvidia.cuda_nvcc") if not _importable(m)]
-  if missing:
-    return f"the GPU compile toolchain is not installed (missing {missing}): {INSTALL_HINT}"
+  for plugin, nvcc in TOOLCHAINS:
+    if _importable(plugin) and _ptxas_in(nvcc):
+      return None
+  found = [m for pair in TOOLCHAINS for m in pair if _importable(m)]
+  return (f"the GPU compile toolchain is not installed (no CUDA plugin with its ptxas; found "
+          f"{found or 'neither'} of {[m for pair in TOOLCHAINS for m in pair]}): {INSTALL_HINT}")
+
+
+def ptxas_path() -> pathlib.Path | None:
+  """The ptxas the `gpu-compile` extra installed (CUDA 13's first), or None."""
+  for plugin, nvcc in TOOLCHAINS:
+    if _importable(plugin) and (path := _ptxas_in(nvcc)):
+      return path
+  return None
+
+
+def _ptxas_in(package: str) -> pathlib.Path | None:
+  if not _importable(package):
+    return None
+  spec = importlib.util.find_spec(package)
+  for root in spec.submodule_search_locations or ():
+    if (path := pathlib.Path(root) / "bin" / "ptxas").exists():
+      return path
   return None
 
 

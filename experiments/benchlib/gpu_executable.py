@@ -50,6 +50,8 @@ import struct
 import subprocess
 import tempfile
 
+from jaxinfer import gpu_compile
+
 _BLOCK = 1 << 16  # Riegeli block size
 # The first block header and the signature chunk ('s', no data) of every
 # Riegeli file (riegeli/records/README: "file signature").
@@ -380,16 +382,8 @@ _PTXAS_INFO = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
 
 
 def ptxas_binary() -> pathlib.Path | None:
-  """The ptxas of the `gpu-compile` extra (nvidia-cuda-nvcc-cu12), or None."""
-  try:
-    import nvidia.cuda_nvcc as nvcc
-  except ImportError:
-    return None
-  for root in nvcc.__path__:
-    path = pathlib.Path(root) / "bin" / "ptxas"
-    if path.exists():
-      return path
-  return None
+  """The ptxas of the `gpu-compile` extra (CUDA 13's or 12's), or None."""
+  return gpu_compile.ptxas_path()
 
 
 def ptx_of(dump_dir: str | pathlib.Path, kernel: str) -> str | None:
@@ -408,7 +402,7 @@ def ptxas_spills(ptx: str, arch: str) -> dict:
   Raises RuntimeError when ptxas is missing or fails."""
   ptxas = ptxas_binary()
   if ptxas is None:
-    raise RuntimeError("ptxas not found (pip install nvidia-cuda-nvcc-cu12)")
+    raise RuntimeError(f"ptxas not found: {gpu_compile.INSTALL_HINT}")
   with tempfile.TemporaryDirectory() as tmp:
     src = pathlib.Path(tmp) / "kernel.ptx"
     src.write_text(ptx)
