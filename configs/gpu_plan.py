@@ -25,6 +25,9 @@ def get_config() -> config_dict.ConfigDict:
   c.page_size = 16  # tokens per KV page
   c.kv_pages = 0  # KV pages per rank (0: what batch x context needs)
   c.speculative = 3  # MTP draft tokens of the speculative step (MTP models; 0: none)
+  # compile the preset with this many layers (its dense-first layers as the preset has them)
+  c.num_layers = config_dict.placeholder(int)
+  c.hlo_dir = config_dict.placeholder(str)  # write each program's optimized HLO text here
   c.json_out = config_dict.placeholder(str)
   c.lock()
   return c

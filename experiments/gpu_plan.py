@@ -1,11 +1,14 @@
 """The Engine's step programs compiled for GPUs from this CPU machine: per-device
 params, KV, temporaries (memory_analysis) against the GPU's memory, FLOPs and
 bytes from shapes, and a roofline step time; or what does not fit, by how much.
+From the optimized HLO: kernel launches a step and a layer, bytes of weight
+copies a step, loops without a known trip count (--hlo_dir keeps the HLO).
 
   python experiments/gpu_plan.py --model=deepseek_v3 --mesh=data=4,expert=8 \
       --layout=dp_attn_ep --hosts=4                       # 4 hosts x 8 H100
   python experiments/gpu_plan.py --model=llama3_1_405b --mesh=tensor=8 --layout=tp
   python experiments/gpu_plan.py --model=llama3_8b --mesh=data=1 --speculative=0
+  python experiments/gpu_plan.py --model=llama3_8b --num_layers=4 --hlo_dir=/tmp/hlo
 
 Needs the GPU compile toolchain (`pip install -e ".[gpu-compile]"`); nothing is
 allocated (abstract params, pool and batches).
@@ -37,6 +40,10 @@ _KV_PAGES = flags.DEFINE_integer("kv_pages", 0, "KV pages per rank (0: what batc
                                  "needs)")
 _SPECULATIVE = flags.DEFINE_integer("speculative", 3, "MTP draft tokens of the speculative "
                                     "step (MTP models; 0: none)")
+_NUM_LAYERS = flags.DEFINE_integer("num_layers", None, "compile the preset with this many "
+                                   "layers (its dense-first layers as the preset has them)")
+_HLO_DIR = flags.DEFINE_string("hlo_dir", None, "write each program's optimized HLO text here "
+                               "as <program>.hlo")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "write the report as JSON here "
                                 "(e.g. experiments/results/gpu_plan_<preset>.json)")
 _CONFIG = flag_config.define_config(__file__)
@@ -47,6 +54,7 @@ def main(argv):
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   run_gpu_plan(model=_MODEL.value, mesh=_MESH.value, layout=_LAYOUT.value, gpu=_GPU.value,
                hosts=_HOSTS.value, dtype=_DTYPE.value, json_out=_JSON_OUT.value,
+               num_layers=_NUM_LAYERS.value, hlo_dir=_HLO_DIR.value,
                batch=_BATCH.value, context=_CONTEXT.value, prefill_tokens=_PREFILL.value,
                page_size=_PAGE_SIZE.value, kv_pages=_KV_PAGES.value,
                num_draft_tokens=_SPECULATIVE.value)

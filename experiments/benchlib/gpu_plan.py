@@ -16,6 +16,11 @@ target set to "gpu" (Pallas kernels through Triton):
               attention DP, experts split over every mesh axis, ragged
               all-to-all dispatch): `batch` per rank
 
+Each program's optimized HLO is read for what it costs on the GPU
+(`hlo_report`): kernel launches a step and a layer, bytes of weight copies a
+step, while loops without a known trip count; `hlo_dir` keeps the HLO text
+(`<program>.hlo`), `num_layers` compiles the preset with fewer layers.
+
 Nothing is allocated. Per device and program: params and KV bytes (exact,
 from the shard shapes), `memory_analysis()` (arguments, temporaries, peak)
 against the GPU's memory, and FLOPs and bytes moved from shapes alone
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 import jax
@@ -37,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchlib import results
+from benchlib import hlo_report, results
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import gpu_compile, presets, sharding
 from jaxinfer.config import ModelConfig
@@ -206,14 +212,21 @@ def _step_inputs(params, mesh, layout: str, seqs, w: Workload):
   return _ranked(mesh, layout, batch, n), _ranked(mesh, layout, prev, n), where, shapes
 
 
-def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
+_FROM_PARAMS = object()
+
+
+def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload, *,
+               ep=_FROM_PARAMS):
   """`steps.step` lowered as the Engine runs it (per head shard where the
   layout splits heads, whole per rank under attention DP, every rank
-  running `seqs`) -> (Lowered, StepShapes)."""
+  running `seqs`) -> (Lowered, StepShapes). ep: the expert-parallel plan
+  (default: the one stacked params' sharding implies; give it for params in
+  another layout, as the Engine computes it before `transformer.step_layout`)."""
   batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
+  ep = plan_from_params(params) if ep is _FROM_PARAMS else ep
   with gpu_compile.lowering(mesh):
     lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                               max_q=shapes.max_q, ep=plan_from_params(params), greedy=w.greedy,
+                               max_q=shapes.max_q, ep=ep, greedy=w.greedy,
                                **where)
   return lowered, shapes
 
@@ -382,16 +395,22 @@ def collectives(hlo: str) -> dict:
   return counts
 
 
-def compile_program(lowered, hbm_bytes: float, pool=None) -> dict:
+def compile_program(lowered, hbm_bytes: float, pool=None, *, num_layers: int | None = None,
+                    hlo_path: str | None = None) -> dict:
   """Compiles a Lowered step -> memory_analysis per device, peak vs HBM,
   whether the Pallas kernels are in it (`TRITON_CALL`), how many Mosaic GPU
   kernel calls (`MOSAIC_CALL`: attention and grouped matmuls), `kernel_gathers`
-  (of `pool`, the step's abstract page pool) and the `collectives`."""
+  (of `pool`, the step's abstract page pool), the `collectives`, and `hlo`:
+  `hlo_report`'s launches (a layer: of `num_layers`), weight copies and loops.
+  hlo_path: write the optimized HLO text there."""
   pool_shapes = {a.shape for a in jax.tree.leaves(pool)} if pool is not None else ()
   compiled = lowered.compile()
   mem = gpu_compile.MemoryReport.of(compiled)
   hlo = compiled.as_text()
-  return dict(memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
+  if hlo_path:
+    with open(hlo_path, "w") as f:
+      f.write(hlo)
+  return dict(hlo=hlo_report.read(hlo).as_dict(num_layers),memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               mosaic_kernels=hlo.count(MOSAIC_CALL),
               quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
@@ -440,13 +459,40 @@ def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, l
   return out, notes
 
 
+def with_layers(cfg: ModelConfig, num_layers: int | None) -> ModelConfig:
+  """cfg with its first `num_layers` layers (None: as it is): per-layer
+  settings (dense-first layers, attention kinds, DeepStack taps) kept for
+  those layers as the preset has them."""
+  if num_layers is None:
+    return cfg
+  if not isinstance(num_layers, int) or not 1 <= num_layers <= cfg.num_layers:
+    raise ValueError(f"num_layers must be an int in [1, {cfg.num_layers}] for "
+                     f"{cfg.model_type}, got {num_layers!r}")
+  vision = cfg.vision
+  if vision is not None and vision.deepstack_indexes:
+    vision = dataclasses.replace(vision, deepstack_indexes=tuple(
+        i for i in vision.deepstack_indexes if i < num_layers))
+  return dataclasses.replace(
+      cfg, num_layers=num_layers, dense_layers=tuple(i for i in cfg.dense_layers if i < num_layers),
+      layer_types=cfg.layer_types[:num_layers], vision=vision)
+
+
+def _program_file(name: str) -> str:
+  """A report's program name as a file name: spaces and '=' as '_'."""
+  return re.sub(r"[ =]", "_", name) + ".hlo"
+
+
 def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str = "h100",
-             hosts: int = 1, dtype: str = "bfloat16", workload: Workload = Workload()) -> dict:
+             hosts: int = 1, dtype: str = "bfloat16", workload: Workload = Workload(),
+             num_layers: int | None = None, hlo_dir: str | None = None) -> dict:
   """The Engine's steps for `model` (a preset name or a ModelConfig) compiled
   for `gpu`s on a mesh of `mesh_axes` over `hosts` hosts (see the module
   docstring). -> a JSON-able dict; `fit` says whether params + KV fit, and
-  when they do not, `programs` is empty."""
-  cfg = gpu_config(presets.get(model) if isinstance(model, str) else model, dtype)
+  when they do not, `programs` is empty. num_layers: the model with that
+  many layers (`with_layers`); hlo_dir: each program's optimized HLO text
+  there as `<program>.hlo`."""
+  base = presets.get(model) if isinstance(model, str) else model
+  cfg = gpu_config(with_layers(base, num_layers), dtype)
   w, target = workload, gpu_compile.target(gpu)
   mesh = gpu_compile.mesh(dict(mesh_axes), gpu=gpu, hosts=hosts)
   params = abstract_params(cfg, mesh, layout)
@@ -460,6 +506,7 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
   kv = _shard_bytes(pools[-1] if spec else pools[0])
   fit = fit_verdict(pb["all"], kv, target.hbm_bytes)
   report = dict(model=cfg.model_type if not isinstance(model, str) else model, layout=layout,
+                num_layers=cfg.num_layers,
                 mesh_axes=dict(mesh_axes), gpu=gpu, hosts=hosts, devices=mesh.size,
                 devices_per_host=mesh.size // hosts, dtype=dtype,
                 workload=dataclasses.asdict(w), hbm_bytes=target.hbm_bytes,
@@ -467,10 +514,14 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
                 kv_pages_per_rank=w.pool_pages(), fit=fit, notes=notes, programs=[], verdicts=[])
   if not fit["fits"]:
     return report
+  if hlo_dir:
+    os.makedirs(hlo_dir, exist_ok=True)
   for name, seqs, ranks, draft, lower in specs:
     lowered, shapes = lower(params, pools)
+    hlo_path = os.path.join(hlo_dir, _program_file(name)) if hlo_dir else None
     entry = dict(name=name, shapes=dataclasses.asdict(shapes), ranks=ranks,
-                 **compile_program(lowered, target.hbm_bytes, pools[1] if draft else pools[0]))
+                 **compile_program(lowered, target.hbm_bytes, pools[1] if draft else pools[0],
+                                   num_layers=cfg.num_layers, hlo_path=hlo_path))
     entry["cost"] = step_cost(cfg, mesh, layout, seqs, pb, ranks=ranks, draft=draft)
     entry["roofline"] = roofline(entry["cost"], gpu)
     report["programs"].append(entry)
@@ -508,7 +559,7 @@ def format_plan(r: dict) -> str:
     return "\n".join(lines)
   lines += ["", f"{'program':<22}{'T':>6}{'B':>5}{'pages':>6}{'args GB':>9}{'temp GB':>9}"
                 f"{'peak GB':>9}{'fits':>6}{'triton':>7}{'gathers':>8}{'GFLOP':>10}{'GB moved':>9}"
-                f"{'roofline ms':>12}  bound"]
+                f"{'roofline ms':>12}  bound{'launches/layer':>16}{'weight copies GB':>18}"]
   for p in r["programs"]:
     m, s, c, t = p["memory"], p["shapes"], p["cost"], p["roofline"]
     lines.append(f"{p['name']:<22}{s['tokens']:>6}{s['seqs']:>5}{s['pages']:>6}"
@@ -516,21 +567,29 @@ def format_plan(r: dict) -> str:
                  f"{p['peak_bytes'] / _GB:>9.2f}{'yes' if p['fits'] else 'NO':>6}"
                  f"{'yes' if p['triton_kernels'] else 'no':>7}{p['kernel_all_gathers']:>8}"
                  f"{c['flops'] / 1e9:>10.1f}{c['bytes'] / _GB:>9.2f}{t['step_s'] * 1e3:>12.3f}"
-                 f"  {t['bound']}")
+                 f"  {t['bound']:<7}{p['hlo']['launches_per_layer']:>14.1f}"
+                 f"{p['hlo']['weight_copy_bytes'] / _GB:>18.3f}")
+    if p["hlo"]["unknown_trip_loops"]:
+      lines.append(f"  {p['name']}: loops without a known trip count: "
+                   f"{', '.join(p['hlo']['unknown_trip_loops'])}")
   lines += [""] + r["verdicts"]
   lines += ["", "T tokens / B sequences per rank (bucketed); args = params + pool + batch; "
                 "gathers: all-gathers around the Pallas kernels (GSPMD replicates a custom "
                 "call's operands outside shard_map); roofline: max(FLOPs / peak, bytes / HBM "
-                "bandwidth) per device, collectives not included."]
+                "bandwidth) per device, collectives not included; launches/layer: kernel "
+                "launches a step over the layers; weight copies: bytes a step the compiled "
+                "program writes copying weights (hlo_report)."]
   return "\n".join(lines)
 
 
 def run_gpu_plan(*, model: str, mesh: str, layout: str, gpu: str = "h100", hosts: int = 1,
-                 dtype: str = "bfloat16", json_out: str | None = None, **workload) -> dict:
+                 dtype: str = "bfloat16", json_out: str | None = None,
+                 num_layers: int | None = None, hlo_dir: str | None = None, **workload) -> dict:
   """`gpu_plan` for a 'data=4,expert=8' mesh string and `Workload` fields as
   keywords; prints the table and writes the dict as JSON to `json_out` when given."""
   report = gpu_plan(model=model, mesh_axes=parse_mesh(mesh), layout=layout, gpu=gpu,
-                    hosts=hosts, dtype=dtype, workload=Workload(**workload))
+                    hosts=hosts, dtype=dtype, workload=Workload(**workload),
+                    num_layers=num_layers, hlo_dir=hlo_dir)
   print(format_plan(report))
   if json_out:
     results.write_report(report, json_out)
