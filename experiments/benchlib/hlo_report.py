@@ -20,7 +20,7 @@ over weight data, counted by the bytes they write: XLA:GPU's
 `dynamic_slice_fusion` that copies one layer's weights out of a scanned
 stack (async as `fusion-start` on newer jax), and the entry's
 `wrapped_transpose` of a whole stacked projection. Weight data are the entry
-parameters `weights(name)` accepts (the step's `params...` arguments), the
+parameters `weights(instruction)` accepts (the step's `params...` arguments), the
 results of data movement over them, and the while-loop tuple elements they
 enter. Lookups that write less than `MIN_COPY_BYTES` (an embedding row) are
 reads, not copies.
@@ -100,10 +100,13 @@ class Report:
     return out
 
 
-def param_weights(name: str) -> bool:
-  """The step's weight arguments: jax names entry parameters by their path,
-  `params__layers___0___attn____wq__.1` for params['layers'][0]['attn']['wq']."""
-  return name.startswith("params_")
+def param_weights(param: Instr) -> bool:
+  """The step's weight arguments (an entry `parameter`): jax names them by
+  their path, `params__layers___0___attn____wq__.1` for
+  params['layers'][0]['attn']['wq'], and keeps the path as the op_name
+  (`param.63`, op_name="params['layers'][0]['attn']['wo']" once the SPMD
+  partitioner has renamed them)."""
+  return param.name.startswith("params_") or "op_name=\"params[" in param.attrs
 
 
 def parse(hlo: str) -> dict[str, Computation]:
@@ -168,7 +171,7 @@ def _written_bytes(instr: Instr, comps: dict[str, Computation]) -> int:
   return array_bytes(instr.type)
 
 
-def read(hlo: str, weights: Callable[[str], bool] = param_weights) -> Report:
+def read(hlo: str, weights: Callable[[Instr], bool] = param_weights) -> Report:
   """Launches, weight copies and loops of one compiled program's HLO text."""
   comps = parse(hlo)
   entry = next(c for c in comps.values() if c.entry)
@@ -183,7 +186,7 @@ def read(hlo: str, weights: Callable[[str], bool] = param_weights) -> Report:
     by_name = comp.by_name
     for ins in comp.instrs:
       from_weights = any(o in names for o in ins.operands)
-      if ins.opcode == "parameter" and comp.entry and weights(ins.name):
+      if ins.opcode == "parameter" and comp.entry and weights(ins):
         names.add(ins.name)
       elif ins.opcode in ("bitcast", "get-tuple-element", "reshape") and from_weights:
         if ins.opcode != "get-tuple-element" or _gte_is_weight(ins, by_name, names):

@@ -116,7 +116,19 @@ def test_the_rules_on_a_small_module():
   assert r.loops == 2 and r.unknown_trip_loops == ("while.2",)
   assert r.as_dict(2)["launches_per_layer"] == 8.0
   # With no weight arguments there is nothing to copy.
-  assert hlo_report.read(HLO, weights=lambda name: False).weight_copy_bytes == 0
+  assert hlo_report.read(HLO, weights=lambda param: False).weight_copy_bytes == 0
+
+
+def test_weights_are_known_by_name_or_by_path_after_spmd_renaming():
+  def param(line):
+    [comp] = hlo_report.parse("ENTRY %m (p: f32[2]) -> f32[2] {\n" + line + "\n}\n").values()
+    return comp.instrs[0]
+  named = param("  %params__layers___0___attn____wo__.1 = bf16[3,8]{1,0} parameter(3)")
+  spmd = param("  %param.63 = bf16[3,8]{1,0} parameter(6), "
+               "metadata={op_name=\"params[\\'layers\\'][0][\\'attn\\'][\\'wo\\']\"}")
+  pool = param("  %param.90 = bf16[1,4097]{1,0} parameter(33), "
+               "metadata={op_name=\"pool.segments[1][\\'kv\\']\"}")
+  assert [hlo_report.param_weights(p) for p in (named, spmd, pool)] == [True, True, False]
 
 
 def test_array_bytes_reads_tuples_and_sub_byte_types():
