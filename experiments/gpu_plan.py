@@ -9,6 +9,7 @@ copies a step, loops without a known trip count (--hlo_dir keeps the HLO).
   python experiments/gpu_plan.py --model=llama3_1_405b --mesh=tensor=8 --layout=tp
   python experiments/gpu_plan.py --model=llama3_8b --mesh=data=1 --speculative=0
   python experiments/gpu_plan.py --model=llama3_8b --num_layers=4 --hlo_dir=/tmp/hlo
+  python experiments/gpu_plan.py --model=llama3_8b --weights=per_layer   # no weight copies
 
 Needs the GPU compile toolchain (`pip install -e ".[gpu-compile]"`); nothing is
 allocated (abstract params, pool and batches).
@@ -42,6 +43,9 @@ _SPECULATIVE = flags.DEFINE_integer("speculative", 3, "MTP draft tokens of the s
                                     "step (MTP models; 0: none)")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", None, "compile the preset with this many "
                                    "layers (its dense-first layers as the preset has them)")
+_WEIGHTS = flags.DEFINE_enum("weights", "stacked", ["stacked", "per_layer"],
+                             "how the steps hold the weights: stacked (scanned, the Engine's "
+                             "default) or per_layer (EngineConfig(unroll_layers=True))")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "write each program's optimized HLO text here "
                                "as <program>.hlo")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "write the report as JSON here "
@@ -54,7 +58,7 @@ def main(argv):
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   run_gpu_plan(model=_MODEL.value, mesh=_MESH.value, layout=_LAYOUT.value, gpu=_GPU.value,
                hosts=_HOSTS.value, dtype=_DTYPE.value, json_out=_JSON_OUT.value,
-               num_layers=_NUM_LAYERS.value, hlo_dir=_HLO_DIR.value,
+               num_layers=_NUM_LAYERS.value, hlo_dir=_HLO_DIR.value, weights=_WEIGHTS.value,
                batch=_BATCH.value, context=_CONTEXT.value, prefill_tokens=_PREFILL.value,
                page_size=_PAGE_SIZE.value, kv_pages=_KV_PAGES.value,
                num_draft_tokens=_SPECULATIVE.value)

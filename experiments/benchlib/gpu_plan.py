@@ -20,6 +20,9 @@ Each program's optimized HLO is read for what it costs on the GPU
 (`hlo_report`): kernel launches a step and a layer, bytes of weight copies a
 step, while loops without a known trip count; `hlo_dir` keeps the HLO text
 (`<program>.hlo`), `num_layers` compiles the preset with fewer layers.
+`weights="per_layer"` compiles the steps over per-layer weights
+(`EngineConfig(unroll_layers=True)`, `engine_params`) instead of the stacked
+ones the Engine scans by default.
 
 Nothing is allocated. Per device and program: params and KV bytes (exact,
 from the shard shapes), `memory_analysis()` (arguments, temporaries, peak)
@@ -45,13 +48,13 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchlib import hlo_report, results
 from benchlib.sharding_report import parse_mesh
-from jaxinfer import gpu_compile, presets, sharding
+from jaxinfer import EngineConfig, gpu_compile, presets, sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import speculative, steps
+from jaxinfer.engine import speculative, steps, weight_layout
 from jaxinfer.engine.steps import Ranks
 from jaxinfer.kv import cache as kv_cache
 from jaxinfer.kv.pool import KV_CACHE_DTYPES, PoolLayout
-from jaxinfer.models import quant
+from jaxinfer.models import quant, transformer
 from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.sim.cost import param_counts
@@ -106,9 +109,36 @@ def abstract_params(cfg: ModelConfig, mesh, layout: str):
   """The spec tree as ShapeDtypeStructs in the layout's shardings (no
   allocation); quantized weights marked for the kernels as the Engine marks
   them."""
-  params = gpu_compile.abstract(specs_lib.abstract_params(cfg),
-                                sharding.param_shardings(cfg, mesh, layout))
-  return quant.with_kernel(params, sharding.kernel_mesh(mesh, layout))
+  return quant.with_kernel(_stacked(cfg, mesh, layout), sharding.kernel_mesh(mesh, layout))
+
+
+def _stacked(cfg: ModelConfig, mesh, layout: str):
+  return gpu_compile.abstract(specs_lib.abstract_params(cfg),
+                              sharding.param_shardings(cfg, mesh, layout))
+
+
+WEIGHTS = ("stacked", "per_layer")
+
+
+def engine_params(cfg: ModelConfig, mesh, layout: str, weights: str = "stacked"):
+  """The params a GPU Engine's steps take, abstract -> (params, the
+  expert-parallel plan of their placement). weights: "stacked" (the layers
+  scanned, the Engine's default) or "per_layer" (`EngineConfig(
+  unroll_layers=True)`: `transformer.step_layout` in the form
+  `weight_layout.choose` gives a GPU, placed where XLA puts that layout's
+  outputs from the placed stacked weights, as the Engine's load does)."""
+  if weights not in WEIGHTS:
+    raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+  stacked = _stacked(cfg, mesh, layout)
+  ep = plan_from_params(stacked)
+  if weights == "per_layer":
+    form = weight_layout.choose(cfg, EngineConfig(unroll_layers=True), stacked, mesh,
+                                expert_parallel=ep is not None, backend="gpu")
+    to_steps = jax.jit(lambda p: transformer.step_layout(cfg, p, form))
+    with gpu_compile.lowering(mesh):
+      placed = to_steps.lower(stacked).compile().output_shardings
+    stacked = gpu_compile.abstract(jax.eval_shape(to_steps, stacked), placed)
+  return quant.with_kernel(stacked, sharding.kernel_mesh(mesh, layout)), ep
 
 
 def abstract_pool(cfg: ModelConfig, mesh, layout: str, pages_per_rank: int, page_size: int,
@@ -232,21 +262,23 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
 
 
 def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload,
-                       num_steps: int, extras=None):
+                       num_steps: int, extras=None, *, ep=_FROM_PARAMS):
   """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
   lowered for decode-only `seqs` (as `lower_step`) -> (Lowered, StepShapes).
   extras: a host `sampling_extras.Extras` for the step's rows (replicated),
   or None."""
   batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
   extras = None if extras is None else _replicated(mesh, extras)
+  ep = plan_from_params(params) if ep is _FROM_PARAMS else ep
   with gpu_compile.lowering(mesh):
     lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                                       num_steps=num_steps, ep=plan_from_params(params),
+                                       num_steps=num_steps, ep=ep,
                                        greedy=w.greedy, extras=extras, **where)
   return lowered, shapes
 
 
-def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload):
+def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload, *,
+               ep=_FROM_PARAMS):
   """`speculative.spec_step` (MTP draft + verify), pool with its MTP entry,
   placed as `lower_step` places a step; under attention DP each rank's
   draft-state rows split over the DP axes."""
@@ -255,12 +287,12 @@ def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   n, where = _placement(params, mesh, layout)
   axes = sharding.dp_axes(mesh, layout)
   state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
+  ep = plan_from_params(params) if ep is _FROM_PARAMS else ep
   with gpu_compile.lowering(mesh):
     lowered = speculative.spec_step.lower(
         cfg, params, pool, _ranked(mesh, layout, packed, n),
         gpu_compile.abstract(state, NamedSharding(mesh, P(axes) if axes else P())),
-        _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=plan_from_params(params),
-        greedy=w.greedy, **where)
+        _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=ep, greedy=w.greedy, **where)
   return lowered, shapes
 
 
@@ -410,7 +442,8 @@ def compile_program(lowered, hbm_bytes: float, pool=None, *, num_layers: int | N
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(hlo)
-  return dict(hlo=hlo_report.read(hlo).as_dict(num_layers),memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
+  return dict(hlo=hlo_report.read(hlo).as_dict(num_layers),
+              memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               mosaic_kernels=hlo.count(MOSAIC_CALL),
               quantized_matmul_kernel="jit(_quantized_matmul)" in hlo,
@@ -440,7 +473,7 @@ def compile_step(cfg: ModelConfig, mesh_axes: dict, layout: str, program: str, *
   return compile_program(lowered, gpu_compile.target(gpu).hbm_bytes, pool)
 
 
-def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, list]:
+def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload, ep) -> tuple[list, list]:
   """-> ([(name, seqs, ranks, draft, lower(params, pools))], notes on skipped programs)."""
   dp = sharding.dp_axes(mesh, layout)
   out, notes = [], []
@@ -448,14 +481,14 @@ def _programs(cfg: ModelConfig, mesh, layout: str, w: Workload) -> tuple[list, l
   prefix = "dp_attn_ep " if dp else ""
   for name, seqs in _step_seqs(w).items():
     out.append((prefix + name, seqs, n, 0, lambda p, pools, s=seqs: lower_step(
-        cfg, p, pools[0], mesh, layout, s, w)))
+        cfg, p, pools[0], mesh, layout, s, w, ep=ep)))
   K = w.num_draft_tokens
   if K and not cfg.num_mtp_layers:
     notes.append("speculative: skipped, the model has no MTP modules")
   elif K:
     spec = [(K + 1, w.context)] * w.batch
     out.append((f"{prefix}speculative K={K}", spec, n, K,
-                lambda p, pools: lower_spec(cfg, p, pools[1], mesh, layout, spec, w)))
+                lambda p, pools: lower_spec(cfg, p, pools[1], mesh, layout, spec, w, ep=ep)))
   return out, notes
 
 
@@ -484,20 +517,22 @@ def _program_file(name: str) -> str:
 
 def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str = "h100",
              hosts: int = 1, dtype: str = "bfloat16", workload: Workload = Workload(),
-             num_layers: int | None = None, hlo_dir: str | None = None) -> dict:
+             num_layers: int | None = None, hlo_dir: str | None = None,
+             weights: str = "stacked") -> dict:
   """The Engine's steps for `model` (a preset name or a ModelConfig) compiled
   for `gpu`s on a mesh of `mesh_axes` over `hosts` hosts (see the module
   docstring). -> a JSON-able dict; `fit` says whether params + KV fit, and
   when they do not, `programs` is empty. num_layers: the model with that
   many layers (`with_layers`); hlo_dir: each program's optimized HLO text
-  there as `<program>.hlo`."""
+  there as `<program>.hlo`; weights: how the steps hold the weights
+  (`engine_params`)."""
   base = presets.get(model) if isinstance(model, str) else model
   cfg = gpu_config(with_layers(base, num_layers), dtype)
   w, target = workload, gpu_compile.target(gpu)
   mesh = gpu_compile.mesh(dict(mesh_axes), gpu=gpu, hosts=hosts)
-  params = abstract_params(cfg, mesh, layout)
-  pb = param_bytes(cfg, params)
-  specs, notes = _programs(cfg, mesh, layout, w)
+  pb = param_bytes(cfg, abstract_params(cfg, mesh, layout))  # as loaded
+  params, ep = engine_params(cfg, mesh, layout, weights)
+  specs, notes = _programs(cfg, mesh, layout, w, ep)
   spec = any(d for _, _, _, d, _ in specs)
   kw = dict(kv_cache_dtype=w.kv_cache_dtype)
   pools = [abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size, **kw)]
@@ -506,7 +541,7 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
   kv = _shard_bytes(pools[-1] if spec else pools[0])
   fit = fit_verdict(pb["all"], kv, target.hbm_bytes)
   report = dict(model=cfg.model_type if not isinstance(model, str) else model, layout=layout,
-                num_layers=cfg.num_layers,
+                num_layers=cfg.num_layers, weights=weights,
                 mesh_axes=dict(mesh_axes), gpu=gpu, hosts=hosts, devices=mesh.size,
                 devices_per_host=mesh.size // hosts, dtype=dtype,
                 workload=dataclasses.asdict(w), hbm_bytes=target.hbm_bytes,
@@ -546,7 +581,8 @@ def format_plan(r: dict) -> str:
   mesh = ",".join(f"{k}={v}" for k, v in r["mesh_axes"].items())
   w = r["workload"]
   lines = [f"{r['model']}  layout={r['layout']}  mesh {mesh}  {r['hosts']} host(s) x "
-           f"{r['devices_per_host']} {r['gpu'].upper()} ({r['devices']} devices)  {r['dtype']}",
+           f"{r['devices_per_host']} {r['gpu'].upper()} ({r['devices']} devices)  {r['dtype']}  "
+           f"{r['num_layers']} layers, weights {r['weights']}",
            f"workload per rank: batch {w['batch']} x context {w['context']}, prefill chunk "
            f"{w['prefill_tokens']}, page size {w['page_size']}, {r['kv_pages_per_rank']} pages, "
            f"draft tokens {w['num_draft_tokens']}",
@@ -584,12 +620,13 @@ def format_plan(r: dict) -> str:
 
 def run_gpu_plan(*, model: str, mesh: str, layout: str, gpu: str = "h100", hosts: int = 1,
                  dtype: str = "bfloat16", json_out: str | None = None,
-                 num_layers: int | None = None, hlo_dir: str | None = None, **workload) -> dict:
+                 num_layers: int | None = None, hlo_dir: str | None = None,
+                 weights: str = "stacked", **workload) -> dict:
   """`gpu_plan` for a 'data=4,expert=8' mesh string and `Workload` fields as
   keywords; prints the table and writes the dict as JSON to `json_out` when given."""
   report = gpu_plan(model=model, mesh_axes=parse_mesh(mesh), layout=layout, gpu=gpu,
                     hosts=hosts, dtype=dtype, workload=Workload(**workload),
-                    num_layers=num_layers, hlo_dir=hlo_dir)
+                    num_layers=num_layers, hlo_dir=hlo_dir, weights=weights)
   print(format_plan(report))
   if json_out:
     results.write_report(report, json_out)

@@ -63,20 +63,27 @@ PROBE_BYTES = 96 << 20
 PROBE_ROWS = (1, 8, 32)
 
 
-def choose(cfg: ModelConfig, config, params, mesh=None, *,
-           expert_parallel: bool = False) -> WeightForm | None:
+def choose(cfg: ModelConfig, config, params, mesh=None, *, expert_parallel: bool = False,
+           backend: str | None = None) -> WeightForm | None:
   """The weight form of an Engine's steps, chosen once at load (config: its
-  `EngineConfig`; params: the stacked weights as placed): None to scan the
-  stacked layers, else the unrolled steps' `WeightForm`: experts split
-  unless expert-parallel (and open to the C++ CPU kernel when unsharded),
-  projections transposed when unsharded, float ones as `resolve` picks for
-  this machine."""
+  `EngineConfig`; params: the stacked weights as placed; backend: jax's
+  default backend unless given): None to scan the stacked layers, else the
+  unrolled steps' `WeightForm`. On a GPU, per-layer arrays as loaded
+  (`WeightForm()`: gate and up fused, MLA absorbed, each layer's experts
+  stacked for the grouped kernels): the compiled step then reads every
+  weight in place (`benchlib.hlo_report`: the scanned step copies layers out
+  of the stack). On the CPU: experts split unless expert-parallel (and open
+  to the C++ CPU kernel when unsharded), projections transposed when
+  unsharded, float ones as `resolve` picks for this machine."""
+  backend = backend or jax.default_backend()
   unroll = config.unroll_layers
   if unroll is None:
     layer_bytes = sum(w.nbytes for w in jax.tree.leaves(params["layers"]))
-    unroll = jax.default_backend() == "cpu" and layer_bytes >= UNROLL_MIN_BYTES
+    unroll = backend == "cpu" and layer_bytes >= UNROLL_MIN_BYTES
   if not unroll:
     return None
+  if backend != "cpu":
+    return WeightForm()
   layout = resolve(cfg, config.cpu_weight_layout, mesh)
   return WeightForm(split_experts=not expert_parallel, transposed=mesh is None,
                     native_experts=not expert_parallel and mesh is None,

@@ -3,7 +3,9 @@ launches (while bodies times their trip counts), bytes of weight copies, and
 loops without a known trip count. Checked on a small HLO module written here
 (every rule once), then on the Engine's real llama3_8b step compiled for an
 H100 by gpu_plan (--num_layers, --hlo_dir): scanned stacked layers copy each
-layer's weights out of the stack, per-layer weights copy none."""
+layer's weights out of the stack, per-layer weights (--weights=per_layer, as
+EngineConfig(unroll_layers=True) holds them on a GPU) copy none, also for a
+DeepSeek-V3 slice under attention DP."""
 
 from __future__ import annotations
 
@@ -12,11 +14,12 @@ import json
 import pathlib
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
 
 from benchlib import gpu_plan, hlo_report
-from jaxinfer import gpu_compile, presets
-from jaxinfer.models import transformer
+from jaxinfer import EngineConfig, gpu_compile, presets
+from jaxinfer.engine import weight_layout
+from jaxinfer.models.layouts import WeightForm
 
 # Entry: a 4 MiB weight transposed whole (a copy: 4 MiB), a 16-byte embedding
 # row looked up (a read), then a loop of 3 trips whose body copies a 2 MiB
@@ -161,15 +164,46 @@ def test_llama_step_scanned_copies_layer_weights_and_per_layer_weights_copy_none
   assert {c["bytes"] for c in in_loop} <= _layer_weight_bytes(stacked), in_loop
   assert hlo["loops"] >= 1 and not hlo["unknown_trip_loops"]
   assert 10 < hlo["launches_per_layer"] < 200
-  # The same step over per-layer weights (`transformer.step_layout`) reads them in place.
-  per_layer = gpu_compile.abstract(
-      jax.eval_shape(lambda p: transformer.step_layout(cfg, p), stacked), NamedSharding(mesh, P()))
-  pool = gpu_plan.abstract_pool(cfg, mesh, "tp", w.pool_pages(), w.page_size)
-  lowered, _ = gpu_plan.lower_step(cfg, per_layer, pool, mesh, "tp", [(1, w.context)], w,
-                                   ep=None)
-  unrolled = gpu_plan.compile_program(lowered, 80e9, pool, num_layers=2)["hlo"]
-  assert unrolled["weight_copy_bytes"] == 0, unrolled["weight_copies"]
+  # The same step over per-layer weights, as EngineConfig(unroll_layers=True)
+  # holds them on a GPU, reads them in place.
+  per_layer = gpu_plan.gpu_plan(model="llama3_8b", mesh_axes={"data": 1}, layout="tp",
+                                workload=w, num_layers=2, weights="per_layer")
+  assert per_layer["weights"] == "per_layer"
+  for p in per_layer["programs"]:
+    assert p["hlo"]["weight_copy_bytes"] == 0, (p["name"], p["hlo"]["weight_copies"])
+  unrolled = next(p for p in per_layer["programs"] if p["name"] == "decode")["hlo"]
   assert unrolled["loops"] < hlo["loops"]
+  assert unrolled["launches_per_layer"] < hlo["launches_per_layer"]
+
+
+def test_deepseek_slice_under_attention_dp_reads_per_layer_weights_in_place():
+  """One dense and one MoE layer of DeepSeek-V3, dp_attn_ep on 8 H100s (the
+  experts split over every device, the step per rank in shard_map): per-layer
+  weights placed where the Engine's load puts them compile with no copies."""
+  cfg = gpu_plan.gpu_config(presets.get("deepseek_v3", num_layers=2, num_mtp_layers=0,
+                                        dense_layers=(0,)), "bfloat16")
+  mesh = gpu_compile.mesh({"data": 8})
+  w = gpu_plan.Workload(batch=4, context=64)
+  params, ep = gpu_plan.engine_params(cfg, mesh, "dp_attn_ep", "per_layer")
+  assert ep is not None and isinstance(params["layers"][1], tuple)
+  pool = gpu_plan.abstract_pool(cfg, mesh, "dp_attn_ep", w.pool_pages(), w.page_size)
+  lowered, _ = gpu_plan.lower_step(cfg, params, pool, mesh, "dp_attn_ep", [(1, w.context)] * 4,
+                                   w, ep=ep)
+  entry = gpu_plan.compile_program(lowered, 80e9, pool, num_layers=2)
+  assert entry["hlo"]["weight_copy_bytes"] == 0, entry["hlo"]["weight_copies"]
+  assert entry["collectives"]["ragged_all_to_all"] + entry["collectives"]["all_to_all"] > 0
+  assert entry["fits"] and not entry["hlo"]["unknown_trip_loops"]
+
+
+def test_a_gpu_engine_unrolls_into_the_plain_per_layer_form_only_when_asked():
+  cfg = presets.get("tiny_moe")
+  params = {"layers": [jnp.zeros((2, 8 << 20), jnp.float32)]}  # 64 MiB of layer weights
+  on = EngineConfig(unroll_layers=True)
+  assert weight_layout.choose(cfg, on, params, backend="gpu") == WeightForm()
+  # The default keeps the scan on a GPU (the CPU unrolls from 64 MiB of layers).
+  assert weight_layout.choose(cfg, EngineConfig(), params, backend="gpu") is None
+  assert weight_layout.choose(cfg, EngineConfig(cpu_weight_layout="in_out"), params,
+                              backend="cpu") is not None
 
 
 def test_with_layers_keeps_the_dense_first_layers():
