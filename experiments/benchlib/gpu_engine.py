@@ -79,6 +79,12 @@ CONVENTIONS = {
            "as decode at that batch; mean_accepted_length: tokens per sequence per verify step "
            "(Engine.stats, over the untimed and the timed run); same_tokens_as_plain: "
            "match_fraction against plain greedy decoding of the same prompts",
+    "per_layer": "decode with EngineConfig(unroll_layers=True): per-layer weights (the compiled "
+                 "step reads every weight in place; the scanned default copies layers out of "
+                 "the stack: gpu_plan --weights), same prompts as decode at that batch; "
+                 "speedup_vs_scanned: tokens_per_s / decode's; identical / match_fraction: "
+                 "greedy tokens against decode's; skipped where two copies of the weights "
+                 "(the caller's stacked ones and the engine's) would not fit",
     "mosaic": "decode under Backend(attention='mosaic', grouped_matmul='mosaic') (the "
               "Mosaic GPU kernels on GQA steps and MLA decode steps, jax's ragged_dot_mgpu "
               "for unquantized experts, Pallas / XLA elsewhere), same prompts as decode at "
@@ -107,6 +113,7 @@ class Shapes:
   mtp_ks: tuple[int, ...] = ()
   mtp_batch: int = 1
   mosaic_batches: tuple[int, ...] = ()  # decode under Backend attention "mosaic"
+  per_layer_batches: tuple[int, ...] = ()  # decode over per-layer weights (unroll_layers)
   max_batched_tokens: int = 1 << 30  # cap on the prefill step (chunks beyond it)
 
 
@@ -128,7 +135,7 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
                       dense_layers=(0,))
     return [("dense", dense, Shapes(batches=(1, 8), prompt_len=6, new_tokens=4, page_size=16,
                                     identity_batch=8, prefill_batch=2, prefill_len=32,
-                                    mosaic_batches=(8,))),
+                                    mosaic_batches=(8,), per_layer_batches=(8,))),
             ("moe", moe, Shapes(batches=(8,), prompt_len=6, new_tokens=4, page_size=16,
                                 identity_batch=8, mtp_ks=(1, 3), mtp_batch=8,
                                 max_batched_tokens=48))]
@@ -137,10 +144,11 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
                     dense_layers=(0,))
   return [("dense", dense, Shapes(batches=(1, 8, 64), prompt_len=200, new_tokens=56, page_size=16,
                                   identity_batch=8, prefill_batch=4, prefill_len=2048,
-                                  mosaic_batches=(1, 8, 64))),
+                                  mosaic_batches=(1, 8, 64), per_layer_batches=(1, 64))),
           ("moe", moe, Shapes(batches=(1, 8, 64), prompt_len=8, new_tokens=24, page_size=64,
                               identity_batch=8, mtp_ks=(1, 2, 3), mtp_batch=1,
-                              max_batched_tokens=512, mosaic_batches=(1, 8, 64)))]
+                              max_batched_tokens=512, mosaic_batches=(1, 8, 64),
+                              per_layer_batches=(64,)))]
 
 
 # ----------------------------------------------------------------------------- time box
@@ -248,14 +256,14 @@ def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int) -> list[list[
 
 
 def _engine(cfg, params, s: Shapes, batch: int, prompt_len: int, new_tokens: int,
-            spec_k: int | None = None) -> Engine:
+            spec_k: int | None = None, unroll: bool = False) -> Engine:
   extra = spec_k + 1 if spec_k else 0  # MTP reserves pages for the most a step may accept
   per_seq = -(-(prompt_len + new_tokens + extra) // s.page_size)
   return Engine(cfg, params, EngineConfig(
       page_size=s.page_size, num_pages=batch * per_seq + 1, max_num_seqs=batch,
       max_num_batched_tokens=max(min(batch * prompt_len, s.max_batched_tokens), batch * (extra + 1)),
       max_model_len=prompt_len + new_tokens + extra + s.page_size, enable_prefix_caching=False,
-      ignore_eos=True,
+      ignore_eos=True, unroll_layers=True if unroll else None,
       speculative=MTPConfig(num_draft_tokens=spec_k, batch_schedule=()) if spec_k else None))
 
 
@@ -288,10 +296,11 @@ def _serve(engine: Engine, prompts, new_tokens: int) -> dict:
 
 
 def _measure(cfg, params, s: Shapes, batch: int, prompt_len: int, new_tokens: int, *,
-             spec_k: int | None = None, timed_runs: int = 1) -> tuple[dict, list]:
+             spec_k: int | None = None, timed_runs: int = 1,
+             unroll: bool = False) -> tuple[dict, list]:
   """A fresh engine: an untimed run (compiles), then `timed_runs` on other
   prompts (the last run's prompts: seed 2). -> (entry, the last run's tokens)."""
-  engine = _engine(cfg, params, s, batch, prompt_len, new_tokens, spec_k)
+  engine = _engine(cfg, params, s, batch, prompt_len, new_tokens, spec_k, unroll)
   timed = lambda: [_serve(engine, _prompts(cfg, batch, prompt_len, seed=2), new_tokens)
                    for _ in range(timed_runs)]
   try:
@@ -422,6 +431,24 @@ class _Model:
                 **_compare(self.tokens[b], got), xla={k: entry[k] for k in keep},
                 pallas_tokens_per_s=self.out["decode"].get(f"batch_{b}", {}).get("tokens_per_s"))
 
+  def per_layer(self, b: int) -> dict:
+    """Decode at batch b over per-layer weights (`EngineConfig(unroll_layers=True)`),
+    against decode's scanned run; skipped where a second copy of the weights
+    would not fit beside the stacked ones."""
+    s = self.s
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    if limit and 2 * param_bytes(self.cfg) > 0.85 * limit:
+      return dict(status="skipped", reason=f"two copies of {param_bytes(self.cfg) / 1e9:.1f} GB "
+                  f"of weights do not fit {limit / 1e9:.1f} GB")
+    entry, got = _measure(self.cfg, self.params, s, b, s.prompt_len, s.new_tokens, unroll=True)
+    entry.update(_decode_roofline(self.cfg, b, s.prompt_len, s.new_tokens,
+                                  self.roof["hbm_gbps"], entry["tokens_per_s"]))
+    plain = self.out["decode"].get(f"batch_{b}", {})
+    if plain.get("status") == "ok":
+      entry.update(speedup_vs_scanned=entry["tokens_per_s"] / plain["tokens_per_s"],
+                   **_compare(got, self.tokens[b]))
+    return entry
+
   def mosaic(self, b: int) -> dict:
     """Decode at batch b under Backend attention "mosaic", against decode's run."""
     s = self.s
@@ -477,11 +504,16 @@ def _run_model(out: dict, box: _Box, role: str, cfg: ModelConfig, s: Shapes, roo
     out.update({"pallas_vs_xla": dict(why), **({"prefill": dict(why)} if s.prefill_batch else {})})
     if s.mosaic_batches:
       out["mosaic"] = {f"batch_{b}": dict(why) for b in s.mosaic_batches}
+    if s.per_layer_batches:
+      out["per_layer"] = {f"batch_{b}": dict(why) for b in s.per_layer_batches}
     box.save()
     return
   m = _Model(out, cfg, holder.pop("params"), s, roof)
   for b in s.batches:
     box.run(out["decode"], f"batch_{b}", f"{role}_decode", 45, lambda b=b: m.decode(b))
+  for b in s.per_layer_batches:
+    box.run(out.setdefault("per_layer", {}), f"batch_{b}", f"{role}_per_layer", 60,
+            lambda b=b: m.per_layer(b))
   if s.prefill_batch:
     box.run(out, "prefill", f"{role}_prefill", 30, m.prefill)
   for k in s.mtp_ks:

@@ -56,7 +56,9 @@ def _every_measurement_ran(dry):
   expected |= {f"{role}/decode/batch_{b}" for role, s in plan.items() for b in s.batches}
   expected |= {"dense/prefill"} | {f"moe/mtp/k_{k}" for k in plan["moe"].mtp_ks}
   expected |= {f"{role}/mosaic/batch_{b}" for role, s in plan.items() for b in s.mosaic_batches}
-  assert plan["dense"].mosaic_batches
+  expected |= {f"{role}/per_layer/batch_{b}" for role, s in plan.items()
+               for b in s.per_layer_batches}
+  assert plan["dense"].mosaic_batches and plan["dense"].per_layer_batches
   assert plan["moe"].mtp_ks and plan["moe"].mtp_ks[-1] == 3  # the largest draft count runs
   assert set(entries) == expected
   bad = {p: e for p, e in entries.items() if e["status"] != "ok"}
@@ -132,6 +134,16 @@ def _mosaic_against_pallas(dry):
     assert e["tokens_per_s"] > 0 and e["speedup_vs_pallas"] > 0, key
 
 
+def _per_layer_against_scanned(dry):
+  record, _, _, _ = dry
+  for key, e in record["dense"]["per_layer"].items():
+    # Per-layer weights (unroll_layers): the scanned run's greedy tokens, on the roofline.
+    assert e["identical"] is True and e["match_fraction"] == 1.0, key
+    assert e["tokens_per_s"] > 0 and e["speedup_vs_scanned"] > 0, key
+    assert e["fraction_of_roofline"] == pytest.approx(
+        e["tokens_per_s"] / e["roofline_tokens_per_s"])
+
+
 def _saved_after_every_measurement(dry):
   record, path, saves, took = dry
   assert json.loads(path.read_text()) == json.loads(json.dumps(record))
@@ -153,6 +165,7 @@ def test_past_deadline_skips_without_errors(tmp_path):
   assert record["dense"]["init"]["reason"] == "time box"
   assert record["moe"]["decode"]["batch_8"]["reason"] == "init skipped"
   assert record["dense"]["mosaic"]["batch_8"]["reason"] == "init skipped"
+  assert record["dense"]["per_layer"]["batch_8"]["reason"] == "init skipped"
   assert json.loads(path.read_text())["moe"]["pallas_vs_xla"]["status"] == "skipped"
   # Without a roofline it measures one itself, which the time box skips too.
   record.clear()
@@ -172,6 +185,9 @@ def test_gpu_plan_shapes():
   # Each Mosaic run has its Pallas run to compare; the real shapes fit the Mosaic kernels
   # (where this jax has them, the GQA and the MLA one).
   assert ds.mosaic_batches == ds.batches and ms.mosaic_batches == ms.batches
+  # Per-layer weights against the scan at the issue's batches (1 and 64 dense, 64 MoE).
+  assert set(ds.per_layer_batches) == {1, 64} <= set(ds.batches)
+  assert set(ms.per_layer_batches) <= set(ms.batches)
   for cfg, s in ((dense, ds), (moe, ms)):
     assert gpu_engine.mosaic_kernel(cfg, s, 8) in ("mosaic", f"pallas ({mosaic_available()})")
   assert moe.d_model == 7168 and moe.num_experts == 256 and moe.router == "sigmoid_grouped"
@@ -206,5 +222,6 @@ def test_dry_run_measures_everything(dry):
   again for its share of the checks)."""
   for check in (_every_measurement_ran, _decode_against_the_roofline,
                 _prefill_against_the_compute_roofline, _pallas_matches_xla_on_float32,
-                _mtp_speculation, _mosaic_against_pallas, _saved_after_every_measurement):
+                _mtp_speculation, _mosaic_against_pallas, _per_layer_against_scanned,
+                _saved_after_every_measurement):
     check(dry)
