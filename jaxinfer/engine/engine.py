@@ -110,8 +110,10 @@ class EngineConfig:
   # scanning the stacked ones.
   # None: on the CPU backend when the layer weights reach 64 MiB, where the
   # scan's weight copies dominate a step; smaller models keep the scan's
-  # faster compile. Keeps a second copy of the layer weights while the
-  # caller holds the stacked ones.
+  # faster compile. True on a GPU: per-layer arrays as loaded, which the
+  # compiled step reads in place (the scanned one copies layers out of the
+  # stack: `gpu_plan --weights`, docs/kernels.md). Keeps a second copy of the
+  # layer weights while the caller holds the stacked ones.
   unroll_layers: bool | None = None
   # Unrolled and unsharded: float projections held [In, Out] ("in_out") or
   # transposed, multiplied as rows x w^T ("out_in") or into [Out, rows]
