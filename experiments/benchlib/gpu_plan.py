@@ -245,6 +245,12 @@ def _step_inputs(params, mesh, layout: str, seqs, w: Workload):
 _FROM_PARAMS = object()
 
 
+def _plan(params, ep):
+  """A lowering's expert-parallel plan: `ep` as given, or by default the one
+  the (stacked) params' sharding implies."""
+  return plan_from_params(params) if ep is _FROM_PARAMS else ep
+
+
 def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload, *,
                ep=_FROM_PARAMS):
   """`steps.step` lowered as the Engine runs it (per head shard where the
@@ -253,7 +259,7 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   (default: the one stacked params' sharding implies; give it for params in
   another layout, as the Engine computes it before `transformer.step_layout`)."""
   batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
-  ep = plan_from_params(params) if ep is _FROM_PARAMS else ep
+  ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
     lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
                                max_q=shapes.max_q, ep=ep, greedy=w.greedy,
@@ -269,7 +275,7 @@ def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, 
   or None."""
   batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
   extras = None if extras is None else _replicated(mesh, extras)
-  ep = plan_from_params(params) if ep is _FROM_PARAMS else ep
+  ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
     lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
                                        num_steps=num_steps, ep=ep,
@@ -287,7 +293,7 @@ def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   n, where = _placement(params, mesh, layout)
   axes = sharding.dp_axes(mesh, layout)
   state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
-  ep = plan_from_params(params) if ep is _FROM_PARAMS else ep
+  ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
     lowered = speculative.spec_step.lower(
         cfg, params, pool, _ranked(mesh, layout, packed, n),

@@ -29,7 +29,6 @@ reads, not copies.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import re
 from typing import Callable
@@ -251,7 +250,3 @@ def _weight_elements(init: Instr | None, names: set[str], body: Computation) -> 
   param = next((i.name for i in body.instrs if i.opcode == "parameter"), None)
   return {i.name for i in body.instrs if i.opcode == "get-tuple-element"
           and i.operands[:1] == [param] and int(i.attr("index") or 0) in indices}
-
-
-def summary(report: Report, num_layers: int) -> str:
-  return json.dumps(report.as_dict(num_layers))
