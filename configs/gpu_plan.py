@@ -27,8 +27,8 @@ def get_config() -> config_dict.ConfigDict:
   c.speculative = 3  # MTP draft tokens of the speculative step (MTP models; 0: none)
   # compile the preset with this many layers (its dense-first layers as the preset has them)
   c.num_layers = config_dict.placeholder(int)
-  # how the steps hold the weights: stacked (scanned, the Engine's default) or per_layer
-  c.weights = "stacked"
+  # how the steps hold the weights: per_layer (a GPU Engine's default) or stacked (scanned)
+  c.weights = "per_layer"
   c.hlo_dir = config_dict.placeholder(str)  # write each program's optimized HLO text here
   c.json_out = config_dict.placeholder(str)
   c.lock()

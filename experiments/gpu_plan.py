@@ -9,7 +9,12 @@ copies a step, loops without a known trip count (--hlo_dir keeps the HLO).
   python experiments/gpu_plan.py --model=llama3_1_405b --mesh=tensor=8 --layout=tp
   python experiments/gpu_plan.py --model=llama3_8b --mesh=data=1 --speculative=0
   python experiments/gpu_plan.py --model=llama3_8b --num_layers=4 --hlo_dir=/tmp/hlo
-  python experiments/gpu_plan.py --model=llama3_8b --weights=per_layer   # no weight copies
+  python experiments/gpu_plan.py --model=llama3_8b --weights=stacked   # scanned: copies
+
+The steps hold the weights per layer, as a GPU Engine does (every weight read
+in place; a full-depth step compiles in minutes on a small CPU);
+--weights=stacked compiles the scanned steps (seconds; each layer's weights
+copied out of the stack every step).
 
 Needs the GPU compile toolchain (`pip install -e ".[gpu-compile]"`); nothing is
 allocated (abstract params, pool and batches).
@@ -43,9 +48,9 @@ _SPECULATIVE = flags.DEFINE_integer("speculative", 3, "MTP draft tokens of the s
                                     "step (MTP models; 0: none)")
 _NUM_LAYERS = flags.DEFINE_integer("num_layers", None, "compile the preset with this many "
                                    "layers (its dense-first layers as the preset has them)")
-_WEIGHTS = flags.DEFINE_enum("weights", "stacked", ["stacked", "per_layer"],
-                             "how the steps hold the weights: stacked (scanned, the Engine's "
-                             "default) or per_layer (EngineConfig(unroll_layers=True))")
+_WEIGHTS = flags.DEFINE_enum("weights", "per_layer", ["stacked", "per_layer"],
+                             "how the steps hold the weights: per_layer (a GPU Engine's "
+                             "default) or stacked (scanned: EngineConfig(unroll_layers=False))")
 _HLO_DIR = flags.DEFINE_string("hlo_dir", None, "write each program's optimized HLO text here "
                                "as <program>.hlo")
 _JSON_OUT = flags.DEFINE_string("json_out", None, "write the report as JSON here "

@@ -77,7 +77,7 @@ def work_items(cu_q_lens, kv_lens, *, per_item: int, num_items: int, keep=None):
   item_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
   i = jnp.arange(num_items, dtype=jnp.int32)
   B = kv_lens.shape[0]
-  b = jnp.clip(jnp.searchsorted(item_cu, i, side="right") - 1, 0, B - 1).astype(jnp.int32)
+  b = jnp.clip(jnp.searchsorted(item_cu, i, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
   j = i - item_cu[b]
   live = i < item_cu[-1]
   pos0 = kv_lens[b] - q_lens[b] + j * per_item
@@ -99,7 +99,7 @@ def cluster_items(items, item_cu, *, cluster: int, num_clusters: int):
   c_cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(per_seq).astype(jnp.int32)])
   B = counts.shape[0]
   c = jnp.arange(num_clusters, dtype=jnp.int32)
-  b = jnp.clip(jnp.searchsorted(c_cu, c, side="right") - 1, 0, B - 1).astype(jnp.int32)
+  b = jnp.clip(jnp.searchsorted(c_cu, c, side="right", method="compare_all") - 1, 0, B - 1).astype(jnp.int32)
   live = c < c_cu[-1]
   j = (c - c_cu[b])[:, None] * cluster + jnp.arange(cluster, dtype=jnp.int32)[None]
   held = live[:, None] & (j < counts[b][:, None])  # [clusters, cluster]

@@ -258,7 +258,7 @@ def plan_items(cu_q_lens, num_items: int, block_q: int) -> Items:
   ends = jnp.cumsum(per_seq)
   first = ends - per_seq
   w = jnp.arange(num_items, dtype=jnp.int32)
-  seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), B - 1).astype(jnp.int32)
+  seq = jnp.minimum(jnp.searchsorted(ends, w, side="right", method="compare_all"), B - 1).astype(jnp.int32)
   j = w - first[seq]
   start = cu_q_lens[seq] + j * block_q
   n_tok = jnp.where(w < ends[-1], jnp.clip(q_lens[seq] - j * block_q, 0, block_q), 0)
@@ -400,7 +400,7 @@ def token_sequences(cu_q_lens, num_tokens: int):
   cu_q_lens[-1] are padding (not valid, seq clipped to a real one)."""
   t = jnp.arange(num_tokens, dtype=jnp.int32)
   B = cu_q_lens.shape[0] - 1
-  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right") - 1, 0, B - 1)
+  seq = jnp.clip(jnp.searchsorted(cu_q_lens, t, side="right", method="compare_all") - 1, 0, B - 1)
   return t, seq, t < cu_q_lens[-1]
 
 

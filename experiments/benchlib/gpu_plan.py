@@ -18,11 +18,17 @@ target set to "gpu" (Pallas kernels through Triton):
 
 Each program's optimized HLO is read for what it costs on the GPU
 (`hlo_report`): kernel launches a step and a layer, bytes of weight copies a
-step, while loops without a known trip count; `hlo_dir` keeps the HLO text
-(`<program>.hlo`), `num_layers` compiles the preset with fewer layers.
-`weights="per_layer"` compiles the steps over per-layer weights
-(`EngineConfig(unroll_layers=True)`, `engine_params`) instead of the stacked
-ones the Engine scans by default.
+step, while loops without a known trip count; beside it XLA's own estimate
+of bytes accessed and FLOPs (`xla_cost`) and the compile time. `hlo_dir`
+keeps the HLO text (`<program>.hlo`), `num_layers` compiles the preset with
+fewer layers.
+The steps hold the weights as a GPU Engine does by default, per layer
+(`weights="per_layer"`, `engine_params`: the step reads each in place);
+`weights="stacked"` compiles the scanned steps over the stacked weights
+(`EngineConfig(unroll_layers=False)`), which compile several times faster
+at full depth and copy each layer's weights out of the stack.
+`decode_budget` reads a deep model's launches a layer off two shallow
+compiles.
 
 Nothing is allocated. Per device and program: params and KV bytes (exact,
 from the shard shapes), `memory_analysis()` (arguments, temporaries, peak)
@@ -40,6 +46,7 @@ import dataclasses
 import math
 import os
 import re
+import time
 
 import jax
 import jax.numpy as jnp
@@ -120,13 +127,14 @@ def _stacked(cfg: ModelConfig, mesh, layout: str):
 WEIGHTS = ("stacked", "per_layer")
 
 
-def engine_params(cfg: ModelConfig, mesh, layout: str, weights: str = "stacked"):
+def engine_params(cfg: ModelConfig, mesh, layout: str, weights: str = "per_layer"):
   """The params a GPU Engine's steps take, abstract -> (params, the
-  expert-parallel plan of their placement). weights: "stacked" (the layers
-  scanned, the Engine's default) or "per_layer" (`EngineConfig(
-  unroll_layers=True)`: `transformer.step_layout` in the form
-  `weight_layout.choose` gives a GPU, placed where XLA puts that layout's
-  outputs from the placed stacked weights, as the Engine's load does)."""
+  expert-parallel plan of their placement). weights: "per_layer" (the
+  Engine's GPU default, `EngineConfig(unroll_layers=None or True)`:
+  `transformer.step_layout` in the form `weight_layout.choose` gives a GPU,
+  placed where XLA puts that layout's outputs from the placed stacked
+  weights, as the Engine's load does) or "stacked" (the layers scanned,
+  `unroll_layers=False`)."""
   if weights not in WEIGHTS:
     raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
   stacked = _stacked(cfg, mesh, layout)
@@ -442,13 +450,16 @@ def compile_program(lowered, hbm_bytes: float, pool=None, *, num_layers: int | N
   `hlo_report`'s launches (a layer: of `num_layers`), weight copies and loops.
   hlo_path: write the optimized HLO text there."""
   pool_shapes = {a.shape for a in jax.tree.leaves(pool)} if pool is not None else ()
+  t0 = time.perf_counter()
   compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
   mem = gpu_compile.MemoryReport.of(compiled)
   hlo = compiled.as_text()
   if hlo_path:
     with open(hlo_path, "w") as f:
       f.write(hlo)
-  return dict(hlo=hlo_report.read(hlo).as_dict(num_layers),
+  return dict(hlo=hlo_report.read(hlo).as_dict(num_layers), compile_s=compile_s,
+              xla_cost=xla_cost(compiled),
               memory=dataclasses.asdict(mem), peak_bytes=mem.peak_bytes,
               fits=mem.peak_bytes <= hbm_bytes, triton_kernels=TRITON_CALL in hlo,
               mosaic_kernels=hlo.count(MOSAIC_CALL),
@@ -456,6 +467,63 @@ def compile_program(lowered, hbm_bytes: float, pool=None, *, num_layers: int | N
               quantized_grouped_kernel="jit(_quantized_grouped_matmul)" in hlo,
               kernel_all_gathers=kernel_gathers(hlo, pool_shapes), quantized_gathers=quantized_gathers(hlo),
               collectives=collectives(hlo))
+
+
+def xla_cost(compiled) -> dict:
+  """XLA's own estimate of a compiled program's bytes accessed and FLOPs
+  (`cost_analysis()`), or why the backend gives none."""
+  try:
+    cost = compiled.cost_analysis()
+  except (NotImplementedError, RuntimeError) as e:
+    return dict(unavailable=f"{type(e).__name__}: {e}")
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  if not cost:  # jax 0.10.2 and 0.12.1 give None for a compile-only GPU target
+    return dict(unavailable=f"cost_analysis() gave {cost!r} for this target")
+  if "bytes accessed" not in cost:
+    return dict(unavailable="cost_analysis() has no 'bytes accessed'")
+  return dict(bytes_accessed=float(cost["bytes accessed"]), flops=float(cost.get("flops", 0.0)))
+
+
+def decode_budget(model: str | ModelConfig, *, batch: int, context: int = 1024,
+                  mesh_axes: dict | None = None, layout: str = "tp", gpu: str = "h100",
+                  depths: tuple[int, int] = (2, 3), weights: str = "per_layer") -> dict:
+  """What the compiled decode step costs a layer, from two shallow compiles:
+  the preset cut to depths[0] and depths[1] layers (`with_layers`), decode
+  of `batch` sequences per rank at `context` tokens. An unrolled step's
+  launches grow by the same count with each layer, so launches(n) = fixed +
+  n * per_layer, and the full model's launches a layer are (fixed +
+  L * per_layer) / L without compiling its L layers (the layers compiled
+  must be alike: past a preset's dense-first layers). -> dict(launches
+  {depth: n}, per_layer, fixed, num_layers L, launches_per_layer at L,
+  weight_copy_bytes (the most of either compile), unknown_trip_loops,
+  compile_s {depth: s})."""
+  base = presets.get(model) if isinstance(model, str) else model
+  a, b = depths
+  if not (isinstance(a, int) and isinstance(b, int) and 1 <= a < b <= base.num_layers):
+    raise ValueError(f"depths must be two ints 1 <= a < b <= {base.num_layers}, got {depths!r}")
+  w = Workload(batch=batch, context=context)
+  mesh = gpu_compile.mesh(dict(mesh_axes or {"data": 1}), gpu=gpu)
+  runs = {}
+  for n in depths:
+    cfg = gpu_config(with_layers(base, n), "bfloat16")
+    params, ep = engine_params(cfg, mesh, layout, weights)
+    pool = abstract_pool(cfg, mesh, layout, w.pool_pages(), w.page_size)
+    lowered, _ = lower_step(cfg, params, pool, mesh, layout, _step_seqs(w)["decode"], w, ep=ep)
+    runs[n] = compile_program(lowered, gpu_compile.target(gpu).hbm_bytes, pool, num_layers=n)
+  la, lb = (runs[n]["hlo"]["launches"] for n in depths)
+  per_layer = (lb - la) / (b - a)
+  fixed = la - a * per_layer
+  L = base.num_layers
+  return dict(model=base.model_type if not isinstance(model, str) else model, batch=batch,
+              context=context, layout=layout, mesh_axes=dict(mesh_axes or {"data": 1}),
+              weights=weights, launches={n: runs[n]["hlo"]["launches"] for n in depths},
+              per_layer=per_layer, fixed=fixed, num_layers=L,
+              launches_per_layer=(fixed + L * per_layer) / L,
+              weight_copy_bytes=max(r["hlo"]["weight_copy_bytes"] for r in runs.values()),
+              unknown_trip_loops=sorted({x for r in runs.values()
+                                         for x in r["hlo"]["unknown_trip_loops"]}),
+              compile_s={n: runs[n]["compile_s"] for n in depths})
 
 
 def _step_seqs(w: Workload) -> dict:
@@ -524,7 +592,7 @@ def _program_file(name: str) -> str:
 def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str = "h100",
              hosts: int = 1, dtype: str = "bfloat16", workload: Workload = Workload(),
              num_layers: int | None = None, hlo_dir: str | None = None,
-             weights: str = "stacked") -> dict:
+             weights: str = "per_layer") -> dict:
   """The Engine's steps for `model` (a preset name or a ModelConfig) compiled
   for `gpu`s on a mesh of `mesh_axes` over `hosts` hosts (see the module
   docstring). -> a JSON-able dict; `fit` says whether params + KV fit, and
@@ -536,8 +604,9 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
   cfg = gpu_config(with_layers(base, num_layers), dtype)
   w, target = workload, gpu_compile.target(gpu)
   mesh = gpu_compile.mesh(dict(mesh_axes), gpu=gpu, hosts=hosts)
-  pb = param_bytes(cfg, abstract_params(cfg, mesh, layout))  # as loaded
-  params, ep = engine_params(cfg, mesh, layout, weights)
+  stacked = abstract_params(cfg, mesh, layout)
+  pb = param_bytes(cfg, stacked)  # as loaded
+  ep = plan_from_params(stacked)
   specs, notes = _programs(cfg, mesh, layout, w, ep)
   spec = any(d for _, _, _, d, _ in specs)
   kw = dict(kv_cache_dtype=w.kv_cache_dtype)
@@ -555,6 +624,7 @@ def gpu_plan(*, model: str | ModelConfig, mesh_axes: dict, layout: str, gpu: str
                 kv_pages_per_rank=w.pool_pages(), fit=fit, notes=notes, programs=[], verdicts=[])
   if not fit["fits"]:
     return report
+  params, _ = engine_params(cfg, mesh, layout, weights)
   if hlo_dir:
     os.makedirs(hlo_dir, exist_ok=True)
   for name, seqs, ranks, draft, lower in specs:
@@ -627,7 +697,7 @@ def format_plan(r: dict) -> str:
 def run_gpu_plan(*, model: str, mesh: str, layout: str, gpu: str = "h100", hosts: int = 1,
                  dtype: str = "bfloat16", json_out: str | None = None,
                  num_layers: int | None = None, hlo_dir: str | None = None,
-                 weights: str = "stacked", **workload) -> dict:
+                 weights: str = "per_layer", **workload) -> dict:
   """`gpu_plan` for a 'data=4,expert=8' mesh string and `Workload` fields as
   keywords; prints the table and writes the dict as JSON to `json_out` when given."""
   report = gpu_plan(model=model, mesh_axes=parse_mesh(mesh), layout=layout, gpu=gpu,

@@ -108,12 +108,14 @@ class EngineConfig:
   # Run the layers unrolled over per-layer weight arrays in the step's layout
   # (`models.transformer.step_layout`, `weight_layout.choose`) instead of
   # scanning the stacked ones.
-  # None: on the CPU backend when the layer weights reach 64 MiB, where the
-  # scan's weight copies dominate a step; smaller models keep the scan's
-  # faster compile. True on a GPU: per-layer arrays as loaded, which the
-  # compiled step reads in place (the scanned one copies layers out of the
-  # stack: `gpu_plan --weights`, docs/kernels.md). Keeps a second copy of the
-  # layer weights while the caller holds the stacked ones.
+  # None: always on a GPU backend, on the CPU backend when the layer weights
+  # reach 64 MiB, where the scan's weight copies dominate a step; smaller
+  # models keep the scan's faster compile. On a GPU the per-layer arrays
+  # stay as loaded, q, k and v fused, which the compiled step reads in
+  # place (the scanned one copies layers out of the stack: `gpu_plan
+  # --weights`, docs/kernels.md); each step program then compiles longer.
+  # Keeps a second copy of the layer weights while the caller holds the
+  # stacked ones.
   unroll_layers: bool | None = None
   # Unrolled and unsharded: float projections held [In, Out] ("in_out") or
   # transposed, multiplied as rows x w^T ("out_in") or into [Out, rows]

@@ -136,12 +136,26 @@ class PoolLayout:
   def write(self, stack: dict, layer, page, slot, new: dict) -> dict:
     """Writes tokens' entries (new: GQA {k, v [T, K, H]}, MLA {kv [T, C]})
     at (page[t], slot[t]) of `layer`, in place under jit (quantized with
-    the layer's scales in a quantized pool)."""
+    the layer's scales in a quantized pool). One token is written as a
+    dynamic-update-slice: XLA rewrites a one-row scatter so too, but then
+    reads the old entry to keep it where the index could fall outside (a
+    launch more a step and layer in the compiled H100 decode step); the
+    pages given are the pool's own."""
     at = (layer, page, slot) if self.latent else (layer, slice(None), page, slot)
     scales = self.layer_scales(stack, layer)
     out = dict(stack)
     for n, scale in zip(self.names, scales):
-      out[n] = stack[n].at[at].set(quantize(new[n], scale, stack[n].dtype))
+      value = quantize(new[n], scale, stack[n].dtype)
+      if page.shape[0] == 1:
+        zero = jnp.zeros((), jnp.int32)
+        if self.latent:  # [L, P, ps, C] <- [1, C]
+          start, update = (layer, page[0], slot[0], zero), value[:, None, None]
+        else:  # [L, K, P, ps, H] <- [1, K, H]
+          start, update = (layer, zero, page[0], slot[0], zero), value[:, :, None, None]
+        start = tuple(jnp.asarray(i, jnp.int32) for i in start)
+        out[n] = jax.lax.dynamic_update_slice(stack[n], update, start)
+      else:
+        out[n] = stack[n].at[at].set(value)
     return out
 
   def layer_scales(self, stack: dict, layer) -> tuple:

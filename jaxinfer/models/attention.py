@@ -27,7 +27,11 @@ def out_proj(out, wo, backend: Backend = Backend()):
 
 def gqa(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   """Grouped-query attention with optional biases, q/k norm and sinks."""
-  if isinstance(p, FusedQKV):
+  if isinstance(p, FusedQKV) and p.grouped:
+    qkv = linear(x, p.wqkv, backend=cfg.backend)  # [B, T, K, G + 2, H]
+    q = rearrange(qkv[..., :-2, :], "... K G H -> ... (K G) H")
+    k, v = qkv[..., -2, :], qkv[..., -1, :]
+  elif isinstance(p, FusedQKV):
     N, K, H = p.heads
     qkv = linear(x, p.wqkv, backend=cfg.backend)
     q, k, v = (a.reshape(*a.shape[:-1], -1, H)
@@ -66,20 +70,25 @@ _PROJECTIONS = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "wq_a": 1, "wq_b": 1, "wkv_a
 
 def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
   """One layer's attention weights in the step's `WeightForm`: MLA's as an
-  `AbsorbedMLA` (up-projections pre-transposed); with form.transposed,
+  `AbsorbedMLA` (up-projections pre-transposed); with form.fused_qkv
+  (projections untransposed) grouped-query float q/k/v as a grouped
+  `FusedQKV` (`grouped_qkv`); with form.transposed,
   grouped-query float q/k/v as a `FusedQKV` and the projections as
   `layers.PackedLinear` (float ones unless form.floats_in_out, out-major
   with form.out_major, in panels with form.panels; quantized ones always)."""
   if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
+  float_qkv = cfg.attention != "mla" and not any(isinstance(p[k], QuantizedWeight) for k in _QKV)
   if not form.transposed:
+    if form.fused_qkv and float_qkv:
+      return grouped_qkv(p)
     return p
   def pack(v, in_dims=1):
     if form.floats_in_out and not isinstance(v, QuantizedWeight):
       return v
     return pack_linear(v, in_dims, form.out_major, form.panels)
-  if cfg.attention != "mla" and not any(isinstance(p[k], QuantizedWeight) for k in _QKV):
+  if float_qkv:
     D = p["wq"].shape[0]
     wqkv = jnp.concatenate([p[k].reshape(D, -1) for k in _QKV], axis=-1)
     rest = {k: v for k, v in p.items() if k not in _QKV}
@@ -96,11 +105,29 @@ def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
 _QKV = ("wq", "wk", "wv")
 
 
+def grouped_qkv(p) -> FusedQKV:
+  """One layer's grouped-query wq [D, N, H], wk and wv [D, K, H] as a grouped
+  `FusedQKV`: wqkv [D, K, G + 2, H], each KV head's G query heads, key and
+  value side by side (query head n = k G + g reads KV head k, as the
+  attention's grouping has it)."""
+  D, N, H = p["wq"].shape
+  K = p["wk"].shape[1]
+  wq = rearrange(p["wq"], "D (K G) H -> D K G H", K=K)
+  wqkv = jnp.concatenate([wq, p["wk"][:, :, None], p["wv"][:, :, None]], axis=2)
+  rest = {k: v for k, v in p.items() if k not in _QKV}
+  return FusedQKV(wqkv=wqkv, heads=(N, K, H), grouped=True, **rest)
+
+
 def stacked_layout(p):
   """The inverse of `step_layout`: one layer's attention weights as the
   stacked params hold them (projections [*In, *Out], MLA's wkv_b
   [R, N, Hn + Hv], grouped-query wq / wk / wv apart). Same values."""
-  if isinstance(p, FusedQKV):
+  if isinstance(p, FusedQKV) and p.grouped:
+    wqkv = p.wqkv
+    p = {**{k: v for k, v in p.items() if k != "wqkv"},
+         "wq": rearrange(wqkv[:, :, :-2], "D K G H -> D (K G) H"),
+         "wk": wqkv[:, :, -2], "wv": wqkv[:, :, -1]}
+  elif isinstance(p, FusedQKV):
     N, K, H = p.heads
     wqkv = unpack_linear(p.wqkv)
     D = wqkv.shape[0]

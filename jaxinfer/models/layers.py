@@ -25,6 +25,43 @@ def rms_norm(x, weight, eps):
   return weight * xf.astype(x.dtype)
 
 
+@struct.dataclass
+class RmsScaled:
+  """An RMSNorm's output held apart for the one matmul that reads it
+  (`rms_scaled`): the rows times the norm's weight, and each row's 1 / rms,
+  which `linear` applies to the product instead of the input (a row scale
+  commutes with the matmul). In the compiled H100 decode step XLA then
+  fuses the weight into the matmul's operand and the row scale into the
+  product's consumer: one launch a norm fewer than `rms_norm`'s reduce and
+  apply (`benchlib.hlo_report`). Same values up to rounding: the row scale
+  is applied in float32 to the float32 product."""
+  scaled: jax.Array  # x * weight [..., D], x's dtype
+  inv_rms: jax.Array  # [..., 1] float32
+
+
+def rms_scaled(x, weight, eps) -> RmsScaled:
+  """`rms_norm(x, weight, eps)` as an `RmsScaled`, for a `linear` to read.
+
+  A lone row sums its squares in 128-wide chunks, then adds the chunk sums
+  one by one: XLA fuses the chunks' row reduction with the residual add that
+  makes x, and the additions, elementwise, into the product's consumer
+  (compiled for an H100, jax 0.12.1: the residual add, norm and next matmul
+  in 3 launches, 4 with one reduction over the whole row, which XLA keeps
+  apart from the add). With more rows one reduction fuses so already (and
+  the chunks would cost a launch)."""
+  xf = x.astype(jnp.float32)
+  D = x.shape[-1]
+  if math.prod(x.shape[:-1]) == 1 and D % 128 == 0 and D > 128:
+    part = jnp.sum(jnp.square(xf.reshape(*x.shape[:-1], D // 128, 128)), axis=-1)
+    total = part[..., :1]
+    for i in range(1, D // 128):
+      total = total + part[..., i:i + 1]
+    inv = jax.lax.rsqrt(total / D + eps)
+  else:
+    inv = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return RmsScaled(scaled=(x * weight).astype(x.dtype), inv_rms=inv)
+
+
 # ---------------------------------------------------------------- linear
 
 @struct.dataclass
@@ -98,7 +135,15 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, backend: Backend
   (`quant.kernel_ready`), else whole (one layer's matrix) to x's dtype. On
   a CPU target, a packed or
   quantized weight meets a few rows (`ROW_REDUCE_ROWS`) as one
-  multiply-reduce instead (`row_reduce_matmul`)."""
+  multiply-reduce instead (`row_reduce_matmul`). x may be an `RmsScaled`
+  (in_dims 1): its row scale multiplies the float32 product."""
+  if isinstance(x, RmsScaled):
+    if in_dims != 1:
+      raise ValueError(f"linear: an RmsScaled input contracts its last dim only, got "
+                       f"in_dims={in_dims}")
+    y = linear(x.scaled, w, 1, jnp.float32, backend)
+    inv = x.inv_rms.reshape(x.inv_rms.shape + (1,) * (y.ndim - x.inv_rms.ndim))
+    return (y * inv).astype(preferred_element_type or x.scaled.dtype)
   if quant.kernel_ready(w) and backend.on_gpu():
     y = _kernel_linear(x.reshape(-1, w.dims[1]), w, backend)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
@@ -358,8 +403,15 @@ def fuse_gate_up(w_gate, w_up):
 def mlp(cfg: ModelConfig, p, x):
   """Dense gated MLP. x [..., D]; p: {w_gate, w_up [D, F], w_down [F, D]},
   or a `layouts.FusedMLP` (weights plain or packed)."""
-  if isinstance(p, FusedMLP):
-    gate, up = jnp.split(linear(x, p.w_gate_up), 2, axis=-1)
+  if isinstance(p, FusedMLP) and isinstance(x, RmsScaled):
+    # The row scale after the split: XLA then applies it in the activation's
+    # fusion, not in the matmul's epilogue, which jax 0.10.2's XLA could not
+    # give the chunk sums of `rms_scaled` (a launch more a layer for H100).
+    gu = linear(x.scaled, p.w_gate_up, preferred_element_type=jnp.float32, backend=cfg.backend)
+    inv = x.inv_rms.reshape(x.inv_rms.shape + (1,) * (gu.ndim - x.inv_rms.ndim))
+    gate, up = ((h * inv).astype(x.scaled.dtype) for h in jnp.split(gu, 2, axis=-1))
+  elif isinstance(p, FusedMLP):
+    gate, up = jnp.split(linear(x, p.w_gate_up, backend=cfg.backend), 2, axis=-1)
   else:
     b = cfg.backend
     gate, up = linear(x, p["w_gate"], backend=b), linear(x, p["w_up"], backend=b)

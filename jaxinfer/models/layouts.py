@@ -11,7 +11,8 @@ key presence or a mode string:
   AbsorbedMLA   MLA attention with wkv_b stored as the per-head absorbed
                 up-projections w_uk / w_uv (`attention.step_layout`)
   FusedQKV      grouped-query attention with wq, wk and wv one [D, (N + 2K) H]
-                matmul (`attention.step_layout`)
+                matmul, or grouped by KV head, [D, K, G + 2, H]
+                (`attention.step_layout`)
   SplitExperts  MoE layer with one array per routed expert, run expert by
                 expert over its rows only (`transformer.step_layout`)
   DenseExperts  MoE layer's stacked experts marked for the dense reference
@@ -102,10 +103,18 @@ class FusedQKV(_Fields):
   on their own, ride in a wide one (bench_dense prefill, 1024 rows on the
   2-core EPYC, profiled: q, k and v took 23.4 ms a layer, the fused matmul
   16.9 in a later run). heads: (N, K, H), to split
-  the product and to rebuild the three (`attention.stacked_layout`)."""
-  wqkv: Any  # [D, (N + 2K) * H]
+  the product and to rebuild the three (`attention.stacked_layout`).
+
+  grouped: wqkv is [D, K, G + 2, H] instead (G = N / K), each KV head's G
+  query heads, then its key, then its value: the GPU step's form. A tensor-
+  parallel split of the KV-head axis keeps each head's q, k and v together,
+  and one matmul replaces three (in the compiled H100 decode step at batch 1,
+  k and v alone became a multiply into weight-sized products and two
+  reductions: 4 launches a layer where the fused matmul is one)."""
+  wqkv: Any  # [D, (N + 2K) * H], or [D, K, G + 2, H] when grouped
   wo: Any  # [N, H, D]
   heads: tuple = struct.field(pytree_node=False, default=())  # (N, K, H)
+  grouped: bool = struct.field(pytree_node=False, default=False)
   bq: Any = None  # [N, H]
   bk: Any = None  # [K, H]
   bv: Any = None  # [K, H]
@@ -175,13 +184,16 @@ class WeightForm:
   out_major: transposed float projections multiply into [Out, rows]
     (`layers.PackedLinear.out_major`; also chosen by `engine.weight_layout`)
   panels: transposed float32 projections held as 32-column panels for the
-    C++ CPU kernel (`layers.PackedLinear.panels`; chosen the same way)"""
+    C++ CPU kernel (`layers.PackedLinear.panels`; chosen the same way)
+  fused_qkv: grouped-query float q, k and v as one matrix grouped by KV head
+    (`FusedQKV.grouped`; the GPU form, where projections stay [In, Out])"""
   split_experts: bool = False
   native_experts: bool = False
   transposed: bool = False
   floats_in_out: bool = False
   out_major: bool = False
   panels: bool = False
+  fused_qkv: bool = False
 
   def __post_init__(self):
     for f in dataclasses.fields(self):

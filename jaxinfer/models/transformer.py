@@ -20,8 +20,8 @@ from jaxinfer.kv.contexts import ContiguousContext, FullContext
 from jaxinfer.models import attention as attn_lib
 from jaxinfer.models import moe as moe_lib
 from jaxinfer.models.layers import (fuse_gate_up, linear, mlp, mrope_cos_sin, pack_linear, rms_norm,
-                                   rope_cos_sin, unpack_linear)
-from jaxinfer.models.layouts import FusedMLP, SplitExperts, WeightForm
+                                   rms_scaled, rope_cos_sin, unpack_linear)
+from jaxinfer.models.layouts import FusedMLP, FusedQKV, SplitExperts, WeightForm
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.models.quant import QuantizedWeight
 
@@ -55,12 +55,18 @@ def block(cfg: ModelConfig, is_moe: bool, p, x, cos, sin, ctx, window, cache, ep
   count_experts, a `moe_core.ExpertCount` (statistics runs, e.g. EPLB): the MoE
   layer's routed copies per expert (per slot of EPLB-placed params); else None.
   The MLP runs the path its params' type names (`layouts`); `cfg.moe_impl`
-  becomes that type here (`moe.with_impl`).
+  becomes that type here (`moe.with_impl`). In the GPU form (a grouped
+  `FusedQKV`) a norm whose output only one matmul reads, the attention's
+  and a dense `FusedMLP`'s, scales the matmul's product
+  (`layers.rms_scaled`): a launch fewer a norm in the compiled step.
   """
-  a, cache = attn_lib.attention(cfg, p["attn"], rms_norm(x, p["attn_norm"], cfg.norm_eps),
+  gpu_form = isinstance(p["attn"], FusedQKV) and p["attn"].grouped
+  attn_norm = rms_scaled if gpu_form else rms_norm
+  a, cache = attn_lib.attention(cfg, p["attn"], attn_norm(x, p["attn_norm"], cfg.norm_eps),
                                 cos, sin, ctx, window, cache)
   x = x + a
-  h = rms_norm(x, p["mlp_norm"], cfg.norm_eps)
+  mlp_norm = rms_scaled if gpu_form and isinstance(p["mlp"], FusedMLP) else rms_norm
+  h = mlp_norm(x, p["mlp_norm"], cfg.norm_eps)
   if not is_moe:
     return x + mlp(cfg, p["mlp"], h), cache, None
   y, counts = moe_lib.moe(cfg, moe_lib.with_impl(cfg, p["mlp"]), h, ep, valid=ctx.token_valid(),
@@ -181,7 +187,22 @@ def step_layout(cfg: ModelConfig, params, form: WeightForm = WeightForm()):
   out = {**params, "layers": tuple(segs)}
   if not cfg.tie_embeddings:
     out["lm_head"] = pack(params["lm_head"])
+  if "mtp" in params:
+    out["mtp"] = _mtp_attention(params["mtp"], lambda p: attn_lib.step_layout(cfg, p))
   return out
+
+
+def _mtp_attention(mtp: dict, fn) -> dict:
+  """The MTP modules' params with fn applied to each module's attention
+  weights, restacked [M, ...]. The step layout absorbs MLA's wkv_b there as
+  in the layers (`attention.step_layout`): split per head inside the step it
+  was copied every speculative step (compiled for 8 H100s under dp_attn_ep,
+  DeepSeek-V3: 33.5 MB a step, `benchlib.hlo_report`), the one weight copy
+  left; a module's own slice of the stack is read in place."""
+  attn = mtp["block"]["attn"]
+  M = jax.tree.leaves(attn)[0].shape[0]
+  mods = [fn(jax.tree.map(lambda a, m=m: a[m], attn)) for m in range(M)]
+  return {**mtp, "block": {**mtp["block"], "attn": jax.tree.map(lambda *a: jnp.stack(a), *mods)}}
 
 
 def stacked_layout(cfg: ModelConfig, step):
@@ -214,6 +235,8 @@ def stacked_layout(cfg: ModelConfig, step):
   out = {**step, "layers": tuple(segs)}
   if "lm_head" in out:
     out["lm_head"] = unpack_linear(out["lm_head"])
+  if "mtp" in out:
+    out["mtp"] = _mtp_attention(out["mtp"], attn_lib.stacked_layout)
   return out
 
 
@@ -221,7 +244,7 @@ def head(cfg: ModelConfig, params, x):
   """Hidden [..., D] -> float32 logits [..., V]."""
   if cfg.tie_embeddings:
     return jnp.einsum("...D,VD->...V", x, params["embed"], preferred_element_type=jnp.float32)
-  return linear(x, params["lm_head"], preferred_element_type=jnp.float32)
+  return linear(x, params["lm_head"], preferred_element_type=jnp.float32, backend=cfg.backend)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))

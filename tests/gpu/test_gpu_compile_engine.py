@@ -323,7 +323,9 @@ def test_multi_host_topology_compiles():
 
 def test_seed_scale_llama8b_decode_on_one_h100():
   w = gpu_plan.Workload(batch=8, context=1024, prefill_tokens=128)
-  programs, report = _plan("llama3_8b", {"data": 1}, "tp", workload=w)
+  # Stacked: the same fit and kernels, and seconds to compile where the 32
+  # layers unrolled take minutes (test_hlo_report holds the per-layer step).
+  programs, report = _plan("llama3_8b", {"data": 1}, "tp", workload=w, weights="stacked")
   _check(programs["decode"])
   assert 15e9 < report["params_bytes_per_device"] < 17e9  # 8.0B params in bf16
   # Decode at batch 8 is bound by reading the weights.

@@ -3,9 +3,10 @@ launches (while bodies times their trip counts), bytes of weight copies, and
 loops without a known trip count. Checked on a small HLO module written here
 (every rule once), then on the Engine's real llama3_8b step compiled for an
 H100 by gpu_plan (--num_layers, --hlo_dir): scanned stacked layers copy each
-layer's weights out of the stack, per-layer weights (--weights=per_layer, as
-EngineConfig(unroll_layers=True) holds them on a GPU) copy none, also for a
-DeepSeek-V3 slice under attention DP."""
+layer's weights out of the stack, per-layer weights (the GPU Engine's
+default form) copy none, also for a DeepSeek-V3 slice under attention DP;
+and the per-layer llama3_8b decode step at batch 1 and 64 within 14
+launches a layer (`gpu_plan.decode_budget`), on both jax lines CI runs."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 from benchlib import gpu_plan, hlo_report
 from jaxinfer import EngineConfig, gpu_compile, presets
@@ -149,7 +151,7 @@ def test_llama_step_scanned_copies_layer_weights_and_per_layer_weights_copy_none
   # gpu_plan's report and HLO files for llama3_8b cut to 2 layers, batch 1.
   w = gpu_plan.Workload(batch=1, context=256, prefill_tokens=16)
   report = gpu_plan.gpu_plan(model="llama3_8b", mesh_axes={"data": 1}, layout="tp",
-                             workload=w, num_layers=2, hlo_dir=str(tmp_path))
+                             workload=w, num_layers=2, hlo_dir=str(tmp_path), weights="stacked")
   assert report["num_layers"] == 2
   decode = next(p for p in report["programs"] if p["name"] == "decode")
   assert (tmp_path / "decode.hlo").exists() and (tmp_path / "mixed.hlo").exists()
@@ -195,15 +197,35 @@ def test_deepseek_slice_under_attention_dp_reads_per_layer_weights_in_place():
   assert entry["fits"] and not entry["hlo"]["unknown_trip_loops"]
 
 
-def test_a_gpu_engine_unrolls_into_the_plain_per_layer_form_only_when_asked():
+def test_a_gpu_engine_unrolls_by_default_into_the_gpu_form():
   cfg = presets.get("tiny_moe")
-  params = {"layers": [jnp.zeros((2, 8 << 20), jnp.float32)]}  # 64 MiB of layer weights
-  on = EngineConfig(unroll_layers=True)
-  assert weight_layout.choose(cfg, on, params, backend="gpu") == WeightForm()
-  # The default keeps the scan on a GPU (the CPU unrolls from 64 MiB of layers).
-  assert weight_layout.choose(cfg, EngineConfig(), params, backend="gpu") is None
-  assert weight_layout.choose(cfg, EngineConfig(cpu_weight_layout="in_out"), params,
-                              backend="cpu") is not None
+  small = {"layers": [jnp.zeros((2, 8), jnp.float32)]}
+  big = {"layers": [jnp.zeros((2, 8 << 20), jnp.float32)]}  # 64 MiB of layer weights
+  gpu_form = WeightForm(fused_qkv=True)
+  # On a GPU the default unrolls whatever the size, into per-layer arrays as
+  # loaded with q, k and v fused by KV head; False keeps the scan.
+  for params in (small, big):
+    assert weight_layout.choose(cfg, EngineConfig(), params, backend="gpu") == gpu_form
+    assert weight_layout.choose(cfg, EngineConfig(unroll_layers=True), params,
+                                backend="gpu") == gpu_form
+  assert weight_layout.choose(cfg, EngineConfig(unroll_layers=False), big, backend="gpu") is None
+  # The CPU unrolls from 64 MiB of layers, into its own forms.
+  assert weight_layout.choose(cfg, EngineConfig(), small, backend="cpu") is None
+  cpu = weight_layout.choose(cfg, EngineConfig(cpu_weight_layout="in_out"), big, backend="cpu")
+  assert cpu is not None and not cpu.fused_qkv
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_llama3_8b_decode_fits_the_launch_budget_and_copies_no_weight(batch):
+  """The Engine's GPU decode step for llama3_8b on one H100, compiled at 2
+  and 3 layers: each layer adds the same launches, so the 32-layer step's
+  launches a layer follow (`gpu_plan.decode_budget`); at most 14, no weight
+  copied, every loop's trip count known."""
+  r = gpu_plan.decode_budget("llama3_8b", batch=batch, context=1024)
+  assert r["num_layers"] == 32 and r["launches"][3] - r["launches"][2] == r["per_layer"]
+  assert r["weight_copy_bytes"] == 0 and not r["unknown_trip_loops"], r
+  assert r["launches_per_layer"] <= 14, r
+  assert r["per_layer"] >= 8, r  # norm, QKV, cache writes, attention, o, norm, MLP: a floor
 
 
 def test_with_layers_keeps_the_dense_first_layers():

@@ -51,17 +51,26 @@ def test_take_put_round_trip_touches_only_those_pages():
     assert not jnp.any(jnp.take(o["kv"], rest, axis=ax))
 
 
-def test_write_puts_tokens_at_page_and_slot():
-  layout = kv_cache.pool_layout(GQA)
-  stack = kv_cache.init_pool(GQA, 5, 4, jnp.float32)[0]
-  T, K, H = 3, GQA.num_kv_heads, GQA.head_dim
-  new = {n: jnp.arange(T * K * H, dtype=jnp.float32).reshape(T, K, H) + i
+@pytest.mark.parametrize("cfg", [GQA, MLA], ids=["gqa", "mla"])
+@pytest.mark.parametrize("page,slot", [([2, 2, 3], [0, 3, 1]), ([3], [2])], ids=["scatter", "one"])
+def test_write_puts_tokens_at_page_and_slot(cfg, page, slot):
+  """Several tokens (a scatter) or one (a dynamic-update-slice) land at
+  their (page, slot) of the layer given, and nowhere else."""
+  layout = kv_cache.pool_layout(cfg)
+  stack = kv_cache.init_pool(cfg, 5, 4, jnp.float32)[0]
+  T = len(page)
+  shapes = {"kv": (cfg.kv_lora_rank + cfg.qk_rope_head_dim,)} if layout.latent else {
+      n: (cfg.num_kv_heads, cfg.head_dim) for n in layout.names}
+  new = {n: jnp.arange(T * int(np.prod(shapes[n])), dtype=jnp.float32).reshape(T, *shapes[n]) + 1 + i
          for i, n in enumerate(layout.names)}
-  page, slot = jnp.asarray([2, 2, 3]), jnp.asarray([0, 3, 1])
-  out = layout.write(stack, 1, page, slot, new)
+  page, slot = jnp.asarray(page, jnp.int32), jnp.asarray(slot, jnp.int32)
+  layer = stack[layout.names[0]].shape[0] - 1
+  out = jax.jit(layout.write)(stack, layer, page, slot, new)
   for n in layout.names:
     for t in range(T):
-      np.testing.assert_array_equal(out[n][1, :, page[t], slot[t]], new[n][t])
+      at = (layer, page[t], slot[t]) if layout.latent else (layer, slice(None), page[t], slot[t])
+      got = out[n][at]
+      np.testing.assert_array_equal(got, new[n][t])
     assert float(jnp.abs(out[n]).sum()) == float(jnp.abs(new[n]).sum())  # nothing else written
 
 

@@ -118,8 +118,16 @@ def test_prompt_over_context_and_cache_overflow_raise():
     models.forward(cfg, params, np.zeros((2, 1), np.int32), cache)
 
 
-_LAYOUTS = [(False, False, "out_in"), (True, True, "out_in"), (False, True, "out_major"),
+# (split_experts, transposed, float layout); "gpu": untransposed with q, k and
+# v fused by KV head, the GPU Engine's form (`weight_layout.choose`).
+_LAYOUTS = [(False, False, "gpu"), (True, True, "out_in"), (False, True, "out_major"),
             (True, True, "in_out"), (True, True, "panels")]
+
+
+def _form(split_experts, transpose, float_layout):
+  return WeightForm(split_experts=split_experts, transposed=transpose,
+                    floats_in_out=float_layout == "in_out", out_major=float_layout == "out_major",
+                    panels=float_layout == "panels", fused_qkv=float_layout == "gpu")
 # Every layout for the MoE + MLA, biased and plain MoE archs; the others take
 # the two ends and the panels (CI time: each case compiles four programs).
 _STEP_LAYOUT_CASES = [(name, *layout) for name in sorted(ARCH_CONFIGS)
@@ -136,14 +144,19 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   from jaxinfer.models import transformer
   from jaxinfer.models.layers import PackedLinear
   cfg, params, tokens = _setup(ARCH_CONFIGS[name], seed=5, T=13)
-  step = transformer.step_layout(cfg, params, WeightForm(
-      split_experts=split_experts, transposed=transpose, floats_in_out=float_layout == "in_out",
-      out_major=float_layout == "out_major", panels=float_layout == "panels"))
+  step = transformer.step_layout(cfg, params, _form(split_experts, transpose, float_layout))
   assert all(isinstance(seg, tuple) for seg in step["layers"])
   attn = step["layers"][0][0]["attn"]
-  # Grouped-query q, k and v become one matmul whenever the step transposes,
-  # and so do MLA's two down-projections (q LoRA and the latent's).
-  assert isinstance(attn, FusedQKV) == (transpose and cfg.attention != "mla")
+  # Grouped-query q, k and v become one matmul whenever the step transposes
+  # (grouped by KV head in the GPU form), and so do MLA's two
+  # down-projections (q LoRA and the latent's) when transposed.
+  gpu = float_layout == "gpu"
+  assert isinstance(attn, FusedQKV) == ((transpose or gpu) and cfg.attention != "mla")
+  if isinstance(attn, FusedQKV):
+    N, K, H = attn.heads
+    assert attn.grouped == gpu
+    if gpu:
+      assert attn.wqkv.shape[1:] == (K, N // K + 2, H)
   fused_mla = transpose and cfg.attention == "mla" and bool(cfg.q_lora_rank)
   assert ("wqkv_a" in attn) == fused_mla
   if cfg.attention == "mla":
@@ -184,9 +197,7 @@ def test_stacked_layout_inverts_step_layout(name):
   from jaxinfer.models import transformer
   cfg, params, _ = _setup(ARCH_CONFIGS[name], seed=6, T=2)
   for split_experts, transpose, layout in _LAYOUTS:
-    step = transformer.step_layout(cfg, params, WeightForm(
-        split_experts=split_experts, transposed=transpose, floats_in_out=layout == "in_out",
-        out_major=layout == "out_major", panels=layout == "panels"))
+    step = transformer.step_layout(cfg, params, _form(split_experts, transpose, layout))
     back = transformer.stacked_layout(cfg, step)
     assert jax.tree.structure(back) == jax.tree.structure(params)
     for (path, want), got in zip(jax.tree.leaves_with_path(params), jax.tree.leaves(back)):
@@ -194,6 +205,32 @@ def test_stacked_layout_inverts_step_layout(name):
       np.testing.assert_array_equal(got, want, err_msg=jax.tree_util.keystr(path))
   with pytest.raises(ValueError, match="already stacked"):
     transformer.stacked_layout(cfg, params)
+
+
+@pytest.mark.parametrize("rows", [(1, 1), (2, 3)], ids=["lone_row", "rows"])
+def test_rms_scaled_linear_equals_the_norm_then_the_matmul(rows):
+  """The GPU form's norm (`layers.rms_scaled`, the row scale applied to the
+  product; a lone row's squares summed in 128-wide chunks) and the gated
+  MLP reading it equal `rms_norm` then the matmul, into several out dims
+  too; an RmsScaled contracts one dim only."""
+  from jaxinfer.models import layers
+  from jaxinfer.models.layouts import FusedMLP
+  rng = np.random.default_rng(7)
+  D = 384  # three chunks of 128
+  x = jnp.asarray(rng.standard_normal((*rows, D)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal(D), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((D, 2, 3, 5)), jnp.float32)
+  scaled = jax.jit(layers.rms_scaled, static_argnums=2)(x, g, 1e-5)
+  want = jnp.tensordot(layers.rms_norm(x, g, 1e-5), w, axes=1)
+  got = layers.linear(scaled, w)
+  assert got.shape == want.shape and got.dtype == want.dtype
+  assert _rel(got, want) < 1e-6
+  cfg = presets.get("tiny_dense")
+  mlp = FusedMLP(w_gate_up=jnp.asarray(rng.standard_normal((D, 16)), jnp.float32),
+                 w_down=jnp.asarray(rng.standard_normal((8, D)), jnp.float32))
+  assert _rel(layers.mlp(cfg, mlp, scaled), layers.mlp(cfg, mlp, layers.rms_norm(x, g, 1e-5))) < 1e-6
+  with pytest.raises(ValueError, match="in_dims"):
+    layers.linear(scaled, w, in_dims=2)
 
 
 @pytest.mark.parametrize("shape,in_dims", [((6, 10), 1), ((4, 3, 5), 2), ((6, 2, 5), 1),
