@@ -14,6 +14,18 @@ in place, calling `save()` after every measurement, in priority order:
          drafts, Pallas against XLA at batch 8, and decode on the Mosaic
          GPU MLA kernel at batch 1 / 8 / 64 against the Pallas runs
 
+Decode runs the Engine's default form (on a GPU: per-layer weights, q, k and
+v fused); at some batches the same decode over the stacked layers, scanned
+(`EngineConfig(unroll_layers=False)`), measures what that form gains.
+
+Each model's decode at one batch (8) also traces ten decode steps of its
+warm engine under jax's profiler and records the top kernels by device time
+(`benchlib.trace_top`; on CPU the host's XLA op events). After the dense
+model's measurements, its peer: transformers' `generate` on the same config
+with random weights, a static cache and torch.compile, at batch 1 and 8, in
+the same process (`benchlib.torch_peer`), with our decode tokens/s over the
+peer's at each batch.
+
 Each measurement runs on a fresh `Engine` (the jitted steps are shared by
 engines of one config): an untimed run on other random prompts compiles its
 programs, then a timed run with the same shapes. Decode is timed from the
@@ -38,9 +50,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchlib import torch_peer, trace_top
 from benchlib.decode import count_xla_compiles, decode_bytes_per_step, expected_experts
 from benchlib.kernels import measure_roofline, short_error
-from jaxinfer import models, ops, presets
+from jaxinfer import hf_config, models, ops, presets
 from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
@@ -79,12 +92,12 @@ CONVENTIONS = {
            "as decode at that batch; mean_accepted_length: tokens per sequence per verify step "
            "(Engine.stats, over the untimed and the timed run); same_tokens_as_plain: "
            "match_fraction against plain greedy decoding of the same prompts",
-    "per_layer": "decode with EngineConfig(unroll_layers=True): per-layer weights (the compiled "
-                 "step reads every weight in place; the scanned default copies layers out of "
-                 "the stack: gpu_plan --weights), same prompts as decode at that batch; "
-                 "speedup_vs_scanned: tokens_per_s / decode's; identical / match_fraction: "
-                 "greedy tokens against decode's; skipped where two copies of the weights "
-                 "(the caller's stacked ones and the engine's) would not fit",
+    "scanned": "decode with EngineConfig(unroll_layers=False): the stacked layers scanned, "
+               "same prompts as decode at that batch, whose Engine holds its default form (on "
+               "a GPU per-layer weights, read in place; the scanned step copies each layer's "
+               "weights out of the stack: gpu_plan --weights); decode_over_scanned: decode's "
+               "tokens_per_s / this run's; identical / match_fraction: greedy tokens against "
+               "decode's",
     "mosaic": "decode under Backend(attention='mosaic', grouped_matmul='mosaic') (the "
               "Mosaic GPU kernels on GQA steps and MLA decode steps, jax's ragged_dot_mgpu "
               "for unquantized experts, Pallas / XLA elsewhere), same prompts as decode at "
@@ -93,6 +106,23 @@ CONVENTIONS = {
               "step's shapes, else why not (the step then ran Pallas); speedup_vs_pallas: "
               "tokens_per_s / decode's; identical / match_fraction: greedy tokens against "
               "decode's",
+    "trace": "decode at Shapes.trace_batch: after the timed run, other prompts of the same "
+             "shapes run to min(trace_steps, new_tokens - 1) + 1 tokens; once every request "
+             "has its first token, the engine steps to the end under jax.profiler.trace "
+             "(decode_steps: Engine.step calls traced; with async scheduling the first decode "
+             "step was dispatched just before and the last call only collects tokens); "
+             "top: the trace_top.TOP_K names with the most time among the "
+             "device plane's stream events (source 'device'), or on CPU the host's innermost "
+             "XLA op events (source 'host'): count, total_ms, share = total / traced_ms (every "
+             "selected event's time added up); xla_compiles: XLA compiles while traced (0: "
+             "the warm programs); status 'unavailable' | 'error' with why, never raised",
+    "torch_peer": "transformers' generate on the dense config (hf_config.to_hf) with random "
+                  "weights, greedy, static cache; GPU: bfloat16 and generate's torch.compile "
+                  "of the decode step (mode reduce-overhead, fullgraph); CPU dry run: float32, "
+                  "eager, one thread; same prompt_len / new_tokens as decode; per batch: "
+                  "tokens_per_s = batch * (new_tokens - 1) / (the fastest generate of "
+                  "new_tokens - the fastest of 1 token); ours_over_peer: decode's tokens_per_s "
+                  "at that batch / the peer's (benchlib.torch_peer)",
 }
 
 # every run's kernels, Mosaic and XLA entries aside (explicit: a Hopper's default is Mosaic)
@@ -113,7 +143,10 @@ class Shapes:
   mtp_ks: tuple[int, ...] = ()
   mtp_batch: int = 1
   mosaic_batches: tuple[int, ...] = ()  # decode under Backend attention "mosaic"
-  per_layer_batches: tuple[int, ...] = ()  # decode over per-layer weights (unroll_layers)
+  scanned_batches: tuple[int, ...] = ()  # decode over the stacked layers, scanned
+  trace_batch: int = 0  # the decode batch traced under jax's profiler (0: none)
+  trace_steps: int = 10  # decode steps traced (at most new_tokens - 1)
+  peer_batches: tuple[int, ...] = ()  # transformers' generate at these batches (torch_peer)
   max_batched_tokens: int = 1 << 30  # cap on the prefill step (chunks beyond it)
 
 
@@ -135,20 +168,22 @@ def plan(dry_run: bool) -> list[tuple[str, ModelConfig, Shapes]]:
                       dense_layers=(0,))
     return [("dense", dense, Shapes(batches=(1, 8), prompt_len=6, new_tokens=4, page_size=16,
                                     identity_batch=8, prefill_batch=2, prefill_len=32,
-                                    mosaic_batches=(8,), per_layer_batches=(8,))),
+                                    mosaic_batches=(8,), scanned_batches=(8,), trace_batch=8,
+                                    peer_batches=(1, 8))),
             ("moe", moe, Shapes(batches=(8,), prompt_len=6, new_tokens=4, page_size=16,
                                 identity_batch=8, mtp_ks=(1, 3), mtp_batch=8,
-                                max_batched_tokens=48))]
+                                max_batched_tokens=48, trace_batch=8))]
   dense = presets.get("llama3_8b", dtype="bfloat16", backend=_PALLAS)
   moe = presets.get("deepseek_v3", dtype="bfloat16", backend=_PALLAS, num_layers=2,
                     dense_layers=(0,))
   return [("dense", dense, Shapes(batches=(1, 8, 64), prompt_len=200, new_tokens=56, page_size=16,
                                   identity_batch=8, prefill_batch=4, prefill_len=2048,
-                                  mosaic_batches=(1, 8, 64), per_layer_batches=(1, 64))),
+                                  mosaic_batches=(1, 8, 64), scanned_batches=(1, 64),
+                                  trace_batch=8, peer_batches=(1, 8))),
           ("moe", moe, Shapes(batches=(1, 8, 64), prompt_len=8, new_tokens=24, page_size=64,
                               identity_batch=8, mtp_ks=(1, 2, 3), mtp_batch=1,
                               max_batched_tokens=512, mosaic_batches=(1, 8, 64),
-                              per_layer_batches=(64,)))]
+                              scanned_batches=(64,), trace_batch=8))]
 
 
 # ----------------------------------------------------------------------------- time box
@@ -194,7 +229,7 @@ class _Box:
     else:
       t0 = time.monotonic()
       try:
-        entry = _json_safe(dict(status="ok", **fn()))
+        entry = _json_safe({"status": "ok", **fn()})  # fn may say "skipped" itself
       except Exception as e:  # noqa: BLE001  (recorded; the next measurement runs)
         entry = dict(status="error", error=short_error(e))
       entry["wall_s"] = self.walls[kind] = time.monotonic() - t0
@@ -256,14 +291,14 @@ def _prompts(cfg: ModelConfig, batch: int, length: int, seed: int) -> list[list[
 
 
 def _engine(cfg, params, s: Shapes, batch: int, prompt_len: int, new_tokens: int,
-            spec_k: int | None = None, unroll: bool = False) -> Engine:
+            spec_k: int | None = None, unroll: bool | None = None) -> Engine:
   extra = spec_k + 1 if spec_k else 0  # MTP reserves pages for the most a step may accept
   per_seq = -(-(prompt_len + new_tokens + extra) // s.page_size)
   return Engine(cfg, params, EngineConfig(
       page_size=s.page_size, num_pages=batch * per_seq + 1, max_num_seqs=batch,
       max_num_batched_tokens=max(min(batch * prompt_len, s.max_batched_tokens), batch * (extra + 1)),
       max_model_len=prompt_len + new_tokens + extra + s.page_size, enable_prefix_caching=False,
-      ignore_eos=True, unroll_layers=True if unroll else None,
+      ignore_eos=True, unroll_layers=unroll,
       speculative=MTPConfig(num_draft_tokens=spec_k, batch_schedule=()) if spec_k else None))
 
 
@@ -295,11 +330,37 @@ def _serve(engine: Engine, prompts, new_tokens: int) -> dict:
               tpot_s=statistics.mean(tpots) if tpots else None)
 
 
+def _trace_decode(engine: Engine, prompts, steps: int) -> dict:
+  """`steps` decode steps of the warm engine under jax's profiler: prompts
+  submitted for steps + 1 tokens, stepped untraced until every request has
+  its first token, then traced to the end -> trace_top's record (CONVENTIONS
+  "trace") with decode_steps and xla_compiles."""
+  sampling = SamplingParams(max_tokens=steps + 1, temperature=0.0)
+  waiting = {engine.submit(p, sampling) for p in prompts}
+  while waiting and engine.has_unfinished():
+    waiting -= {rid for rid, t, _ in engine.step() if t}
+  ran = [0]
+
+  def decode():
+    while engine.has_unfinished():
+      engine.step()
+      ran[0] += 1
+
+  with count_xla_compiles() as xla:
+    out = trace_top.trace_top(decode)
+  decode()  # what a failed trace left unfinished
+  if out["status"] == "ok" and jax.default_backend() == "gpu" and out["source"] != "device":
+    out["note"] = "no device events in the trace (is CUPTI available?): host op times"
+  return dict(out, batch=len(prompts), decode_steps=ran[0], xla_compiles=xla[0])
+
+
 def _measure(cfg, params, s: Shapes, batch: int, prompt_len: int, new_tokens: int, *,
-             spec_k: int | None = None, timed_runs: int = 1,
-             unroll: bool = False) -> tuple[dict, list]:
+             spec_k: int | None = None, timed_runs: int = 1, unroll: bool | None = None,
+             trace_steps: int = 0) -> tuple[dict, list]:
   """A fresh engine: an untimed run (compiles), then `timed_runs` on other
-  prompts (the last run's prompts: seed 2). -> (entry, the last run's tokens)."""
+  prompts (the last run's prompts: seed 2), then (trace_steps > 0) that
+  many decode steps traced (`_trace_decode`, prompts of seed 3).
+  -> (entry, the last run's tokens)."""
   engine = _engine(cfg, params, s, batch, prompt_len, new_tokens, spec_k, unroll)
   timed = lambda: [_serve(engine, _prompts(cfg, batch, prompt_len, seed=2), new_tokens)
                    for _ in range(timed_runs)]
@@ -317,6 +378,8 @@ def _measure(cfg, params, s: Shapes, batch: int, prompt_len: int, new_tokens: in
       if xla_retimed:
         runs = timed()
     stats = engine.stats()
+    trace = (_trace_decode(engine, _prompts(cfg, batch, prompt_len, seed=3), trace_steps)
+             if trace_steps else None)
   finally:
     engine.release()
   run = runs[-1]
@@ -336,6 +399,8 @@ def _measure(cfg, params, s: Shapes, batch: int, prompt_len: int, new_tokens: in
   if spec_k:
     entry.update(K=spec_k, mean_accepted_length=stats["spec_mean_accepted_length"],
                  acceptance_per_position=stats["spec_acceptance_per_position"])
+  if trace:
+    entry["trace"] = trace
   return entry, run["tokens"]
 
 
@@ -395,7 +460,9 @@ class _Model:
 
   def decode(self, b: int) -> dict:
     s = self.s
-    entry, self.tokens[b] = _measure(self.cfg, self.params, s, b, s.prompt_len, s.new_tokens)
+    steps = min(s.trace_steps, s.new_tokens - 1) if b == s.trace_batch else 0
+    entry, self.tokens[b] = _measure(self.cfg, self.params, s, b, s.prompt_len, s.new_tokens,
+                                     trace_steps=steps)
     entry.update(_decode_roofline(self.cfg, b, s.prompt_len, s.new_tokens,
                                   self.roof["hbm_gbps"], entry["tokens_per_s"]))
     return entry
@@ -431,21 +498,17 @@ class _Model:
                 **_compare(self.tokens[b], got), xla={k: entry[k] for k in keep},
                 pallas_tokens_per_s=self.out["decode"].get(f"batch_{b}", {}).get("tokens_per_s"))
 
-  def per_layer(self, b: int) -> dict:
-    """Decode at batch b over per-layer weights (`EngineConfig(unroll_layers=True)`),
-    against decode's scanned run; skipped where a second copy of the weights
-    would not fit beside the stacked ones."""
+  def scanned(self, b: int) -> dict:
+    """Decode at batch b over the stacked layers, scanned
+    (`EngineConfig(unroll_layers=False)`), against decode's run in the
+    Engine's default form."""
     s = self.s
-    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-    if limit and 2 * param_bytes(self.cfg) > 0.85 * limit:
-      return dict(status="skipped", reason=f"two copies of {param_bytes(self.cfg) / 1e9:.1f} GB "
-                  f"of weights do not fit {limit / 1e9:.1f} GB")
-    entry, got = _measure(self.cfg, self.params, s, b, s.prompt_len, s.new_tokens, unroll=True)
+    entry, got = _measure(self.cfg, self.params, s, b, s.prompt_len, s.new_tokens, unroll=False)
     entry.update(_decode_roofline(self.cfg, b, s.prompt_len, s.new_tokens,
                                   self.roof["hbm_gbps"], entry["tokens_per_s"]))
     plain = self.out["decode"].get(f"batch_{b}", {})
     if plain.get("status") == "ok":
-      entry.update(speedup_vs_scanned=entry["tokens_per_s"] / plain["tokens_per_s"],
+      entry.update(decode_over_scanned=plain["tokens_per_s"] / entry["tokens_per_s"],
                    **_compare(got, self.tokens[b]))
     return entry
 
@@ -478,6 +541,23 @@ def mosaic_kernel(cfg: ModelConfig, s: Shapes, batch: int) -> str:
   return "mosaic" if kernel else f"pallas ({why})"
 
 
+def torch_peer_entry(cfg: ModelConfig, s: Shapes, decode: dict, deadline: float) -> dict:
+  """transformers' generate on cfg at s.peer_batches (`torch_peer.measure_generate`,
+  same prompt and new tokens as our decode), each batch with our decode's
+  tokens/s (`decode`: the model's decode record) and ours / the peer's."""
+  peer = torch_peer.measure_generate(hf_config.to_hf(cfg), batches=s.peer_batches,
+                                     prompt_len=s.prompt_len, new_tokens=s.new_tokens,
+                                     gpu=jax.default_backend() == "gpu", deadline=deadline)
+  if "params" in peer:
+    peer["same_params_as_ours"] = peer["params"] == models.count_params(cfg)
+  for key, e in peer.get("batches", {}).items():
+    ours = decode.get(key, {})
+    if ours.get("status") == "ok" and e.get("tokens_per_s"):
+      e.update(ours_tokens_per_s=ours["tokens_per_s"],
+               ours_over_peer=ours["tokens_per_s"] / e["tokens_per_s"])
+  return peer
+
+
 def _init(cfg: ModelConfig, holder: dict) -> dict:
   """Random params made on the device by one jitted program (so each leaf's
   float32 draw fuses into its cast instead of living whole) -> holder."""
@@ -489,8 +569,9 @@ def _init(cfg: ModelConfig, holder: dict) -> dict:
 
 
 def _run_model(out: dict, box: _Box, role: str, cfg: ModelConfig, s: Shapes, roof: dict) -> None:
-  """Init, then decode per batch, prefill, MTP per K and Pallas vs XLA, in
-  that order, each time-boxed (init only when a decode fits after it)."""
+  """Init, then decode per batch, scanned decode, prefill, MTP per K,
+  Pallas vs XLA, Mosaic decode and the torch peer, in that order, each
+  time-boxed (init only when a decode fits after it)."""
   cfg, note = fit_memory(cfg, s, (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit"))
   out.update(config=config_summary(cfg), memory_note=note, decode={},
              **({"mtp": {}} if s.mtp_ks else {}))
@@ -504,16 +585,18 @@ def _run_model(out: dict, box: _Box, role: str, cfg: ModelConfig, s: Shapes, roo
     out.update({"pallas_vs_xla": dict(why), **({"prefill": dict(why)} if s.prefill_batch else {})})
     if s.mosaic_batches:
       out["mosaic"] = {f"batch_{b}": dict(why) for b in s.mosaic_batches}
-    if s.per_layer_batches:
-      out["per_layer"] = {f"batch_{b}": dict(why) for b in s.per_layer_batches}
+    if s.scanned_batches:
+      out["scanned"] = {f"batch_{b}": dict(why) for b in s.scanned_batches}
+    if s.peer_batches:
+      out["torch_peer"] = dict(why)
     box.save()
     return
   m = _Model(out, cfg, holder.pop("params"), s, roof)
   for b in s.batches:
     box.run(out["decode"], f"batch_{b}", f"{role}_decode", 45, lambda b=b: m.decode(b))
-  for b in s.per_layer_batches:
-    box.run(out.setdefault("per_layer", {}), f"batch_{b}", f"{role}_per_layer", 60,
-            lambda b=b: m.per_layer(b))
+  for b in s.scanned_batches:
+    box.run(out.setdefault("scanned", {}), f"batch_{b}", f"{role}_scanned", 60,
+            lambda b=b: m.scanned(b))
   if s.prefill_batch:
     box.run(out, "prefill", f"{role}_prefill", 30, m.prefill)
   for k in s.mtp_ks:
@@ -524,6 +607,9 @@ def _run_model(out: dict, box: _Box, role: str, cfg: ModelConfig, s: Shapes, roo
             lambda b=b: m.mosaic(b))
   del m
   gc.collect()
+  if s.peer_batches:  # compiles a model of its own: after ours, before the next model
+    box.run(out, "torch_peer", f"{role}_torch_peer", 120,
+            lambda: torch_peer_entry(cfg, s, out["decode"], box.deadline))
 
 
 # ----------------------------------------------------------------------------- the run
@@ -550,7 +636,9 @@ def run_engine_bench(record: dict, save: Callable[[], None], *, deadline: float,
                      dry_run: bool, roofline: dict | None = None) -> None:
   """Fills `record` (JSON values only) in priority order, saving after each
   measurement: meta, roofline, then per model ("dense", "moe") its config,
-  init, decode {batch_B}, prefill, mtp {k_K}, pallas_vs_xla. deadline: a
+  init, decode {batch_B} (the trace batch's with its trace), scanned
+  {batch_B}, prefill, mtp {k_K}, pallas_vs_xla, mosaic {batch_B}, and
+  torch_peer (the dense model's). deadline: a
   `time.monotonic()` value; roofline: {"hbm_gbps", "matmul_tflops"} measured
   earlier in the run, else measured here (`bench.kernels.measure_roofline`)."""
   t0 = time.monotonic()
