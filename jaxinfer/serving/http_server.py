@@ -21,8 +21,11 @@ Chat takes n, logprobs and top_logprobs.
 A bad request gets a 400 with an OpenAI error body naming the field: an
 unknown model, prompt + max_tokens over the context or max_tokens over
 max_tokens_cap, bad sampling values, n or prompts over their caps, numbers the step's arrays
-cannot hold (int32 counts and token ids, float32 values) or booleans given
-as numbers, malformed JSON, a body over max_body_bytes, max_tokens=0
+cannot hold (int32 counts and token ids, float32 values), booleans other
+than JSON true / false, a body that is not JSON as the API defines it
+(`openai_protocol.read_json`: not UTF-8, truncated, a string with a lone
+surrogate, nesting over MAX_JSON_DEPTH, an integer over MAX_INT_DIGITS
+digits), a body over max_body_bytes, max_tokens=0
 (vLLM's prompt-only echo: ask max_tokens=1 with echo and logprobs, and read
 the prompt's logprobs), logprobs from a Cluster backend (its workers keep
 them). Unknown paths and methods get
@@ -30,7 +33,8 @@ OpenAI error bodies too (404, 405). When max_queue
 requests are held, or a Cluster's queue is full, a request gets 429 at
 once. With api_key, /v1/ routes need `Authorization: Bearer <api_key>`
 (else 401). A client that disconnects
-aborts its request, freeing its KV pages.
+aborts its request, freeing its KV pages; one that disconnects while
+sending its body gets nothing and counts no error (an info line).
 
 Vision models (an `Engine` whose cfg has a vision tower): chat messages may
 carry image_url parts, base64 data URLs or files under image_root
@@ -48,6 +52,7 @@ import fastapi
 import fastapi.openapi.utils
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from jaxinfer.serving import chat_images
 from jaxinfer.serving import openai_protocol as proto
@@ -92,6 +97,7 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
   app.state.engine_loop = h.loop
   app.add_exception_handler(ApiError, h.api_error)
   app.add_exception_handler(StarletteHTTPException, h.http_error)  # unknown paths, methods
+  app.add_exception_handler(ClientDisconnect, h.client_gone)
   app.add_exception_handler(Exception, h.internal_error)
   for path, route, body in (("/v1/completions", h.completions, proto.CompletionRequest),
                             ("/v1/chat/completions", h.chat_completions, proto.ChatRequest),
@@ -170,8 +176,17 @@ class _Handlers:
     return await self.api_error(request, ApiError(
         500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
+  async def client_gone(self, request, _: ClientDisconnect):
+    """The client closed its connection before its body was read: nothing
+    to answer (no one reads it), nothing counted, one info line."""
+    log.info("%s %s: the client disconnected while sending its body", request.method,
+             request.url.path)
+
   async def _body(self, request: fastapi.Request, model: type, *,
                   check_model: bool = True) -> proto._Request:
+    """The request's body as `model` (`proto.parse`), read up to
+    max_body_bytes; a client that leaves mid-body raises ClientDisconnect
+    (`client_gone`)."""
     if self.api_key is not None:
       got = request.headers.get("authorization", "")
       if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
@@ -179,7 +194,11 @@ class _Handlers:
                        code="invalid_api_key", kind="authentication_error")
     too_big = ApiError(400, f"the request body is over max_body_bytes={self.max_body_bytes}",
                        code="request_too_large")
-    if int(request.headers.get("content-length") or 0) > self.max_body_bytes:
+    length = request.headers.get("content-length") or "0"
+    if not (length.isascii() and length.isdigit()):
+      raise ApiError(400, f"Content-Length: not a byte count, got {length!r:.40}",
+                     param="Content-Length")
+    if len(length) > 18 or int(length) > self.max_body_bytes:
       raise too_big
     data = bytearray()
     async for chunk in request.stream():
@@ -243,7 +262,7 @@ class _Handlers:
     if not req.stream:
       return await collect(gen, shape)
     await gen.start()  # refusals (429, 400 from the backend) before the headers
-    include_usage = bool((req.stream_options or {}).get("include_usage"))
+    include_usage = req.stream_options is not None and req.stream_options.include_usage
     return StreamingResponse(sse(gen, shape, include_usage), media_type="text/event-stream")
 
   # ---------------------------------------------------------------- tokenizer (vLLM's routes)

@@ -64,8 +64,15 @@ MAX_PROMPTS = 256  # prompts in one completions request
 TopLogprobs = Annotated[pydantic.StrictInt, pydantic.Field(ge=0, le=MAX_LOGPROBS)]
 
 
+class StreamOptions(pydantic.BaseModel):
+  """stream_options: include_usage sends a last chunk with the usage."""
+  model_config = pydantic.ConfigDict(extra="forbid")
+  include_usage: pydantic.StrictBool = False
+
+
 class _Request(pydantic.BaseModel):
-  """Fields shared by completions and chat; unknown fields are refused."""
+  """Fields shared by completions and chat; unknown fields are refused.
+  Booleans are JSON true / false only (never 1 or "yes")."""
 
   model_config = pydantic.ConfigDict(extra="forbid")
 
@@ -77,15 +84,15 @@ class _Request(pydantic.BaseModel):
   seed: Seed | None = None
   stop: str | list[str] | None = None
   n: Annotated[pydantic.StrictInt, pydantic.Field(ge=1, le=MAX_N)] = 1
-  stream: bool = False
-  stream_options: dict | None = None  # {"include_usage": bool}
+  stream: pydantic.StrictBool = False
+  stream_options: StreamOptions | None = None
   user: str | None = None
   # Extensions (vLLM's): the generated token ids, per chunk when streaming;
   # the prompt tokens' logprobs (top-k alternatives each); tokens in logprobs
   # as "token_id:<id>" (a token's text need not be unique nor valid UTF-8).
-  return_token_ids: bool = False
+  return_token_ids: pydantic.StrictBool = False
   prompt_logprobs: TopLogprobs | None = None
-  return_tokens_as_token_ids: bool = False
+  return_tokens_as_token_ids: pydantic.StrictBool = False
   # Penalties and biases (OpenAI's, and vLLM's extensions), applied in the
   # step: ranges are SamplingParams' (a 400 naming the field).
   frequency_penalty: Real = 0.0
@@ -165,7 +172,7 @@ class TokenizeRequest(pydantic.BaseModel):
   model: str | None = None
   prompt: str | None = None
   messages: list[ChatMessage] | None = None
-  add_special_tokens: bool = True
+  add_special_tokens: pydantic.StrictBool = True
 
   @pydantic.model_validator(mode="after")
   def _one_of(self):
@@ -181,21 +188,137 @@ class DetokenizeRequest(pydantic.BaseModel):
   tokens: list[TokenId]
 
 
+# Bodies are JSON as RFC 8259 exchanges it: UTF-8, every string valid
+# Unicode (no lone surrogate: a JSON escape such as "\ud800" alone), nested
+# at most MAX_JSON_DEPTH arrays and objects deep, integers of at most
+# MAX_INT_DIGITS digits (the widest field, seed, takes 20). Anything else is
+# a 400 naming the field, before the request model sees it.
+MAX_JSON_DEPTH = 64
+MAX_INT_DIGITS = 100
+_BIG = 10**MAX_INT_DIGITS - 1
+
+
+class _LongInt(str):
+  """An integer literal over MAX_INT_DIGITS digits, kept as its text until
+  `_check_tree` names its field (`_loads`: only in a body with an integer
+  over int()'s own limit of 4300 digits)."""
+
+
+def _parse_int(text: str):
+  return int(text) if len(text.lstrip("-")) <= MAX_INT_DIGITS else _LongInt(text)
+
+
+def _field(path) -> str:
+  return ".".join(str(p) for p in path)
+
+
+def _check_str(s: str, path, what: str = "") -> None:
+  """ApiError 400 if s holds a lone surrogate (it has no UTF-8 encoding)."""
+  if s.isascii():
+    return
+  try:
+    s.encode("utf-8")
+  except UnicodeEncodeError as e:
+    field = _field(path) or None
+    raise ApiError(400, f"{field or 'the request body'}: {what}not valid Unicode: a lone "
+                   f"surrogate {ascii(s[e.start])[1:-1]} at character {e.start} (a JSON "
+                   "\\u escape of half a UTF-16 pair)", param=field,
+                   code="invalid_unicode") from None
+
+
+def _check_tree(data) -> None:
+  """Walks the parsed body (iteratively: it may be deep): ApiError 400
+  naming the field at the first array or object over MAX_JSON_DEPTH, string
+  or key with a lone surrogate, or integer over MAX_INT_DIGITS digits."""
+  stack = [(data, ())]
+  while stack:
+    node, path = stack.pop()
+    if len(path) >= MAX_JSON_DEPTH:
+      raise _too_deep(path[0])
+    if (isinstance(node, list) and set(map(type, node)) <= {int}
+        and (not node or -_BIG <= min(node) and max(node) <= _BIG)):
+      continue  # token ids, the long lists
+    for key, value in node.items() if isinstance(node, dict) else enumerate(node):
+      if isinstance(key, str):
+        _check_str(key, path, what=f"the key {ascii(key):.60} is ")
+      if isinstance(value, _LongInt) or type(value) is int and not -_BIG <= value <= _BIG:
+        field = _field(path + (key,))
+        raise ApiError(400, f"{field}: an integer of {len(str(value).lstrip('-'))} digits; at "
+                       f"most {MAX_INT_DIGITS} are read", param=field, code="number_too_large")
+      if isinstance(value, str):
+        _check_str(value, path + (key,))
+      elif isinstance(value, (dict, list)):
+        stack.append((value, path + (key,)))
+
+
+def _too_deep(field=None) -> ApiError:
+  where = f"{field}: " if field is not None else "the request body: "
+  return ApiError(400, f"{where}arrays and objects nested over MAX_JSON_DEPTH={MAX_JSON_DEPTH} "
+                  "deep", param=None if field is None else str(field), code="json_too_deep")
+
+
+_TOKEN = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|[\[\]{}]', re.S)  # a string, or a bracket
+
+
+def _deep_field(text: str):
+  """The top-level key whose value nests over MAX_JSON_DEPTH (None when
+  the body is no object). Only for a body json could not parse for its
+  depth: the text up to that depth is JSON, strings there are closed."""
+  depth, key = 0, None
+  for m in _TOKEN.finditer(text):
+    tok = m.group()
+    if tok[0] == '"':
+      key = tok if depth == 1 else key
+      continue
+    depth += 1 if tok in "[{" else -1
+    if depth > MAX_JSON_DEPTH:
+      return None if key is None or text.lstrip()[:1] != "{" else ascii(json.loads(key))[1:-1]
+  return None
+
+
+def _loads(text: str):
+  """json.loads; a body with an integer over int()'s own digit limit is read
+  again, such integers as `_LongInt`s (in the common case json's C reader
+  makes the ints)."""
+  try:
+    return json.loads(text)
+  except json.JSONDecodeError:
+    raise
+  except ValueError:
+    return json.loads(text, parse_int=_parse_int)
+
+
+def read_json(body: bytes) -> dict:
+  """Raw bytes -> the JSON object they hold, or ApiError 400 naming the
+  problem (and the field, where there is one): not UTF-8, not JSON (a
+  truncated body too), not an object, or over the limits above."""
+  try:
+    text = body.decode("utf-8")
+  except UnicodeDecodeError as e:
+    raise ApiError(400, f"the request body is not UTF-8: {e}", code="invalid_json") from None
+  try:
+    data = _loads(text)
+  except json.JSONDecodeError as e:
+    raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+  except RecursionError:  # deeper than the interpreter's stack: far over MAX_JSON_DEPTH
+    raise _too_deep(_deep_field(text)) from None
+  if not isinstance(data, dict):
+    kind = "int" if isinstance(data, _LongInt) else type(data).__name__
+    raise ApiError(400, f"the request body must be a JSON object, got {kind}")
+  _check_tree(data)
+  return data
+
+
 def parse(model: type[pydantic.BaseModel], body: bytes):
   """Raw JSON bytes -> the request model, or ApiError 400 naming the field."""
-  try:
-    data = json.loads(body)
-  except (json.JSONDecodeError, UnicodeDecodeError) as e:
-    raise ApiError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
-  if not isinstance(data, dict):
-    raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+  data = read_json(body)
   try:
     return model.model_validate(data)
   except pydantic.ValidationError as e:
     err = e.errors()[0]
-    field = ".".join(str(p) for p in err["loc"]) or None
-    raise ApiError(400, f"{field}: {err['msg']} (got {err.get('input')!r:.80})",
-                   param=field) from None
+    field = _field(err["loc"]) or None
+    raise ApiError(400, f"{field or 'the request body'}: {err['msg']} "
+                   f"(got {err.get('input')!r:.80})", param=field) from None
 
 
 def stop_strings(req: _Request) -> list[str]:

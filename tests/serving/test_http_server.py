@@ -144,7 +144,8 @@ def test_concurrent_clients(default):
   server, tok, refs = default
   def one(k):
     r = _client(server).completions.create(model="default", prompt=PROMPTS[k % len(PROMPTS)],
-                                           max_tokens=MAX_TOKENS, temperature=0, stream=k % 2)
+                                           max_tokens=MAX_TOKENS, temperature=0,
+                                           stream=k % 2 == 1)
     return "".join(ch.choices[0].text for ch in r) if k % 2 else r.choices[0].text
   with concurrent.futures.ThreadPoolExecutor(8) as pool:
     texts = list(pool.map(one, range(8)))
