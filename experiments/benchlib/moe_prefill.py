@@ -11,7 +11,7 @@ Variants (all exact up to float32 summation order):
                     or forced
   split (again)     the default compiled twice: the noise floor
   split unfused     the same with gate and up as two dots per chunk
-  looped C=<n>      the path until session 30 (`experts_looped`): a loop
+  looped C=<n>      the path until round 30 (`experts_looped`): a loop
                     per expert over its chunks
   capacity <n>      looped, each expert's first n rows as one static block
                     outside the loop (a capacity bucket), the loop only past it
@@ -52,7 +52,7 @@ class _GateUp:
 
 
 def experts_looped(cfg, p, x, idx, weights, chunk: int | None = None, capacity: int = 0):
-  """The Engine's split-expert path until session 30: the same sorted
+  """The Engine's split-expert path until round 30: the same sorted
   copies, but a loop of its own per expert (64 x 7 loops of code in a
   bench_moe step). chunk (static) overrides C; capacity > 0 runs each
   expert's first `capacity` rows as one block outside the loop (a static
