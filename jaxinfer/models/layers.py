@@ -38,6 +38,10 @@ class RmsScaled:
   scaled: jax.Array  # x * weight [..., D], x's dtype
   inv_rms: jax.Array  # [..., 1] float32
 
+  def scale(self, y):
+    """A product y [..., *Out] of `scaled` times its rows' 1 / rms."""
+    return y * self.inv_rms.reshape(self.inv_rms.shape + (1,) * (y.ndim - self.inv_rms.ndim))
+
 
 def rms_scaled(x, weight, eps) -> RmsScaled:
   """`rms_norm(x, weight, eps)` as an `RmsScaled`, for a `linear` to read.
@@ -142,8 +146,7 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, backend: Backend
       raise ValueError(f"linear: an RmsScaled input contracts its last dim only, got "
                        f"in_dims={in_dims}")
     y = linear(x.scaled, w, 1, jnp.float32, backend)
-    inv = x.inv_rms.reshape(x.inv_rms.shape + (1,) * (y.ndim - x.inv_rms.ndim))
-    return (y * inv).astype(preferred_element_type or x.scaled.dtype)
+    return x.scale(y).astype(preferred_element_type or x.scaled.dtype)
   if quant.kernel_ready(w) and backend.on_gpu():
     y = _kernel_linear(x.reshape(-1, w.dims[1]), w, backend)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
@@ -408,8 +411,7 @@ def mlp(cfg: ModelConfig, p, x):
     # fusion, not in the matmul's epilogue, which jax 0.10.2's XLA could not
     # give the chunk sums of `rms_scaled` (a launch more a layer for H100).
     gu = linear(x.scaled, p.w_gate_up, preferred_element_type=jnp.float32, backend=cfg.backend)
-    inv = x.inv_rms.reshape(x.inv_rms.shape + (1,) * (gu.ndim - x.inv_rms.ndim))
-    gate, up = ((h * inv).astype(x.scaled.dtype) for h in jnp.split(gu, 2, axis=-1))
+    gate, up = (x.scale(h).astype(x.scaled.dtype) for h in jnp.split(gu, 2, axis=-1))
   elif isinstance(p, FusedMLP):
     gate, up = jnp.split(linear(x, p.w_gate_up, backend=cfg.backend), 2, axis=-1)
   else:
