@@ -47,6 +47,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import time
 
 import jax
@@ -204,8 +205,13 @@ def ragged_layout(shapes: StepShapes, q_lens, page_tables):
   cu[1:b + 1] = np.cumsum(q_lens)
   cu[b + 1:] = cu[b]
   table = np.zeros((B, P), np.int32)
-  for i, pages in enumerate(page_tables):
-    table[i, :len(pages)] = pages
+  # Every row at once (a row at a time cost 1-2 us a sequence).
+  lens = np.fromiter(map(len, page_tables), np.int64, b)
+  total = int(lens.sum())
+  if total:
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    table[np.repeat(np.arange(b), lens), np.arange(total) - starts] = np.fromiter(
+        itertools.chain.from_iterable(page_tables), np.int32, total)
   last = np.zeros(B, np.int32)
   last[:b] = cu[1:b + 1] - 1
   return cu, table, last
@@ -590,27 +596,34 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
 def rank_batch(scheduled: list[Scheduled], shapes: StepShapes):
   """One rank's chunks -> (padded `StepBatch`, real tokens). A token sampled
   by the step still in flight is taken on device from its row there."""
-  tokens, from_prev, positions, token_seq = [], [], [], []
-  for i, s in enumerate(scheduled):
-    req = s.request
-    known = req.tokens
-    for pos in range(s.start, s.start + s.num_tokens):
-      if pos < len(known):
-        tokens.append(known[pos])
-        from_prev.append(-1)
-      else:  # sampled by the previous step, not read back yet
-        tokens.append(0)
-        from_prev.append(req.pending_row)
-    positions += range(s.start, s.start + s.num_tokens)
-    token_seq += [i] * s.num_tokens
+  # The chunks' numbers and known tokens (a few each: never the whole
+  # context) in comprehensions, then numpy over the tokens where a chunk
+  # holds more than one.
   reqs = [s.request for s in scheduled]
+  starts = [s.start for s in scheduled]
+  q = [s.num_tokens for s in scheduled]
+  got = [r.known(a, a + n) for r, a, n in zip(reqs, starts, q)]
+  fields = dict(q_lens=q, kv_lens=[a + n for a, n in zip(starts, q)],
+                page_tables=[r.pages for r in reqs], **sampling_fields(reqs),
+                sample_idx=[len(r.output) + r.pending for r in reqs],
+                rope_positions=images.step_rope(scheduled))
+  # A token past its request's known ones was sampled by the previous
+  # step, not read back yet: taken on device from its row there.
+  if len(got) == sum(q):  # one token a chunk (decodes): no per-token arrays to build
+    return pad_batch(shapes, tokens=[g[0] if g else 0 for g in got],
+                     from_prev=[-1 if g else r.pending_row for g, r in zip(got, reqs)],
+                     positions=starts, token_seq=range(len(q)), **fields), len(q)
+  q = np.asarray(q, np.int32)
+  first = np.repeat(np.cumsum(q) - q, q)
+  offset = np.arange(len(first), dtype=np.int32) - first  # each token's place in its chunk
+  later = offset >= np.repeat(np.fromiter(map(len, got), np.int32, len(got)), q)
+  tokens = np.zeros(len(first), np.int32)
+  tokens[~later] = list(itertools.chain.from_iterable(got))
+  rows = np.fromiter([r.pending_row for r in reqs], np.int32, len(reqs))
   return pad_batch(
-      shapes, tokens=tokens, from_prev=from_prev, positions=positions, token_seq=token_seq,
-      q_lens=[s.num_tokens for s in scheduled],
-      kv_lens=[s.start + s.num_tokens for s in scheduled],
-      page_tables=[r.pages for r in reqs], **sampling_fields(reqs),
-      sample_idx=[len(r.output) + r.pending for r in reqs],
-      rope_positions=images.step_rope(scheduled)), len(tokens)
+      shapes, tokens=tokens, from_prev=np.where(later, np.repeat(rows, q), -1),
+      positions=np.repeat(np.asarray(starts, np.int32), q) + offset,
+      token_seq=np.repeat(np.arange(len(q), dtype=np.int32), q), **fields), len(first)
 
 
 def multi_step(schedulers, per_rank, n: int):
