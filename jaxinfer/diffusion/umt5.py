@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.hf_load import load_declared
+from jaxinfer.diffusion import files
 from jaxinfer.models.specs import declared_specs, init_from_specs
 from jaxinfer.models.weights import Stacked, Weight
 
@@ -81,13 +79,12 @@ def init_params(cfg: UMT5Config, key) -> dict:
 
 def load_encoder(path: str, dtype="float32"):
   """An HF `UMT5EncoderModel` directory (the pipeline's `text_encoder/`)."""
-  config_file = os.path.join(path, "config.json")
-  if not os.path.exists(config_file):
-    raise CheckpointError(f"{path}: no config.json (a UMT5 encoder directory)")
-  with open(config_file) as fh:
-    cfg = UMT5Config.from_hf(json.load(fh), dtype=str(dtype))
+  cfg = files.read_config(path, "UMT5EncoderModel",
+                          lambda raw: UMT5Config.from_hf(raw, dtype=str(dtype)))
   # The tied copy of the embeddings some saves hold is not read twice.
-  return cfg, load_declared(path, encoder_weights(cfg), dtype, unread=("encoder.embed_tokens.",))
+  with files.naming(path):
+    params = load_declared(path, encoder_weights(cfg), dtype, unread=("encoder.embed_tokens.",))
+  return cfg, params
 
 
 def relative_buckets(cfg: UMT5Config, length: int):

@@ -24,16 +24,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer import ops
 from jaxinfer.backend import Backend
-from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.hf_load import load_declared
+from jaxinfer.diffusion import files
 from jaxinfer.models.specs import declared_specs, init_from_specs
 from jaxinfer.models.weights import Weight
 
@@ -155,16 +153,10 @@ def init_params(cfg: VaeConfig, key, dtype=None) -> dict:
 def load_vae(path: str, dtype="float32"):
   """A diffusers `AutoencoderKLWan` directory (`vae/`) -> (VaeConfig,
   decoder params); the encoder's tensors are left unread."""
-  config_file = os.path.join(path, "config.json")
-  if not os.path.exists(config_file):
-    raise CheckpointError(f"{path}: no config.json (a diffusers VAE directory)")
-  with open(config_file) as f:
-    raw = json.load(f)
-  if raw.get("_class_name", "AutoencoderKLWan") != "AutoencoderKLWan":
-    raise CheckpointError(f"{config_file}: _class_name {raw['_class_name']!r} is not "
-                          "AutoencoderKLWan")
-  cfg = VaeConfig.from_diffusers(raw, dtype=str(dtype))
-  params = load_declared(path, decoder_weights(cfg), dtype, unread=("encoder.", "quant_conv."))
+  cfg = files.read_config(path, "AutoencoderKLWan",
+                          lambda raw: VaeConfig.from_diffusers(raw, dtype=str(dtype)))
+  with files.naming(path):
+    params = load_declared(path, decoder_weights(cfg), dtype, unread=("encoder.", "quant_conv."))
   return cfg, params
 
 

@@ -20,14 +20,12 @@ Tree:
 
 from __future__ import annotations
 
-import json
 import math
-import os
 
 import jax
 
-from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.checkpoint.hf_load import load_declared
+from jaxinfer.diffusion import files
 from jaxinfer.diffusion.wan_config import WanConfig
 from jaxinfer.models.specs import declared_specs, init_from_specs, is_spec
 from jaxinfer.models.weights import Stacked, Weight
@@ -111,25 +109,17 @@ def count_params(cfg: WanConfig) -> int:
 
 def read_config(path: str, dtype="float32", **overrides) -> WanConfig:
   """The WanConfig of a diffusers `WanTransformer3DModel` directory."""
-  config_file = os.path.join(path, "config.json")
-  if not os.path.exists(config_file):
-    raise CheckpointError(f"{path}: no config.json (a diffusers transformer directory)")
-  with open(config_file) as f:
-    try:
-      raw = json.load(f)
-    except json.JSONDecodeError as e:
-      raise CheckpointError(f"{config_file}: invalid JSON ({e})") from None
-  if raw.get("_class_name", "WanTransformer3DModel") != "WanTransformer3DModel":
-    raise CheckpointError(f"{config_file}: _class_name {raw['_class_name']!r} is not "
-                          "WanTransformer3DModel")
-  return WanConfig.from_diffusers(raw, dtype=str(dtype), **overrides)
+  return files.read_config(path, "WanTransformer3DModel",
+                           lambda raw: WanConfig.from_diffusers(raw, dtype=str(dtype), **overrides))
 
 
 def load_transformer(path: str, dtype="float32", *, shardings=None, **overrides):
   """A diffusers `WanTransformer3DModel` directory (`transformer/` or
   `transformer_2/` of a WanPipeline save: config.json + safetensors) ->
   (WanConfig, params), each leaf placed on its sharding when given (a tree
-  like `wan_parallel.param_shardings`). Errors name the tensor or the field."""
+  like `wan_parallel.param_shardings`). Errors name the directory and the
+  tensor (expected and found shape) or the config.json field."""
   cfg = read_config(path, dtype, **overrides)
-  params = load_declared(path, dit_weights(cfg), dtype, shardings=shardings)
+  with files.naming(path):
+    params = load_declared(path, dit_weights(cfg), dtype, shardings=shardings)
   return cfg, params

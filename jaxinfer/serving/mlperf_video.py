@@ -1,8 +1,13 @@
 """MLPerf LoadGen glue for text to video: a SUT over a `VideoEngine`, the
 SingleStream and Offline scenarios of `text_to_video/wan-2.2-t2v-a14b`.
 
-  sut = VideoSUT(engine, samples)           # sample index -> VideoRequest
+  samples = prompt_samples(prompts, latents)  # sample index -> VideoRequest
+  sut = VideoSUT(engine, samples)
   summary = run_video_loadgen(sut, scenario="SingleStream", outdir="...")
+
+A sample's prompt is a string (the benchmark's prompts, tokenized and
+encoded by the engine's text encoder inside the timed run, as the
+reference's WanPipeline does), token ids or embeddings (`VideoRequest`).
 
 LoadGen issues query samples from its own threads; the SUT queues them and
 one thread of ours runs them through the engine, `engine.max_batch` at a
@@ -30,13 +35,21 @@ def digest(frames: np.ndarray) -> str:
   return hashlib.sha256(np.ascontiguousarray(frames).tobytes()).hexdigest()
 
 
+def prompt_samples(prompts: list[str], latents: np.ndarray,
+                   negative_prompt: str = "") -> list[VideoRequest]:
+  """The benchmark's samples: each prompt with one negative prompt
+  (WanPipeline's default: "") and the one fixed initial latent [C, F, h, w]."""
+  latents = np.asarray(latents, np.float32)
+  return [VideoRequest(p, negative_prompt, latents) for p in prompts]
+
+
 class VideoSUT(mlperf.ThreadedSUT):
   def __init__(self, engine: VideoEngine, samples: list[VideoRequest]):
     for i, s in enumerate(samples):
       try:
         engine.check_request(s)
       except ValueError as e:
-        raise ValueError(f"sample {i}: {e}") from None
+        raise type(e)(f"sample {i}: {e}") from None
     self.engine, self.samples = engine, list(samples)
     self.completed: dict[int, tuple[int, str]] = {}  # query id -> (sample index, digest)
     self.latencies_s: list[float] = []

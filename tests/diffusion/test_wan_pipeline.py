@@ -8,12 +8,7 @@ import pytest
 import torch
 
 from jaxinfer.diffusion import loading, unipc, wan_parallel, wan_pipeline, wan_weights
-from wan_tiny import dit_dirs, tiny_vae  # noqa: F401 (session fixtures)
-
-# Wan2.2-T2V-A14B-Diffusers scheduler_config.json fields this sampler reads.
-SCHEDULER = dict(num_train_timesteps=1000, solver_order=2, prediction_type="flow_prediction",
-                 use_flow_sigmas=True, flow_shift=3.0, predict_x0=True, solver_type="bh2",
-                 lower_order_final=True, final_sigmas_type="zero", timestep_spacing="linspace")
+from wan_tiny import SCHEDULER, dit_dirs, tiny_vae  # noqa: F401 (session fixtures)
 
 
 def _rel(ours, ref):
