@@ -33,7 +33,8 @@ def get_config() -> config_dict.ConfigDict:
   c.compilation_cache_dir = config_dict.placeholder(str)  # None: ~/.cache/jaxinfer/xla
   c.image_root = config_dict.placeholder(str)
   c.dtype = config_dict.placeholder(str)  # None: the model's (float32 on CPU); or bfloat16
-  c.warmup = True  # compile the step programs before serving (/health answers once it is done)
+  c.warmup = True  # compile the step programs plain requests can need (background while idle)
+  c.warmup_before_serving = False  # --warmup compiles every program before the port opens
   c.backend = "engine"  # engine: one Engine in this process; ray: a Cluster of Ray worker processes
   c.workers = 2  # --backend=ray: worker processes
   c.worker_cpus = 1.0  # --backend=ray: Ray CPUs per worker

@@ -11,11 +11,16 @@
   curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
       -d '{"model": "default", "prompt": "def add(a, b):", "max_tokens": 32, "temperature": 0}'
 
-Before the server accepts traffic (--warmup) the engine compiles every step
-program plain requests can need (`Engine.warmup`, prompt steps in fixed
-shapes: --fixed_prefill_shapes), so no request waits for a compile; the
-programs go to jax's persistent compilation cache (--compilation_cache_dir),
-from which a second start reads them. /metrics serves Prometheus text.
+The server opens its port at once and serves with what is compiled: a
+request's step programs compile when it first needs them, and while no
+request is unfinished the engine's thread compiles every other step program
+plain requests can need (--warmup: `Engine.warmup`'s list, prompt steps in
+fixed shapes: --fixed_prefill_shapes; shortest contexts first), one between
+looks at the queue, so a request waits for at most the one being compiled;
+/health says "warming" until they are done (--warmup_before_serving: all of
+them before the port opens, as a speculative or Ray server always does).
+The programs go to jax's persistent compilation cache
+(--compilation_cache_dir), from which a second start reads them. /metrics serves Prometheus text.
 --backend=ray serves a `Cluster(backend="ray")` of --workers mixed workers,
 each a Ray actor in its own process with the same engine flags (a local
 Ray is started unless --ray_address names one); /metrics then sums the
@@ -37,6 +42,7 @@ import uvicorn
 
 from benchlib import cli, flag_config, model_flags
 from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams
+from jaxinfer.engine import warmup
 from jaxinfer.engine.engine import prefill_chunk
 from jaxinfer.serving import openai_protocol
 from jaxinfer.serving.cluster import Cluster
@@ -48,8 +54,8 @@ _MODEL = model_flags.define()  # --model, --hf_dir (tokenizer.json, tokenizer_co
 _MODEL_NAME = flags.DEFINE_string("model_name", None, "the model id clients send (default: "
                                   "'default', the preset, or the checkpoint directory's name)")
 _API_KEY = flags.DEFINE_string("api_key", os.environ.get("JAXINFER_API_KEY"),
-                               "require 'Authorization: Bearer <key>' (default: "
-                               "$JAXINFER_API_KEY; unset: no key)")
+                               "require 'Authorization: Bearer <key>' on every /v1 path, "
+                               "as vLLM's --api-key (default: $JAXINFER_API_KEY; unset: no key)")
 _MAX_QUEUE = flags.DEFINE_integer("max_queue", 256, "requests held at once (queued or "
                                   "generating); beyond it a request gets 429")
 _MAX_BODY = flags.DEFINE_integer("max_body_bytes", 1 << 20, "largest request body")
@@ -82,8 +88,12 @@ _CACHE_DIR = flags.DEFINE_string("compilation_cache_dir",
                                  "warm-up's programs back ('': off)")
 _IMAGE_ROOT = flags.DEFINE_string("image_root", None, "vision models: the directory chat image "
                                   "file paths may be read from (None: base64 data URLs only)")
-_WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs before serving "
-                            "(/health answers once it is done)")
+_WARMUP = flags.DEFINE_bool("warmup", True, "compile the step programs plain requests can "
+                            "need: in the background while idle (/health says warming until "
+                            "done), or before serving with --warmup_before_serving")
+_WARMUP_FIRST = flags.DEFINE_bool("warmup_before_serving", False, "--warmup compiles every "
+                                  "program before the port opens (a speculative or Ray server "
+                                  "always does)")
 _BACKEND = flags.DEFINE_enum("backend", "engine", ["engine", "ray"], "engine: one Engine in "
                              "this process; ray: a Cluster of Ray worker processes")
 _WORKERS = flags.DEFINE_integer("workers", 2, "--backend=ray: worker processes")
@@ -146,6 +156,13 @@ def compilation_cache() -> dict:
   return counts
 
 
+def background_warmup() -> bool:
+  """Whether --warmup runs in the background: one Engine, plain decoding,
+  prompt steps in fixed shapes (a finite list of programs)."""
+  return (_WARMUP.value and not _WARMUP_FIRST.value and _BACKEND.value == "engine"
+          and not _DRAFT.value and (_FIXED_PREFILL.value or _FIXED_SHAPES.value))
+
+
 def warm_up(backend, cache: dict) -> None:
   """Compiles before serving: every plain program (`Engine.warmup`) when the
   shapes are bounded, else (speculation, bucketed prompt steps, a Ray
@@ -195,13 +212,19 @@ def main(argv):
     backend = ray_cluster(config)
   else:
     backend = Engine(cfg, params, config)
-  if _WARMUP.value:
+  if _WARMUP.value and not background_warmup():
     warm_up(backend, cache)
   app_ = make_app(backend, tok, _MODEL_NAME.value or name, max_queue=_MAX_QUEUE.value,
                   max_body_bytes=_MAX_BODY.value, max_tokens_cap=_MAX_TOKENS_CAP.value,
                   api_key=_API_KEY.value or None, chat_template=template,
                   image_root=_IMAGE_ROOT.value, gather_s=_GATHER_MS.value / 1e3,
                   gather_tokens=step_prompt_tokens(config))
+  if background_warmup():
+    programs = warmup.programs(backend, top_k=_WARMUP_TOP_K.value)
+    app_.state.engine_loop.warm_in_background(programs)
+    print(f"warm-up: {len(programs)} step programs to compile in the background "
+          f"(/health says warming until done; persistent cache {_CACHE_DIR.value or 'off'})",
+          file=sys.stderr, flush=True)
   print(f"serving {_MODEL_NAME.value or name!r} on http://{_HOST.value}:{_PORT.value}/v1 "
         f"(context {app_.state.engine_loop.max_model_len} tokens, backend {_BACKEND.value})",
         flush=True)

@@ -294,10 +294,9 @@ class Engine:
 
   # The host API, its host core's (`core`: requests, schedulers, allocators).
   check_request, abort, output = forward("check_request"), forward("abort"), forward("output")
-  logprobs_tail = forward("logprobs_tail")
+  logprobs_tail, submit_prefilled = forward("logprobs_tail"), forward("submit_prefilled")
   take_pages, take_drafts = forward("take_pages"), forward("take_drafts")
   reserve_pages, release_pages = forward("reserve_pages"), forward("release_pages")
-  submit_prefilled = forward("submit_prefilled")
   schedulers, allocators = forward_attribute("schedulers"), forward_attribute("allocators")
   allocator, vocab_size = forward_attribute("allocator"), forward_attribute("vocab_size")
 
@@ -461,16 +460,16 @@ class Engine:
       self._load = _zero_load(self.cfg, self._spec, self.mesh)
     return ended
 
-  def warmup(self, *, sampled: bool = True, top_k: bool = False, map_fraction=0.6) -> dict:
-    """Compiles every step program traffic can need before serving
-    (`engine.warmup`): runs each of `warmup.programs` once on all-padding
-    batches (no request sees them; counters but the compiled programs kept),
-    up to map_fraction of vm.max_map_count memory maps (`map_guard`).
+  def warmup(self, *, sampled: bool = True, top_k: bool = False, map_fraction=0.6,
+             programs: list | None = None) -> dict:
+    """Compiles, while idle, each of `warmup.programs` (or `programs`, part of
+    it) on all-padding batches (`engine.warmup`; counters kept), up to
+    map_fraction of vm.max_map_count memory maps (`map_guard`).
     -> {"programs": compiled now, "left_out": not compiled, "seconds"}."""
-    todo = warmup.programs(self, sampled=sampled, top_k=top_k)
+    todo = warmup.programs(self, sampled=sampled, top_k=top_k) if programs is None else programs
     start = time.perf_counter()
-    compiled, left, self.pool, self._load = self._runner.warm(
-        self._model, self.pool, self._load, todo, map_fraction)
+    compiled, left, self.pool, self._load = self._runner.warm(self._model, self.pool, self._load,
+                                                              todo, map_fraction)
     return dict(programs=compiled, left_out=left, seconds=time.perf_counter() - start)
 
   def release(self) -> None:

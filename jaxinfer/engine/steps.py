@@ -708,6 +708,8 @@ class PlainRunner:
     (`Engine.warmup`); stops where the process holds map_fraction of
     vm.max_map_count memory maps (`map_guard.room`). -> (programs compiled
     now, programs left out, new pool, new load)."""
+    if self.in_flight or self.core.has_unfinished():  # their events would be lost
+      raise RuntimeError("Engine.warmup: requests are unfinished (warm up while idle)")
     before = dataclasses.replace(self.counts, programs=set())
     known = len(self.counts.programs)
     idle = [[] for _ in range(self.core.num_ranks)]

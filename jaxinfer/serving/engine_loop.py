@@ -19,6 +19,13 @@ the reason, and goes on serving (`health` says "degraded" for
 DEGRADED_WINDOW_S after). The engine is "dead" (every request a 503) when
 recovery fails, when MAX_CONSECUTIVE_FAILURES steps fail in a row, or when
 the backend cannot recover (a Cluster).
+
+`warm_in_background(programs)` (an `Engine`'s `warmup.programs`) compiles
+those step programs on the loop's thread while no request is unfinished,
+one between checks of the queue, so a server takes requests from its start
+(a request's own programs compile when it needs them) and a request waits
+for at most the one program being compiled; `health` says "warming" until
+the list is done.
 """
 
 from __future__ import annotations
@@ -139,11 +146,21 @@ class EngineLoop:
     self.step_failures = 0
     self._failed_in_a_row = 0
     self._last_failure: tuple[float, str] | None = None  # (monotonic time, error)
+    self._warm: list = []  # step programs left to compile while idle (engine thread)
+    self.warm = dict(compiled=0, left=0, seconds=0.0)  # the background warm-up's progress
 
   # ------------------------------------------------------------ event loop side
 
   def start(self) -> None:
     self._thread.start()
+
+  def warm_in_background(self, programs: list) -> None:
+    """Compiles `programs` (`Engine.warmup`'s) while the backend is idle; call
+    before `start`."""
+    if self._thread.is_alive():
+      raise RuntimeError("warm_in_background: call it before start()")
+    self._warm = list(programs)
+    self.warm.update(left=len(self._warm))
 
   def stop(self) -> None:
     self._stop.set()
@@ -172,9 +189,12 @@ class EngineLoop:
       self._inbox.put(("abort", stream, reason))
 
   def health(self) -> dict:
-    """{"status": "ok" | "degraded" | "dead", "step_failures": n, and when
-    one happened "last_error" and "last_failure_s_ago"}."""
+    """{"status": "ok" | "warming" | "degraded" | "dead", "step_failures": n,
+    and when one happened "last_error" and "last_failure_s_ago"; while
+    warming (`warm_in_background`), "warm_up": programs compiled and left}."""
     out = dict(status="ok", step_failures=self.step_failures)
+    if self.warm["left"]:
+      out.update(status="warming", warm_up=dict(self.warm))
     if self._last_failure is not None:
       at, why = self._last_failure
       out.update(last_error=why, last_failure_s_ago=round(time.monotonic() - at, 3))
@@ -201,11 +221,13 @@ class EngineLoop:
         busy = self.backend.has_unfinished()
         if not busy:
           self._burst_tokens = 0
-        self._drain(block=not busy)
+        self._drain(block=not busy and not self._warm)
         if not busy and self.gather_s and self.backend.has_unfinished():
           self._gather()
         if self.backend.has_unfinished():
           self._step()
+        elif self._warm:
+          self._warm_one()
     except BaseException as e:  # noqa: BLE001 - every held request is told
       log.critical("the engine loop failed; every request now gets a 503", exc_info=e)
       self.error = e
@@ -213,6 +235,23 @@ class EngineLoop:
         self._end(stream, error=ApiError(500, f"the engine failed: {e!r}", kind="server_error"))
       while not self._stop.is_set():  # from now on every request gets a 503, never silence
         self._drain(block=True)
+
+  def _warm_one(self) -> None:
+    """Compiles the next background warm-up program (a failure is logged
+    and the rest dropped: requests still compile what they need)."""
+    program = self._warm.pop(0)
+    try:
+      report = self.backend.warmup(programs=[program])
+    except Exception as e:  # noqa: BLE001 - serving goes on without the warm-up
+      log.error("the background warm-up failed; %d programs left to compile on first use",
+                len(self._warm), exc_info=e)
+      self._warm = []
+    else:
+      self.warm["compiled"] += report["programs"]
+      self.warm["seconds"] += report["seconds"]
+      if report["left_out"]:  # the memory-map share is used: the rest on first use
+        self._warm = []
+    self.warm["left"] = len(self._warm)
 
   def _step(self) -> None:
     try:

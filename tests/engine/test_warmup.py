@@ -47,6 +47,25 @@ def test_after_warmup_plain_traffic_compiles_nothing():
   assert got == want
 
 
+def test_warmup_in_parts_between_requests_and_never_beside_one():
+  # A server warming up in the background (`EngineLoop.warm_in_background`)
+  # compiles one program at a time, only while no request is unfinished.
+  cfg, params = _model()
+  eng = Engine(cfg, params, EngineConfig(**CONFIG, fixed_prefill_shapes=True))
+  todo = warmup.programs(eng)
+  assert eng.warmup(programs=todo[:1])["programs"] == 1 == eng.stats()["compiles"]
+  rid = eng.submit([1, 2, 3], SamplingParams(max_tokens=2, temperature=0.0))
+  with pytest.raises(RuntimeError, match="unfinished"):
+    eng.warmup(programs=todo[1:2])
+  while eng.has_unfinished():
+    eng.step()
+  assert len(eng.output(rid).token_ids) == 2
+  compiled = eng.stats()["compiles"]
+  assert eng.warmup(programs=todo[1:2])["programs"] <= 1
+  assert eng.stats()["compiles"] in (compiled, compiled + 1)
+  assert eng.stats()["steps"] > 0 and eng.output(rid).finish_reason == "length"
+
+
 def test_prompt_token_buckets():
   from jaxinfer.engine import steps
   assert steps.prompt_token_buckets(1024) == [256, 1024]

@@ -17,14 +17,12 @@ import dataclasses
 import pathlib
 import re
 import shlex
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 
+from benchlib import cold_start
 from conftest import subprocess_env
 
 ROOT = pathlib.Path(__file__).parents[2]
@@ -79,9 +77,9 @@ COMMANDS = {
         Covered("tests/repo/test_newcomer_commands.py::test_mlperf_harness_short_run",
                 ("experiments/mlperf_harness.py", "--scenarios=Server")),
     "pip install -e \".[serve]\" && python experiments/serve.py": Covered(
-        "tests/repo/test_readme_commands.py::test_serve_answers_a_completion"),
+        "tests/repo/test_readme_commands.py::test_serve_answers_a_completion_while_it_warms_up"),
     "python experiments/serve.py": Covered(
-        "tests/repo/test_readme_commands.py::test_serve_answers_a_completion"),
+        "tests/repo/test_readme_commands.py::test_serve_answers_a_completion_while_it_warms_up"),
     "pip install -e \".[dev]\" && python -m pytest tests/repo/test_notebooks.py": NotHere(
         "a test file of the suite: CI runs tests/repo/test_notebooks.py"),
     "python -m pytest tests/models/test_hf_parity.py": NotHere(
@@ -194,42 +192,20 @@ def test_readme_command_runs(command, tmp_path):
     assert needle in out.stdout, (needle, out.stdout[-3000:])
 
 
-def _free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def test_serve_answers_a_completion(tmp_path):
-  # `python experiments/serve.py`, without the warm-up (it compiles every
-  # program, minutes) and on a free port: one completion over HTTP.
-  port = _free_port()
-  argv = [sys.executable, "experiments/serve.py", f"--port={port}", "--nowarmup",
-          f"--compilation_cache_dir={tmp_path}"]
+def test_serve_answers_a_completion_while_it_warms_up(tmp_path):
+  # `python experiments/serve.py` as the README runs it, on a free port and
+  # an empty compilation cache (`benchlib.cold_start`): the port opens at
+  # once, a completion is served while the background warm-up compiles, and
+  # /health says "warming" with its progress.
   env = subprocess_env(drop=("XLA_FLAGS", "JAX_PLATFORMS"))
-  with subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                        text=True) as proc:
-    try:
-      url = f"http://127.0.0.1:{port}"
-      deadline = time.monotonic() + 300
-      while True:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.monotonic() < deadline, "serve.py did not come up"
-        try:
-          with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
-            if r.status == 200:
-              break
-        except OSError:
-          time.sleep(1)
-      body = b'{"model": "default", "prompt": "def add(a, b):", "max_tokens": 4, "temperature": 0}'
-      req = urllib.request.Request(f"{url}/v1/completions", data=body,
-                                   headers={"Content-Type": "application/json"})
-      with urllib.request.urlopen(req, timeout=120) as r:
-        assert b'"text"' in r.read()
-    finally:
-      proc.terminate()
-      stdout, _ = proc.communicate(timeout=60)
-  assert f"serving 'default' on http://127.0.0.1:{port}/v1" in stdout
+  r = cold_start.start(str(tmp_path), timeout_s=300, cwd=str(ROOT), env=env)
+  assert r["text"]
+  first = r["first"]
+  assert first["health"]["status"] == "warming", first["health"]
+  assert first["health"]["warm_up"]["left"] > 0
+  assert first["compiles"] >= 2 and first["maps"] > 0  # the request's prompt and decode steps
+  assert r["port_s"] < first["s"]
+  assert "serving 'default' on http://127.0.0.1:" in r["stdout"]
 
 
 def _script_flags(script: pathlib.Path) -> set[str]:

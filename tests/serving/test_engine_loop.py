@@ -5,6 +5,7 @@ prompts hold gather_tokens; without, the first request steps alone. And a
 negative gather_s or a gather_tokens under 1 is refused."""
 
 import asyncio
+import time
 import types
 
 import pytest
@@ -100,3 +101,56 @@ def test_negative_gather_is_refused():
     EngineLoop(_Backend(), max_queue=8, gather_s=-1.0)
   with pytest.raises(ValueError, match="gather_tokens must be >= 1"):
     EngineLoop(_Backend(), max_queue=8, gather_s=0.1, gather_tokens=0)
+
+
+class _WarmingBackend(_Backend):
+  """A backend whose `warmup(programs=[p])` takes 20 ms a program; records
+  the order of compiles and steps."""
+
+  def __init__(self):
+    super().__init__()
+    self.log = []
+
+  def warmup(self, programs):
+    assert not self.held, "warm-up while a request is unfinished"
+    time.sleep(0.02)
+    self.log += [("compile", p) for p in programs]
+    return dict(programs=len(programs), left_out=0, seconds=0.02)
+
+  def step(self):
+    self.log.append(("step", len(self.held)))
+    return super().step()
+
+
+def test_a_background_warm_up_yields_to_requests_and_health_says_warming_until_done():
+  backend = _WarmingBackend()
+  loop = EngineLoop(backend, max_queue=8)
+  loop.warm_in_background(list(range(40)))
+  assert loop.health()["status"] == "warming"
+
+  async def serve_one():
+    while not any(kind == "compile" for kind, _ in backend.log):
+      await asyncio.sleep(0.005)
+    health = loop.health()  # warming, with its progress
+    s = loop.submit([1], None)
+    while (await s.get())[0] != "done":
+      pass
+    return health
+
+  loop.start()
+  try:
+    with pytest.raises(RuntimeError, match="before start"):
+      loop.warm_in_background([1])
+    health = asyncio.run(serve_one())
+    deadline = time.monotonic() + 10
+    while loop.health()["status"] == "warming" and time.monotonic() < deadline:
+      time.sleep(0.01)
+  finally:
+    loop.stop()
+  assert health["status"] == "warming" and health["warm_up"]["left"] < 40
+  assert loop.health()["status"] == "ok" and "warm_up" not in loop.health()
+  assert loop.warm["compiled"] == 40 and loop.warm["left"] == 0
+  compiles = [p for kind, p in backend.log if kind == "compile"]
+  assert compiles == list(range(40))  # every program once, in the list's order
+  step_at = backend.log.index(("step", 1))
+  assert 0 < step_at < len(backend.log) - 1  # served between two compiles, not after all 40
