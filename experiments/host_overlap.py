@@ -57,8 +57,8 @@ def main(argv):
                        slow_factor=_FACTOR.value, slow_ms=_SLOW_MS.value,
                        repeats=_REPEATS.value, tolerance=_TOLERANCE.value)
   print("| batch | mode | host CPU ms | host busy ms | device ms | wall ms | wall / max | "
-        "serial / max | blocking reads | N+1 before N read |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        "serial / max | blocking reads | N+1 before N read | device idle |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   for row in r["rows"]:
     for mode in ("normal", "slow"):
       m = row[mode]
@@ -66,7 +66,8 @@ def main(argv):
       print(f"| {row['batch']} | {mode} | {m['host_cpu_ms']:.3f} | {m['host_ms']:.3f} | "
             f"{m['device_ms']:.3f} | {m['wall_ms']:.3f} | {o['ratio']:.3f}"
             f"{'' if o['ok'] else ' (over)'} | {o['serial_ratio']:.3f} | "
-            f"{m['blocking_reads_per_step']} | {m['dispatched_before_read']} |")
+            f"{m['blocking_reads_per_step']} | {m['dispatched_before_read']} | "
+            f"{m['device_idle']} |")
   today = datetime.date.today().isoformat()
   results.write(_OUT.value or f"experiments/results/host_overlap_{_MACHINE.value}_{today}",
                 r["rows"], None, model=r["model"], iters_per_ms=r["iters_per_ms"],

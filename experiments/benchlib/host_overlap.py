@@ -16,7 +16,11 @@ decode-only step and reading an earlier one):
   to back on each other's outputs, per call;
 - blocking reads: reads of device values that had to wait, per step;
 - order: whether step N + 1 was dispatched before step N's tokens were
-  read (async scheduling).
+  read (async scheduling);
+- device idle: the share of decode dispatches that found the step before
+  them already finished, the device waiting for the host (`is_ready` at
+  dispatch; none where the host's work hides behind a longer device step,
+  whatever else runs on the cores).
 
 The slow mode appends to every step program a second program of a known
 duration (`spin`: a loop over 1024 floats on one core, depending on the step's
@@ -116,6 +120,7 @@ class Probe:
     self.last_call = None  # (args, kwargs) of the last decode-only step call
     self.blocked_s = 0.0
     self.blocking_reads = 0
+    self.idle: set[int] = set()  # decode steps dispatched after the step before them finished
     self._ids: dict[int, int] = {}  # id(step output) -> step number
     self._keep: list = []  # the step outputs, alive while their ids are keys
     self._undo = []
@@ -126,6 +131,7 @@ class Probe:
 
     @functools.wraps(step)
     def traced_step(*args, **kwargs):
+      before_done = bool(probe._keep) and probe._keep[-1].is_ready()
       out = step(*args, **kwargs)
       sampled = out[0]
       if probe.spin_iters:
@@ -136,6 +142,8 @@ class Probe:
       probe.log.append(("dispatch", k))
       if kwargs.get("max_q") == 1:
         probe.decode.add(k)
+        if before_done:
+          probe.idle.add(k)
         probe.last_call = (args, kwargs)
       return (sampled, *out[1:])
 
@@ -175,6 +183,12 @@ class Probe:
       at.setdefault(event, i)
     return [at[("dispatch", k + 1)] < at[("read", k)] for k in sorted(self.decode)
             if k + 1 in self.decode and ("read", k) in at]
+
+  def device_idle(self) -> float | None:
+    """The share of decode steps N + 1 (after a decode step N) dispatched
+    after step N had finished: the device waited for the host."""
+    follows = [k for k in sorted(self.decode) if k - 1 in self.decode]
+    return sum(k in self.idle for k in follows) / len(follows) if follows else None
 
 
 def _engine(cfg: ModelConfig, params, batch: int, prompt_len: int, new_tokens: int, *,
@@ -247,7 +261,8 @@ def _summary(records: list[_StepRecord], probe: Probe) -> dict:
       host_ms=med([r.wall_s - r.blocked_s for r in steady]),
       wall_ms=med([r.wall_s for r in steady]),
       blocking_reads_per_step=max(r.blocking_reads for r in steady),
-      dispatched_before_read=(sum(order) / len(order)) if order else None)
+      dispatched_before_read=(sum(order) / len(order)) if order else None,
+      device_idle=probe.device_idle())
 
 
 def run_batch(cfg: ModelConfig, params, batch: int, *, prompt_len: int = 16,

@@ -12,7 +12,7 @@ from benchlib import host_overlap
 from jaxinfer import models
 
 FIELDS = {"steps", "host_cpu_ms", "host_ms", "wall_ms", "device_ms", "blocking_reads_per_step",
-          "dispatched_before_read", "overlap"}
+          "dispatched_before_read", "device_idle", "overlap"}
 
 
 def test_the_overlap_check_passes_a_hidden_host_and_fails_a_serial_loop():
@@ -49,6 +49,7 @@ def test_a_run_reports_both_modes_and_reads_once_per_step_after_the_next_dispatc
     assert m["steps"] >= 2
     assert m["blocking_reads_per_step"] <= 1
     assert m["dispatched_before_read"] == 1.0  # step N + 1 went out before N was read
+    assert 0.0 <= m["device_idle"] <= 1.0
     assert 0 < m["host_cpu_ms"] and 0 < m["host_ms"] <= m["wall_ms"] and m["device_ms"] > 0
     o = m["overlap"]
     top = max(m["host_ms"], m["device_ms"])
@@ -60,4 +61,5 @@ def test_without_async_scheduling_each_step_is_read_before_the_next_dispatch(tin
   r = _run(tiny, async_scheduling=False)
   for mode in ("normal", "slow"):
     assert r[mode]["dispatched_before_read"] == 0.0, mode
+    assert r[mode]["device_idle"] == 1.0, mode  # each step found the one before it done
     assert r[mode]["blocking_reads_per_step"] <= 1
