@@ -15,7 +15,7 @@ def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/simulate_cluster.py"
   c.mode = "scale"  # what to run
-  c.out = ""  # output prefix (default results/sim_calibration or results/sim_scale)
+  c.out = ""  # output prefix (default results/sim_calibration, results/sim_scale or results/mlperf_sim)
   c.seed = 0  # seed of workloads and MTP acceptance draws
   c.model = "tiny_dense"
   c.hf_dir = config_dict.placeholder(str)  # an HF checkpoint directory (overrides --model)
@@ -47,5 +47,6 @@ def get_config() -> config_dict.ConfigDict:
   c.routing_gpus = 64  # scale: GPUs of the routing study
   c.slowdown = 1.0
   c.experiments = ("anchors", "ep", "pareto", "routing", "balance")  # scale: which studies
+  c.mlperf_device = "gb300"  # mlperf: device of the 72-GPU system
   c.lock()
   return c

@@ -4,6 +4,7 @@ simulated workers (`jaxinfer/sim/`).
   python experiments/simulate_cluster.py --mode=calibrate_check   # fit on this machine, check 2 workloads
   python experiments/simulate_cluster.py --mode=scale             # DeepSeek-R1 on 8..288 GPUs
   python experiments/simulate_cluster.py --mode=scale --experiments=pareto --pareto_device=b200 --pareto_gpus=16
+  python experiments/simulate_cluster.py --mode=mlperf          # MLPerf GB300 NVL72 table + ablation
 
 calibrate_check  measures the real engine's step times on this machine
                  (one worker, synchronous steps, fixed step shapes), fits a
@@ -17,6 +18,11 @@ scale            roofline step times of --sim_model on the device table:
                  tokens), KV-aware vs round-robin routing, attention-DP
                  rank balance. Every assumption is in jaxinfer/sim/cost.py and
                  experiments/benchlib/sim_scale.py.
+mlperf           DeepSeek-R1 and Llama 3.1 405B MLPerf scenarios (Offline,
+                 Server, Interactive) on 72 GB300: the best configuration per
+                 scenario under MLPerf's limits, predicted vs published
+                 tokens/s per GPU for v5.1 and v6.0, and the v5.1 -> v6.0
+                 ablation (jaxinfer/sim/mlperf.py, experiments/benchlib/sim_mlperf.py).
 Results: a table on stdout, JSON and a plot under experiments/results/.
 """
 
@@ -27,14 +33,15 @@ import os
 
 from absl import flags
 
-from benchlib import cli, flag_config, model_flags, results, sim_calibration, sim_scale
+from benchlib import (cli, flag_config, model_flags, results, sim_calibration, sim_mlperf,
+                      sim_scale)
 from jaxinfer.sim.engine import TRTLLM_R1_ACCEPTANCE
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
-_MODE = flags.DEFINE_enum("mode", "scale", ["calibrate_check", "scale"], "what to run")
-_OUT = flags.DEFINE_string("out", "", "output prefix (default results/sim_calibration or "
-                           "results/sim_scale)")
+_MODE = flags.DEFINE_enum("mode", "scale", ["calibrate_check", "scale", "mlperf"], "what to run")
+_OUT = flags.DEFINE_string("out", "", "output prefix (default results/sim_calibration, "
+                           "results/sim_scale or results/mlperf_sim)")
 _SEED = flags.DEFINE_integer("seed", 0, "seed of workloads and MTP acceptance draws")
 # calibrate_check
 _MODEL = model_flags.define(default="tiny_dense")  # calibrate_check: float32 unless default
@@ -84,6 +91,9 @@ _SLOWDOWN = flags.DEFINE_float("slowdown", 1.0, "scale: pareto sensitivity, roof
                                "times this (a system reaching 1/slowdown of the roofline)")
 _EXPERIMENTS = flags.DEFINE_list("experiments", ["anchors", "ep", "pareto", "routing", "balance"],
                                  "scale: which studies")
+# mlperf
+_MLPERF_DEVICE = flags.DEFINE_string("mlperf_device", "gb300", "mlperf: device of the 72-GPU "
+                                     "system (the published rows are GB300 NVL72's)")
 _CONFIG = flag_config.define_config(__file__)
 
 
@@ -227,10 +237,17 @@ def scale_main():
                     "seed")})
 
 
+def mlperf_main():
+  out = sim_mlperf.mlperf_study(device=_MLPERF_DEVICE.value)
+  results.write(_OUT.value or os.path.join(RESULTS, "mlperf_sim"), out.pop("rows"),
+                lambda rows, path: sim_mlperf.plot(rows, path, out["ablation"]), **out)
+
+
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  calibrate_check_main() if _MODE.value == "calibrate_check" else scale_main()
+  {"calibrate_check": calibrate_check_main, "scale": scale_main,
+   "mlperf": mlperf_main}[_MODE.value]()
 
 
 if __name__ == "__main__":
