@@ -30,10 +30,11 @@ def mlperf_study(*, device: str = "gb300", log=print) -> dict:
   log(f"== MLPerf Inference on {mlperf.SYSTEM_GPUS} {device}: predicted vs published tokens/s "
       f"per GPU ==")
   log(f"{'benchmark':<14s} {'scenario':<12s} {'round':<5s} {'published':>9s} "
-      f"{'predicted':>9s} {'ratio':>6s}  configuration (p99 TPOT / TTFT ms)")
+      f"{'predicted':>9s} {'ratio':>6s}  configuration (p99 TPOT / TTFT ms, mean batch per rank)")
   rows = mlperf.predict_table(eff=eff, dev=device)
   for r in rows:
-    lat = (f" ({r['tpot_ms']:.1f} / {r['ttft_ms']:.0f})" if r["tpot_ms"] is not None else "")
+    lat = (f" ({r['tpot_ms']:.1f} / {r['ttft_ms']:.0f}, mean batch {r['mean_batch']:.0f})"
+           if r["tpot_ms"] is not None else "")
     log(f"{r['benchmark']:<14s} {r['scenario']:<12s} {r['round']:<5s} "
         f"{r['published_per_gpu']:9.0f} {r['predicted_per_gpu']:9.0f} {r['ratio']:6.2f}  "
         f"{format_config(r['config'])}{lat}")

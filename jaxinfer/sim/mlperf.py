@@ -8,7 +8,11 @@ disaggregated, TP / attention DP / EP, MTP depth, prefill chunk, decode batch
 per rank) it prices a mean decode step and the prefill work each emitted
 token brings with `RooflineCost.step_time`, and derives tokens/s per GPU,
 TPOT and TTFT; `search` keeps the best configuration whose TPOT and TTFT
-hold the scenario's limits. Techniques (`Techniques`) switch what the
+hold the scenario's limits. Server and Interactive: a rank holds at most
+`batch` sequences and a Poisson-arriving request waits for a free slot
+(an M/M/c queue over the pooled slots, `served_load`); the prediction is
+the mean batch at the highest load whose p99 TTFT (prefill plus slot wait)
+holds, and TPOT is judged with every slot busy. Techniques (`Techniques`) switch what the
 search may use, so a "v5.1-like" and a "v6.0-like" system differ only in
 them; `ablation` turns them on one at a time.
 
@@ -40,31 +44,45 @@ class Workload:
   isl_mean: float
   isl_p99: float
   osl_mean: float
+  # E[o^2] / (2 E[o]) over the samples' output lengths o: how far into its
+  # output an in-flight decode token is on average (decode time is spent in
+  # proportion to o, so long outputs weigh more than osl_mean / 2 says).
+  osl_age_mean: float
   template_tokens: int  # tokens every prompt shares (what KV-aware routing can reuse)
   weight_dtype: str
   kv_dtype: str
 
 
+# Token-length statistics: computed here from openshift-psap/performance-
+# dashboard mlperf-data/summaries/{deepseek-r1,llama3-1-405b}.csv (commit
+# 71007029fb5b; per-sample tok_input_len / tok_ref_output_len extracted by its
+# mlperf-data/original/generate_dataset_summaries.py from MLCommons' datasets
+# mlperf_deepseek_r1_dataset_4388_fp8_eval.pkl and
+# mlperf_llama3.1_405b_dataset_8313_processed_fp16_eval.pkl). Checks against
+# mlcommons/inference: the 405B file's mean output 684.7 equals the README's
+# tokens_per_sample 684.68; the R1 file's outputs capped at 20,000 (the
+# README's max-OSL 20K) average 3886.2, the README's mean-output-tok-len.
 WORKLOADS = {
     # mlcommons/inference language/deepseek-r1: 4388 samples (loadgen/mlperf.conf
     # performance_sample_count_override); mean output 3886.2 tokens (README,
-    # reference "mean-output-tok-len": 3886.2274); max input 3136 and max
-    # template 4 tokens (utils/backend_registry.py MAX_ISL, MAX_TEMPLATE_TOKS).
-    # Mean input 800 tokens: ASSUMED (not in the reference repository);
-    # p99 input: ASSUMED 2000 (under MAX_ISL 3136).
+    # reference "mean-output-tok-len": 3886.2274); max template 4 tokens
+    # (utils/backend_registry.py MAX_TEMPLATE_TOKS). From the dataset CSV:
+    # input mean 803.8, p99 1432, max 3140 (MAX_ISL 3136); outputs capped at
+    # 20,000: E[o^2] / (2 E[o]) = 4354 (output std 5065 uncapped: long-tailed).
     # Weights NVFP4 (NVIDIA's Blackwell R1 entries run nvidia/DeepSeek-R1-FP4);
     # K/V FP8: ASSUMED (TensorRT-LLM's FP8 KV cache).
-    "deepseek-r1": Workload(benchmark="deepseek-r1", preset="deepseek_v3", isl_mean=800.0,
-                            isl_p99=2000.0, osl_mean=3886.2, template_tokens=4,
-                            weight_dtype="fp4", kv_dtype="fp8"),
+    "deepseek-r1": Workload(benchmark="deepseek-r1", preset="deepseek_v3", isl_mean=803.8,
+                            isl_p99=1432.0, osl_mean=3886.2, osl_age_mean=4354.0,
+                            template_tokens=4, weight_dtype="fp4", kv_dtype="fp8"),
     # mlcommons/inference language/llama3.1-405b: 8313 samples (mlperf.conf);
-    # mean output 684.68 tokens (README, reference "tokens_per_sample").
-    # Mean input 9400 tokens and p99 20000: ASSUMED (long-context tasks; the
-    # reference repository gives no input statistics). Weights NVFP4
-    # (NVIDIA's Blackwell 405B entries); K/V FP8 ASSUMED.
+    # mean output 684.68 tokens (README, reference "tokens_per_sample"). From
+    # the dataset CSV: input mean 9428.6, p99 18956, max 19988; output
+    # E[o^2] / (2 E[o]) = 392. Weights NVFP4 (NVIDIA's Blackwell 405B
+    # entries); K/V FP8 ASSUMED.
     "llama3.1-405b": Workload(benchmark="llama3.1-405b", preset="llama3_1_405b",
-                              isl_mean=9400.0, isl_p99=20000.0, osl_mean=684.68,
-                              template_tokens=0, weight_dtype="fp4", kv_dtype="fp8"),
+                              isl_mean=9428.6, isl_p99=18956.0, osl_mean=684.68,
+                              osl_age_mean=392.0, template_tokens=0, weight_dtype="fp4",
+                              kv_dtype="fp8"),
 }
 
 
@@ -143,9 +161,10 @@ class Efficiency:
   # / max tokens per rank at 0.88 (sim_scale.TRTLLM_ATTN_BALANCE); charged to
   # every decode step's attention as max / mean = 1 / 0.88.
   attn_balance: float = 0.88
-  # ASSUMED: Poisson arrivals make a rank's batch vary; TPOT is judged at
-  # batch + z * sqrt(batch), z = 2.33 (the normal's 99th percentile).
-  poisson_z: float = 2.33
+  # ASSUMED: Server-type scenarios queue a request for a decode slot (a
+  # rank's batch is capped) with a router that pools the slots of every rank
+  # of the system ("system"), or only of one instance's ranks ("instance").
+  slot_pool: str = "system"
   # ASSUMED: the largest decode batch per attention-DP rank (CUDA graphs).
   max_batch: int = 512
 
@@ -235,17 +254,13 @@ class _Ctx:
                  kern, self.eff.attn_balance)
 
   @property
-  def context(self) -> float:  # mean context a decoding sequence attends
-    return self.w.isl_mean + self.w.osl_mean / 2
+  def context(self) -> float:  # mean context an in-flight decode token attends
+    return self.w.isl_mean + self.w.osl_age_mean
 
   @property
   def new_prompt(self) -> float:  # prompt tokens a request must prefill
     return self.w.isl_mean - (self.w.template_tokens if self.tech.kv_routing else 0)
 
-  def tpot_batch(self, batch: int) -> float:
-    if self.sc.tpot_ms is None:
-      return batch
-    return batch + self.eff.poisson_z * math.sqrt(batch)
 
 
 def _fits(cost: RooflineCost, batch: float, ctx: _Ctx) -> bool:
@@ -253,7 +268,7 @@ def _fits(cost: RooflineCost, batch: float, ctx: _Ctx) -> bool:
     cap = cost.kv_pages(PAGE) * PAGE
   except ValueError:
     return False
-  return batch * (ctx.w.isl_mean + ctx.w.osl_mean) <= cap  # every sequence at its longest
+  return batch * ctx.context <= cap  # the batch's mean in-flight tokens
 
 
 def _queue_p99_s(rho: float, service_s: float) -> float:
@@ -280,22 +295,84 @@ def _colocated_step(ctx: _Ctx, cost: RooflineCost, c: Config, batch: float):
   return f * full + (1 - f) * bare, p
 
 
+def _erlang_c(slots: int, load: float) -> float:
+  """Probability that a request waits for a slot in an M/M/c queue (c
+  slots, offered load `load` busy slots on average): Halfin and Whitt's
+  approximation 1 / (1 + beta Phi(beta) / phi(beta)), beta = (c - a) / sqrt(a)."""
+  if load >= slots:
+    return 1.0
+  if load <= 0:
+    return 0.0
+  beta = (slots - load) / math.sqrt(load)
+  phi = math.exp(-beta * beta / 2) / math.sqrt(2 * math.pi)
+  if phi == 0.0:
+    return 0.0
+  big_phi = 0.5 * (1 + math.erf(beta / math.sqrt(2)))
+  return min(1.0, 1.0 / (1.0 + beta * big_phi / phi))
+
+
+def _slot_wait_p99(slots: int, load: float, life_s: float) -> float:
+  """99th percentile wait for a slot: P(W > w) = C exp(-(c - a) w / L)."""
+  cw = _erlang_c(slots, load)
+  if cw <= 0.01:
+    return 0.0
+  return life_s / (slots - load) * math.log(cw / 0.01)
+
+
+@functools.lru_cache(maxsize=None)
+def served_load(slots: int, life_s: float, budget_s: float) -> float:
+  """The most busy slots on average (Poisson arrivals, exponential holding
+  times of mean `life_s`) whose p99 wait for a slot stays within `budget_s`."""
+  lo, hi = 0.0, float(slots)
+  for _ in range(40):
+    mid = (lo + hi) / 2
+    if _slot_wait_p99(slots, mid, life_s) <= budget_s:
+      lo = mid
+    else:
+      hi = mid
+  return lo
+
+
+def _served(ctx: _Ctx, c: Config, ranks: int, full_step_s: float, ttft0_s: float):
+  """Server-type scenarios: a rank holds at most `c.batch` sequences; a
+  request waits for a free slot (M/M/c over the pooled slots; output lengths
+  are long-tailed, std 1.3 x mean for DeepSeek-R1, so exponential holding
+  times are a fair stand-in). Returns (mean batch per rank, p99 slot wait
+  s) at the highest load whose TTFT stays within the limit; Offline: the
+  full batch, no wait; None: no budget left."""
+  if ctx.sc.ttft_ms is None:
+    return float(c.batch), 0.0
+  budget = ctx.sc.ttft_ms / 1e3 - ttft0_s
+  if budget <= 0:
+    return None
+  pool = ranks if ctx.eff.slot_pool == "system" else c.ranks
+  slots = pool * c.batch
+  life = ctx.w.osl_mean / tokens_per_row(c.mtp_k) * full_step_s  # decode time at full batch
+  load = served_load(slots, life, budget)
+  if load < 1:
+    return None
+  return load / pool, _slot_wait_p99(slots, load, life)
+
+
 def colocated(ctx: _Ctx, c: Config) -> dict | None:
   cost = ctx.cost(c.tp, c.ranks, c.ep)
-  if not _fits(cost, ctx.tpot_batch(c.batch), ctx):
+  if not _fits(cost, c.batch, ctx):
     return None
-  mean = _colocated_step(ctx, cost, c, c.batch)
-  worst = _colocated_step(ctx, cost, c, ctx.tpot_batch(c.batch))
-  if mean is None or worst is None:
+  full = _colocated_step(ctx, cost, c, c.batch)  # every slot busy: TPOT's worst case
+  if full is None:
     return None
-  t, p = mean
   tpr = tokens_per_row(c.mtp_k)
   chunk_step = cost.step_time([_shape(c.batch, ctx.context, c.mtp_k, c.chunk,
                                       ctx.w.isl_mean / 2)]).seconds
-  rho = min(p / c.chunk, 0.999)
-  ttft = _queue_p99_s(rho, chunk_step) + math.ceil(ctx.w.isl_p99 / c.chunk) * chunk_step
-  return dict(per_gpu=c.batch * tpr / t / c.tp, tpot_ms=worst[0] / tpr * 1e3,
-              ttft_ms=ttft * 1e3, step_ms=t * 1e3)
+  rho = min(full[1] / c.chunk, 0.999)
+  ttft0 = _queue_p99_s(rho, chunk_step) + math.ceil(ctx.w.isl_p99 / c.chunk) * chunk_step
+  served = _served(ctx, c, SYSTEM_GPUS // c.tp, full[0], ttft0)
+  if served is None:
+    return None
+  batch, wait = served
+  t = _colocated_step(ctx, cost, c, batch)[0]
+  return dict(per_gpu=batch * tpr / t / c.tp, tpot_ms=full[0] / tpr * 1e3,
+              ttft_ms=(ttft0 + wait) * 1e3, step_ms=t * 1e3, mean_batch=batch)
 
 
 def _prefill_rank(ctx: _Ctx, tokens: int = 8192):
@@ -317,20 +394,26 @@ def disaggregated(ctx: _Ctx, c: Config) -> dict | None:
   if c.prefill_gpus < 1 or c.tp * c.ranks > decode_gpus:
     return None
   cost = ctx.cost(c.tp, c.ranks, c.ep)
-  if not _fits(cost, ctx.tpot_batch(c.batch), ctx):
+  if not _fits(cost, c.batch, ctx):
     return None
   tpr = tokens_per_row(c.mtp_k)
-  t = cost.step_time([_shape(c.batch, ctx.context, c.mtp_k, 0, 0)]).seconds
-  worst = cost.step_time([_shape(ctx.tpot_batch(c.batch), ctx.context, c.mtp_k, 0, 0)]).seconds
-  decode_rate = decode_gpus * c.batch * tpr / t / c.tp  # output tokens/s
+  full = cost.step_time([_shape(c.batch, ctx.context, c.mtp_k, 0, 0)]).seconds
   pcost, pstep, prate = _prefill_rank(ctx)
-  rho = decode_rate * ctx.new_prompt / ctx.w.osl_mean / (c.prefill_gpus * prate)
+  prompt_share = ctx.new_prompt / ctx.w.osl_mean / (c.prefill_gpus * prate)
+  rho = decode_gpus * c.batch * tpr / full / c.tp * prompt_share  # at full batch
   if rho >= 1:
     return None
-  ttft = (_queue_p99_s(rho, pstep) + pstep * max(1.0, ctx.w.isl_p99 / 8192)
-          + pcost.kv_transfer_s(int(ctx.w.isl_p99)))
-  return dict(per_gpu=decode_rate / SYSTEM_GPUS, tpot_ms=worst / tpr * 1e3,
-              ttft_ms=ttft * 1e3, step_ms=t * 1e3, prefill_utilization=rho)
+  ttft0 = (_queue_p99_s(rho, pstep) + pstep * max(1.0, ctx.w.isl_p99 / 8192)
+           + pcost.kv_transfer_s(int(ctx.w.isl_p99)))
+  served = _served(ctx, c, decode_gpus // c.tp, full, ttft0)
+  if served is None:
+    return None
+  batch, wait = served
+  t = cost.step_time([_shape(batch, ctx.context, c.mtp_k, 0, 0)]).seconds
+  decode_rate = decode_gpus * batch * tpr / t / c.tp  # output tokens/s
+  return dict(per_gpu=decode_rate / SYSTEM_GPUS, tpot_ms=full / tpr * 1e3,
+              ttft_ms=(ttft0 + wait) * 1e3, step_ms=t * 1e3, mean_batch=batch,
+              prefill_utilization=decode_rate * prompt_share)
 
 
 BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
@@ -389,7 +472,8 @@ def predict_table(*, eff: Efficiency = Efficiency(), dev: str = "gb300", log=Non
                published_per_gpu=pub["per_gpu"], predicted_per_gpu=pred,
                ratio=pred / pub["per_gpu"], config=best["config"] if best else None,
                tpot_ms=best["tpot_ms"] if best else None,
-               ttft_ms=best["ttft_ms"] if best else None)
+               ttft_ms=best["ttft_ms"] if best else None,
+               mean_batch=best["mean_batch"] if best else None)
     rows.append(row)
     if log:
       log(row)

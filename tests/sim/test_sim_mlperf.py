@@ -34,6 +34,40 @@ def test_assumed_efficiency_moves_the_prediction(field, value, direction):
   assert (changed - base) * direction > 0.01 * base
 
 
+def test_slot_queueing_for_server_scenarios():
+  # Pooling a system's decode slots queues less than pooling one instance's.
+  base = mlperf.search("deepseek-r1", "Server", V51)
+  eff = dataclasses.replace(mlperf.Efficiency(), slot_pool="instance")
+  assert mlperf.search("deepseek-r1", "Server", V51, eff=eff)["per_gpu"] < base["per_gpu"]
+  # Server never beats Offline; its mean batch stays under the slot cap.
+  assert base["per_gpu"] <= mlperf.search("deepseek-r1", "Offline", V51)["per_gpu"]
+  assert base["mean_batch"] < base["config"]["batch"]
+  # More load: a longer p99 wait; a longer budget admits more load.
+  assert mlperf._slot_wait_p99(512, 500, 60.0) > mlperf._slot_wait_p99(512, 450, 60.0)
+  assert mlperf.served_load(512, 60.0, 2.0) > mlperf.served_load(512, 60.0, 0.5)
+  assert mlperf._erlang_c(512, 600) == 1.0 and mlperf._erlang_c(512, 100) < 1e-9
+
+
+def test_longer_outputs_in_flight_cost_throughput():
+  base = mlperf.search("deepseek-r1", "Offline", V60)["per_gpu"]
+  w = mlperf.WORKLOADS["deepseek-r1"]
+  short = dataclasses.replace(w, osl_age_mean=w.osl_mean / 2)  # every output the mean length
+  old = mlperf.WORKLOADS["deepseek-r1"]
+  mlperf.WORKLOADS["deepseek-r1"] = short
+  try:
+    assert mlperf.search("deepseek-r1", "Offline", V60)["per_gpu"] > 1.05 * base
+  finally:
+    mlperf.WORKLOADS["deepseek-r1"] = old
+
+
+def test_sourced_workload_statistics():
+  r1, l405 = mlperf.WORKLOADS["deepseek-r1"], mlperf.WORKLOADS["llama3.1-405b"]
+  assert (r1.isl_mean, r1.isl_p99, r1.osl_mean, r1.osl_age_mean) == (803.8, 1432.0, 3886.2, 4354.0)
+  assert (l405.isl_mean, l405.isl_p99, l405.osl_mean) == (9428.6, 18956.0, 684.68)
+  for w in (r1, l405):
+    assert w.isl_mean < w.isl_p99 and w.osl_age_mean > 0
+
+
 def test_unfused_kernels_only_change_v51():
   base = mlperf.search("llama3.1-405b", "Offline", V51)["per_gpu"]
   eff = dataclasses.replace(mlperf.Efficiency(), unfused_kernels=0.9)
