@@ -147,7 +147,8 @@ class EngineLoop:
     self._failed_in_a_row = 0
     self._last_failure: tuple[float, str] | None = None  # (monotonic time, error)
     self._warm: list = []  # step programs left to compile while idle (engine thread)
-    self.warm = dict(compiled=0, left=0, seconds=0.0)  # the background warm-up's progress
+    # The background warm-up's progress (left_out: programs it left to traffic).
+    self.warm = dict(compiled=0, left=0, seconds=0.0, left_out=0)
 
   # ------------------------------------------------------------ event loop side
 
@@ -250,6 +251,9 @@ class EngineLoop:
       self.warm["compiled"] += report["programs"]
       self.warm["seconds"] += report["seconds"]
       if report["left_out"]:  # the memory-map share is used: the rest on first use
+        self.warm["left_out"] = len(self._warm) + report["left_out"]
+        log.warning("the background warm-up stopped at its share of vm.max_map_count memory "
+                    "maps; %d programs left to compile on first use", self.warm["left_out"])
         self._warm = []
     self.warm["left"] = len(self._warm)
 

@@ -78,6 +78,9 @@ COMMANDS = {
                 ("experiments/mlperf_harness.py", "--scenarios=Server")),
     "pip install -e \".[serve]\" && python experiments/serve.py": Covered(
         "tests/repo/test_readme_commands.py::test_serve_answers_a_completion_while_it_warms_up"),
+    "python experiments/cold_start.py --wait_warm": Covered(
+        "tests/repo/test_readme_commands.py::test_serve_answers_a_completion_while_it_warms_up",
+        ("cold_start.start",)),
     "python experiments/serve.py": Covered(
         "tests/repo/test_readme_commands.py::test_serve_answers_a_completion_while_it_warms_up"),
     "pip install -e \".[dev]\" && python -m pytest tests/repo/test_notebooks.py": NotHere(
