@@ -1,5 +1,5 @@
 """DLRMv3 under LoadGen on a random tiny model: Server (80 ms p99) and
-Offline, then an accuracy run (NE / AUC / accuracy on synthetic labels).
+Offline, then an accuracy run (NE / GAUC / accuracy / AUC on synthetic labels).
 
 `experiments/dlrm_loadgen.py`'s default config (its fields are the flags' defaults):
 

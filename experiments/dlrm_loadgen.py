@@ -1,8 +1,8 @@
 """DLRMv3 under MLPerf LoadGen (`jaxinfer.serving.dlrm.run_benchmark`): a
 random model of a recsys preset (default the tiny one) scoring the synthetic
 data set of the benchmark's shape; Server (80 ms p99) and Offline in
-performance mode, then an accuracy run with NE / AUC / accuracy from
-LoadGen's log. Writes <out>.json.
+performance mode, then an accuracy run with NE / GAUC / accuracy / AUC
+from LoadGen's log (the MLPerf reference's records). Writes <out>.json.
 
   python experiments/dlrm_loadgen.py
 """

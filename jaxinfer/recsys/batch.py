@@ -83,12 +83,36 @@ def _users_arrays(users: Sequence[User]):
   return items, actions, times
 
 
+def _check_users(cfg: HSTUConfig, users: Sequence[User]) -> None:
+  """Per user, naming the user, field and table: one feature bag per
+  user-feature table, every id in its table's range."""
+  tables = len(cfg.user_feature_rows)
+  for k, u in enumerate(users):
+    if len(u.features) != tables:
+      raise ValueError(f"user {k}: features has {len(u.features)} bags, the model has {tables} "
+                       f"user-feature tables (user_0..user_{tables - 1}): one bag per table")
+    fields = [("items", u.items, "items", cfg.num_items),
+              ("candidates", u.candidates, "items", cfg.num_items),
+              ("actions", u.actions, "actions", cfg.num_actions)]
+    fields += [(f"features[{f}]", bag, f"user_{f}", r)
+               for f, (bag, r) in enumerate(zip(u.features, cfg.user_feature_rows))]
+    for field, ids, table, rows in fields:
+      ids = np.asarray(ids)
+      if ids.size and (not np.issubdtype(ids.dtype, np.integer) or ids.ndim != 1):
+        raise ValueError(f"user {k}: {field} must be a flat list of integer ids")
+      if ids.size and (ids.min() < 0 or ids.max() >= rows):
+        raise ValueError(f"user {k}: {field} has ids out of table {table!r}'s range "
+                         f"[0, {rows}): min {ids.min()}, max {ids.max()}")
+
+
 def pack(cfg: HSTUConfig, users: Sequence[User], *, token_bucket: int | None = None,
          user_bucket: int | None = None, target_bucket: int | None = None,
          feature_bucket: int | None = None) -> JaggedBatch:
-  """Users -> a validated `JaggedBatch`, padded to the given buckets (module docstring)."""
+  """Users -> a validated `JaggedBatch`, padded to the given buckets (module
+  docstring); raises ValueError naming the user, field and table of bad input."""
   if not users:
     raise ValueError("pack needs at least one user")
+  _check_users(cfg, users)
   items, actions, times = _users_arrays(users)
   lengths = [len(x) for x in items]
   T, B = _bucket(sum(lengths), token_bucket), _bucket(len(users), user_bucket)
@@ -99,11 +123,14 @@ def pack(cfg: HSTUConfig, users: Sequence[User], *, token_bucket: int | None = N
   num_targets[:len(users)] = [len(u.candidates) for u in users]
   targets = np.concatenate([offsets[u] + lengths[u] - num_targets[u] + np.arange(num_targets[u])
                             for u in range(len(users))])
+  if target_bucket is not None and len(targets) > target_bucket:
+    raise ValueError(f"candidates: {len(targets)} in this batch, over the candidate limit "
+                     f"(target_bucket) {target_bucket}")
   C = _bucket(len(targets), target_bucket)
   tok = lambda parts: np.pad(np.concatenate(parts), (0, T - sum(lengths)))
   feat_ids, feat_offsets = [], []
   for f in range(len(cfg.user_feature_rows)):
-    bags = [list(u.features[f]) if f < len(u.features) else [] for u in users]
+    bags = [list(u.features[f]) for u in users]
     n = sum(len(b) for b in bags)
     ids = np.zeros(_bucket(n, feature_bucket), np.int64)
     ids[:n] = [i for b in bags for i in b]

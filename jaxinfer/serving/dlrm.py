@@ -7,13 +7,20 @@ latencies: Server's p99 limit is 80 ms).
   summary = mlperf.run_loadgen(sut, scenario="Server", latency_ms=80, target_qps=..., outdir=...)
 
 A request is one user (`recsys.batch.User`); its response is the float32
-logits of its candidates. The batcher takes queued requests in arrival order
+logits of its candidates (in accuracy mode, a record: below). The batcher takes queued requests in arrival order
 while their tokens fit the budget (and the user slots last), packs them into
 one token axis (`recsys.batch.pack`) at fixed buckets, so every batch runs
 one compiled program, scores them and answers each query. The SUT keeps the
 scores it sent (`scores`); `accuracy_run` scores every sample once in
-LoadGen's accuracy mode and computes NE / AUC / accuracy (`recsys.metrics`)
-from the scores LoadGen logged.
+LoadGen's accuracy mode and computes NE / GAUC / accuracy / AUC
+(`recsys.metrics.evaluate_probs`) from the records LoadGen logged.
+
+In accuracy mode (the SUT holds `record_labels`) a response is the MLPerf
+reference's record,
+float32 [ts_idx, query_idx, probabilities (n), labels (n), weights (n), n]
+(ts_idx -1: the synthetic data has no timestamp split; query_idx the sample
+index; weights 1), which the reference's accuracy.py and `parse_accuracy_log`
+read.
 """
 
 from __future__ import annotations
@@ -91,9 +98,13 @@ class DlrmSUT(mlperf.ThreadedSUT):
     for i, n in enumerate(self.sizes):
       if n > b.token_budget:
         raise ValueError(f"sample {i}: {n} tokens, over the token budget {b.token_budget}")
+      if len(self.prompts[i].candidates) > b.max_targets:
+        raise ValueError(f"sample {i}: {len(self.prompts[i].candidates)} candidates, over the "
+                         f"candidate limit max_targets={b.max_targets}")
     self.scores: dict[int, tuple[int, np.ndarray]] = {}  # query id -> (sample index, logits)
     self.times: dict[int, list[float]] = {}  # query id -> [issued, done]
     self.batch_sizes: list[int] = []
+    self.record_labels: list | None = None  # per sample: accuracy-mode responses are records
     self._keep: list = []
     super().__init__("dlrm-sut")
     scorer(self.prompts[:1])  # compile before LoadGen's clock starts
@@ -127,9 +138,10 @@ class DlrmSUT(mlperf.ThreadedSUT):
     now = time.perf_counter()
     responses = []
     for (qid, index), z in zip(batch, logits):
-      arr = np.ascontiguousarray(z, np.float32)
+      self.scores[qid] = (index, np.asarray(z, np.float32))
+      arr = np.ascontiguousarray(z, np.float32) if self.record_labels is None else (
+          accuracy_record(index, z, self.record_labels[index]))
       self._keep.append(arr)
-      self.scores[qid] = (index, arr)
       self.times[qid][1] = now
       responses.append(lg.QuerySampleResponse(qid, arr.ctypes.data, arr.nbytes))
     self.batch_sizes.append(len(batch))
@@ -145,32 +157,52 @@ class DlrmSUT(mlperf.ThreadedSUT):
         np.mean(self.batch_sizes)), **{f"p{q}_ms": float(np.percentile(lat, q)) for q in (50, 99)})
 
 
-def parse_scores_log(path: str) -> dict[int, np.ndarray]:
-  """LoadGen's mlperf_log_accuracy.json (accuracy mode: the bytes each response
-  handed LoadGen, hex) -> {sample index: float32 logits}, what MLPerf scores."""
+def accuracy_record(index: int, logits, labels, ts_idx: int = -1) -> np.ndarray:
+  """The reference SUT's accuracy-mode response for sample `index`: float32
+  [ts_idx, query_idx, sigmoid(logits), labels, weights (1), n]."""
+  z = np.asarray(logits, np.float64)
+  y = np.asarray(labels)
+  if y.shape != z.shape:
+    raise ValueError(f"sample {index}: {y.size} labels for {z.size} candidates")
+  p = np.exp(-np.logaddexp(0.0, -z))  # sigmoid, stable for any logit
+  return np.concatenate([[ts_idx, index], p, y, np.ones_like(p), [z.size]]).astype(np.float32)
+
+
+def parse_accuracy_log(path: str) -> list[dict]:
+  """LoadGen's mlperf_log_accuracy.json of accuracy-mode records, parsed as
+  the reference's accuracy.py does (n = the last float; 3n + 3 floats) ->
+  per entry {qsl_idx, ts_idx, query_idx, preds, labels, weights}."""
   with open(path) as f:
     entries = json.load(f)
-  out = {}
+  out = []
   for e in entries:
-    z = np.frombuffer(bytes.fromhex(e["data"]), dtype="<f4").copy()
-    if e["qsl_idx"] in out and not np.array_equal(out[e["qsl_idx"]], z):
-      raise ValueError(f"{path}: sample {e['qsl_idx']} logged twice with different scores")
-    out[e["qsl_idx"]] = z
+    d = np.frombuffer(bytes.fromhex(e["data"]), dtype="<f4")
+    n = int(d[-1]) if d.size else -1
+    if n < 1 or d.size != 3 * n + 3:
+      raise ValueError(f"{path}: sample {e['qsl_idx']}: {d.size} floats, not an accuracy "
+                       f"record of [ts_idx, query_idx, 3 x n, n] (n = {n})")
+    out.append(dict(qsl_idx=e["qsl_idx"], ts_idx=int(d[0]), query_idx=int(d[1]),
+                    preds=d[2:2 + n], labels=d[2 + n:2 + 2 * n], weights=d[2 + 2 * n:2 + 3 * n]))
   return out
 
 
 def accuracy_run(sut: DlrmSUT, labels: Sequence[np.ndarray], *, outdir: str) -> dict:
-  """A LoadGen accuracy-mode (Offline) run: every sample once; NE / AUC /
-  accuracy of the logged scores against `labels` (per sample, per candidate)."""
+  """A LoadGen accuracy-mode (Offline) run: every sample once, answered with
+  the reference's records (`accuracy_record`, `labels` per sample, per
+  candidate); NE / GAUC / accuracy / AUC of the records LoadGen logged."""
   if len(labels) != len(sut.prompts):
     raise ValueError(f"labels: {len(labels)} label arrays for {len(sut.prompts)} samples")
-  summary = mlperf.run_loadgen(sut, scenario="Offline", mode="accuracy", outdir=outdir,
-                               min_duration_ms=0, min_query_count=len(sut.prompts))
-  logged = parse_scores_log(os.path.join(outdir, "mlperf_log_accuracy.json"))
-  idx = sorted(logged)
-  y = np.concatenate([np.asarray(labels[i]) for i in idx])
-  z = np.concatenate([logged[i] for i in idx])
-  return dict(samples=len(idx), summary=summary, **metrics.evaluate(y, z))
+  sut.record_labels = [np.asarray(y) for y in labels]
+  try:
+    summary = mlperf.run_loadgen(sut, scenario="Offline", mode="accuracy", outdir=outdir,
+                                 min_duration_ms=0, min_query_count=len(sut.prompts))
+  finally:
+    sut.record_labels = None
+  recs = parse_accuracy_log(os.path.join(outdir, "mlperf_log_accuracy.json"))
+  cat = lambda k: np.concatenate([r[k] for r in recs]).astype(np.float64)
+  m = metrics.evaluate_probs(cat("labels"), cat("preds"), cat("weights"),
+                             [len(r["preds"]) for r in recs])
+  return dict(samples=len({r["qsl_idx"] for r in recs}), summary=summary, **m)
 
 
 def run_benchmark(cfg: HSTUConfig, params, *, outdir: str, num_samples: int = 256,
@@ -181,7 +213,7 @@ def run_benchmark(cfg: HSTUConfig, params, *, outdir: str, num_samples: int = 25
   """LoadGen runs of `cfg` on the synthetic data set (`recsys.synthetic`, the
   benchmark's shape: 5M users, 1% of the items; `num_samples` of them spread
   over the users): each scenario in performance mode, then one accuracy run
-  (NE / AUC / accuracy from LoadGen's log). -> one row per run."""
+  (NE / GAUC / accuracy / AUC from LoadGen's log). -> one row per run."""
   spec = synthetic.for_model(cfg, num_users=5_000_000, seed=seed)
   step = spec.num_users // num_samples
   users, labels = zip(*(synthetic.sample(spec, i * step) for i in range(num_samples)))
@@ -202,5 +234,6 @@ def run_benchmark(cfg: HSTUConfig, params, *, outdir: str, num_samples: int = 25
   acc = accuracy_run(DlrmSUT(scorer, users), labels, outdir=os.path.join(outdir, "accuracy"))
   # Accuracy mode is not judged for performance (LoadGen's summary says INVALID).
   rows.append(dict(scenario="Offline", mode="accuracy", samples=acc["samples"], ne=acc["ne"],
-                   auc=acc["auc"], accuracy=acc["accuracy"]))
+                   gauc=acc["gauc"], gauc_groups=acc["gauc_groups"], auc=acc["auc"],
+                   accuracy=acc["accuracy"]))
   return rows

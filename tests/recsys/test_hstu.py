@@ -151,3 +151,25 @@ def test_config_rejects_bad_fields_and_presets_have_the_benchmarks_dims():
   big = config.get("dlrm_v3")
   assert (big.num_layers, big.num_heads, big.embed_dim, big.num_items) == (5, 4, 512, 10**9)
   assert config.get("tiny_hstu", num_layers=1).num_layers == 1
+
+
+def test_bad_user_input_raises_naming_the_user_field_and_table(model):
+  cfg, _ = model  # tiny: items 1000, actions 8, user_0 16 rows, user_1 24 rows
+  u = random_user(cfg, np.random.default_rng(3), 5, 2)
+  rep = lambda **kw: [u, dataclasses.replace(u, **kw)]
+  cases = [
+      (rep(features=[*u.features, [0]]), r"user 1: features has 3 bags, the model has 2 "),
+      (rep(features=u.features[:1]), r"user 1: features has 1 bags, .*user_0..user_1"),
+      (rep(items=[*u.items[:-1], cfg.num_items]), r"user 1: items .*table 'items'.*max 1000"),
+      (rep(candidates=[-1, 0]), r"user 1: candidates .*table 'items'.*min -1"),
+      (rep(actions=[*u.actions[:-1], cfg.num_actions]), r"user 1: actions .*table 'actions'"),
+      (rep(features=[[16], u.features[1]]), r"user 1: features\[0\] .*'user_0'.*\[0, 16\)"),
+      (rep(features=[u.features[0], [0, 24]]), r"user 1: features\[1\] .*'user_1'.*\[0, 24\)"),
+      (rep(features=[[0.5], u.features[1]]), r"user 1: features\[0\] must be a flat list of int"),
+  ]
+  for users, match in cases:
+    with pytest.raises(ValueError, match=match):
+      batch_lib.pack(cfg, users)
+  batch_lib.pack(cfg, rep(features=[[], []]))  # empty bags are fine: one per table
+  with pytest.raises(ValueError, match=r"candidates: 4 in this batch, over the candidate limit"):
+    batch_lib.pack(cfg, [u, u], target_bucket=3)

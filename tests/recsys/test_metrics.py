@@ -13,7 +13,7 @@ def _sk(labels, logits):
   base = np.full_like(p, labels.mean())
   return {"ne": skm.log_loss(labels, p) / skm.log_loss(labels, base),
           "auc": skm.roc_auc_score(labels, logits),
-          "accuracy": skm.accuracy_score(labels, p > 0.5)}
+          "accuracy": skm.accuracy_score(labels, p >= 0.5)}  # torchrec's threshold: >= 0.5
 
 
 @pytest.mark.parametrize("seed,n,ties", [(0, 1000, False), (1, 37, True), (2, 5000, True)])
@@ -27,13 +27,6 @@ def test_metrics_equal_scikit_learn(seed, n, ties):
   for k in want:
     assert got[k] == pytest.approx(want[k], rel=1e-9, abs=1e-12), k
   assert 0.5 < got["auc"] < 1 and got["ne"] < 1  # informative scores beat the base rate
-
-
-def test_targets_are_mlperfs_at_99_9_percent():
-  t = metrics.MLPERF_TARGETS
-  assert all(metrics.meets_targets(t).values())
-  worse = {"ne": t["ne"] / 0.998, "auc": t["auc"] * 0.998, "accuracy": t["accuracy"] * 0.998}
-  assert not any(metrics.meets_targets(worse).values())
 
 
 @pytest.mark.parametrize("labels,logits,match", [

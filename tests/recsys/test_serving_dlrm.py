@@ -1,10 +1,13 @@
 """DLRMv3 serving on the tiny model: the token-budget batcher, LoadGen Server
 (80 ms p99) and Offline runs VALID, and NE / AUC / accuracy of the served
-scores on the synthetic labels equal to scikit-learn's."""
+scores on the synthetic labels equal to scikit-learn's; the accuracy-mode log
+holds the MLPerf reference's records, read as its accuracy.py reads them."""
 
 import collections
+import dataclasses
 
 import jax
+import mlperf_accuracy_reference as ref
 import mlperf_loadgen  # noqa: F401  (the test-core extra installs mlcommons-loadgen)
 import numpy as np
 import pytest
@@ -95,17 +98,34 @@ def test_tiny_model_metrics_on_synthetic_labels_equal_scikit_learn(served):
   print(f"tiny random model on synthetic labels: {m}")
 
 
-def test_accuracy_mode_metrics_come_from_loadgens_log(served, tmp_path):
+def test_accuracy_mode_log_is_the_references_record_and_its_metrics(served, tmp_path):
   cfg, scorer, users, labels = served
   sut = dlrm.DlrmSUT(scorer, users)
   out = dlrm.accuracy_run(sut, labels, outdir=str(tmp_path))
   assert out["samples"] == len(users)
-  logged = dlrm.parse_scores_log(str(tmp_path / "mlperf_log_accuracy.json"))
-  assert sorted(logged) == list(range(len(users)))
-  for i in sorted(logged)[::12]:  # LoadGen logged what the SUT scored
-    np.testing.assert_allclose(logged[i], scorer([users[i]])[0], rtol=1e-5, atol=1e-6)
-  y = np.concatenate([labels[i] for i in sorted(logged)])
-  z = np.concatenate([logged[i] for i in sorted(logged)])
-  assert out["auc"] == pytest.approx(skm.roc_auc_score(y, z), rel=1e-9)
+  path = str(tmp_path / "mlperf_log_accuracy.json")
+  theirs = ref.parse(path)  # the reference accuracy.py's parsing of LoadGen's log
+  ours = dlrm.parse_accuracy_log(path)
+  assert sorted(r["qsl_idx"] for r in ours) == list(range(len(users)))
+  for (p, y, w), r in list(zip(theirs, ours))[::12]:  # LoadGen logged what the SUT scored
+    i = r["qsl_idx"]
+    assert r["query_idx"] == i
+    np.testing.assert_allclose(p, 1 / (1 + np.exp(-scorer([users[i]])[0])), rtol=1e-5)
+    np.testing.assert_array_equal(y, labels[i])
+  want = ref.metrics(theirs)
+  for k in ("ne", "accuracy", "gauc", "gauc_groups"):
+    assert out[k] == pytest.approx(want[k], rel=1e-9), k
+  y = np.concatenate([r[1] for r in theirs])
+  assert out["auc"] == pytest.approx(skm.roc_auc_score(y, np.concatenate([r[0] for r in theirs])),
+                                     rel=1e-9)
+  assert sut.record_labels is None  # performance runs answer logits again
   with pytest.raises(ValueError, match="label arrays"):
     dlrm.accuracy_run(sut, labels[:3], outdir=str(tmp_path))
+
+
+def test_sut_rejects_a_sample_over_the_candidate_limit(served):
+  cfg, scorer, users, _ = served
+  small = dlrm.Scorer(cfg, scorer.params, dataclasses.replace(scorer.buckets, max_targets=3))
+  with pytest.raises(ValueError, match=r"sample 0: \d+ candidates, over the candidate limit "
+                                       r"max_targets=3"):
+    dlrm.DlrmSUT(small, users)
