@@ -20,7 +20,8 @@ looks at the queue, so a request waits for at most the one being compiled;
 /health says "warming" until they are done (--warmup_before_serving: all of
 them before the port opens, as a speculative or Ray server always does).
 The programs go to jax's persistent compilation cache
-(--compilation_cache_dir), from which a second start reads them. /metrics serves Prometheus text.
+(--compilation_cache_dir), from which a second start reads them. /metrics
+serves Prometheus text.
 --backend=ray serves a `Cluster(backend="ray")` of --workers mixed workers,
 each a Ray actor in its own process with the same engine flags (a local
 Ray is started unless --ray_address names one); /metrics then sums the
