@@ -24,7 +24,7 @@ def get_config() -> config_dict.ConfigDict:
   c.wait_warm = True  # start the tools once /health says ok
   c.start_timeout_s = 1800.0  # longest wait for the server's port and warm-up
   c.timeout_s = 600.0  # longest run of one tool at one load
-  c.guidellm_continuous_usage = False  # let guidellm send stream_options.continuous_usage_stats
+  c.guidellm_continuous_usage = True  # let guidellm send stream_options.continuous_usage_stats
   c.artifacts_dir = config_dict.placeholder(str)  # keep the tools' files here
   c.machine = "epyc2c"  # short machine name for the output file
   c.out = config_dict.placeholder(str)

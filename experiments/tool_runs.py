@@ -50,10 +50,10 @@ _WAIT_WARM = flags.DEFINE_bool("wait_warm", True, "start the tools once /health 
 _START_TIMEOUT = flags.DEFINE_float("start_timeout_s", 1800.0, "longest wait for the server's "
                                     "port and warm-up")
 _TIMEOUT = flags.DEFINE_float("timeout_s", 600.0, "longest run of one tool at one load")
-_CONTINUOUS = flags.DEFINE_bool("guidellm_continuous_usage", False, "let guidellm send "
+_CONTINUOUS = flags.DEFINE_bool("guidellm_continuous_usage", True, "let guidellm send "
                                 "stream_options.continuous_usage_stats (vLLM's per-chunk "
-                                "usage); off: the command drops it (a server that refuses the "
-                                "field fails every request)")
+                                "usage, which serve.py serves); off: the command drops it (for "
+                                "a server that refuses the field)")
 _ARTIFACTS = flags.DEFINE_string("artifacts_dir", None, "keep the tools' own files and logs "
                                  "and the server's log here (default: a temporary folder, "
                                  "removed)")

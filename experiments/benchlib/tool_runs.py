@@ -19,9 +19,9 @@ What each tool needs, from its source:
 - guidellm 0.8.1 sends `stream_options: {include_usage, continuous_usage_stats}`
   on every streamed completion (backends/openai/request_handlers.py); a
   server that refuses the unknown `continuous_usage_stats` fails every
-  request with a 400. Unless `continuous_usage` is set, the command drops
-  it through the backend's `extras` (guidellm merges them into the body,
-  then removes None values).
+  request with a 400 (serve.py serves it, as vLLM does). Unless
+  `continuous_usage` is set, the command drops it through the backend's
+  `extras` (guidellm merges them into the body, then removes None values).
 - aiperf 0.13.0 with HF_HUB_OFFLINE set loads a tokenizer only from the hub
   cache: `Tokenizer._from_pretrained_local` calls
   `snapshot_download(name, local_files_only=True)`, which refuses a

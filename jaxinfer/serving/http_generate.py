@@ -43,9 +43,9 @@ class Choice:
     """-> (text delta, logprobs of this part or None, token ids)."""
     if self.finish is not None:  # cut by a stop string; tokens already in flight
       return "", None, []
-    delta, part = self._prompt_part(t.prompt_logprobs), None
-    if self.lp is not None:
-      part = self.lp.add(t.ids, t.logprobs) if t.logprobs is not None else None
+    delta, part = self._prompt_part(t.prompt_logprobs)
+    if self.lp is not None and t.logprobs is not None:
+      part = _joined(part, self.lp.add(t.ids, t.logprobs))
     delta += self.detok.add(t.ids)
     if self.chat_top is not None and t.logprobs is not None:
       part = chat_logprobs(text, self.chat_top, t.ids, t.logprobs)
@@ -54,26 +54,35 @@ class Choice:
       self.finish = "stop"
     return delta, part, t.ids
 
-  def _prompt_part(self, prompt_logprobs) -> str:
-    """The echoed prompt (with its logprobs), once: its text."""
+  def _prompt_part(self, prompt_logprobs) -> tuple[str, dict | None]:
+    """The echoed prompt, once (its first event): (its text, its logprobs'
+    part when logprobs are asked, else None); later ("", None)."""
     if prompt_logprobs is not None and self.prompt_logprobs is None:
       self.prompt_logprobs = prompt_logprobs
     if self.started:
-      return ""
+      return "", None
     self.started = True
+    part = None
     if self.echo and self.lp is not None:
-      self.lp.add(self.prompt, self.prompt_logprobs or [None] * len(self.prompt))
-    return self.echo
+      part = self.lp.add(self.prompt, self.prompt_logprobs or [None] * len(self.prompt))
+    return self.echo, part
 
-  def on_done(self, r: Result) -> str:
-    """-> the last text delta; ApiError 500 when its request failed."""
+  def on_done(self, r: Result) -> tuple[str, dict | None]:
+    """-> (the last text delta, the echoed prompt's logprobs if not yet
+    sent); ApiError 500 when its request failed."""
     if r.finish_reason == "error":
       raise ApiError(500, f"the request failed: {r.error}", kind="server_error")
-    delta = self._prompt_part(r.prompt_logprobs)
+    delta, part = self._prompt_part(r.prompt_logprobs)
     if self.finish is None:
       delta += self.detok.add([], final=True)
       self.finish = r.finish_reason
-    return delta
+    return delta, part
+
+
+def _joined(first: dict | None, then: dict) -> dict:
+  """Two completions logprobs parts as one (the echoed prompt's, then the
+  first generated tokens': vLLM's first streamed chunk)."""
+  return then if first is None else {k: first[k] + then[k] for k in first}
 
 
 class Generation:
@@ -218,25 +227,31 @@ async def collect(gen: Generation, shape: Shape) -> dict:
   texts = {c.index: "" for c in gen.choices}
   await gen.start()
   async for c, kind, payload in gen.events():
-    texts[c.index] += (c.on_tokens(payload, shape.text)[0] if kind == "tokens"
-                       else c.on_done(payload))
+    texts[c.index] += (c.on_tokens(payload, shape.text) if kind == "tokens"
+                       else c.on_done(payload))[0]
   return shape.whole(texts)
 
 
-async def sse(gen: Generation, shape: Shape, include_usage: bool):
-  """The streamed response: chunks per choice, then usage, then [DONE]."""
+async def sse(gen: Generation, shape: Shape, include_usage: bool,
+              continuous_usage: bool = False):
+  """The streamed response: chunks per choice, then usage, then [DONE].
+  continuous_usage (vLLM's continuous_usage_stats): every chunk also
+  carries the usage so far."""
+  def event(chunk: dict) -> str:
+    return data({**chunk, "usage": shape.usage()} if continuous_usage else chunk)
+
   try:
     if shape.chat:
       for c in gen.choices:
-        yield data(shape.chunk(c, "", None, role=True))
+        yield event(shape.chunk(c, "", None, role=True))
     async for c, kind, payload in gen.events():
       if kind == "tokens":
         delta, part, ids = c.on_tokens(payload, shape.text)
         if delta or part or (shape.token_ids and ids):
-          yield data(shape.chunk(c, delta, None, part, ids))
+          yield event(shape.chunk(c, delta, None, part, ids))
       else:
-        delta = c.on_done(payload)
-        yield data(shape.chunk(c, delta or (None if shape.chat else ""), c.finish))
+        delta, part = c.on_done(payload)
+        yield event(shape.chunk(c, delta or (None if shape.chat else ""), c.finish, part))
   except ApiError as e:  # after the headers went out: an error event ends the stream
     yield data(e.body())
   if include_usage:

@@ -8,9 +8,10 @@ Routes: POST /v1/completions and /v1/chat/completions (JSON, or SSE with
 "stream": true: `data: {chunk}` events, then `data: [DONE]`), GET
 /v1/models, /health (ok, degraded or dead: `EngineLoop.health`) and
 /metrics (Prometheus text), and vLLM's tokenizer routes GET /tokenizer_info,
-POST /tokenize and /detokenize. /openapi.json has every request body's
-schema. One thread owns the backend (`EngineLoop`); handlers hand it
-requests and read their tokens (`http_generate`).
+POST /tokenize and /detokenize. /openapi.json describes every route as the
+server checks it (`openapi_schema`: request bodies, statuses, error bodies,
+content types). One thread owns the backend (`EngineLoop`); handlers hand
+it requests and read their tokens (`http_generate`).
 
 Completions take a prompt or a list of them (strings or token ids), n
 copies of each; logprobs (top 0-20 alternatives) and echo (the prompt,
@@ -29,10 +30,13 @@ digits), a body over max_body_bytes, max_tokens=0
 (vLLM's prompt-only echo: ask max_tokens=1 with echo and logprobs, and read
 the prompt's logprobs), logprobs from a Cluster backend (its workers keep
 them). Unknown paths and methods get
-OpenAI error bodies too (404, 405). When max_queue
+OpenAI error bodies too (404; 405 with Allow). When max_queue
 requests are held, or a Cluster's queue is full, a request gets 429 at
-once. With api_key, /v1/ routes need `Authorization: Bearer <api_key>`
-(else 401). A client that disconnects
+once. With api_key, as vLLM's --api-key: every path under /v1 (the
+completions, chat and /v1/models) needs `Authorization: Bearer <api_key>`
+(else 401, before the body is read); the others (/health, /metrics,
+/tokenize, /detokenize, /tokenizer_info, /openapi.json) and OPTIONS stay
+open. A client that disconnects
 aborts its request, freeing its KV pages; one that disconnects while
 sending its body gets nothing and counts no error (an info line).
 
@@ -49,13 +53,13 @@ import logging
 import secrets
 
 import fastapi
-import fastapi.openapi.utils
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from jaxinfer.serving import chat_images
 from jaxinfer.serving import openai_protocol as proto
+from jaxinfer.serving import openapi_schema
 from jaxinfer.serving.engine_loop import EngineLoop
 from jaxinfer.serving.flow import Flow
 from jaxinfer.serving.http_generate import Choice, Generation, Shape, collect, sse
@@ -83,7 +87,7 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
   gather_s, gather_tokens: `EngineLoop`'s (a burst waking an idle engine
   steps together, up to a step's worth of prompt tokens)."""
   h = _Handlers(backend, tokenizer, model_name, max_queue=max_queue,
-                max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap, api_key=api_key,
+                max_body_bytes=max_body_bytes, max_tokens_cap=max_tokens_cap,
                 chat_template=chat_template, gather_s=gather_s, gather_tokens=gather_tokens)
   h.images = chat_images.ImageLoader(image_root)
 
@@ -95,56 +99,54 @@ def make_app(backend, tokenizer, model_name: str, *, max_queue: int = 256,
 
   app = fastapi.FastAPI(title="jaxinfer", lifespan=lifespan)
   app.state.engine_loop = h.loop
+  if api_key is not None:
+    app.add_middleware(_ApiKey, api_key=api_key, refused=h.metrics.refused)
   app.add_exception_handler(ApiError, h.api_error)
   app.add_exception_handler(StarletteHTTPException, h.http_error)  # unknown paths, methods
   app.add_exception_handler(ClientDisconnect, h.client_gone)
   app.add_exception_handler(Exception, h.internal_error)
-  for path, route, body in (("/v1/completions", h.completions, proto.CompletionRequest),
-                            ("/v1/chat/completions", h.chat_completions, proto.ChatRequest),
-                            ("/tokenize", h.tokenize, proto.TokenizeRequest),
-                            ("/detokenize", h.detokenize, proto.DetokenizeRequest)):
-    app.add_api_route(path, route, methods=["POST"], openapi_extra=_request_body(body))
+  for path, route in (("/v1/completions", h.completions),
+                      ("/v1/chat/completions", h.chat_completions),
+                      ("/tokenize", h.tokenize), ("/detokenize", h.detokenize)):
+    app.add_api_route(path, route, methods=["POST"])
   app.add_api_route("/v1/models", h.models, methods=["GET"])
   app.add_api_route("/tokenizer_info", h.tokenizer_info, methods=["GET"])
   app.add_api_route("/health", h.health, methods=["GET"])
   app.add_api_route("/metrics", h.metrics_text, methods=["GET"])
-  app.openapi = lambda: _openapi(app, model_name)
+  doc = openapi_schema.document(h.limits(api_key=api_key is not None), title=app.title,
+                                version=app.version)
+  app.openapi = lambda: doc
   return app
 
 
-_BODIES = (proto.CompletionRequest, proto.ChatRequest, proto.TokenizeRequest,
-           proto.DetokenizeRequest)
+class _ApiKey:
+  """vLLM's --api-key check (ASGI middleware): a path starting with /v1
+  (after the app's root_path), by any method but OPTIONS, needs
+  `Authorization: Bearer <api_key>`, else a 401 OpenAI error."""
 
+  def __init__(self, app, *, api_key: str, refused):
+    self.app, self.want, self.refused = app, f"Bearer {api_key}".encode(), refused
 
-def _request_body(model) -> dict:
-  """A route's OpenAPI request body: the protocol model's schema (the
-  handlers read the raw body themselves, to bound its size)."""
-  return {"requestBody": {"required": True, "content": {"application/json": {
-      "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
-
-
-def _openapi(app: fastapi.FastAPI, model_name: str) -> dict:
-  """FastAPI's schema with the protocol models (and what they use) as
-  components; "model" is the one this server serves."""
-  if app.openapi_schema is None:
-    schema = fastapi.openapi.utils.get_openapi(title=app.title, version=app.version,
-                                               routes=app.routes)
-    components = schema.setdefault("components", {}).setdefault("schemas", {})
-    for model in _BODIES:
-      body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-      components.update(body.pop("$defs", {}))
-      if "model" in body.get("required", ()):
-        body["properties"]["model"] = {"type": "string", "enum": [model_name]}
-      components[model.__name__] = body
-    app.openapi_schema = schema
-  return app.openapi_schema
+  async def __call__(self, scope, receive, send):
+    if scope["type"] == "http" and scope["method"] != "OPTIONS":
+      path, root = scope["path"], scope.get("root_path", "")
+      if root and path.startswith(root):
+        path = path[len(root):]
+      got = dict(scope["headers"]).get(b"authorization", b"")
+      if path.startswith("/v1") and not secrets.compare_digest(got, self.want):
+        self.refused.labels("401").inc()
+        e = ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
+                     code="invalid_api_key", kind="authentication_error")
+        await JSONResponse(e.body(), status_code=401)(scope, receive, send)
+        return
+    await self.app(scope, receive, send)
 
 
 class _Handlers:
   """The routes of one app (see `make_app`)."""
 
   def __init__(self, backend, tokenizer, model_name, *, max_queue, max_body_bytes,
-               max_tokens_cap, api_key, chat_template, gather_s, gather_tokens):
+               max_tokens_cap, chat_template, gather_s, gather_tokens):
     self.metrics = HttpMetrics()
     self.loop = EngineLoop(backend, max_queue=max_queue, on_finish=self.metrics.finished,
                            gather_s=gather_s, gather_tokens=gather_tokens)
@@ -157,18 +159,33 @@ class _Handlers:
       chat_template = proto.ChatTemplate(chat_template or proto.BUILTIN_CHAT_TEMPLATE)
     self.special_tokens = chat_template.special_tokens
     self.tokenizer, self.model_name, self.chat_template = tokenizer, model_name, chat_template
-    self.max_body_bytes, self.api_key = max_body_bytes, api_key
+    self.max_body_bytes = max_body_bytes
+
+  def limits(self, *, api_key: bool) -> openapi_schema.Limits:
+    """What /openapi.json says of this server (`openapi_schema`)."""
+    return openapi_schema.Limits(
+        model=self.model_name, vocab_size=self.loop.vocab_size,
+        tokenizer_vocab=getattr(self.tokenizer, "vocab_size", None),
+        max_model_len=self.loop.max_model_len, max_tokens_cap=self.cap,
+        max_body_bytes=self.max_body_bytes,
+        empty_prompt=bool(proto.encode(self.tokenizer, "", special=True)),
+        logprobs=not isinstance(self.loop.backend, Flow),
+        images=getattr(getattr(self.loop.backend, "cfg", None), "vision", None) is not None,
+        api_key=api_key)
 
   async def api_error(self, _, e: ApiError):
     self.metrics.refused.labels(str(e.status)).inc()
     return JSONResponse(e.body(), status_code=e.status)
 
   async def http_error(self, request, e: StarletteHTTPException):
-    """Starlette's own errors (404 unknown path, 405 method) in OpenAI's body."""
+    """Starlette's own errors (404 unknown path, 405 method) in OpenAI's
+    body, with their headers (a 405's Allow: the path's methods)."""
     kind = {404: "not_found_error", 405: "invalid_request_error"}.get(e.status_code, "api_error")
-    return await self.api_error(request, ApiError(
+    response = await self.api_error(request, ApiError(
         e.status_code, f"{request.method} {request.url.path}: {e.detail}", kind=kind,
         code=str(e.status_code)))
+    response.headers.update(e.headers or {})
+    return response
 
   async def internal_error(self, request, e: Exception):
     """A bug (never a bad request): logged with its traceback, a 500 body."""
@@ -187,11 +204,6 @@ class _Handlers:
     """The request's body as `model` (`proto.parse`), read up to
     max_body_bytes; a client that leaves mid-body raises ClientDisconnect
     (`client_gone`)."""
-    if self.api_key is not None:
-      got = request.headers.get("authorization", "")
-      if not secrets.compare_digest(got.encode(), f"Bearer {self.api_key}".encode()):
-        raise ApiError(401, "a valid API key is needed: Authorization: Bearer <key>",
-                       code="invalid_api_key", kind="authentication_error")
     too_big = ApiError(400, f"the request body is over max_body_bytes={self.max_body_bytes}",
                        code="request_too_large")
     length = request.headers.get("content-length") or "0"
@@ -262,18 +274,26 @@ class _Handlers:
     if not req.stream:
       return await collect(gen, shape)
     await gen.start()  # refusals (429, 400 from the backend) before the headers
-    include_usage = req.stream_options is not None and req.stream_options.include_usage
-    return StreamingResponse(sse(gen, shape, include_usage), media_type="text/event-stream")
+    opts = req.stream_options
+    include_usage = opts is not None and opts.include_usage
+    continuous = include_usage and opts.continuous_usage_stats
+    return StreamingResponse(sse(gen, shape, include_usage, continuous),
+                             media_type="text/event-stream")
 
   # ---------------------------------------------------------------- tokenizer (vLLM's routes)
 
   async def tokenizer_info(self):
-    """vLLM's GET /tokenizer_info: what a client needs to tokenize as we do."""
-    tokens = self.special_tokens
-    return {"tokenizer_class": type(self.tokenizer).__name__,
+    """vLLM's GET /tokenizer_info: the tokenizer's config (its
+    tokenizer_config.json: special tokens as their text), its class, the
+    server's chat template, vocab_size and model_max_length. lm-eval's
+    remote tokenizer reads eos_token and bos_token (None: none) and
+    tokenizes them (POST /tokenize) for their ids."""
+    config = dict(getattr(self.tokenizer, "config", None) or {})
+    for name in ("bos_token", "eos_token", "pad_token"):
+      config[name] = config.get(name) or self.special_tokens.get(name) or None
+    return {**config, "tokenizer_class": config.get("tokenizer_class",
+                                                    type(self.tokenizer).__name__),
             "vocab_size": getattr(self.tokenizer, "vocab_size", None),
-            "eos_token": tokens.get("eos_token") or None,
-            "bos_token": tokens.get("bos_token") or None, "pad_token": None,
             "chat_template": self.chat_template.source,
             "model_max_length": self.loop.max_model_len}
 

@@ -18,12 +18,11 @@ from typing import Annotated, Any, ClassVar, Literal
 import pydantic
 
 from jaxinfer.engine.sampling import FLOAT32_MAX, MAX_LOGPROBS, SamplingParams
-from jaxinfer.tokenizer import HFTokenizer
+from jaxinfer.tokenizer import BYTE_CHAT_TEMPLATE, HFTokenizer
 
 # The default model's template (byte tokenizer, no special tokens): one
 # "role: content" line per message, then the assistant's turn.
-BUILTIN_CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
-                         "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+BUILTIN_CHAT_TEMPLATE = BYTE_CHAT_TEMPLATE
 
 
 class ApiError(Exception):
@@ -65,9 +64,12 @@ TopLogprobs = Annotated[pydantic.StrictInt, pydantic.Field(ge=0, le=MAX_LOGPROBS
 
 
 class StreamOptions(pydantic.BaseModel):
-  """stream_options: include_usage sends a last chunk with the usage."""
+  """stream_options: include_usage sends a last chunk with the usage;
+  continuous_usage_stats (vLLM's, with include_usage) puts the usage so far
+  in every chunk too (guidellm asks for it, aiperf's --per-chunk-usage)."""
   model_config = pydantic.ConfigDict(extra="forbid")
   include_usage: pydantic.StrictBool = False
+  continuous_usage_stats: pydantic.StrictBool = False
 
 
 class _Request(pydantic.BaseModel):
@@ -192,10 +194,13 @@ class DetokenizeRequest(pydantic.BaseModel):
 # Unicode (no lone surrogate: a JSON escape such as "\ud800" alone), nested
 # at most MAX_JSON_DEPTH arrays and objects deep, integers of at most
 # MAX_INT_DIGITS digits (the widest field, seed, takes 20). Anything else is
-# a 400 naming the field, before the request model sees it.
+# a 400 naming the field, before the request model sees it. A number with a
+# zero fraction (2.0, 1e3) is an integer, as JSON Schema has it (the
+# /openapi.json document): the request model sees an int.
 MAX_JSON_DEPTH = 64
 MAX_INT_DIGITS = 100
 _BIG = 10**MAX_INT_DIGITS - 1
+_WHOLE_FLOATS = 2.0**64
 
 
 class _LongInt(str):
@@ -229,7 +234,9 @@ def _check_str(s: str, path, what: str = "") -> None:
 def _check_tree(data) -> None:
   """Walks the parsed body (iteratively: it may be deep): ApiError 400
   naming the field at the first array or object over MAX_JSON_DEPTH, string
-  or key with a lone surrogate, or integer over MAX_INT_DIGITS digits."""
+  or key with a lone surrogate, or integer over MAX_INT_DIGITS digits.
+  Numbers with a zero fraction become ints (up to 2**64: past it, no
+  integer field holds them, and they stay floats)."""
   stack = [(data, ())]
   while stack:
     node, path = stack.pop()
@@ -249,6 +256,8 @@ def _check_tree(data) -> None:
         _check_str(value, path + (key,))
       elif isinstance(value, (dict, list)):
         stack.append((value, path + (key,)))
+      elif type(value) is float and value.is_integer() and abs(value) <= _WHOLE_FLOATS:
+        node[key] = int(value)
 
 
 def _too_deep(field=None) -> ApiError:
@@ -336,21 +345,14 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
   if req.best_of not in (None, 1):
     raise ApiError(400, f"best_of: not supported by this server (only 1), got {req.best_of!r}",
                    param="best_of")
-  max_tokens = getattr(req, "max_completion_tokens", None) or req.max_tokens
   room = max_model_len - prompt_len
   if room < 1:
     raise ApiError(400, f"the prompt has {prompt_len} tokens, the model's context is "
                    f"{max_model_len}: no room to generate", param="prompt",
                    code="context_length_exceeded")
+  max_tokens = _max_tokens(req, prompt_len, max_model_len, max_tokens_cap)
   if max_tokens is None:
     max_tokens = min(default_max_tokens or room, room, max_tokens_cap)
-  if max_tokens > max_tokens_cap:
-    raise ApiError(400, f"max_tokens: at most {max_tokens_cap} on this server, got {max_tokens}",
-                   param="max_tokens")
-  if max_tokens > room:
-    raise ApiError(400, f"max_tokens: the prompt ({prompt_len} tokens) + max_tokens "
-                   f"({max_tokens}) is over the model's context of {max_model_len} tokens",
-                   param="max_tokens", code="context_length_exceeded")
   seed = req.seed % 2**32 if req.seed is not None else random.getrandbits(31)
   extra = {k: v for k, v in logprob_counts(req).items() if v is not None}
   extra.update(_processors(req, vocab_size))
@@ -360,6 +362,24 @@ def sampling_params(req: _Request, *, prompt_len: int, max_model_len: int, max_t
   except ValueError as e:
     m = re.match(r"SamplingParams: (\w+)", str(e))
     raise ApiError(400, str(e), param=m.group(1) if m else None) from None
+
+
+def _max_tokens(req: _Request, prompt_len: int, max_model_len: int, cap: int) -> int | None:
+  """The request's max_tokens (chat: max_completion_tokens, else max_tokens;
+  None: neither given), each one given within cap and the context."""
+  given = [(name, getattr(req, name, None)) for name in ("max_completion_tokens", "max_tokens")]
+  given = [(name, v) for name, v in given if v is not None]
+  for name, v in given:
+    if v > cap:
+      raise ApiError(400, f"{name}: at most {cap} on this server, got {v}", param=name)
+    if prompt_len + v > max_model_len:
+      raise ApiError(400, f"{name}: the prompt ({prompt_len} tokens) + {name} ({v}) is over "
+                     f"the model's context of {max_model_len} tokens", param=name,
+                     code="context_length_exceeded")
+  return given[0][1] if given else None
+
+
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]*")  # logit_bias keys: one spelling per id
 
 
 def _processors(req: _Request, vocab_size: int) -> dict:
@@ -373,11 +393,11 @@ def _processors(req: _Request, vocab_size: int) -> dict:
   if req.stop_token_ids:
     out["stop_token_ids"] = tuple(req.stop_token_ids)
   if req.logit_bias:
-    try:
-      out["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
-    except ValueError:
-      raise ApiError(400, "logit_bias: keys must be token ids (integers as strings), got "
-                     f"{list(req.logit_bias)[:5]!r}", param="logit_bias") from None
+    bad = [k for k in req.logit_bias if not _TOKEN_ID_KEY.fullmatch(k)]
+    if bad:
+      raise ApiError(400, "logit_bias: keys must be token ids written in decimal (no sign, "
+                     f"space or leading zero), got {bad[:5]!r}", param="logit_bias")
+    out["logit_bias"] = tuple(sorted((int(k), float(v)) for k, v in req.logit_bias.items()))
   for name, ids in (("logit_bias", [t for t, _ in out.get("logit_bias", ())]),
                     ("stop_token_ids", out.get("stop_token_ids", ()))):
     bad = [t for t in ids if not 0 <= t < vocab_size]

@@ -34,7 +34,8 @@ CHAT = dict(model="tiny", messages=[{"role": "user", "content": "ab"}], max_toke
 ROUTES = {
     "/v1/completions": (dict(model="tiny", prompt="ab", max_tokens=2), "prompt", "max_tokens",
                         ["stream", "echo", "return_token_ids", "return_tokens_as_token_ids",
-                         "ignore_eos", "stream_options.include_usage"]),
+                         "ignore_eos", "stream_options.include_usage",
+                         "stream_options.continuous_usage_stats"]),
     "/v1/chat/completions": (CHAT, "messages.0.content", "seed",
                              ["stream", "logprobs", "return_token_ids",
                               "return_tokens_as_token_ids", "ignore_eos",

@@ -14,6 +14,9 @@ import jax
 import numpy as np
 import pytest
 
+from lm_eval.models.openai_completions import LocalCompletionsAPI
+from lm_eval.utils import RemoteTokenizer, check_remote_tokenizer_support
+
 import jaxinfer
 from jaxinfer import Engine, EngineConfig, SamplingParams, models
 from jaxinfer.serving.http_server import make_app
@@ -61,6 +64,35 @@ def test_echo_and_logprobs_equal_a_full_forward(served):
     for b in best:
       np.testing.assert_allclose(top[tok.decode([int(b)])], ref[t - 1, b], atol=1e-4)
   assert lp["text_offset"] == list(np.cumsum([0] + [len(s) for s in lp["tokens"][:-1]]))
+
+
+def test_streamed_echo_carries_the_prompts_logprobs_as_the_whole_response_does(served):
+  """vLLM's streamed echo: the first chunk holds the prompt (text, tokens
+  and logprobs, the first None) and the first generated token; the chunks
+  add up to the non-streamed response."""
+  server, _, _, tok = served
+  prompt = "é = 'ü'\n"  # multi-byte characters: tokens that are not whole characters
+  body = dict(model="default", prompt=prompt, echo=True, logprobs=2, max_tokens=4, temperature=0)
+  whole = httpx.post(server.url + "/v1/completions", timeout=60, json=body).json()["choices"][0]
+  with httpx.stream("POST", server.url + "/v1/completions", json=dict(body, stream=True),
+                    timeout=60) as r:
+    chunks = [json.loads(line[6:]) for line in r.iter_lines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+  first = chunks[0]["choices"][0]
+  n = len(tok.encode(prompt))
+  assert first["text"].startswith(prompt) and len(first["logprobs"]["tokens"]) == n + 1
+  assert first["logprobs"]["token_logprobs"][0] is None
+  assert all(v is not None for v in first["logprobs"]["token_logprobs"][1:])
+  parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+  streamed = {k: [v for p in parts for v in p[k]] for k in whole["logprobs"]}
+  assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+  assert streamed["tokens"] == whole["logprobs"]["tokens"] and len(streamed["tokens"]) == n + 4
+  assert streamed["text_offset"] == whole["logprobs"]["text_offset"]
+  np.testing.assert_allclose(streamed["token_logprobs"][1:], whole["logprobs"]["token_logprobs"][1:],
+                             atol=1e-5)
+  for got, want in zip(streamed["top_logprobs"][1:], whole["logprobs"]["top_logprobs"][1:]):
+    assert got.keys() == want.keys()
+    np.testing.assert_allclose(list(got.values()), list(want.values()), atol=1e-5)
 
 
 def test_echo_with_max_tokens_zero_is_a_named_400(served):
@@ -115,6 +147,18 @@ def test_tokenizer_routes_as_vllm_serves_them(served):
   server, _, _, tok = served
   info = httpx.get(server.url + "/tokenizer_info").json()
   assert info["model_max_length"] > 0 and "chat_template" in info
+  # The tokenizer's config as vLLM gives it: the byte tokenizer's document
+  # token (NUL, id 0) is its BOS and EOS, as in its tokenizer_config.json.
+  assert info["eos_token"] == info["bos_token"] == "\x00"
+  assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["vocab_size"] == 256
+  # lm-eval's remote tokenizer reads them so, and so finds its
+  # loglikelihood_rolling prefix token.
+  assert check_remote_tokenizer_support(server.url + "/v1/completions")
+  remote = RemoteTokenizer(server.url + "/v1/completions")
+  assert remote.eos_token_id == remote.bos_token_id == 0
+  lm = LocalCompletionsAPI(base_url=server.url + "/v1/completions", model="default",
+                           tokenizer_backend="remote", max_retries=1)
+  assert lm.prefix_token_id == 0 and lm.eot_token_id == 0 and lm.eos_string == "\x00"
   ids = httpx.post(server.url + "/tokenize", json={"prompt": PROMPT}).json()
   assert ids["tokens"] == tok.encode(PROMPT) and ids["count"] == len(PROMPT)
   back = httpx.post(server.url + "/detokenize", json={"tokens": ids["tokens"]}).json()
@@ -176,3 +220,28 @@ def test_vllm_sampling_extras_equal_engine_generate(served):
       [tok.encode(PROMPT)], SamplingParams(max_tokens=10))[0]
   assert r.choices[0].token_ids == ref.token_ids != plain.token_ids
   assert r.choices[0].finish_reason == ref.finish_reason
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(served, include_usage):
+  """vLLM's stream_options.continuous_usage_stats (guidellm sends it on every
+  streamed request): with include_usage every chunk carries the usage so
+  far, the last (choices []) the whole; without include_usage no chunk does."""
+  server, _, _, tok = served
+  body = dict(model="default", prompt=PROMPT, max_tokens=4, temperature=0, ignore_eos=True,
+              stream=True, stream_options=dict(include_usage=include_usage,
+                                               continuous_usage_stats=True))
+  with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+    assert r.status_code == 200
+    chunks = [json.loads(line[6:]) for line in r.iter_lines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+  if not include_usage:
+    assert chunks and not any("usage" in c for c in chunks)
+    return
+  usage = [c["usage"] for c in chunks]
+  done = [u["completion_tokens"] for u in usage]
+  assert done == sorted(done) and done[0] >= 1 and done[-1] == 4, done
+  n = len(tok.encode(PROMPT))
+  assert all(u["prompt_tokens"] == n and u["total_tokens"] == n + u["completion_tokens"]
+             for u in usage)
+  assert chunks[-1]["choices"] == [] and len(chunks) > 2

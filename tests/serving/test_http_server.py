@@ -292,6 +292,36 @@ def test_api_key_and_cluster_backend(cluster_server):
                                                            max_tokens=3, temperature=0)
   assert r.usage.completion_tokens == 3 and r.choices[0].finish_reason == "length"
   assert httpx.get(cluster_server.url + "/health").status_code == 200  # no key needed
+  # Unknown paths under /v1 are refused before routing, as vLLM's are; OPTIONS passes.
+  assert httpx.get(cluster_server.url + "/v1/nope").status_code == 401
+  assert httpx.options(cluster_server.url + "/v1/completions").status_code == 405
+
+
+# vLLM's --api-key: every path under /v1 needs the key, the others do not.
+_KEYED = [("POST", "/v1/completions", dict(model="tiny", prompt="ab", max_tokens=2)),
+          ("POST", "/v1/chat/completions",
+           dict(model="tiny", messages=[{"role": "user", "content": "a"}], max_tokens=2)),
+          ("GET", "/v1/models", None)]
+_OPEN = [("POST", "/tokenize", dict(prompt="ab")), ("POST", "/detokenize", dict(tokens=[97])),
+         ("GET", "/tokenizer_info", None), ("GET", "/health", None), ("GET", "/metrics", None),
+         ("GET", "/openapi.json", None)]
+
+
+@pytest.mark.parametrize("method, path, body", _KEYED + _OPEN, ids=lambda v: str(v)[:20])
+def test_api_key_covers_the_v1_routes_as_vllm_does(cluster_server, method, path, body):
+  def call(**headers):
+    return httpx.request(method, cluster_server.url + path, json=body, headers=headers,
+                         timeout=60)
+  refused = _metric(cluster_server, "jaxinfer_requests_refused_total", '{status="401"}', missing=0)
+  assert call(Authorization="Bearer secret").status_code == 200
+  for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+    r = call(**headers)
+    if (method, path, body) in _OPEN:
+      assert r.status_code == 200, (headers, r.text)
+    else:
+      assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", r.text
+  got = _metric(cluster_server, "jaxinfer_requests_refused_total", '{status="401"}', missing=0)
+  assert got - refused == (0 if (method, path, body) in _OPEN else 3)
 
 
 def test_full_queue_gets_a_429_at_once(cluster_server):
