@@ -141,7 +141,7 @@ def mosaic_experts(xs, w, group_sizes, *, scale=None, block=None, packed=None, s
 
 # Average rows per expert up to which `cpu_experts` runs the C++ kernel when
 # it has no register tiles (`pallas_kernels.cpu.tiled`), its streaming path
-# only: bench_moe's experts (session 31's 2-core Xeon, one layer, ms, streaming against XLA's
+# only: bench_moe's experts (round 31's 2-core Xeon, one layer, ms, streaming against XLA's
 # loop `moe._experts_split`): 1 token 1.45 vs 2.02, 8 tokens 8.4 vs 10.2, 32
 # tokens 16.2 vs 24.9, 64 tokens 21.6 vs 36.7, 128 tokens (12 rows) 34.8 vs
 # 38.5, 256 tokens 60.3 vs 57.8. With the tiles it runs at any size: 256

@@ -43,13 +43,14 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import array as jax_array
 
 from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams, steps
 
 BATCHES = (1, 64, 256)
+# jax's concrete array class (its `_value` property is the one device-to-host read).
+_ARRAY = type(jnp.zeros(()))
 
 
 def model_config(num_layers: int = 32, d_model: int = 64, vocab_size: int = 256) -> ModelConfig:
@@ -126,7 +127,7 @@ class Probe:
     self._undo = []
 
   def __enter__(self):
-    step, value = steps.step, jax_array.ArrayImpl._value
+    step, value = steps.step, _ARRAY._value
     probe, iters = self, jnp.int32(self.spin_iters)  # on device once, not each step
 
     @functools.wraps(step)
@@ -160,8 +161,8 @@ class Probe:
       return out
 
     steps.step = traced_step
-    jax_array.ArrayImpl._value = property(read)
-    self._undo = [(steps, "step", step), (jax_array.ArrayImpl, "_value", value)]
+    _ARRAY._value = property(read)
+    self._undo = [(steps, "step", step), (_ARRAY, "_value", value)]
     return self
 
   def __exit__(self, *exc):

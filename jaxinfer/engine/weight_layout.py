@@ -6,7 +6,7 @@ packed in 32-column panels for the C++ CPU kernel ("panels",
 `ops.panel_linear`, offered where that kernel builds). XLA:CPU's matmul
 speed for them differs by machine, and not by a little:
 
-  2-core Intel Xeon (earlier sessions): "out_in" 1.1x faster at 1 row,
+  2-core Intel Xeon (earlier benchmark rounds): "out_in" 1.1x faster at 1 row,
     1.45x at 8, 1.4x at 32 (bench_dense's projections).
   2-core AMD EPYC (experiments/results/weight_layout.json): "in_out" 1.1x
     at 1 row, 1.54x at 8, 1.38x at 32 on bench_dense's gate-up (the down
@@ -19,7 +19,7 @@ speed for them differs by machine, and not by a little:
     1.26x at 1, 1.17x at 32; the probe's gate-up 1.27x / 1.40x / 1.15x at
     1 / 8 / 32 rows (results/weight_layout.json).
 
-  2-core AMD EPYC (Zen 5), session 33: "panels" against "out_major" on
+  2-core AMD EPYC (Zen 5), benchmark round 33: "panels" against "out_major" on
     bench_dense's shapes 1.2-1.5x at 8 rows (41-43 GB/s against 28-32),
     1.0-1.3x at 32 in one probe, 0.86-1.28x in the next (the down
     projection, 2816 deep, the slower one), 1.0-1.08x at 512

@@ -95,14 +95,14 @@ def split_chunk(T: int, k: int, E: int) -> int:
   is XLA:CPU's matrix-vector kernel, and an expert's second row finds its
   weights in cache), else those rows rounded up to a power of two.
 
-  Measured in session 31 on `bench_moe`'s experts (2-core CPU, random
+  Measured in benchmark round 31 on `bench_moe`'s experts (2-core CPU, random
   routing, one layer, ms): C = 1 / 2 / 4 at 4 tokens 5.9 / 7.6 / 8.1, at 8
   tokens 10.1 / 11.9 / 12.3, at 16 tokens 18.2 / 20.7 / 21.1, at 32 tokens
   28.8 / 28.9 / 25.6. A one-row product runs XLA:CPU's matrix-vector kernel
   (~25 GB/s of weights here, ~16 for two to eight rows), and an expert's
   chunks are consecutive. In the Engine, bench_moe's decode step at 8 rows
   took 92-94 ms at C = 1 against 106-124 ms at C = 2 (one process each,
-  alternating). An earlier session had measured C = 2 faster at 4-16
+  alternating). An earlier round had measured C = 2 faster at 4-16
   tokens, with a loop per expert."""
   rows = T * k / (E * (1 - (1 - k / E) ** T))
   return 1 if rows < 2.5 else 1 << math.ceil(math.log2(rows))
@@ -121,7 +121,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   Copies routed to slot E (`moe` sends a step's padding tokens there) are
   never computed: their rows of the result are zeros.
 
-  Until session 30 each expert had a loop of its own (`experiments/benchlib/
+  Until round 30 each expert had a loop of its own (`experiments/benchlib/
   moe_prefill.experts_looped`): as fast (bench_moe in the Engine, 5-7
   alternating runs: decode at batch 1 29.8 vs 30.0 ms, batch 8 127 vs 135
   ms, 8 x 128 prefill 2.17 vs 2.09 s), but 64 x 7 loops of code made each

@@ -109,7 +109,7 @@ def available() -> bool:
 def tiled() -> bool:
   """Whether the built kernel runs experts of many rows on register tiles
   (AVX-512; compute-bound prefill at ~400 GFLOP/s on the 2-core Zen 5 EPYC,
-  ~150 on the 2-core Xeon of session 31), else it
+  ~150 on the 2-core Xeon of round 31), else it
   streams them 8 rows at a time (fit for decode only)."""
   return available() and _tiled
 
