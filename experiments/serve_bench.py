@@ -276,7 +276,7 @@ def _plot(rows, path):
                    key=lambda r: r["rate"])
       if sel:
         ax.plot([r["rate"] for r in sel], [r["ttft_ms"]["mean"] for r in sel], "o-", label=policy)
-    ax.set(xlabel="offered load (sessions or requests started / s)", ylabel="mean TTFT (ms)",
+    ax.set(xlabel="offered load (conversations or requests started / s)", ylabel="mean TTFT (ms)",
            title=f"routing: {wl}", yscale="log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

@@ -92,8 +92,9 @@ def tiny_vae_model(seed: int):
   return randomize(vae, seed).eval()
 
 
-# Session fixtures: test modules import them by name (a conftest.py under tests/
-# would shadow tests/conftest.py for `from conftest import ...`).
+# Fixtures built once a run (scope="session"): test modules import them by name
+# (a conftest.py under tests/ would shadow tests/conftest.py for
+# `from conftest import ...`).
 @pytest.fixture(scope="session")
 def dit_dirs(tmp_path_factory):
   """transformer/ and transformer_2/ of a tiny A14B, saved by diffusers."""

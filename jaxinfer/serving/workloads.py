@@ -107,8 +107,8 @@ def shared_system_prompt(n, rate, *, vocab_size, num_system_prompts, system_len,
 
 def multi_turn(num_sessions, turns, rate, *, vocab_size, system_len, user_len, reply_len,
                think_s, max_tokens, seed=0) -> list[Item]:
-  """Conversations: sessions start as a Poisson process at `rate`, all behind
-  one system prompt (system_len may be 0). Turn t's prompt is turn t-1's
+  """Conversations start as a Poisson process at `rate`, all behind one
+  system prompt (system_len may be 0). Turn t's prompt is turn t-1's
   prompt + a reply of reply_len tokens + user_len new tokens, arriving think_s
   after turn t-1. The reply is synthetic, not what the server generated (the
   workload is built ahead of time), so a server's cache of turn t-1 covers
@@ -131,7 +131,7 @@ def multi_turn(num_sessions, turns, rate, *, vocab_size, system_len, user_len, r
       if t:
         prompt = prompt + _tokens(rng, vocab_size, reply_len + user_len)
       items.append(Item(float(t0 + t * think_s), prompt, max_tokens, session=s, turn=t))
-  return sorted(items, key=lambda it: it.arrival_s)  # stable: ties keep session, turn order
+  return sorted(items, key=lambda it: it.arrival_s)  # stable: ties keep conversation, turn order
 
 
 def _read_rows(rows):

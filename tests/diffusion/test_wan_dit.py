@@ -11,7 +11,7 @@ import torch
 
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.diffusion import wan_dit, wan_weights
-from wan_tiny import dit_dirs  # noqa: F401 (session fixtures)
+from wan_tiny import dit_dirs  # noqa: F401 (fixtures built once a run)
 
 
 def _rel(ours, ref):

@@ -11,7 +11,7 @@ import safetensors.numpy
 
 from jaxinfer.checkpoint.errors import CheckpointError
 from jaxinfer.diffusion import loading
-from wan_tiny import dit_dirs, tiny_vae, wan_pipeline_dir  # noqa: F401 (session fixtures)
+from wan_tiny import dit_dirs, tiny_vae, wan_pipeline_dir  # noqa: F401 (fixtures built once a run)
 
 
 def _edit_json(name, edit):

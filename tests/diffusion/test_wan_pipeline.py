@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from jaxinfer.diffusion import loading, unipc, wan_parallel, wan_pipeline, wan_weights
-from wan_tiny import SCHEDULER, dit_dirs, tiny_vae  # noqa: F401 (session fixtures)
+from wan_tiny import SCHEDULER, dit_dirs, tiny_vae  # noqa: F401 (fixtures built once a run)
 
 
 def _rel(ours, ref):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jaxinfer.diffusion import wan_vae
-from wan_tiny import tiny_vae  # noqa: F401 (session fixtures)
+from wan_tiny import tiny_vae  # noqa: F401 (fixtures built once a run)
 
 
 def test_vae_decode_matches_diffusers(tiny_vae):

@@ -5,9 +5,12 @@ in the README and docs/ names flags its script defines.
 that runs python) to how it is checked: `Run` runs it here with settings
 that shorten it, `Covered` names the test elsewhere that runs it (shortened
 too), `NotHere` says why no CPU test can (GPU only, or the CI command
-itself). A README command without an entry, or an entry without a README
-command, fails `test_every_readme_command_has_a_check`, so the README
-cannot gain a command no test runs, nor keep one the tests dropped.
+itself). A command that moved from the README to a docs/ page (the README
+keeps to 300 lines: tests/repo/test_readme_shape.py) keeps its entry and its
+check. A README command without an entry, or an entry whose command is on
+neither the README nor a docs/ page, fails
+`test_every_readme_command_has_a_check`, so the README cannot gain a command
+no test runs, nor keep one the tests dropped.
 """
 
 from __future__ import annotations
@@ -158,9 +161,10 @@ def commands(text: str) -> list[str]:
 
 
 def test_every_readme_command_has_a_check():
-  found = commands(README.read_text())
-  assert set(found) == set(COMMANDS), dict(
-      unchecked=sorted(set(found) - set(COMMANDS)), stale=sorted(set(COMMANDS) - set(found)))
+  found = set(commands(README.read_text()))
+  documented = found | {c for page in DOCS for c in commands(page.read_text())}
+  assert found <= set(COMMANDS) and set(COMMANDS) <= documented, dict(
+      unchecked=sorted(found - set(COMMANDS)), stale=sorted(set(COMMANDS) - documented))
 
 
 @pytest.mark.parametrize("command", [c for c, how in COMMANDS.items() if isinstance(how, Covered)])

@@ -112,17 +112,17 @@ def breaks_a_cross_field_rule(case, response) -> bool:
 class Seen:
   """What the server answered: route -> (status, media type) counts; the
   routes whose key enforcement ignored_auth confirmed. Shared by the
-  threads sending coverage cases, each with its own HTTP session."""
+  threads sending coverage cases, each with its own `requests.Session`."""
   answers: dict = dataclasses.field(default_factory=lambda: collections.defaultdict(
       collections.Counter))
   auth_checked: set = dataclasses.field(default_factory=set)
   lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
   local: threading.local = dataclasses.field(default_factory=threading.local)
 
-  def session(self) -> requests.Session:
-    if not hasattr(self.local, "session"):
-      self.local.session = requests.Session()
-    return self.local.session
+  def http(self) -> requests.Session:
+    if not hasattr(self.local, "http"):
+      self.local.http = requests.Session()
+    return self.local.http
 
   def record(self, case, response) -> None:
     media = (response.headers.get("content-type") or [""])[0].split(";")[0]
@@ -137,7 +137,7 @@ def _check(case, url: str, seen: Seen):
   rule must get a 400 instead of being accepted. ignored_auth resends a
   route's first accepted request without the key and with a wrong one (as
   schemathesis's runner does: once per route)."""
-  kwargs = dict(base_url=url, session=seen.session(), headers=AUTH, timeout=60)
+  kwargs = dict(base_url=url, session=seen.http(), headers=AUTH, timeout=60)
   response = case.call(**kwargs)
   positive = case.meta is None or case.meta.generation.mode.is_positive  # None: SHAPES
   refused = positive and breaks_a_cross_field_rule(case, response)

@@ -61,7 +61,7 @@ def test_multi_turn_extends_the_previous_turn_exactly():
       assert cur.prompt[:len(prev.prompt)] == prev.prompt
       assert len(cur.prompt) == len(prev.prompt) + 6 + 8
       assert cur.arrival_s == pytest.approx(prev.arrival_s + 3.0)
-  assert len({by[s, 0].prompt for s in range(5)}) == 5  # sessions differ after the system prompt
+  assert len({by[s, 0].prompt for s in range(5)}) == 5  # conversations differ after the system prompt
   again = wl.multi_turn(5, 4, 2.0, vocab_size=V, system_len=16, user_len=8, reply_len=6,
                         think_s=3.0, max_tokens=8, seed=0)
   assert again == items
