@@ -231,7 +231,7 @@ def main(argv):
 
 
 def _vllm_attention(cfg) -> str:
-  if cfg.attention != "mla":
+  if not cfg.attention.latent:
     return "its CPU attention backend"
   if cfg.kv_lora_rank + cfg.qk_rope_head_dim == vllm_peer.CPU_MLA_HEAD:
     return "its CPU MLA backend"

@@ -9,6 +9,7 @@ values, never on a model name. The HF `config.json` key mapping behind
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 from typing import Literal
 
@@ -18,7 +19,36 @@ import jax.numpy as jnp
 from jaxinfer.backend import Backend
 from jaxinfer.hf_config import model_config_fields
 
-AttentionKind = Literal["gqa", "mla"]
+
+class Attention(enum.StrEnum):
+  """A model's attention kind (`ModelConfig.attention`), asked for what it
+  implies, never compared as a name:
+
+    GQA  grouped-query attention: each token caches its num_kv_heads keys and
+         values of head_dim (`ModelConfig.cache_entry_shapes`)
+    MLA  multi-head latent attention (DeepSeek-V2/V3): each token caches one
+         row, its normed latent (kv_lora_rank) and shared rope key
+         (qk_rope_head_dim), read as one KV head whose first kv_lora_rank
+         columns are the values; attention over a cache runs in the absorbed
+         form (queries through W_uk, the result through W_uv), cacheless
+         prefill per head expanded from the latent
+
+  A `StrEnum`: made from its name (`ModelConfig(attention="mla")` and
+  `from_hf` normalize it), equal to it, hashed and printed as it, so a
+  saved config's JSON and jit's static hashing see the name.
+  """
+
+  GQA = "gqa"
+  MLA = "mla"
+
+  @property
+  def latent(self) -> bool:
+    """Whether the cache holds MLA's latent rows (one KV head, the values its
+    first kv_lora_rank columns, decode in the absorbed form), not per-head
+    keys and values."""
+    return self is Attention.MLA
+
+
 # softmax_topk: softmax over all experts, then top-k (Mixtral, Qwen3-MoE).
 # topk_softmax: top-k of the logits, softmax over the k (GPT-OSS).
 # sigmoid_grouped: sigmoid scores, group-limited top-k chosen with a
@@ -167,7 +197,7 @@ class ModelConfig:
   max_position_embeddings: int = 4096
 
   # Attention.
-  attention: AttentionKind = "gqa"
+  attention: Attention = Attention.GQA  # or its name, "gqa" | "mla"
   qkv_bias: bool = False
   o_bias: bool = False
   qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k, before RoPE
@@ -230,6 +260,9 @@ class ModelConfig:
   quant: QuantConfig | None = None
 
   def __post_init__(self):
+    _need(self.attention in tuple(Attention),
+          f"attention must be 'gqa' or 'mla', got {self.attention!r}")
+    object.__setattr__(self, "attention", Attention(self.attention))
     _validate(self)
 
   # Derived properties.
@@ -239,17 +272,24 @@ class ModelConfig:
 
   @property
   def qk_head_dim(self) -> int:
-    if self.attention == "mla":
+    if self.attention.latent:
       return self.qk_nope_head_dim + self.qk_rope_head_dim
     return self.head_dim
 
   @property
   def rope_dim(self) -> int:
-    return self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
+    return self.qk_rope_head_dim if self.attention.latent else self.head_dim
 
   @property
   def attn_v_head_dim(self) -> int:
-    return self.v_head_dim if self.attention == "mla" else self.head_dim
+    return self.v_head_dim if self.attention.latent else self.head_dim
+
+  def cache_entry_shapes(self) -> dict[str, tuple[int, ...]]:
+    """Per-token KV cache entry shapes: GQA {k: (K, H), v: (K, H)}; MLA
+    {kv: (R + Hr,)} (latent and rope key, `Attention.MLA`)."""
+    if self.attention.latent:
+      return dict(kv=(self.kv_lora_rank + self.qk_rope_head_dim,))
+    return dict(k=(self.num_kv_heads, self.head_dim), v=(self.num_kv_heads, self.head_dim))
 
   def layer_window(self, i: int) -> int:
     """Sliding window of layer i (0: full attention)."""
@@ -284,7 +324,7 @@ class ModelConfig:
     """1/sqrt(qk head dim), times DeepSeek's YaRN mscale^2 when it applies."""
     scale = self.qk_head_dim ** -0.5
     rs = self.rope_scaling
-    if self.attention == "mla" and rs is not None and rs.mscale_all_dim:
+    if self.attention.latent and rs is not None and rs.mscale_all_dim:
       m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
       scale *= m * m
     return scale
@@ -325,8 +365,7 @@ def _validate(c: ModelConfig) -> None:
   need = _need
   for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads"):
     need(getattr(c, name) > 0, f"{name} must be > 0, got {getattr(c, name)}")
-  need(c.attention in ("gqa", "mla"), f"attention must be 'gqa' or 'mla', got {c.attention!r}")
-  if c.attention == "gqa":
+  if not c.attention.latent:
     need(c.head_dim > 0, f"head_dim must be > 0, got {c.head_dim}")
     need(c.num_heads % c.num_kv_heads == 0,
          f"num_heads ({c.num_heads}) must be a multiple of num_kv_heads ({c.num_kv_heads})")

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from jaxinfer import xla_attention
 from jaxinfer.backend import Backend
-from jaxinfer.kv.pool import kernel_dims
 import pallas_kernels
 from pallas_kernels import cpu as cpu_kernels
 from pallas_kernels import mosaic_grouped_matmul as mosaic_experts_kernel
@@ -56,6 +55,14 @@ _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100
 # 1.41x Triton on a step of 128-token chunks and decodes, 0.79x on 2048-token
 # chunks (64-row work items re-read a long chunk's keys). Explicit "mosaic": any.
 MOSAIC_AUTO_MAX_Q = 128
+# The kernels' per-layer page pool [K, P, ps, H] (`pallas_kernels.paged_attention`;
+# `kv.pool.PoolLayout` lays GQA pools out so, with a layer axis first).
+KERNEL_AXES = ("kv_head", "page", "slot", "dim")
+
+
+def kernel_dims(k_pages) -> dict[str, int]:
+  """Named sizes of a kernel-layout pool ([(L,) K, P, ps, H])."""
+  return dict(zip(KERNEL_AXES, k_pages.shape[-len(KERNEL_AXES):]))
 
 
 def quantized_matmul(x, codes, scale, *, block, packed=None, scale2=None,
@@ -160,7 +167,8 @@ def cpu_experts_fit(dtype, quantized: bool, bias: bool) -> bool:
 def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bias: bool,
                 backend: Backend) -> bool:
   """Whether `routed_experts_cpu` takes a step's routed experts: a CPU
-  target, the native kernels built (`pallas_kernels.cpu.available`),
+  target, the native kernels built (`pallas_kernels.cpu.available`: the
+  first call, when a step is traced, builds them),
   float32 rows and weights held as plain arrays, no expert biases, and with
   the kernel's register tiles any number of rows, else at most
   CPU_EXPERT_ROWS token copies per expert on average."""
@@ -173,12 +181,16 @@ def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bi
 
 
 def cpu_experts_choice(eligible: bool) -> str:
-  """How split experts run on a CPU target (`Engine.stats()["kernels"]`):
-  eligible: float32 experts without biases or quantization."""
+  """How split experts run on a CPU target (`Engine.stats()["kernels"]`),
+  building nothing: eligible: float32 experts without biases or
+  quantization; then the C++ kernels' `status()` ("xla: <reason>", "native
+  on first use") until they are loaded, and once loaded "native", or with
+  no register tiles native up to CPU_EXPERT_ROWS rows per expert."""
   if not eligible:
     return "xla"
-  if not cpu_kernels.available():
-    return f"xla (native kernel unavailable: {cpu_kernels.unavailable_reason()})"
+  state = cpu_kernels.status()
+  if state != "native":
+    return state
   if cpu_kernels.tiled():
     return "native"
   return f"native up to {CPU_EXPERT_ROWS} rows per expert, xla above"
@@ -208,8 +220,9 @@ def unpack_panels(wp, out: int):
 def panel_linear(x2, wp, out: int):
   """x2 [rows, In] times a projection in panels (`pack_panels`) -> [rows,
   out] float32: the C++ CPU kernel (`pallas_kernels.cpu.panel_matmul`)
-  where it is built, else the same product in XLA (slow: panels are the
-  layout `engine.weight_layout` picks only with the kernel there)."""
+  where it builds (on this first use, when the step is traced), else the
+  same product in XLA (slow: panels are the layout `engine.weight_layout`
+  picks only where the kernel may build)."""
   x2 = x2.astype(jnp.float32)
   if cpu_kernels.available():
     return cpu_kernels.panel_matmul(x2, wp)[:, :out]

@@ -43,7 +43,7 @@ from jaxinfer import hf_config as hf_config_lib
 from jaxinfer import models, presets
 from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
-from jaxinfer.models.attention import cache_entry_shapes
+from jaxinfer.engine import weight_layout as layout_probe
 from jaxinfer.models.specs import is_spec
 
 CONVENTIONS = {
@@ -112,7 +112,7 @@ def decode_bytes_per_step(cfg: ModelConfig, batch: int, context_len: int,
   the embedding table (batch rows gathered; the whole table once more if tied,
   as the output head) and the routed experts (a leaf with an `expert` axis
   counts E(1 - (1 - k/E)^batch) of its E slices). MTP modules are left out:
-  plain decoding does not run them. KV: `cache_entry_shapes` per token and
+  plain decoding does not run them. KV: `cfg.cache_entry_shapes()` per token and
   layer (MLA: the latent + rope key), over min(context, window) tokens."""
   wb = weight_dtype_bytes
   kvb = wb if kv_dtype_bytes is None else kv_dtype_bytes
@@ -133,7 +133,7 @@ def decode_bytes_per_step(cfg: ModelConfig, batch: int, context_len: int,
       out["experts"] += n / spec.shape[spec.logical_axes.index("expert")] * touched
     else:
       out["weights"] += n
-  per_token_layer = sum(math.prod(e) for e in cache_entry_shapes(cfg).values()) * kvb
+  per_token_layer = sum(math.prod(e) for e in cfg.cache_entry_shapes().values()) * kvb
   tokens = sum(min(context_len, cfg.layer_window(i) or context_len)
                for i in range(cfg.num_layers))
   out["kv"] = float(batch * tokens * per_token_layer)
@@ -453,6 +453,8 @@ def run_decode_bench(*, model: str = "bench_dense", batches=(1, 8, 32), prompt_l
   threads = threads or os.cpu_count()
   bw_start = _bandwidth(bandwidth_bytes, "start")
   params = models.init_params(cfg, jax.random.key(seed))
+  if weight_layout == "auto" and jax.default_backend() == "cpu":
+    layout_probe.probe(cfg)  # the Engine reads "auto" off this machine's probe, timing nothing
   dtype = jnp.dtype(cfg.compute_dtype())
   meta = dict(model=model, params=models.count_params(cfg), dtype=dtype.name,
               batches=list(batches), prompt_len=prompt_len, prefill_len=prefill_len,

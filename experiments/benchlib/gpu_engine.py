@@ -531,7 +531,7 @@ def mosaic_kernel(cfg: ModelConfig, s: Shapes, batch: int) -> str:
   else why not: `ops.mosaic_kernel` asked with the step's shapes,
   as `ops.ragged_paged_attention` asks it."""
   window = 0 if cfg.window_choices() == (0,) else max(cfg.window_choices())
-  if cfg.attention == "mla":  # one latent pool: the keys, the values its first R columns
+  if cfg.attention.latent:  # one latent pool: the keys, the values its first R columns
     K, H, kw = 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dict(latent_dim=cfg.kv_lora_rank)
   else:
     K, H, kw = cfg.num_kv_heads, cfg.head_dim, dict(values_dim=cfg.head_dim)

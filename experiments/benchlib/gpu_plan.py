@@ -352,7 +352,7 @@ def step_cost(cfg: ModelConfig, mesh, layout: str, seqs, pbytes: dict, *, ranks:
   T, B = sum(q for q, _ in seqs), len(seqs)
   k = max(cfg.num_experts_per_tok, 1)
   entry = kv_cache.page_bytes(cfg, 1, jnp.int8)  # cached values per token, all layers
-  if cfg.attention == "mla":  # absorbed: scores over latent + rope key, values the latent
+  if cfg.attention.latent:  # absorbed: scores over latent + rope key, values the latent
     qk_v = 2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim
   else:
     qk_v = cfg.head_dim * 2
@@ -368,7 +368,7 @@ def step_cost(cfg: ModelConfig, mesh, layout: str, seqs, pbytes: dict, *, ranks:
     touched = 1 - (1 - k / cfg.num_experts) ** (T * ranks)
   weights = pbytes["all"] - pbytes["embed"] - (1 - touched) * pbytes["routed"]
   weights -= 0 if draft else pbytes["mtp"]
-  kv_split = _split(mesh, t["kv_heads"]) if cfg.attention == "gqa" and ranks == 1 else 1
+  kv_split = _split(mesh, t["kv_heads"]) if not cfg.attention.latent and ranks == 1 else 1
   item = jnp.dtype(cfg.compute_dtype()).itemsize
   kv = sum(kv for _, kv in seqs) * entry * item / kv_split
   return dict(flops=float(flops), weight_bytes=float(weights), kv_read_bytes=float(kv),

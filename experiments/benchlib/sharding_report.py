@@ -42,7 +42,6 @@ from benchlib import results
 from jaxinfer import presets, sharding
 from jaxinfer.kv.pool import PoolLayout
 from jaxinfer.models import specs as specs_lib
-from jaxinfer.models.attention import cache_entry_shapes
 from jaxinfer.models.moe_ep import ExpertParallel
 
 GROUPS = ("embed_head", "attention", "dense_mlp", "routed_experts", "shared_experts", "router",
@@ -159,7 +158,7 @@ def _kv(cfg, dtype, mesh, table, kv_tokens, layout):
   S = -(-S // n_dp) * n_dp  # each DP rank holds whole pages of its own requests
   # The pool's pages x slots seen as S tokens: [L, (K,) P, ps, H] -> [L, (K,) S, H].
   spec = P(*(pool[a] for a in pool_layout.axes if a != "slot"))
-  for key, e in cache_entry_shapes(cfg).items():
+  for key, e in cfg.cache_entry_shapes().items():
     if pool_layout.latent:
       shape, axes = (L, S, *e), ("layers", None, "kv_lora")
     else:
@@ -170,7 +169,7 @@ def _kv(cfg, dtype, mesh, table, kv_tokens, layout):
     total += _nbytes(shape, dtype)
     per_device += _nbytes(shard, dtype)
     rows.append(_array_row(f"kv_pool.{key}", shape, axes, spec, shard))
-  values = sum(math.prod(e) for e in cache_entry_shapes(cfg).values())
+  values = sum(math.prod(e) for e in cfg.cache_entry_shapes().values())
   return dict(kv_tokens=kv_tokens, layers=L, values_per_token_per_layer=values, total_bytes=total,
               per_device_bytes=per_device, spec=rows[0]["spec"],
               note="per_device_bytes follows sharding.kv_pool_spec, the Engine's pool sharding "

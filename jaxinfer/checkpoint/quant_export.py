@@ -146,7 +146,7 @@ def _kv_scales(cfg: ModelConfig, q: QuantConfig, layers) -> dict[str, np.ndarray
     for kv, v in (("k", 0.01 * (i + 1)), ("v", 0.02 * (i + 1))):
       if q.layout != "modelopt":
         name = f"{a}.{kv}_scale"
-      elif cfg.attention == "mla":
+      elif cfg.attention.latent:
         name = f"{a}.kv_a_proj_with_mqa.{kv}_scale"
       else:
         name = f"{a}.{kv}_proj.{kv}_scale"

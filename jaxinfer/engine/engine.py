@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxinfer import eplb, sharding
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import speculative, warmup, weight_layout
+from jaxinfer.engine import kv_calibration, speculative, warmup, weight_layout
 from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput, prefill_chunk,  # noqa: F401 (API)
                                   forward, forward_attribute)
 from jaxinfer.engine.images import Images, per_prompt
@@ -120,8 +120,9 @@ class EngineConfig:
   # Unrolled and unsharded: float projections held [In, Out] ("in_out") or
   # transposed, multiplied as rows x w^T ("out_in") or into [Out, rows]
   # ("out_major"), or float32 ones in 32-column panels for the C++ CPU
-  # kernel ("panels", where it builds); "auto" times them on this machine
-  # (`engine.weight_layout`: which is faster differs by CPU, up to 1.5x).
+  # kernel ("panels", where it builds); "auto" reads this machine's probe
+  # from disk, timing nothing (`engine.weight_layout`: which is faster
+  # differs by CPU, up to 1.5x; `python -m jaxinfer.engine.cpu_setup` probes).
   cpu_weight_layout: str = "auto"
   # Multi-step decode: a step whose chunks are all lone decode tokens runs
   # this many decode steps in one program (`steps.decode_steps`), so the
@@ -252,11 +253,11 @@ def _zero_load(cfg: ModelConfig, spec, mesh):
 
 def _pool_scales(cfg: ModelConfig, c: EngineConfig, params, found_scales):
   """-> (the pool's scales as numpy, where they came from) for a quantized
-  kv_cache_dtype (`kv.scales.resolve`), else (None, None)."""
+  kv_cache_dtype (`kv_calibration.resolve`), else (None, None)."""
   if c.kv_cache_dtype is None:
     return None, None
-  scales, source = kv_scales.resolve(cfg, params, found_scales, c.kv_cache_dtype,
-                                     mtp_too=c.speculative is not None)
+  scales, source = kv_calibration.resolve(cfg, params, found_scales, c.kv_cache_dtype,
+                                          mtp_too=c.speculative is not None)
   return jax.tree.map(np.asarray, scales), source
 
 
@@ -563,15 +564,15 @@ class Engine:
     """Engine-wide counters: steps, tokens_per_step, compiles (distinct step
     programs), kv_pages_{total,used,cached,free}, preemptions, prompt and
     cached prompt tokens, running, waiting, overlapped_steps (dispatched
-    before the previous step was read), host_ms_per_step (host time to
-    build and dispatch a compiled program, per model step it runs: the
-    step time's floor when the device keeps up), dp_ranks, requests_per_rank; with
+    before the previous step was read), host_ms_per_step (host time to build
+    and dispatch a compiled program, per model step it runs: the step time's
+    floor when the device keeps up), dp_ranks, requests_per_rank; with
     speculation also spec_num_draft_tokens, spec_verify_steps,
     spec_mean_accepted_length (tokens per sequence per verify step),
-    spec_acceptance_per_position and spec_drafted_per_position; kernels: the
-    attention kernels of decode-only and mixed steps and the MoE matmul
-    (`steps.kernel_choice`: "mosaic_gqa[_wide / _cluster]" / "mosaic_mla[_cluster]" /
-    "pallas" / "xla", "mosaic" / "xla"; "cpu_experts": split experts on a CPU target)."""
+    spec_acceptance_per_position and spec_drafted_per_position; kernels:
+    decode-only and mixed steps' attention and the MoE matmul (`steps.kernel_choice`:
+    "mosaic_gqa[_wide / _cluster]" / "mosaic_mla[_cluster]" / "pallas" / "xla", "mosaic" /
+    "xla"; on a CPU target "cpu_experts" and "cpu_kernels": "native" or "xla: <reason>")."""
     return dict(**self.core.stats(self._runner.counts), kv_cache_dtype=self.kv_dtype.name,
-                kernels=dict(self.kernels),
+                kernels=steps.kernels_now(self.kernels),
                 **self.images.stats(), **self._runner.stats())

@@ -496,7 +496,10 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
   models the unquantized experts' matmul ("grouped_matmul": "mosaic" or
   "xla", with why not Mosaic where the Backend asked for it), and with
   experts split on a CPU target (form: the steps' `WeightForm`) the split
-  experts' path ("cpu_experts", `ops.cpu_experts_choice`)."""
+  experts' path ("cpu_experts"), and where the steps may run the C++ CPU
+  kernels (split experts open to them, or "panels" weights) their path
+  ("cpu_kernels"); those two marked `NATIVE_CPU` here, read when asked
+  (`kernels_now`), as the kernels build on first use."""
   k_pages, v_pages = jax.eval_shape(pool.layout.kernel_pools, pool[0])
   windows = cfg.window_choices()
   kw = dict(values_dim=None if v_pages is None else v_pages.shape[-1],
@@ -513,8 +516,28 @@ def kernel_choice(cfg: ModelConfig, pool, *, num_seqs: int, pages_per_seq: int,
     # split experts run XLA's loop, or the C++ kernel where the form lets them
     quantized = cfg.quant is not None and any(cfg.quant.quantizes(f"experts.{w}")
                                               for w in ("w_gate", "w_up", "w_down"))
-    out["cpu_experts"] = ops.cpu_experts_choice(
-        form.native_experts and ops.cpu_experts_fit(cfg.compute_dtype(), quantized, cfg.expert_bias))
+    native = form.native_experts and ops.cpu_experts_fit(cfg.compute_dtype(), quantized,
+                                                         cfg.expert_bias)
+    out["cpu_experts"] = NATIVE_CPU if native else "xla"
+  if form is not None and not cfg.backend.on_gpu() and (
+      form.panels or out.get("cpu_experts") == NATIVE_CPU):
+    out["cpu_kernels"] = NATIVE_CPU
+  return out
+
+
+NATIVE_CPU = "native_cpu"  # `kernel_choice`'s mark: the C++ CPU kernels decide, when asked
+
+
+def kernels_now(kernels: dict) -> dict:
+  """`kernel_choice`'s kernels with the C++ CPU kernels' entries as they
+  stand now, building nothing: "cpu_experts" `ops.cpu_experts_choice`,
+  "cpu_kernels" `pallas_kernels.cpu.status()` ("native", "xla: <reason>",
+  or "native on first use" before a step has traced them)."""
+  out = dict(kernels)
+  if out.get("cpu_experts") == NATIVE_CPU:
+    out["cpu_experts"] = ops.cpu_experts_choice(True)
+  if out.get("cpu_kernels") == NATIVE_CPU:
+    out["cpu_kernels"] = ops.cpu_kernels.status()
   return out
 
 

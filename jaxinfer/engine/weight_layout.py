@@ -25,8 +25,19 @@ speed for them differs by machine, and not by a little:
     projection, 2816 deep, the slower one), 1.0-1.08x at 512
     (results/weight_layout.json, the second probe).
 
-So `EngineConfig.cpu_weight_layout="auto"` times them all on this machine,
-once per process and shape, at the model's widest projection.
+So they are timed on the machine (`probe`: all of them, at a model's widest
+projection, "panels" where the C++ kernels build), explicitly:
+
+  python -m jaxinfer.engine.cpu_setup [preset ...]   # default: bench_dense bench_moe
+
+which builds the C++ kernels, times, and keeps the result on disk beside
+the kernels' library (`probe_path`: the same key, so a probe of another
+CPU, compiler or jax is never read). `EngineConfig.cpu_weight_layout="auto"`
+reads it and times nothing: the probed layout fastest over PROBE_ROWS for
+the model's projection ("panels" only where the kernels may run here), or
+UNPROBED where no probe of that shape is on disk: "out_major", 1.17-1.55x
+"in_out" in the Engine's decode on the EPYC above, and needing no kernel
+build ("panels" was faster on the Zen 5, once built).
 
 `choose` makes the whole choice once, when an Engine loads its weights:
 scanned stacked layers, or unrolled per-layer weights in one
@@ -37,8 +48,11 @@ float ones sit), which the Engine keeps.
 from __future__ import annotations
 
 import functools
+import json
+import os
 import statistics
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +75,7 @@ MIN_PROBE_BYTES = 4 << 20
 # they come from memory as a step's do, not from cache.
 PROBE_BYTES = 96 << 20
 PROBE_ROWS = (1, 8, 32)
+UNPROBED = "out_major"  # "auto" where no probe of the shape is on disk
 
 
 def choose(cfg: ModelConfig, config, params, mesh=None, *, expert_parallel: bool = False,
@@ -96,23 +111,77 @@ def choose(cfg: ModelConfig, config, params, mesh=None, *, expert_parallel: bool
 
 def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:
   """EngineConfig.cpu_weight_layout -> one of LAYOUTS but "auto" for this
-  model and machine ("auto": `measure` at the widest dense projection,
-  d_model x 2 ffn_dim, the fused gate-up). With a mesh nothing is timed:
+  model and machine, timing and building nothing ("auto": the probe on
+  disk for the widest dense projection, d_model x 2 ffn_dim, the fused
+  gate-up, `probed_layout`; "in_out" below MIN_PROBE_BYTES). With a mesh
   the sharded step keeps the loaded layout whatever this returns. "panels"
-  needs the C++ CPU kernel built (ValueError naming why it is not)."""
+  needs the C++ CPU kernels: a ValueError where they cannot run here, as
+  far as is known without building them (`pallas_kernels.cpu.precheck`)."""
   if layout not in LAYOUTS:
     raise ValueError(f"cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
-  if layout == "panels" and not _panels_available():
+  if layout == "panels" and _panels_unavailable():
     raise ValueError("cpu_weight_layout='panels' needs the C++ CPU kernels: "
-                     f"{ops.cpu_kernels.unavailable_reason()}")
+                     f"{_panels_unavailable()}")
   if layout != "auto":
     return layout
   if mesh is not None:
     return "out_in"  # unused (see above)
-  d_in, d_out = cfg.d_model, 2 * max(cfg.ffn_dim, cfg.moe_ffn_dim or 0)
+  d_in, d_out = probe_shape(cfg)
   if d_in * d_out * 4 < MIN_PROBE_BYTES:
     return "in_out"
-  return measure(d_in, min(d_out, (PROBE_BYTES // 4) // d_in))["layout"]
+  return probed_layout(d_in, d_out)
+
+
+def probe_shape(cfg: ModelConfig) -> tuple[int, int]:
+  """The projection "auto" is probed at: d_model x 2 ffn_dim (the fused
+  gate-up, dense or expert), its width capped to PROBE_BYTES of float32."""
+  d_in, d_out = cfg.d_model, 2 * max(cfg.ffn_dim, cfg.moe_ffn_dim or 0)
+  return d_in, min(d_out, max(1, (PROBE_BYTES // 4) // d_in))
+
+
+def probe_path() -> Path:
+  """The probes on disk: beside the C++ kernels' library, under its key
+  (sources, flags, jax version, CPU, compiler)."""
+  return ops.cpu_kernels.library_path().with_suffix(".layouts.json")
+
+
+def _read_probes() -> dict:
+  try:
+    return json.loads(probe_path().read_text())
+  except (OSError, ValueError):
+    return {}
+
+
+def probed_layout(d_in: int, d_out: int) -> str:
+  """"auto"'s layout for a [d_in, d_out] projection: of the probe on disk
+  (`probe`), the fastest by geometric mean over PROBE_ROWS, "panels" left
+  out where the C++ kernels cannot run; UNPROBED without one."""
+  ms = _read_probes().get(f"{d_in}x{d_out}", {}).get("ms")
+  if not ms:
+    return UNPROBED
+  usable = {k: v for k, v in ms.items()
+            if k in LAYOUTS and (k != "panels" or not _panels_unavailable())}
+  score = {k: float(np.exp(np.mean(np.log(list(v.values()))))) for k, v in usable.items()}
+  return min(score, key=score.get) if score else UNPROBED
+
+
+def probe(cfg: ModelConfig) -> dict | None:
+  """Builds the C++ CPU kernels (so "panels" is timed where they build),
+  times the layouts at the model's `probe_shape` (`measure`) and writes the
+  result to `probe_path()` for "auto" to read. -> the `measure` result, or
+  None for a projection under MIN_PROBE_BYTES (nothing timed: "in_out")."""
+  ops.cpu_kernels.build()
+  d_in, d_out = probe_shape(cfg)
+  if d_in * d_out * 4 < MIN_PROBE_BYTES:
+    return None
+  result = measure(d_in, d_out)
+  path = probe_path()
+  path.parent.mkdir(parents=True, exist_ok=True)
+  probes = {**_read_probes(), f"{d_in}x{d_out}": result}
+  tmp = path.with_suffix(f".{os.getpid()}.tmp")
+  tmp.write_text(json.dumps(probes, indent=1))
+  tmp.replace(path)
+  return result
 
 
 @functools.cache
@@ -150,6 +219,15 @@ def measure(d_in: int, d_out: int, repeats: int = 7) -> dict:
 
 
 def _panels_available() -> bool:
-  """Whether the "panels" layout can run here: the CPU backend, the C++
-  kernels built."""
+  """Whether `measure` times "panels": the CPU backend, the C++ kernels
+  built (building them: `measure` is the explicit probe)."""
   return jax.default_backend() == "cpu" and ops.cpu_kernels.available()
+
+
+def _panels_unavailable() -> str | None:
+  """Why "panels" cannot run here, building nothing: not the CPU backend,
+  or the C++ kernels' `precheck`; None where it may."""
+  if jax.default_backend() != "cpu":
+    return f"the {jax.default_backend()} backend"
+  return ops.cpu_kernels.precheck()
+

@@ -7,10 +7,13 @@
   cache.py      the pool's size in bytes and pages, the zeroed pool, page
                 transfer between engines (`gather_pages` / `scatter_pages`)
   allocator.py  host bookkeeping: free list, refcounts, prefix-cache hashes, LRU
-  scales.py     fp8 / int8 pages' per-layer scales: from a checkpoint or calibrated
+  scales.py     fp8 / int8 pages' per-layer scales: names, those the params
+                carry, scales from an amax (the calibrating forward is
+                `engine.kv_calibration`'s: it runs the model)
 
-Layers: pool sits with `ops` (the kernels read its layout), contexts with the
-models (their attention blocks hand new entries to a context), cache,
-allocator and scales above the models (sizes come from the attention config,
-calibration runs the model). This package's `__init__` imports none of them.
+Floors (docs/design.md's layers table, tests/repo/test_imports.py): pool and
+contexts sit below the models (their attention blocks hand new entries to a
+context; `ops` only names the kernels' axes the pool lays out), cache,
+allocator and scales above them, below the engine; none of them imports a
+model. This package's `__init__` imports none of them.
 """

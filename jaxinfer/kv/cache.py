@@ -4,7 +4,8 @@ Device pool: a `kv.pool.PagePool` (one stacked entry per layer segment,
 plus the MTP modules' entry when the engine speculates; its `PoolLayout`
 says how the arrays are laid out), donated through every step. Page 0 is a
 reserved null page. A pool of fp8 / int8 pages (`kv.pool.KV_CACHE_DTYPES`)
-also holds its per-layer scales (`kv.scales` makes them). `gather_pages` /
+also holds its per-layer scales (`kv.scales`: from the params, or
+calibrated by `engine.kv_calibration`). `gather_pages` /
 `scatter_pages` move whole pages between engines (disaggregated serving).
 The host side, which pages hold what, is `kv.allocator.PageAllocator`.
 """
@@ -19,14 +20,13 @@ import jax.numpy as jnp
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv.pool import NULL_PAGE, PagePool, PoolLayout  # noqa: F401 (NULL_PAGE: API)
-from jaxinfer.models.attention import cache_entry_shapes
 
 
 def page_bytes(cfg: ModelConfig, page_size: int, dtype, mtp: bool = False) -> int:
   """Bytes of one page across all layers (and the MTP modules' with mtp),
   pages stored in `dtype` (fp8 / int8: 1 byte a value; the scales, a few
   bytes a layer for the whole pool, are not paged)."""
-  per_token = sum(math.prod(e) for e in cache_entry_shapes(cfg).values())
+  per_token = sum(math.prod(e) for e in cfg.cache_entry_shapes().values())
   layers = cfg.num_layers + (cfg.num_mtp_layers if mtp else 0)
   return per_token * page_size * layers * jnp.dtype(dtype).itemsize
 
@@ -63,10 +63,10 @@ def init_pool(cfg: ModelConfig, num_pages: int, page_size: int, dtype, sharding=
   Sharding of every paged array (`sharding.kv_pool_spec`), or None.
   dtype float8_e4m3fn / int8: a quantized pool, whose per-layer scales
   (per segment, the MTP entry last: {k_scale, v_scale} or {kv_scale} [L],
-  `kv.scales.calibrate`) are required."""
+  `engine.kv_calibration.resolve`) are required."""
   return PagePool.zeros(pool_layout(cfg, dtype), [n for _, _, n in cfg.segments()],
                         num_pages=num_pages, page_size=page_size,
-                        entry=cache_entry_shapes(cfg), dtype=dtype, sharding=sharding,
+                        entry=cfg.cache_entry_shapes(), dtype=dtype, sharding=sharding,
                         mtp_layers=cfg.num_mtp_layers if mtp else 0, scales=scales)
 
 

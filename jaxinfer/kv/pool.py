@@ -23,8 +23,8 @@ replicated, not paged: `take` / `put` move pages only.
 Everything that touches the pool goes through the layout: `kv.cache`
 allocates and moves pages with it, `sharding` places it, the paged KV
 contexts write and read it, and `ops` hands its per-layer views to the
-kernels (`kernel_dims` names their axes). It sits below the models so all of
-them can import it.
+kernels (`ops.kernel_dims` names their axes, `ops.KERNEL_AXES`). It sits
+with the contexts, below the models, so all of them can import it.
 """
 
 from __future__ import annotations
@@ -36,11 +36,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jaxinfer.config import Attention
+from jaxinfer.ops import KERNEL_AXES
+
 NULL_PAGE = 0
 # EngineConfig.kv_cache_dtype -> (storage dtype, largest stored magnitude).
 KV_CACHE_DTYPES = {"fp8": (jnp.float8_e4m3fn, 448.0), "int8": (jnp.int8, 127.0)}
-# The kernels' per-layer pool [K, P, ps, H] (`pallas_kernels.paged_attention`).
-KERNEL_AXES = ("kv_head", "page", "slot", "dim")
 
 
 def quant_kind(dtype) -> str | None:
@@ -76,11 +77,13 @@ class PoolLayout:
   quantized: bool = False
 
   @classmethod
-  def for_attention(cls, attention: str, dtype=None) -> "PoolLayout":
-    """The layout of `ModelConfig.attention` ("gqa" | "mla") for pages of `dtype`."""
-    if attention not in ("gqa", "mla"):
+  def for_attention(cls, attention: Attention | str, dtype=None) -> "PoolLayout":
+    """The layout of `ModelConfig.attention` (an `Attention`, or its name)
+    for pages of `dtype`."""
+    if attention not in tuple(Attention):
       raise ValueError(f"PoolLayout: unknown attention kind {attention!r}")
-    return cls(latent=attention == "mla", quantized=quant_kind(dtype or jnp.float32) is not None)
+    return cls(latent=Attention(attention).latent,
+               quantized=quant_kind(dtype or jnp.float32) is not None)
 
   @classmethod
   def of(cls, latent: bool, stack: dict) -> "PoolLayout":
@@ -209,11 +212,6 @@ def _check_scales(scales: dict, layout: PoolLayout, layers: int, segment: int) -
                        f"got shape {a.shape}")
     out[n] = a
   return out
-
-
-def kernel_dims(k_pages) -> dict[str, int]:
-  """Named sizes of a kernel-layout pool ([(L,) K, P, ps, H])."""
-  return dict(zip(KERNEL_AXES, k_pages.shape[-len(KERNEL_AXES):]))
 
 
 @struct.dataclass

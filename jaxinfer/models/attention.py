@@ -76,10 +76,10 @@ def step_layout(cfg: ModelConfig, p, form: WeightForm = WeightForm()):
   grouped-query float q/k/v as a `FusedQKV` and the projections as
   `layers.PackedLinear` (float ones unless form.floats_in_out, out-major
   with form.out_major, in panels with form.panels; quantized ones always)."""
-  if cfg.attention == "mla" and not isinstance(p["wkv_b"], QuantizedWeight):
+  if cfg.attention.latent and not isinstance(p["wkv_b"], QuantizedWeight):
     w_uk, w_uv = absorbed_weights(cfg, p)
     p = AbsorbedMLA(w_uk=w_uk, w_uv=w_uv, **{k: v for k, v in p.items() if k != "wkv_b"})
-  float_qkv = cfg.attention != "mla" and not any(isinstance(p[k], QuantizedWeight) for k in _QKV)
+  float_qkv = not cfg.attention.latent and not any(isinstance(p[k], QuantizedWeight) for k in _QKV)
   if not form.transposed:
     if form.fused_qkv and float_qkv:
       return grouped_qkv(p)
@@ -203,12 +203,5 @@ def _expanded(q_nope, q_rope, c, k_rope, w_uk, w_uv):
 
 
 def attention(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
-  fn = mla if cfg.attention == "mla" else gqa
+  fn = mla if cfg.attention.latent else gqa
   return fn(cfg, p, x, cos, sin, ctx, window, cache)
-
-
-def cache_entry_shapes(cfg: ModelConfig) -> dict:
-  """Per-token cache entry shapes: GQA {k: (K, H), v: (K, H)}; MLA {kv: (R + Hr,)}."""
-  if cfg.attention == "mla":
-    return dict(kv=(cfg.kv_lora_rank + cfg.qk_rope_head_dim,))
-  return dict(k=(cfg.num_kv_heads, cfg.head_dim), v=(cfg.num_kv_heads, cfg.head_dim))

@@ -311,7 +311,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None):
     raise ValueError(f"init_cache: max_len {max_len} exceeds max_position_embeddings "
                      f"{cfg.max_position_embeddings}")
   dtype = jnp.dtype(dtype) if dtype is not None else cfg.compute_dtype()
-  entry = attn_lib.cache_entry_shapes(cfg)
+  entry = cfg.cache_entry_shapes()
   layers = tuple({k: jnp.zeros((n, batch, max_len, *e), dtype) for k, e in entry.items()}
                  for _, _, n in cfg.segments())
   return dict(layers=layers, lengths=jnp.zeros((batch,), jnp.int32))

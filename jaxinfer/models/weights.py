@@ -86,7 +86,7 @@ def _kv_scales(cfg: ModelConfig, a: str) -> dict:
   modelopt = cfg.quant.layout == "modelopt"
   scale = lambda hf, stored="same": Weight((), (), "ones", hf=hf, stored=stored,
                                            hf_shape=() if modelopt else (1,), dtype="float32")
-  if cfg.attention == "mla":
+  if cfg.attention.latent:
     base = f"{a}.kv_a_proj_with_mqa" if modelopt else a
     return dict(kv_scale=scale((f"{base}.k_scale", f"{base}.v_scale"), "max"))
   if modelopt:
@@ -137,7 +137,7 @@ def _gqa(cfg: ModelConfig, a: str) -> dict:
 
 def _attention(cfg: ModelConfig) -> dict:
   a = "self_attn"
-  p = _mla(cfg, a) if cfg.attention == "mla" else _gqa(cfg, a)
+  p = _mla(cfg, a) if cfg.attention.latent else _gqa(cfg, a)
   if cfg.quant is not None and cfg.quant.kv_cache:
     p.update(_kv_scales(cfg, a))
   return p

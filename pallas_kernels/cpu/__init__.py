@@ -1,5 +1,7 @@
 """CPU kernels written in C++ as XLA FFI custom calls, built from their
-source with the machine's C++ compiler on first use.
+source with the machine's C++ compiler: on first use (the first op that
+needs them, when a step is traced) or explicitly, `build()` /
+`python -m pallas_kernels.cpu`; never when a library object is made.
 
 `moe_experts.cc`: a MoE layer's routed experts, each chosen expert's
 weights read once for all its rows (streamed for decode, register tiles
@@ -13,10 +15,15 @@ calls it; `panel_matmul_reference` is its jnp reference.
 
 The shared library is cached under $JAXINFER_CACHE (default
 ~/.cache/jaxinfer) by a hash of the sources, the compiler flags, the jax
-version and the CPU, built with `-march=native` under a file lock (several
-processes may start at once). `available()` is False, with the reason in
-`unavailable_reason()`, when there is no compiler, the build fails, or
-JAXINFER_NATIVE=0; callers then take their XLA path.
+version, the CPU and the compiler (`cache_key`: its path, size and mtime),
+built with `-march=native` under a file lock (several processes may start
+at once); files beside it under the same key (`library_path`) hold what was
+measured with it (`engine.weight_layout`'s probe). Where the kernels cannot
+run (JAXINFER_NATIVE=0, no compiler: $CXX, g++ or c++ on PATH, a failed
+build or load) `available()` is False, `unavailable_reason()` says why, one
+RuntimeWarning per process says so, and callers take their XLA path.
+`status()` answers without building: "native", "xla: <reason>", or
+"native on first use".
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ import os
 import platform
 import shutil
 import subprocess
+import warnings
 from pathlib import Path
 
 import jax
@@ -41,8 +49,8 @@ _PANEL_TARGET = "jaxinfer_panel_matmul"
 PANEL = 32  # columns of one `pack_panels` panel
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 ACTIVATIONS = {"silu": 0, "clamped_swiglu": 1}  # `activation` attribute values
-_reason: str | None = None
-_tiled = False
+NO_COMPILER = "no C++ compiler ($CXX, g++ or c++ on PATH)"
+_state = {"reason": None, "tiled": False, "loaded": False}
 
 
 def _cpu_name() -> str:
@@ -55,55 +63,92 @@ def _cpu_name() -> str:
   return platform.processor()
 
 
-def _library_path() -> Path:
-  key = hashlib.sha256("\n".join([*(s.read_text() for s in _SOURCES), " ".join(_FLAGS),
-                                  jax.__version__, _cpu_name()]).encode()).hexdigest()[:16]
+def compiler() -> str | None:
+  """The C++ compiler a build runs: $CXX, else g++ or c++ on PATH; None without one."""
+  return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _compiler_id(cxx: str | None) -> str:
+  """The compiler as the cache key sees it: its resolved path, size and
+  mtime (an upgrade changes them), with no process run."""
+  path = shutil.which(cxx) if cxx else None
+  if path is None:
+    return "none"
+  st = os.stat(os.path.realpath(path))
+  return f"{os.path.realpath(path)}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def cache_key() -> str:
+  """The build's key: sources, flags, jax version, CPU and compiler."""
+  parts = [*(s.read_text() for s in _SOURCES), " ".join(_FLAGS), jax.__version__, _cpu_name(),
+           _compiler_id(compiler())]
+  return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+
+
+def library_path() -> Path:
+  """Where the shared library for this machine and compiler is (or goes):
+  $JAXINFER_CACHE/native/cpu_kernels-<cache_key>.so."""
   root = Path(os.environ.get("JAXINFER_CACHE", Path.home() / ".cache" / "jaxinfer"))
-  return root / "native" / f"cpu_kernels-{key}.so"
+  return root / "native" / f"cpu_kernels-{cache_key()}.so"
 
 
 def _build(path: Path) -> None:
-  compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-  if compiler is None:
-    raise RuntimeError("no C++ compiler (g++ or $CXX) on PATH")
+  cxx = compiler()
+  if cxx is None:
+    raise RuntimeError(NO_COMPILER)
   path.parent.mkdir(parents=True, exist_ok=True)
   with open(path.with_suffix(".lock"), "w") as lock:
     fcntl.flock(lock, fcntl.LOCK_EX)
     if path.exists():
       return
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(tmp), "-lpthread"]
+    cmd = [cxx, *_FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(tmp), "-lpthread"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
       raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
     tmp.rename(path)
 
 
+def _disabled() -> str | None:
+  return "JAXINFER_NATIVE=0" if os.environ.get("JAXINFER_NATIVE", "1") == "0" else None
+
+
 @functools.cache
-def _register() -> bool:
-  global _reason
-  if os.environ.get("JAXINFER_NATIVE", "1") == "0":
-    _reason = "JAXINFER_NATIVE=0"
-    return False
-  try:
-    path = _library_path()
-    if not path.exists():
-      _build(path)
-    lib = ctypes.CDLL(str(path))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxinferSplitExperts), platform="cpu")
-    jax.ffi.register_ffi_target(_PANEL_TARGET, jax.ffi.pycapsule(lib.JaxinferPanelMatMul),
-                                platform="cpu")
-    global _tiled
-    _tiled = bool(lib.JaxinferSplitExpertsTiled())
-  except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-    _reason = f"{type(e).__name__}: {e}"
-    return False
-  return True
+def _load() -> bool:
+  """Builds (unless on disk), loads and registers the kernels, once per
+  process; on failure records why and warns once."""
+  reason = _disabled()
+  if reason is None:
+    try:
+      path = library_path()
+      if not path.exists():
+        _build(path)
+      lib = ctypes.CDLL(str(path))
+      jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.JaxinferSplitExperts),
+                                  platform="cpu")
+      jax.ffi.register_ffi_target(_PANEL_TARGET, jax.ffi.pycapsule(lib.JaxinferPanelMatMul),
+                                  platform="cpu")
+      _state.update(tiled=bool(lib.JaxinferSplitExpertsTiled()), loaded=True)
+      return True
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+      reason = str(e) if str(e) == NO_COMPILER else f"{type(e).__name__}: {e}"
+  _state["reason"] = reason
+  warnings.warn(f"pallas_kernels.cpu: the C++ CPU kernels are unavailable ({reason}); "
+                "their ops run on XLA instead", RuntimeWarning, stacklevel=3)
+  return False
+
+
+def build() -> bool:
+  """Builds the kernels now (unless this machine's library is on disk) and
+  loads them: what their first use would do, done when asked
+  (`python -m pallas_kernels.cpu`). -> `available()`."""
+  return _load()
 
 
 def available() -> bool:
-  """Whether the native kernels are built and registered (builds them once)."""
-  return _register()
+  """Whether the native kernels are built and registered: the first call
+  (an op's first use) builds and loads them, once per process."""
+  return _load()
 
 
 def tiled() -> bool:
@@ -111,12 +156,37 @@ def tiled() -> bool:
   (AVX-512; compute-bound prefill at ~400 GFLOP/s on the 2-core Zen 5 EPYC,
   ~150 on the 2-core Xeon of round 31), else it
   streams them 8 rows at a time (fit for decode only)."""
-  return available() and _tiled
+  return available() and _state["tiled"]
 
 
 def unavailable_reason() -> str | None:
   """Why `available()` is False; None when it is True or was not asked yet."""
-  return _reason
+  return _state["reason"]
+
+
+def precheck() -> str | None:
+  """Why the kernels cannot run here, as far as is known without building or
+  loading anything: a recorded failure, JAXINFER_NATIVE=0, or no compiler
+  and no library built for this machine; None where they may."""
+  if _state["reason"] is not None:
+    return _state["reason"]
+  if _state["loaded"]:
+    return None
+  if _disabled():
+    return _disabled()
+  if compiler() is None and not library_path().exists():
+    return NO_COMPILER
+  return None
+
+
+def status() -> str:
+  """Which path the kernels' ops take, without building anything: "native"
+  (loaded), "xla: <reason>" (they cannot run here: `precheck`), or
+  "native on first use" (not loaded yet in this process)."""
+  if _state["loaded"]:
+    return "native"
+  why = precheck()
+  return f"xla: {why}" if why else "native on first use"
 
 
 def _check(xs, sizes, w_gate_up, w_down):

@@ -252,7 +252,7 @@ def test_gpu_plan_shapes():
     assert gpu_engine.mosaic_kernel(cfg, s, 8) in ("mosaic", f"pallas ({mosaic_available()})")
   assert moe.d_model == 7168 and moe.num_experts == 256 and moe.router == "sigmoid_grouped"
   assert [seg[0] for seg in moe.segments()] == [False, True] and moe.num_mtp_layers == 1
-  assert ms.mtp_ks == (1, 2, 3) and moe.attention == "mla"
+  assert ms.mtp_ks == (1, 2, 3) and moe.attention.latent
   assert gpu_engine.param_bytes(dense) == 2 * models.count_params(dense)  # bf16
   assert 8.0e9 < models.count_params(dense) < 8.1e9  # Llama-3.1-8B
   assert 50e9 < gpu_engine.param_bytes(moe) < 60e9  # two routed-expert blocks of ~22.5 GB

@@ -15,6 +15,7 @@ from conftest import float32_model as _model, random_prompts
 from benchlib import kv_quant
 from jaxinfer import (Backend, Engine, EngineConfig, MTPConfig, SamplingParams, models, presets,
                       run, sharding)
+from jaxinfer.engine import kv_calibration
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
 from jaxinfer.kv.pool import KV_CACHE_DTYPES, quantize
 from jaxinfer.models import transformer
@@ -108,11 +109,11 @@ def test_init_pool_needs_scales_for_every_segment():
 
 def test_calibrated_scales_are_per_layer_amax_over_qmax():
   cfg, params = _model("tiny_dense")
-  tokens = kv_scales.calibration_prompt(cfg)
+  tokens = kv_calibration.calibration_prompt(cfg)
   cache = transformer.init_cache(cfg, 1, tokens.shape[1])
   _, cache = transformer.forward(cfg, params, tokens, cache)
   for kind, (_, top) in KV_CACHE_DTYPES.items():
-    scales = kv_scales.calibrate(cfg, params, kind)
+    scales = kv_calibration.calibrate(cfg, params, kind)
     assert len(scales) == len(cfg.segments())
     for seg, got in zip(cache["layers"], scales):
       for n in ("k", "v"):
@@ -120,7 +121,7 @@ def test_calibrated_scales_are_per_layer_amax_over_qmax():
         want = amax / top if kind == "int8" else 2.0 ** np.ceil(np.log2(amax / top))
         np.testing.assert_allclose(got[f"{n}_scale"], want, rtol=1e-6)
   with pytest.raises(ValueError, match="kind"):
-    kv_scales.calibrate(cfg, params, "fp4")
+    kv_calibration.calibrate(cfg, params, "fp4")
 
 
 @pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe"])

@@ -9,7 +9,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer import presets, sharding
 from jaxinfer.kv import cache as kv_cache
-from jaxinfer.kv.pool import PagePool, PoolLayout, kernel_dims
+from jaxinfer.kv.pool import PagePool, PoolLayout
+from jaxinfer.ops import kernel_dims
 
 GQA = presets.get("tiny_dense")
 MLA = presets.get("tiny_moe")
@@ -25,7 +26,7 @@ def _filled(cfg, num_pages=6, page_size=4, mtp=False):
 def test_init_pool_follows_the_layout(cfg):
   pool = kv_cache.init_pool(cfg, 6, 4, jnp.float32, mtp=bool(cfg.num_mtp_layers))
   layout = pool.layout
-  assert layout == kv_cache.pool_layout(cfg) and layout.latent == (cfg.attention == "mla")
+  assert layout == kv_cache.pool_layout(cfg) and layout.latent == cfg.attention.latent
   assert len(pool) == len(cfg.segments()) + bool(cfg.num_mtp_layers)
   for seg, entry in zip(pool, [n for _, _, n in cfg.segments()]):
     assert set(seg) == set(layout.names)

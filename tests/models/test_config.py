@@ -7,6 +7,7 @@ import pytest
 
 from conftest import FIXTURES, HF_FIXTURES
 from jaxinfer import ModelConfig, RopeScaling, presets
+from jaxinfer.config import Attention
 
 
 def _hf(name):
@@ -44,7 +45,7 @@ def test_llama3_rope_both_forms():
 def test_deepseek_fields():
   hf = _hf("deepseek_v3")
   cfg = ModelConfig.from_hf(hf)
-  assert cfg.attention == "mla" and cfg.q_lora_rank == hf["q_lora_rank"]
+  assert cfg.attention is Attention.MLA and cfg.q_lora_rank == hf["q_lora_rank"]
   assert cfg.router == "sigmoid_grouped" and cfg.n_group == hf["n_group"]
   assert cfg.topk_group == hf["topk_group"] and cfg.routed_scaling_factor == hf["routed_scaling_factor"]
   assert cfg.dense_layers == tuple(range(hf["first_k_dense_replace"]))

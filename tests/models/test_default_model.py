@@ -22,7 +22,7 @@ JAXLIB_IMPORT = re.compile(r"^(WARNING: All log messages before absl::Initialize
 
 def test_default_model_loads_with_mtp_and_a_tokenizer():
   cfg, params, tok = jaxinfer.load_default_model()
-  assert cfg.num_mtp_layers == 1 and cfg.is_moe and cfg.attention == "mla"
+  assert cfg.num_mtp_layers == 1 and cfg.is_moe and cfg.attention.latent
   assert "mtp" in params
   text = "def f(x):\n    return x  # é"
   assert tok.decode(tok.encode(text)) == text

@@ -151,15 +151,15 @@ def test_step_layout_equals_stacked(name, split_experts, transpose, float_layout
   # (grouped by KV head in the GPU form), and so do MLA's two
   # down-projections (q LoRA and the latent's) when transposed.
   gpu = float_layout == "gpu"
-  assert isinstance(attn, FusedQKV) == ((transpose or gpu) and cfg.attention != "mla")
+  assert isinstance(attn, FusedQKV) == ((transpose or gpu) and not cfg.attention.latent)
   if isinstance(attn, FusedQKV):
     N, K, H = attn.heads
     assert attn.grouped == gpu
     if gpu:
       assert attn.wqkv.shape[1:] == (K, N // K + 2, H)
-  fused_mla = transpose and cfg.attention == "mla" and bool(cfg.q_lora_rank)
+  fused_mla = transpose and cfg.attention.latent and bool(cfg.q_lora_rank)
   assert ("wqkv_a" in attn) == fused_mla
-  if cfg.attention == "mla":
+  if cfg.attention.latent:
     assert ("wkv_a" in attn) != fused_mla
   packed = [w for w in attn.values() if isinstance(w, PackedLinear)]
   assert bool(packed) == (transpose and float_layout != "in_out")

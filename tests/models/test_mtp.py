@@ -10,7 +10,7 @@ import pytest
 
 from jaxinfer import models, presets, training
 from jaxinfer.kv.contexts import ContiguousContext, FullContext
-from jaxinfer.models import attention as attn_lib, mtp
+from jaxinfer.models import mtp
 from jaxinfer.models.layers import rope_cos_sin
 from jaxinfer.models.transformer import trunk
 
@@ -32,7 +32,7 @@ def test_train_form_equals_cached_form(kw):
   assert full.shape == (2, B, T, 256)
 
   # The same two depths over a contiguous cache, in two chunks of 5 and 7.
-  entry = attn_lib.cache_entry_shapes(cfg)
+  entry = cfg.cache_entry_shapes()
   M = cfg.num_mtp_layers
   cache = {k: jnp.zeros((M, B, T, *e)) for k, e in entry.items()}
   caches = [cache, cache]  # depth 1 and depth 2 keep separate histories here
