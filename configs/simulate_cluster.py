@@ -47,6 +47,6 @@ def get_config() -> config_dict.ConfigDict:
   c.routing_gpus = 64  # scale: GPUs of the routing study
   c.slowdown = 1.0
   c.experiments = ("anchors", "ep", "pareto", "routing", "balance")  # scale: which studies
-  c.mlperf_device = "gb300"  # mlperf: device of the 72-GPU system
+  c.mlperf_device = "gb300"  # mlperf: device of the records' systems (8 or 72 GPUs)
   c.lock()
   return c

@@ -4,7 +4,7 @@ simulated workers (`jaxinfer/sim/`).
   python experiments/simulate_cluster.py --mode=calibrate_check   # fit on this machine, check 2 workloads
   python experiments/simulate_cluster.py --mode=scale             # DeepSeek-R1 on 8..288 GPUs
   python experiments/simulate_cluster.py --mode=scale --experiments=pareto --pareto_device=b200 --pareto_gpus=16
-  python experiments/simulate_cluster.py --mode=mlperf          # MLPerf GB300 NVL72 table + ablation
+  python experiments/simulate_cluster.py --mode=mlperf          # MLPerf GB300 table + ablation
 
 calibrate_check  measures the real engine's step times on this machine
                  (one worker, synchronous steps, fixed step shapes), fits a
@@ -19,10 +19,13 @@ scale            roofline step times of --sim_model on the device table:
                  rank balance. Every assumption is in jaxinfer/sim/cost.py and
                  experiments/benchlib/sim_scale.py.
 mlperf           DeepSeek-R1 and Llama 3.1 405B MLPerf scenarios (Offline,
-                 Server, Interactive) on 72 GB300: the best configuration per
-                 scenario under MLPerf's limits, predicted vs published
-                 tokens/s per GPU for v5.1 and v6.0, and the v5.1 -> v6.0
-                 ablation (jaxinfer/sim/mlperf.py, experiments/benchlib/sim_mlperf.py).
+                 Server, Interactive) on GB300, each on the system of the
+                 submission that published it (8 or 72 GPUs): the best
+                 configuration per scenario under MLPerf's limits and the
+                 model at the record's own deployment, predicted vs
+                 published tokens/s per GPU for v5.1 and v6.0, and the
+                 v5.1 -> v6.0 ablation (jaxinfer/sim/mlperf.py,
+                 experiments/benchlib/sim_mlperf.py).
 Results: a table on stdout, JSON and a plot under experiments/results/.
 """
 
@@ -92,8 +95,9 @@ _SLOWDOWN = flags.DEFINE_float("slowdown", 1.0, "scale: pareto sensitivity, roof
 _EXPERIMENTS = flags.DEFINE_list("experiments", ["anchors", "ep", "pareto", "routing", "balance"],
                                  "scale: which studies")
 # mlperf
-_MLPERF_DEVICE = flags.DEFINE_string("mlperf_device", "gb300", "mlperf: device of the 72-GPU "
-                                     "system (the published rows are GB300 NVL72's)")
+_MLPERF_DEVICE = flags.DEFINE_string("mlperf_device", "gb300", "mlperf: device of the records' "
+                                     "systems (the published rows are GB300 NVL72's, 8 or 72 "
+                                     "GPUs)")
 _CONFIG = flag_config.define_config(__file__)
 
 

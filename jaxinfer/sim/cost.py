@@ -30,7 +30,6 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.engine.steps import step_shapes
 from jaxinfer.models import quant as quant_lib
 from jaxinfer.models import specs as specs_lib
-from jaxinfer.models.attention import cache_entry_shapes
 
 _GB = 1e9
 
@@ -262,6 +261,10 @@ class RooflineCost:
   # DeepSeek-R1 on 8 B200 (TP8, FP4) at 8.8 ms/step (114 tokens/s/user),
   # near TensorRT-LLM's published 111; see experiments/benchlib/sim_scale.py's anchors.
   layer_floor_s: float = 100e-6
+  # False: layer_floor_s is the least time a layer takes (hidden under
+  # larger work); True: a fixed latency every layer adds to its roofline
+  # work (small kernels and collective latencies on the critical path).
+  floor_adds: bool = False
   # ASSUMED: per step, sampling and the host's share not overlapped.
   step_overhead_s: float = 300e-6
   # ASSUMED: latency of one collective (NCCL/DeepEP low-latency kernels).
@@ -282,6 +285,11 @@ class RooflineCost:
   # and the per-step overhead unchanged): a system reaching 1 / slowdown of
   # this roofline beyond the kernel efficiencies above.
   slowdown: float = 1.0
+  # Per-part factors on top of `slowdown` (the parts of `StepCost.parts`:
+  # "attention", "dense" (the head too), "experts", "comm"), as (part, factor)
+  # pairs, each >= 1: kernels of one family reaching 1 / factor of this
+  # roofline (sim/mlperf.py charges each family its measured fraction).
+  part_slowdown: tuple = ()
   kv_link: str = "nvlink"  # "nvlink" | "network": where disaggregated K/V travels
   # HBM bytes the attention kernel reads per minimum K/V byte (planned /
   # minimum of experiments/results/kernel_report_h100.json, via
@@ -301,6 +309,10 @@ class RooflineCost:
       raise ValueError(f"RooflineCost: comm_overlap must be in [0, 1], got {self.comm_overlap}")
     if not self.slowdown >= 1:
       raise ValueError(f"RooflineCost: slowdown must be >= 1, got {self.slowdown}")
+    for part, f in self.part_slowdown:
+      if part not in ("attention", "dense", "experts", "comm") or not f >= 1:
+        raise ValueError(f"RooflineCost: part_slowdown needs (part, factor >= 1) with part one of "
+                         f"attention, dense, experts, comm; got {(part, f)!r}")
     if not self.attn_kv_factor >= 1:
       raise ValueError(f"RooflineCost: attn_kv_factor must be >= 1 (no kernel reads less than "
                        f"the minimum), got {self.attn_kv_factor}")
@@ -351,8 +363,8 @@ class RooflineCost:
     """K/V bytes of one token on one GPU, over `layers` (default: all,
     plus the MTP modules'). MLA's latent is replicated over TP ranks; GQA's
     KV heads split over them."""
-    per_layer = sum(math.prod(e) for e in cache_entry_shapes(self.cfg).values())
-    split = 1 if self.cfg.attention == "mla" else min(self.par.tp, self.cfg.num_kv_heads)
+    per_layer = sum(math.prod(e) for e in self.cfg.cache_entry_shapes().values())
+    split = 1 if self.cfg.attention.latent else min(self.par.tp, self.cfg.num_kv_heads)
     if layers is None:
       layers = self.cfg.num_layers + self.cfg.num_mtp_layers
     return per_layer * KV_BYTES[self.kv_dtype] * layers / split
@@ -384,7 +396,7 @@ class RooflineCost:
     d = self.device
     bw, lat = ((d.nvlink_bw, self.nvlink_latency_s) if self.kv_link == "nvlink"
                else (d.net_bw, self.net_latency_s))
-    per_token = self.kv_bytes_per_token() * (1 if self.cfg.attention == "mla"
+    per_token = self.kv_bytes_per_token() * (1 if self.cfg.attention.latent
                                              else min(self.par.tp, self.cfg.num_kv_heads))
     return tokens * per_token / bw + lat
 
@@ -392,7 +404,7 @@ class RooflineCost:
 
   def _attn_flops_per_pair(self, decode: bool) -> float:
     cfg = self.cfg
-    if cfg.attention == "mla":
+    if cfg.attention.latent:
       if decode:  # absorbed: scores and values over the latent (FlashMLA)
         return 2 * cfg.num_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
       return 2 * cfg.num_heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim)
@@ -467,21 +479,25 @@ class RooflineCost:
                     2 * per_gpu * k * size * (1 + self.moe_imbalance) / F)
       comm += self._a2a_s(max(rows) / tp)
     comm += self._allreduce_s(max(rows))
-    comm *= (1 - self.comm_overlap) * self.slowdown
-    worst_attn, worst_dense, experts = (v * self.slowdown for v in (worst_attn, worst_dense,
-                                                                    experts))
+    comm *= (1 - self.comm_overlap) * self._slow("comm")
+    worst_attn, worst_dense, experts = (worst_attn * self._slow("attention"),
+                                        worst_dense * self._slow("dense"),
+                                        experts * self._slow("experts"))
     work = worst_attn + worst_dense + experts
-    floor = max(0.0, self.layer_floor_s - work)
+    floor = self.layer_floor_s if self.floor_adds else max(0.0, self.layer_floor_s - work)
     for name, v in (("attention", worst_attn), ("dense", worst_dense), ("experts", experts),
                     ("comm", comm), ("latency_floor", floor)):
       key = "mtp" if kind == "mtp" else name
       parts[key] = parts.get(key, 0.0) + v * times
     return (work + floor + comm) * times
 
+  def _slow(self, part: str) -> float:
+    return self.slowdown * dict(self.part_slowdown).get(part, 1.0)
+
   def _head(self, rows: float) -> float:
     c, tp = self._c, self.par.tp
-    return self.slowdown * max(c.head * self._bytes("head") / tp / self._bw,
-                               2 * rows * c.head / tp / self._flops)
+    return self._slow("dense") * max(c.head * self._bytes("head") / tp / self._bw,
+                                     2 * rows * c.head / tp / self._flops)
 
   def step_time(self, shapes: Sequence[StepShape]) -> StepCost:
     if not shapes:

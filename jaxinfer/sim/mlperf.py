@@ -3,6 +3,14 @@ model (`sim/cost.py`'s `RooflineCost`): DeepSeek-R1 and Llama 3.1 405B,
 Offline / Server / Interactive, predicted tokens/s per GPU for a searched
 configuration, and the published GB300 NVL72 figures to hold them against.
 
+Each published figure comes with the submission that produced it
+(`Record`: its system's GPUs, deployment, batch cap, token budget, MTP
+depth), read from the MLCommons results repositories: the search runs on
+that system's GPUs, within that record's batch cap, over the layouts the
+round's software could use, and also at the record's own deployment
+(`at_record`), which separates the step-cost model's error from the
+search's.
+
 The search is analytic (steady state): for one configuration (co-located or
 disaggregated, TP / attention DP / EP, MTP depth, prefill chunk, decode batch
 per rank) it prices a mean decode step and the prefill work each emitted
@@ -12,9 +20,10 @@ hold the scenario's limits. Server and Interactive: a rank holds at most
 `batch` sequences and a Poisson-arriving request waits for a free slot
 (an M/M/c queue over the pooled slots, `served_load`); the prediction is
 the mean batch at the highest load whose p99 TTFT (prefill plus slot wait)
-holds, and TPOT is judged with every slot busy. Techniques (`Techniques`) switch what the
-search may use, so a "v5.1-like" and a "v6.0-like" system differ only in
-them; `ablation` turns them on one at a time.
+holds, and TPOT is judged with every slot busy. Offline fills every slot.
+What a round's software could do (`Techniques`, `ROUND_TECHNIQUES`) and
+its batch caps and system (`Record`) are all the rounds differ in;
+`ablation` changes them one at a time.
 
 Every workload and hardware figure below says where it comes from; every
 efficiency factor says whether it was measured (and where) or ASSUMED.
@@ -69,16 +78,15 @@ WORKLOADS = {
     # (utils/backend_registry.py MAX_TEMPLATE_TOKS). From the dataset CSV:
     # input mean 803.8, p99 1432, max 3140 (MAX_ISL 3136); outputs capped at
     # 20,000: E[o^2] / (2 E[o]) = 4354 (output std 5065 uncapped: long-tailed).
-    # Weights NVFP4 (NVIDIA's Blackwell R1 entries run nvidia/DeepSeek-R1-FP4);
-    # K/V FP8: ASSUMED (TensorRT-LLM's FP8 KV cache).
+    # Weights NVFP4 and K/V FP8: every record below (precision 'fp4',
+    # kv_cache_dtype 'fp8').
     "deepseek-r1": Workload(benchmark="deepseek-r1", preset="deepseek_v3", isl_mean=803.8,
                             isl_p99=1432.0, osl_mean=3886.2, osl_age_mean=4354.0,
                             template_tokens=4, weight_dtype="fp4", kv_dtype="fp8"),
     # mlcommons/inference language/llama3.1-405b: 8313 samples (mlperf.conf);
     # mean output 684.68 tokens (README, reference "tokens_per_sample"). From
     # the dataset CSV: input mean 9428.6, p99 18956, max 19988; output
-    # E[o^2] / (2 E[o]) = 392. Weights NVFP4 (NVIDIA's Blackwell 405B
-    # entries); K/V FP8 ASSUMED.
+    # E[o^2] / (2 E[o]) = 392. NVFP4 weights, FP8 K/V (the records' configs).
     "llama3.1-405b": Workload(benchmark="llama3.1-405b", preset="llama3_1_405b",
                               isl_mean=9428.6, isl_p99=18956.0, osl_mean=684.68,
                               osl_age_mean=392.0, template_tokens=0, weight_dtype="fp4",
@@ -97,9 +105,10 @@ class Scenario:
   tpot_ms: float | None = None
 
 
-# loadgen/mlperf.conf (mlcommons/inference): deepseek-r1.Server ttft 2000 /
-# tpot 80; deepseek-r1-interactive.Server ttft 1500 / tpot 15;
-# llama3_1-405b.Server ttft 6000 / tpot 175 (ms, 99th percentile).
+# mlcommons/inference loadgen/mlperf.conf (commit b66003e10e2d): lines 148-150
+# deepseek-r1.Server ttft_latency 2000 / tpot_latency 80; lines 153-155
+# deepseek-r1-interactive.Server 1500 / 15; lines 129-131 llama3_1-405b.Server
+# 6000 / 175 (ms); line 83 *.Server.target_latency_percentile = 99.
 SCENARIOS = {
     ("deepseek-r1", "Offline"): Scenario(name="Offline"),
     ("deepseek-r1", "Server"): Scenario(name="Server", ttft_ms=2000.0, tpot_ms=80.0),
@@ -108,22 +117,165 @@ SCENARIOS = {
     ("llama3.1-405b", "Server"): Scenario(name="Server", ttft_ms=6000.0, tpot_ms=175.0),
 }
 
-# NVIDIA's MLPerf Inference results on GB300 NVL72 (72 GPUs), closed division,
-# tokens/s per GPU, as issue 74 quotes them: v6.0 and v5.1 rounds.
-# Interactive (new in v6.0): 250,634 tokens/s for the system / 72 GPUs
-# (ASSUMED: the system is one NVL72 rack).
+
+# ------------------------------------------------------------------- records
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Config:
+  """One deployment on the system's GPUs."""
+  mode: str  # "colocated" | "disaggregated"
+  tp: int  # attention TP per rank
+  ranks: int  # attention-DP ranks per decode instance
+  ep: int  # decode instance's EP size (1: dense)
+  mtp_k: int = 0
+  chunk: int = 0  # co-located prefill token budget per step (beyond the decode rows)
+  batch: int = 1  # decode sequences per rank (the batch cap)
+  prefill_gpus: int = 0  # disaggregated: GPUs of the system on prefill
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Record:
+  """The submission a published figure comes from and how it was deployed
+  (its config files): the search runs on `system_gpus` within `config.batch`
+  (the record's per-rank batch cap), and `at_record` evaluates `config`."""
+  submitter: str
+  system_gpus: int
+  # The log's "Tokens per second" (Offline) or "Completed tokens per second".
+  system_tokens_per_s: float
+  config: Config
+  deployment: str  # the record's deployment in words
+  source: str  # result and config files
+  # Server-type logs' operating point, from the same mlperf_log_summary.txt:
+  # sequences decoding per decode rank (an attention-DP rank or a TP
+  # instance; Little's law: completed samples/s x (mean latency - mean TTFT)
+  # / ranks), mean and p99 TPOT, p99 TTFT (ms).
+  log: dict | None = None
+
+
+# The published rows: per GPU = the log's tokens/s over the system's GPUs.
+# v6.0: mlcommons/inference_results_v6.0 at commit ab33b2144a9f ("Publishing
+# Results"; read from its mirror gbeezybez/inference_results_v6.0), v5.1:
+# mlcommons/inference_results_v5.1 (read from its mirror
+# ykamiset/inference_results_v5.1 at e9ccad4d681a); each file under closed/.
+# The DeepSeek-R1 v6.0 Server and Offline figures of issue 74 (8,064 and
+# 9,821 per GPU) are the best GB300 results per GPU of that round, from
+# partners' 8-GPU systems (Nebius, CoreWeave), not NVIDIA's 72-GPU entry
+# (5,562 and 8,987: `OTHER_GB300_V60`).
+_V60, _V51 = "mlcommons/inference_results_v6.0 closed/", "mlcommons/inference_results_v5.1 closed/"
+_DEP8 = dict(mode="colocated", tp=1, ranks=8, ep=8)  # tensor_parallelism 8 + enable_attention_dp
+_TP2 = dict(mode="colocated", tp=2, ranks=1, ep=1)
 PUBLISHED = [
-    dict(benchmark="deepseek-r1", scenario="Server", round="v6.0", per_gpu=8064.0),
-    dict(benchmark="deepseek-r1", scenario="Offline", round="v6.0", per_gpu=9821.0),
-    dict(benchmark="deepseek-r1", scenario="Interactive", round="v6.0", per_gpu=250634.0 / 72),
-    dict(benchmark="deepseek-r1", scenario="Server", round="v5.1", per_gpu=2907.0),
-    dict(benchmark="deepseek-r1", scenario="Offline", round="v5.1", per_gpu=5842.0),
-    dict(benchmark="llama3.1-405b", scenario="Server", round="v6.0", per_gpu=259.0),
-    dict(benchmark="llama3.1-405b", scenario="Offline", round="v6.0", per_gpu=271.0),
-    dict(benchmark="llama3.1-405b", scenario="Server", round="v5.1", per_gpu=170.0),
-    dict(benchmark="llama3.1-405b", scenario="Offline", round="v5.1", per_gpu=224.0),
+    dict(benchmark="deepseek-r1", scenario="Server", round="v6.0", per_gpu=64509.99 / 8,
+         record=Record(
+             submitter="Nebius", system_gpus=8, system_tokens_per_s=64509.99,
+             config=Config(**_DEP8, chunk=4608, batch=640),
+             deployment="1 x DEP8 (attention DP 8 + EP 8), gpu_batch_size 640, max_num_tokens "
+                        "4608 (whole prompts), ADP balance, no MTP, stream_interval 100",
+             source=_V60 + "Nebius/results/GB300-NVL72_GB300-288GB_aarch64x8_TRT/deepseek-r1/"
+                    "Server/performance/run_1/mlperf_log_summary.txt; Nebius/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x8/Server/deepseek-r1.py",
+             log=dict(in_flight_per_rank=17.18 * (270.92 - 0.63) / 8, tpot_mean_ms=72.4, tpot_p99_ms=77.7,
+                      ttft_p99_ms=1427.7))),
+    dict(benchmark="deepseek-r1", scenario="Offline", round="v6.0", per_gpu=78564.0 / 8,
+         record=Record(
+             submitter="CoreWeave", system_gpus=8, system_tokens_per_s=78564.0,
+             config=Config(**_DEP8, chunk=6144, batch=1024),
+             deployment="1 x DEP8, gpu_batch_size 1024, max_num_tokens 6144, ADP balance, no MTP",
+             source=_V60 + "CoreWeave/results/GB300-NVL72_GB300-288GB_aarch64x8_TRT/deepseek-r1/"
+                    "Offline/performance/run_1/mlperf_log_summary.txt; CoreWeave/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x8/Offline/deepseek-r1.py")),
+    dict(benchmark="deepseek-r1", scenario="Interactive", round="v6.0", per_gpu=250633.67 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=250633.67,
+             config=Config(mode="disaggregated", tp=1, ranks=16, ep=16, mtp_k=3, batch=128,
+                           prefill_gpus=8),
+             deployment="disaggregated: 4 prefill x DEP2 (8 GPUs) + 4 decode x DEP16 (64 GPUs), "
+                        "max_batch_size 128, MTP 3, KV-aware router (Dynamo)",
+             source=_V60 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/deepseek-r1/"
+                    "Interactive/performance/run_1/mlperf_log_summary.txt; NVIDIA/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x72/Interactive/deepseek-r1.py, .../"
+                    "aarch64x16/Interactive/disagg_decode/deepseek-r1.yml, .../aarch64x2/"
+                    "Interactive/disagg_prefill/deepseek-r1.yml",
+             log=dict(in_flight_per_rank=66.90 * (42.16 - 0.42) / 64, tpot_mean_ms=11.54, tpot_p99_ms=13.87,
+                      ttft_p99_ms=491.6))),
+    dict(benchmark="deepseek-r1", scenario="Server", round="v5.1", per_gpu=209327.68 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=209327.68,
+             config=Config(**_DEP8, chunk=3456, batch=512),
+             deployment="9 x DEP8, gpu_batch_size 512, max_num_tokens 3456, ADP balance, no MTP",
+             source=_V51 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/deepseek-r1/"
+                    "Server/performance/run_1/mlperf_log_summary.txt; NVIDIA/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x72_TRT/Server/deepseek-r1.py",
+             log=dict(in_flight_per_rank=56.95 * (233.10 - 0.78) / 72, tpot_mean_ms=63.7, tpot_p99_ms=70.8,
+                      ttft_p99_ms=1939.7))),
+    dict(benchmark="deepseek-r1", scenario="Offline", round="v5.1", per_gpu=420659.0 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=420659.0,
+             config=Config(**_DEP8, chunk=6656, batch=1536),
+             deployment="9 x DEP8, gpu_batch_size 1536 (K/V memory holds fewer), max_num_tokens "
+                        "6656, ADP balance, no MTP",
+             source=_V51 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/deepseek-r1/"
+                    "Offline/performance/run_1/mlperf_log_summary.txt; NVIDIA/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x72_TRT/Offline/deepseek-r1.py")),
+    dict(benchmark="llama3.1-405b", scenario="Server", round="v6.0", per_gpu=18627.63 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=18627.63,
+             config=Config(mode="disaggregated", tp=4, ranks=1, ep=1, batch=256,
+                           prefill_gpus=52),
+             deployment="disaggregated: 26 prefill x TP2 (52 GPUs) + 5 decode x TP4 (20 GPUs), "
+                        "decode max_batch_size 256, KV-aware router (Dynamo)",
+             source=_V60 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/llama3.1-405b/"
+                    "Server/performance/run_1/mlperf_log_summary.txt and user.conf (target_qps "
+                    "29.4: the dynamo_cluster config); NVIDIA/configs/GB300-NVL72_GB300-288GB_"
+                    "aarch64x72/Server/llama3_1-405b.py, .../aarch64x4/Server/disagg_decode/"
+                    "llama3_1-405b.yaml",
+             log=dict(in_flight_per_rank=29.01 * (39.62 - 2.09) / 5, tpot_mean_ms=58.7, tpot_p99_ms=60.2,
+                      ttft_p99_ms=4577.4))),
+    dict(benchmark="llama3.1-405b", scenario="Offline", round="v6.0", per_gpu=19511.7 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=19511.7,
+             config=Config(**_TP2, chunk=1536, batch=2048),
+             deployment="36 x TP2, gpu_batch_size 2048 (K/V memory holds fewer), chunked "
+                        "context, max_num_tokens 1536",
+             source=_V60 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/llama3.1-405b/"
+                    "Offline/performance/run_1/mlperf_log_summary.txt; NVIDIA/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x2/Offline/llama3_1-405b.py")),
+    dict(benchmark="llama3.1-405b", scenario="Server", round="v5.1", per_gpu=12248.42 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=12248.42,
+             config=Config(**_TP2, chunk=1536, batch=2048),
+             deployment="36 x TP2, gpu_batch_size 2048, chunked context, max_num_tokens 1536",
+             source=_V51 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/llama3.1-405b/"
+                    "Server/performance/run_1/mlperf_log_summary.txt; NVIDIA/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x72_TRT/Server/llama3_1-405b.py",
+             log=dict(in_flight_per_rank=19.46 * (49.27 - 1.78) / 36, tpot_mean_ms=75.7, tpot_p99_ms=100.1,
+                      ttft_p99_ms=4745.8))),
+    dict(benchmark="llama3.1-405b", scenario="Offline", round="v5.1", per_gpu=16104.1 / 72,
+         record=Record(
+             submitter="NVIDIA", system_gpus=72, system_tokens_per_s=16104.1,
+             config=Config(**_TP2, chunk=1536, batch=2048),
+             deployment="36 x TP2, gpu_batch_size 2048, chunked context, max_num_tokens 1536",
+             source=_V51 + "NVIDIA/results/GB300-NVL72_GB300-288GB_aarch64x72_TRT/llama3.1-405b/"
+                    "Offline/performance/run_1/mlperf_log_summary.txt; NVIDIA/configs/"
+                    "GB300-NVL72_GB300-288GB_aarch64x72_TRT/Offline/llama3_1-405b.py")),
 ]
-SYSTEM_GPUS = 72  # GB300 NVL72: one NVLink domain (cost.DEVICES["gb300"].nvlink_domain)
+
+# The other GB300 DeepSeek-R1 v6.0 results of the same software (TensorRT-LLM,
+# DEP8 instances), tokens/s per GPU from each log under _V60 + <submitter>/
+# results/<system>/deepseek-r1/<scenario>/performance/run_1: how far apart
+# submitters land on one hardware and software (Server 5,562 to 8,064).
+OTHER_GB300_V60 = [
+    dict(submitter="NVIDIA", system="GB300-NVL72_GB300-288GB_aarch64x72_TRT", scenario="Server",
+         per_gpu=400436.77 / 72),
+    dict(submitter="NVIDIA", system="GB300-NVL72_GB300-288GB_aarch64x72_TRT", scenario="Offline",
+         per_gpu=647076.0 / 72),
+    dict(submitter="Nebius", system="GB300-NVL72_GB300-288GB_aarch64x72_TRT", scenario="Server",
+         per_gpu=575579.74 / 72),
+    dict(submitter="Nebius", system="GB300-NVL72_GB300-288GB_aarch64x8_TRT", scenario="Offline",
+         per_gpu=76346.6 / 8),
+    dict(submitter="CoreWeave", system="GB300-NVL72_GB300-288GB_aarch64x8_TRT", scenario="Server",
+         per_gpu=44589.69 / 8),
+]
 
 # Hardware: `cost.DEVICES` holds GB300, B200, H200, H100 with their datasheet
 # figures and sources in comments (HBM bandwidth, bf16 / fp8 / fp4 peaks,
@@ -142,37 +294,54 @@ HARDWARE_SOURCES = {
 class Efficiency:
   """Fractions of `RooflineCost`'s roofline (which already charges
   DeviceSpec.bw_eff / flop_eff, the copy and matmul fractions measured on
-  H100 / H200) that a system's kernels reach, and scheduling constants."""
+  H100 / H200) that a round's kernels reach, per part of the step, and
+  scheduling constants. Attention is charged against the same matmul
+  fraction (flop_eff) as the kernel measurements below, not the device's
+  attn_flop_eff: that one is itself an attention kernel's fraction
+  (FlashAttention-3's), which the attention factor here replaces."""
   # MEASURED: this repository's engine decoding the DeepSeek-V3 layers (MoE,
   # MLA) at batch 64 on one H200 reached 0.452 of its bandwidth roofline
   # (experiments/results/gpu/h200_2026-11-27_run7/
   # gpu_day_nvidia_h200_2026-11-27_engine.json, moe.decode.batch_64
   # fraction_of_roofline): an engine whose kernels are not fused or tuned.
-  # ASSUMED mapping: it stands for the v5.1 software's kernels.
+  # ASSUMED mapping: it stands for the v5.1 software's kernels, every part.
   unfused_kernels: float = 0.452
-  # MEASURED inputs, ASSUMED rule: fused, tuned kernels (v6.0) reach what the
-  # best kernel of each family measured on that H200 reached (any
-  # implementation; gpu_day_nvidia_h200_2026-11-27_kernels.json roofline_frac):
-  # paged decode attention 0.595, causal prefill attention 0.758 (torch
-  # sdpa), grouped expert matmul 0.859 (median), quantized matmul 0.498
-  # (bf16 weight dot); their geometric mean 0.663 scales the whole step.
-  fused_kernels: float = 0.663
+  # MEASURED, per family: the best implementation's roofline_frac in
+  # gpu_day_nvidia_h200_2026-11-27_kernels.json (same folder); v6.0's kernels
+  # are ASSUMED to reach them. Attention: paged decode attention 0.595 (B8
+  # S8192, Q1; prefill attention reached 0.758, charged 0.595 too, decode
+  # dominates); dense (projections, dense MLP, shared experts, head): the
+  # quantized matmul 0.498; experts: the grouped matmul's median 0.859.
+  attention_kernels: float = 0.595
+  dense_kernels: float = 0.498
+  expert_kernels: float = 0.859
+  # ASSUMED: collectives (TP all-reduce, EP all-to-all) reach the kernels'
+  # geometric mean 0.663 (no collective was measured on the GPU day).
+  comm_kernels: float = 0.663
   # MEASURED (published): TensorRT-LLM's balanced attention DP keeps average
-  # / max tokens per rank at 0.88 (sim_scale.TRTLLM_ATTN_BALANCE); charged to
-  # every decode step's attention as max / mean = 1 / 0.88.
+  # / max tokens per rank at 0.877 (NVIDIA/TensorRT-LLM docs/source/blogs/
+  # tech_blog/blog10_ADP_Balance_Strategy.md, "Avg Balance Ratio 87.70%", 8
+  # GB200, DeepSeek-V3, DP8 + EP8); charged to every decode step's attention
+  # as max / mean = 1 / 0.88.
   attn_balance: float = 0.88
   # ASSUMED: Server-type scenarios queue a request for a decode slot (a
   # rank's batch is capped) with a router that pools the slots of every rank
   # of the system ("system"), or only of one instance's ranks ("instance").
   slot_pool: str = "system"
-  # ASSUMED: the largest decode batch per attention-DP rank (CUDA graphs).
-  max_batch: int = 512
+
+  def parts(self, fused: bool) -> tuple:
+    """(part, slowdown) pairs for `RooflineCost.part_slowdown`."""
+    if not fused:
+      return tuple((p, 1.0 / self.unfused_kernels) for p in ("attention", "dense", "experts",
+                                                               "comm"))
+    return (("attention", 1.0 / self.attention_kernels), ("dense", 1.0 / self.dense_kernels),
+            ("experts", 1.0 / self.expert_kernels), ("comm", 1.0 / self.comm_kernels))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Techniques:
-  """What the v5.1 -> v6.0 software added (issue 74), each on or off."""
-  fused_kernels: bool = False  # faster, fused kernels
+  """What a round's software could use, each on or off."""
+  fused_kernels: bool = False  # v6.0's faster, fused kernels
   adp_balance: bool = False  # attention-DP balancing of context requests
   disaggregated: bool = False  # separate prefill and decode GPUs
   wide_ep: bool = False  # EP beyond 8 GPUs (up to the NVL72 rack)
@@ -185,41 +354,34 @@ class Techniques:
 
 TECHNIQUE_ORDER = ("fused_kernels", "adp_balance", "disaggregated", "wide_ep", "mtp",
                    "kv_routing")
-TECHNIQUE_CAUSE = {
-    "fused_kernels": "faster and fused kernels (the best measured kernels' fraction of the "
-                     "roofline instead of the unfused engine's)",
-    "adp_balance": "attention-DP balancing of context requests (prefill spread evenly over "
-                   "ranks instead of whole chunks stalling every rank's step)",
-    "disaggregated": "disaggregated prefill / decode (no prefill in decode steps)",
-    "wide_ep": "wide EP (experts over up to 72 GPUs: fewer expert bytes per GPU)",
-    "mtp": "MTP speculative decoding, up to 3 drafts (TensorRT-LLM R1 acceptance)",
-    "kv_routing": "KV-aware routing (reuses only the shared chat template here)",
-}
-ROUND_TECHNIQUES = {"v5.1": Techniques(), "v6.0": Techniques(**{t: True for t in TECHNIQUE_ORDER})}
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Config:
-  """One deployment on the system's GPUs."""
-  mode: str  # "colocated" | "disaggregated"
-  tp: int  # attention TP per rank
-  ranks: int  # attention-DP ranks per decode instance
-  ep: int  # decode instance's EP size (1: dense)
-  mtp_k: int = 0
-  chunk: int = 0  # co-located prefill chunk (token budget beyond the decode rows)
-  batch: int = 1  # decode sequences per rank (the batch cap)
-  prefill_gpus: int = 0  # disaggregated: GPUs of the system on prefill
+# v5.1: the records already balance attention-DP context requests
+# (adp_balancing_enable True in both v5.1 DeepSeek-R1 configs above); v6.0's
+# records add the rest (Interactive: disaggregated, EP16, MTP 3, KV router).
+ROUND_TECHNIQUES = {"v5.1": Techniques(adp_balance=True),
+                    "v6.0": Techniques(**{t: True for t in TECHNIQUE_ORDER})}
 
 
 # --------------------------------------------------------------- step costs
 
 @functools.lru_cache(maxsize=None)
 def _cost(preset: str, dev: str, tp: int, ranks: int, ep: int, weight_dtype: str,
-          kv_dtype: str, kernel_eff: float, attn_balance: float) -> RooflineCost:
-  return RooflineCost(cfg=presets.get(preset), device=device(dev),
-                      par=Parallelism(tp=tp, dp=ranks, ep=ep), weight_dtype=weight_dtype,
-                      kv_dtype=kv_dtype, slowdown=1.0 / kernel_eff,
-                      attn_imbalance=1.0 / attn_balance)
+          kv_dtype: str, parts: tuple, attn_balance: float) -> RooflineCost:
+  """The step-cost model of one instance. Attention at the matmul fraction
+  (see `Efficiency`). ASSUMED: RooflineCost's per-layer latency
+  (layer_floor_s, 100 us, itself ASSUMED from the batch-1 B200 anchor, which
+  this keeps: 109 tokens/s/user against TensorRT-LLM's published 111) is
+  added to every layer's roofline work (floor_adds) instead of hidden under
+  it: a layer's small kernels and collective latencies sit on the critical
+  path at any batch. The records' logs show such a fixed part: at DEP8 the
+  step is ~38 ms plus a part that grows with the batch (v6.0: 307 in flight
+  per rank at 56.2 ms mean TPOT in NVIDIA's 72-GPU Server log, 582 at 72.4
+  ms in Nebius's; v5.1: 184 at 63.7 ms), where the roofline alone puts ~14
+  ms of weight and expert reads."""
+  d = device(dev)
+  return RooflineCost(cfg=presets.get(preset), device=dataclasses.replace(
+      d, attn_flop_eff=d.flop_eff), par=Parallelism(tp=tp, dp=ranks, ep=ep),
+      weight_dtype=weight_dtype, kv_dtype=kv_dtype, part_slowdown=parts,
+      attn_imbalance=1.0 / attn_balance, floor_adds=True)
 
 
 def _shape(batch: float, context: float, k: int, prefill: float, prefill_start: float) -> StepShape:
@@ -247,11 +409,12 @@ class _Ctx:
   tech: Techniques
   eff: Efficiency
   dev: str
+  system_gpus: int = 72
+  batch_cap: int = 512
 
   def cost(self, tp: int, ranks: int, ep: int) -> RooflineCost:
-    kern = self.eff.fused_kernels if self.tech.fused_kernels else self.eff.unfused_kernels
     return _cost(self.w.preset, self.dev, tp, ranks, ep, self.w.weight_dtype, self.w.kv_dtype,
-                 kern, self.eff.attn_balance)
+                 self.eff.parts(self.tech.fused_kernels), self.eff.attn_balance)
 
   @property
   def context(self) -> float:  # mean context an in-flight decode token attends
@@ -262,13 +425,13 @@ class _Ctx:
     return self.w.isl_mean - (self.w.template_tokens if self.tech.kv_routing else 0)
 
 
-
-def _fits(cost: RooflineCost, batch: float, ctx: _Ctx) -> bool:
+def max_batch(cost: RooflineCost, ctx: _Ctx) -> int:
+  """The most sequences one rank's K/V memory holds at the mean context."""
   try:
     cap = cost.kv_pages(PAGE) * PAGE
   except ValueError:
-    return False
-  return batch * ctx.context <= cap  # the batch's mean in-flight tokens
+    return 0
+  return int(cap // ctx.context)
 
 
 def _queue_p99_s(rho: float, service_s: float) -> float:
@@ -356,7 +519,7 @@ def _served(ctx: _Ctx, c: Config, ranks: int, full_step_s: float, ttft0_s: float
 
 def colocated(ctx: _Ctx, c: Config) -> dict | None:
   cost = ctx.cost(c.tp, c.ranks, c.ep)
-  if not _fits(cost, c.batch, ctx):
+  if c.tp * c.ranks > ctx.system_gpus or c.batch > max_batch(cost, ctx):
     return None
   full = _colocated_step(ctx, cost, c, c.batch)  # every slot busy: TPOT's worst case
   if full is None:
@@ -364,83 +527,110 @@ def colocated(ctx: _Ctx, c: Config) -> dict | None:
   tpr = tokens_per_row(c.mtp_k)
   chunk_step = cost.step_time([_shape(c.batch, ctx.context, c.mtp_k, c.chunk,
                                       ctx.w.isl_mean / 2)]).seconds
+  # A rank's prompts queue for its chunk budget (M/D/1): the service is one
+  # mean prompt, ceil(isl / chunk) chunk steps (one step when a chunk holds it).
   rho = min(full[1] / c.chunk, 0.999)
-  ttft0 = _queue_p99_s(rho, chunk_step) + math.ceil(ctx.w.isl_p99 / c.chunk) * chunk_step
-  served = _served(ctx, c, SYSTEM_GPUS // c.tp, full[0], ttft0)
+  service = math.ceil(ctx.new_prompt / c.chunk) * chunk_step
+  ttft0 = _queue_p99_s(rho, service) + math.ceil(ctx.w.isl_p99 / c.chunk) * chunk_step
+  instances = ctx.system_gpus // (c.tp * c.ranks)  # whole instances; GPUs left over idle
+  served = _served(ctx, c, instances * c.ranks, full[0], ttft0)
   if served is None:
     return None
   batch, wait = served
   t = _colocated_step(ctx, cost, c, batch)[0]
-  return dict(per_gpu=batch * tpr / t / c.tp, tpot_ms=full[0] / tpr * 1e3,
+  used = instances * c.tp * c.ranks / ctx.system_gpus
+  return dict(per_gpu=batch * tpr / t / c.tp * used, tpot_ms=full[0] / tpr * 1e3,
               ttft_ms=(ttft0 + wait) * 1e3, step_ms=t * 1e3, mean_batch=batch)
 
 
 def _prefill_rank(ctx: _Ctx, tokens: int = 8192):
-  """A prefill instance (MoE: DP8 attention + EP8; dense: the decode TP)
-  and its tokens/s per GPU on `tokens`-token steps of whole prompts."""
+  """A prefill instance as the records deploy it (DeepSeek-R1: DEP2, attention
+  DP 2 + EP 2; Llama 3.1 405B: TP2): (cost, seconds of a step of `tokens`
+  tokens of whole prompts, tokens/s per GPU, prompts per step, GPUs)."""
   moe = presets.get(ctx.w.preset).is_moe
-  tp, ranks, ep = (1, 8, 8) if moe else (8, 1, 1)
+  tp, ranks, ep = (1, 2, 2) if moe else (2, 1, 1)
   cost = ctx.cost(tp, ranks, ep)
   n = max(1, round(tokens / ctx.new_prompt))
   L = int(ctx.new_prompt)
   s = StepShape(prefill_tokens=n * L, prefill_seqs=n, sampling_prefills=n,
                 kv_read_tokens=n * L, pairs_prefill=n * (L * (L + 1) // 2))
   t = cost.step_time([s]).seconds
-  return cost, t, n * L / t / tp
+  return cost, t, n * L / t / (tp * ranks), n, tp * ranks
 
 
 def disaggregated(ctx: _Ctx, c: Config) -> dict | None:
-  decode_gpus = SYSTEM_GPUS - c.prefill_gpus
+  decode_gpus = ctx.system_gpus - c.prefill_gpus
   if c.prefill_gpus < 1 or c.tp * c.ranks > decode_gpus:
     return None
   cost = ctx.cost(c.tp, c.ranks, c.ep)
-  if not _fits(cost, c.batch, ctx):
+  if c.batch > max_batch(cost, ctx):
     return None
+  decode_gpus = decode_gpus // (c.tp * c.ranks) * c.tp * c.ranks  # whole instances
   tpr = tokens_per_row(c.mtp_k)
   full = cost.step_time([_shape(c.batch, ctx.context, c.mtp_k, 0, 0)]).seconds
-  pcost, pstep, prate = _prefill_rank(ctx)
+  pcost, pstep, prate, n, pgpus = _prefill_rank(ctx)
   prompt_share = ctx.new_prompt / ctx.w.osl_mean / (c.prefill_gpus * prate)
   rho = decode_gpus * c.batch * tpr / full / c.tp * prompt_share  # at full batch
-  if rho >= 1:
+  servers = c.prefill_gpus // pgpus  # prefill instances, each serving n prompts a step
+  if rho >= 1 or servers < 1:
     return None
-  ttft0 = (_queue_p99_s(rho, pstep) + pstep * max(1.0, ctx.w.isl_p99 / 8192)
-           + pcost.kv_transfer_s(int(ctx.w.isl_p99)))
+  wait = _slot_wait_p99(servers * n, rho * servers * n, pstep)  # M/M/c over the instances
+  ttft0 = wait + pstep * max(1.0, ctx.w.isl_p99 / 8192) + pcost.kv_transfer_s(int(ctx.w.isl_p99))
   served = _served(ctx, c, decode_gpus // c.tp, full, ttft0)
   if served is None:
     return None
   batch, wait = served
   t = cost.step_time([_shape(batch, ctx.context, c.mtp_k, 0, 0)]).seconds
   decode_rate = decode_gpus * batch * tpr / t / c.tp  # output tokens/s
-  return dict(per_gpu=decode_rate / SYSTEM_GPUS, tpot_ms=full / tpr * 1e3,
+  return dict(per_gpu=decode_rate / ctx.system_gpus, tpot_ms=full / tpr * 1e3,
               ttft_ms=(ttft0 + wait) * 1e3, step_ms=t * 1e3, mean_batch=batch,
               prefill_utilization=decode_rate * prompt_share)
 
 
-BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+BATCHES = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512, 640, 768, 1024, 1280, 1536, 2048)
 CHUNKS = (512, 1024, 2048, 4096, 8192)
 
 
 def _layouts(ctx: _Ctx) -> list[tuple[int, int, int]]:
-  """(attention TP, attention-DP ranks, EP) of a decode instance."""
+  """(attention TP, attention-DP ranks, EP) of a decode instance that fits
+  the system: dense TP2 / TP4 / TP8 (the 405B records run TP2 and TP4);
+  MoE TP8 + EP8 or DEP8, and with wide EP DEP16 .. DEP64."""
   if not presets.get(ctx.w.preset).is_moe:
-    return [(4, 1, 1), (8, 1, 1)]
-  sizes = (8, 16, 32, 64, 72) if ctx.tech.wide_ep else (8,)
-  return [(8, 1, 8)] + [(1, n, n) for n in sizes]
+    out = [(2, 1, 1), (4, 1, 1), (8, 1, 1)]
+  else:
+    # EP sizes divide the 256 experts: the records run no EPLB (no redundant
+    # expert slots in any moe_config), which an EP72 needs.
+    sizes = (8, 16, 32, 64) if ctx.tech.wide_ep else (8,)
+    out = [(8, 1, 8)] + [(1, n, n) for n in sizes]
+  return [lay for lay in out if lay[0] * lay[1] <= ctx.system_gpus]
+
+
+def _batches(ctx: _Ctx, lay: tuple[int, int, int]) -> list[int]:
+  """The batch grid up to the record's cap, plus the largest batch the
+  layout's K/V memory holds (under the cap)."""
+  fit = min(ctx.batch_cap, max_batch(ctx.cost(*lay), ctx))
+  return sorted({b for b in BATCHES if b <= fit} | ({fit} if fit >= 1 else set()))
 
 
 def candidates(ctx: _Ctx):
-  """Every configuration the techniques allow."""
+  """Every configuration the techniques, the system and the batch cap allow."""
   moe = presets.get(ctx.w.preset).is_moe
   ks = (0, 1, 2, 3) if ctx.tech.mtp and presets.get(ctx.w.preset).num_mtp_layers else (0,)
-  batches = [b for b in BATCHES if b <= ctx.eff.max_batch]
-  for (tp, ranks, ep), k, b in itertools.product(_layouts(ctx), ks, batches):
-    for chunk in CHUNKS:
-      yield Config(mode="colocated", tp=tp, ranks=ranks, ep=ep, mtp_k=k, chunk=chunk, batch=b)
-    if ctx.tech.disaggregated:
-      for p in range(8, SYSTEM_GPUS, 8 if moe else 4):
-        if tp * ranks <= SYSTEM_GPUS - p:
-          yield Config(mode="disaggregated", tp=tp, ranks=ranks, ep=ep, mtp_k=k, batch=b,
-                       prefill_gpus=p)
+  for (tp, ranks, ep), k in itertools.product(_layouts(ctx), ks):
+    for b in _batches(ctx, (tp, ranks, ep)):
+      for chunk in CHUNKS:
+        yield Config(mode="colocated", tp=tp, ranks=ranks, ep=ep, mtp_k=k, chunk=chunk, batch=b)
+      if ctx.tech.disaggregated:
+        for p in range(8, ctx.system_gpus, 8 if moe else 4):
+          if tp * ranks <= ctx.system_gpus - p:
+            yield Config(mode="disaggregated", tp=tp, ranks=ranks, ep=ep, mtp_k=k, batch=b,
+                         prefill_gpus=p)
+
+
+def _record_candidates(ctx: _Ctx, record: Config):
+  """The record's deployment at every batch cap up to its own."""
+  for b in _batches(ctx, (record.tp, record.ranks, record.ep)):
+    yield dataclasses.replace(record, batch=b)
 
 
 def holds(sc: Scenario, r: dict) -> bool:
@@ -449,49 +639,106 @@ def holds(sc: Scenario, r: dict) -> bool:
 
 
 def search(benchmark: str, scenario: str, tech: Techniques, *, eff: Efficiency = Efficiency(),
-           dev: str = "gb300") -> dict | None:
+           dev: str = "gb300", system_gpus: int = 72, batch_cap: int = 512,
+           record: Config | None = None) -> dict | None:
   """The configuration of most tokens/s per GPU that holds the scenario's
-  limits: {per_gpu, tpot_ms, ttft_ms, step_ms, config} (None: none holds)."""
-  ctx = _Ctx(WORKLOADS[benchmark], SCENARIOS[(benchmark, scenario)], tech, eff, dev)
+  limits: {per_gpu, tpot_ms, ttft_ms, step_ms, config} (None: none holds).
+  With `record`, only that deployment (its batch cap searched)."""
+  ctx = _Ctx(WORKLOADS[benchmark], SCENARIOS[(benchmark, scenario)], tech, eff, dev,
+             system_gpus, batch_cap)
   best = None
-  for c in candidates(ctx):
+  for c in candidates(ctx) if record is None else _record_candidates(ctx, record):
     r = colocated(ctx, c) if c.mode == "colocated" else disaggregated(ctx, c)
     if r is not None and holds(ctx.sc, r) and (best is None or r["per_gpu"] > best["per_gpu"]):
       best = dict(r, config=dataclasses.asdict(c))
   return best
 
 
-def predict_table(*, eff: Efficiency = Efficiency(), dev: str = "gb300", log=None) -> list[dict]:
-  """One row per `PUBLISHED` entry: the search under that round's techniques."""
+def search_row(pub: dict, *, eff: Efficiency = Efficiency(), dev: str = "gb300",
+               tech: Techniques | None = None, at_record: bool = False) -> dict | None:
+  """`search` for one `PUBLISHED` row: its round's techniques (or `tech`),
+  its record's system and batch cap; `at_record`: the record's deployment."""
+  rec = pub["record"]
+  return search(pub["benchmark"], pub["scenario"], tech or ROUND_TECHNIQUES[pub["round"]],
+                eff=eff, dev=dev, system_gpus=rec.system_gpus, batch_cap=rec.config.batch,
+                record=rec.config if at_record else None)
+
+
+def _row(pub: dict, best: dict | None, at_rec: dict | None) -> dict:
+  rec, pred = pub["record"], best["per_gpu"] if best else 0.0
+  return dict(benchmark=pub["benchmark"], scenario=pub["scenario"], round=pub["round"],
+              published_per_gpu=pub["per_gpu"], predicted_per_gpu=pred,
+              ratio=pred / pub["per_gpu"], config=best["config"] if best else None,
+              tpot_ms=best["tpot_ms"] if best else None,
+              ttft_ms=best["ttft_ms"] if best else None,
+              mean_batch=best["mean_batch"] if best else None,
+              system_gpus=rec.system_gpus, submitter=rec.submitter,
+              record_deployment=rec.deployment, record_source=rec.source,
+              at_record_per_gpu=at_rec["per_gpu"] if at_rec else 0.0,
+              at_record_ratio=(at_rec["per_gpu"] if at_rec else 0.0) / pub["per_gpu"],
+              at_record_config=at_rec["config"] if at_rec else None, record_log=rec.log)
+
+
+def predict_table(*, eff: Efficiency = Efficiency(), dev: str = "gb300", log=None,
+                  at_record: bool = True) -> list[dict]:
+  """One row per `PUBLISHED` entry: the search under that round's techniques
+  on the record's system and batch cap, and (`at_record`) the record's own
+  deployment."""
   rows = []
   for pub in PUBLISHED:
-    best = search(pub["benchmark"], pub["scenario"], ROUND_TECHNIQUES[pub["round"]], eff=eff,
-                  dev=dev)
-    pred = best["per_gpu"] if best else 0.0
-    row = dict(benchmark=pub["benchmark"], scenario=pub["scenario"], round=pub["round"],
-               published_per_gpu=pub["per_gpu"], predicted_per_gpu=pred,
-               ratio=pred / pub["per_gpu"], config=best["config"] if best else None,
-               tpot_ms=best["tpot_ms"] if best else None,
-               ttft_ms=best["ttft_ms"] if best else None,
-               mean_batch=best["mean_batch"] if best else None)
-    rows.append(row)
+    best = search_row(pub, eff=eff, dev=dev)
+    at_rec = search_row(pub, eff=eff, dev=dev, at_record=True) if at_record else None
+    rows.append(_row(pub, best, at_rec))
     if log:
-      log(row)
+      log(rows[-1])
   return rows
+
+
+# ------------------------------------------------------------------- ablation
+
+ABLATION_CAUSE = {
+    "fused_kernels": "faster, fused kernels: each part at its kernel family's measured fraction "
+                     "(attention 0.595, dense 0.498, experts 0.859, comm 0.663) instead of the "
+                     "unfused engine's 0.452",
+    "batch_cap": "the v6.0 record's batch cap per rank instead of the v5.1 record's",
+    "system": "the v6.0 record's system (GPUs) instead of the v5.1 record's: fewer slots to "
+              "pool for Server, no EP beyond the system",
+    "disaggregated": "disaggregated prefill / decode (no prefill in decode steps)",
+    "wide_ep": "wide EP (experts over up to 72 GPUs: fewer expert bytes per GPU)",
+    "mtp": "MTP speculative decoding, up to 3 drafts (TensorRT-LLM R1 acceptance)",
+    "kv_routing": "KV-aware routing (reuses only the shared chat template here)",
+}
+ABLATION_ORDER = ("fused_kernels", "batch_cap", "system", "disaggregated", "wide_ep", "mtp",
+                  "kv_routing")
+
+
+def _published(benchmark: str, scenario: str, rnd: str) -> dict:
+  return next(p for p in PUBLISHED if (p["benchmark"], p["scenario"], p["round"])
+              == (benchmark, scenario, rnd))
 
 
 def ablation(benchmark: str, scenario: str, *, eff: Efficiency = Efficiency(),
              dev: str = "gb300") -> dict:
-  """From the v5.1 techniques to v6.0's, one at a time (TECHNIQUE_ORDER),
+  """From the v5.1 row's setup (techniques, batch cap, system) to the v6.0
+  row's, one change at a time (ABLATION_ORDER; adp_balance is on in both),
   each step re-searching the best configuration: the factors multiply to
   predicted v6.0 / v5.1 exactly."""
-  tech = ROUND_TECHNIQUES["v5.1"]
-  prev = search(benchmark, scenario, tech, eff=eff, dev=dev)
+  old, new = _published(benchmark, scenario, "v5.1"), _published(benchmark, scenario, "v6.0")
+  setup = dict(tech=ROUND_TECHNIQUES["v5.1"], batch_cap=old["record"].config.batch,
+               system_gpus=old["record"].system_gpus)
+  run = lambda s: search(benchmark, scenario, s["tech"], eff=eff, dev=dev,
+                         system_gpus=s["system_gpus"], batch_cap=s["batch_cap"])
+  prev = run(setup)
   start, steps = prev["per_gpu"], []
-  for name in TECHNIQUE_ORDER:
-    tech = tech.with_(name)
-    cur = search(benchmark, scenario, tech, eff=eff, dev=dev)
-    steps.append(dict(technique=name, cause=TECHNIQUE_CAUSE[name],
+  for name in ABLATION_ORDER:
+    if name == "batch_cap":
+      setup["batch_cap"] = new["record"].config.batch
+    elif name == "system":
+      setup["system_gpus"] = new["record"].system_gpus
+    else:
+      setup["tech"] = setup["tech"].with_(name)
+    cur = run(setup)
+    steps.append(dict(technique=name, cause=ABLATION_CAUSE[name],
                       factor=cur["per_gpu"] / prev["per_gpu"], per_gpu=cur["per_gpu"],
                       config=cur["config"]))
     prev = cur

@@ -5,42 +5,89 @@ import math
 
 import pytest
 
+from jaxinfer import presets
+from jaxinfer.sim import cost as cost_lib
 from jaxinfer.sim import mlperf
 
 V60 = mlperf.ROUND_TECHNIQUES["v6.0"]
 V51 = mlperf.ROUND_TECHNIQUES["v5.1"]
+# The rows the model reaches within 25% of the published figure, searched
+# and at the records' own deployments; the rest are the misses the report
+# explains (v5.1 Server rows: the records ran TTFT-bound far below the
+# concurrency the model's limits allow; Interactive searched: one DEP64
+# decode instance where the record ran four DEP16).
+REACHED = {("deepseek-r1", "Server", "v6.0"), ("deepseek-r1", "Offline", "v6.0"),
+           ("deepseek-r1", "Offline", "v5.1"), ("llama3.1-405b", "Server", "v6.0"),
+           ("llama3.1-405b", "Offline", "v6.0"), ("llama3.1-405b", "Offline", "v5.1")}
+REACHED_AT_RECORD = REACHED | {("deepseek-r1", "Interactive", "v6.0")}
 
 
-def test_search_holds_the_scenario_limits():
-  for scenario in ("Server", "Interactive"):
-    best = mlperf.search("deepseek-r1", scenario, V60)
-    sc = mlperf.SCENARIOS[("deepseek-r1", scenario)]
-    assert best is not None and best["per_gpu"] > 0
-    assert best["tpot_ms"] <= sc.tpot_ms and best["ttft_ms"] <= sc.ttft_ms
-  # The tighter Interactive limits cost throughput.
-  assert (mlperf.search("deepseek-r1", "Interactive", V60)["per_gpu"]
-          < mlperf.search("deepseek-r1", "Server", V60)["per_gpu"])
+def _pub(benchmark, scenario, rnd):
+  return mlperf._published(benchmark, scenario, rnd)
 
 
-@pytest.mark.parametrize("field, value, direction", [
-    ("fused_kernels", 0.5, -1),  # slower kernels: fewer tokens/s
-    ("attn_balance", 0.7, -1),  # worse attention-DP balance: fewer
-    ("max_batch", 128, -1),  # a smaller batch cap: fewer (Offline)
+@pytest.fixture(scope="module")
+def table():
+  return mlperf.predict_table()
+
+
+def test_table_rows_within_25pct(table):
+  assert len(table) == len(mlperf.PUBLISHED) == 9
+  key = lambda r: (r["benchmark"], r["scenario"], r["round"])
+  assert {key(r) for r in table if abs(r["ratio"] - 1) <= 0.25} == REACHED
+  assert {key(r) for r in table if abs(r["at_record_ratio"] - 1) <= 0.25} == REACHED_AT_RECORD
+  for r in table:
+    assert r["config"] is not None and r["at_record_config"] is not None
+    assert r["predicted_per_gpu"] >= r["at_record_per_gpu"] * (1 - 1e-9)  # the search includes it
+
+
+def test_search_holds_the_scenario_limits(table):
+  for r in table:
+    sc = mlperf.SCENARIOS[(r["benchmark"], r["scenario"])]
+    assert sc.tpot_ms is None or r["tpot_ms"] <= sc.tpot_ms
+    assert sc.ttft_ms is None or r["ttft_ms"] <= sc.ttft_ms
+    c = r["config"]
+    assert c["tp"] * c["ranks"] + c["prefill_gpus"] <= r["system_gpus"]
+    assert c["batch"] <= _pub(*[r[k] for k in ("benchmark", "scenario", "round")]
+                              )["record"].config.batch
+    if c["ep"] > 1:  # no EPLB in the records: EP divides the experts
+      assert presets.get("deepseek_v3").num_experts % c["ep"] == 0
+  # The tighter Interactive limits cost throughput (same system and cap).
+  cap = _pub("deepseek-r1", "Interactive", "v6.0")["record"].config.batch
+  assert (mlperf.search("deepseek-r1", "Interactive", V60, batch_cap=cap)["per_gpu"]
+          < mlperf.search("deepseek-r1", "Server", V60, batch_cap=cap)["per_gpu"])
+
+
+@pytest.mark.parametrize("field, value, row", [
+    ("unfused_kernels", 0.35, ("deepseek-r1", "Offline", "v5.1")),  # ASSUMED mapping to v5.1
+    ("comm_kernels", 0.4, ("deepseek-r1", "Offline", "v6.0")),  # ASSUMED collectives
+    ("attention_kernels", 0.4, ("deepseek-r1", "Offline", "v6.0")),
+    ("expert_kernels", 0.5, ("deepseek-r1", "Offline", "v6.0")),
+    ("dense_kernels", 0.35, ("llama3.1-405b", "Offline", "v6.0")),
+    ("attn_balance", 0.7, ("deepseek-r1", "Offline", "v6.0")),
+    ("slot_pool", "instance", ("llama3.1-405b", "Server", "v5.1")),  # ASSUMED pooling
 ])
-def test_assumed_efficiency_moves_the_prediction(field, value, direction):
-  base = mlperf.search("deepseek-r1", "Offline", V60)["per_gpu"]
+def test_efficiency_factors_move_the_prediction(field, value, row):
+  # Each factor made worse: fewer tokens/s in the round it applies to.
+  pub = _pub(*row)
+  base = mlperf.search_row(pub)["per_gpu"]
   eff = dataclasses.replace(mlperf.Efficiency(), **{field: value})
-  changed = mlperf.search("deepseek-r1", "Offline", V60, eff=eff)["per_gpu"]
-  assert (changed - base) * direction > 0.01 * base
+  assert mlperf.search_row(pub, eff=eff)["per_gpu"] < 0.99 * base
+
+
+def test_unfused_kernels_only_change_v51():
+  eff = dataclasses.replace(mlperf.Efficiency(), unfused_kernels=0.9)
+  v51, v60 = _pub("llama3.1-405b", "Offline", "v5.1"), _pub("llama3.1-405b", "Offline", "v6.0")
+  assert mlperf.search_row(v51, eff=eff)["per_gpu"] > 1.2 * mlperf.search_row(v51)["per_gpu"]
+  assert mlperf.search_row(v60, eff=eff)["per_gpu"] == mlperf.search_row(v60)["per_gpu"]
 
 
 def test_slot_queueing_for_server_scenarios():
-  # Pooling a system's decode slots queues less than pooling one instance's.
-  base = mlperf.search("deepseek-r1", "Server", V51)
-  eff = dataclasses.replace(mlperf.Efficiency(), slot_pool="instance")
-  assert mlperf.search("deepseek-r1", "Server", V51, eff=eff)["per_gpu"] < base["per_gpu"]
-  # Server never beats Offline; its mean batch stays under the slot cap.
-  assert base["per_gpu"] <= mlperf.search("deepseek-r1", "Offline", V51)["per_gpu"]
+  base = mlperf.search_row(_pub("deepseek-r1", "Server", "v5.1"))
+  # Server never beats Offline on the same system and cap; its mean batch
+  # stays under the slot cap (Poisson arrivals queue for a slot).
+  offline = mlperf.search("deepseek-r1", "Offline", V51, batch_cap=512)
+  assert base["per_gpu"] <= offline["per_gpu"]
   assert base["mean_batch"] < base["config"]["batch"]
   # More load: a longer p99 wait; a longer budget admits more load.
   assert mlperf._slot_wait_p99(512, 500, 60.0) > mlperf._slot_wait_p99(512, 450, 60.0)
@@ -49,15 +96,15 @@ def test_slot_queueing_for_server_scenarios():
 
 
 def test_longer_outputs_in_flight_cost_throughput():
-  base = mlperf.search("deepseek-r1", "Offline", V60)["per_gpu"]
+  pub = _pub("deepseek-r1", "Offline", "v6.0")
+  base = mlperf.search_row(pub)["per_gpu"]
   w = mlperf.WORKLOADS["deepseek-r1"]
   short = dataclasses.replace(w, osl_age_mean=w.osl_mean / 2)  # every output the mean length
-  old = mlperf.WORKLOADS["deepseek-r1"]
   mlperf.WORKLOADS["deepseek-r1"] = short
   try:
-    assert mlperf.search("deepseek-r1", "Offline", V60)["per_gpu"] > 1.05 * base
+    assert mlperf.search_row(pub)["per_gpu"] > 1.05 * base
   finally:
-    mlperf.WORKLOADS["deepseek-r1"] = old
+    mlperf.WORKLOADS["deepseek-r1"] = w
 
 
 def test_sourced_workload_statistics():
@@ -68,31 +115,67 @@ def test_sourced_workload_statistics():
     assert w.isl_mean < w.isl_p99 and w.osl_age_mean > 0
 
 
-def test_unfused_kernels_only_change_v51():
-  base = mlperf.search("llama3.1-405b", "Offline", V51)["per_gpu"]
-  eff = dataclasses.replace(mlperf.Efficiency(), unfused_kernels=0.9)
-  assert mlperf.search("llama3.1-405b", "Offline", V51, eff=eff)["per_gpu"] > 1.2 * base
-  assert (mlperf.search("llama3.1-405b", "Offline", V60, eff=eff)["per_gpu"]
-          == mlperf.search("llama3.1-405b", "Offline", V60)["per_gpu"])
+@pytest.fixture(scope="module")
+def ablations():
+  return {s: mlperf.ablation("deepseek-r1", s) for s in ("Server", "Offline")}
 
 
-def test_ablation_factors_multiply_to_the_predicted_ratio():
-  a = mlperf.ablation("deepseek-r1", "Server")
-  assert [s["technique"] for s in a["steps"]] == list(mlperf.TECHNIQUE_ORDER)
-  assert a["product"] == pytest.approx(a["predicted_ratio"], rel=1e-9)
-  assert a["v60_per_gpu"] == pytest.approx(
-      mlperf.search("deepseek-r1", "Server", V60)["per_gpu"])
-  assert all(s["factor"] >= 1 - 1e-9 for s in a["steps"])  # each adds an option
-  assert all(s["cause"] for s in a["steps"])
+def test_ablation_factors_multiply_to_the_predicted_ratio(ablations):
+  for scenario, a in ablations.items():
+    assert [s["technique"] for s in a["steps"]] == list(mlperf.ABLATION_ORDER)
+    assert a["product"] == pytest.approx(a["predicted_ratio"], rel=1e-9)
+    assert a["v60_per_gpu"] == pytest.approx(
+        mlperf.search_row(_pub("deepseek-r1", scenario, "v6.0"))["per_gpu"])
+    assert a["v51_per_gpu"] == pytest.approx(
+        mlperf.search_row(_pub("deepseek-r1", scenario, "v5.1"))["per_gpu"])
+    techniques = [s for s in a["steps"] if s["technique"] not in ("batch_cap", "system")]
+    assert all(s["factor"] >= 1 - 1e-9 for s in techniques)  # each adds an option
+    assert all(s["cause"] for s in a["steps"])
+    assert a["steps"][0]["factor"] > 1.2  # the kernels carry the gain
+  assert ablations["Server"]["predicted_ratio"] > 1.3 and ablations["Offline"]["predicted_ratio"] > 1.2
 
 
 def test_published_rows_and_sources():
   assert {(r["benchmark"], r["scenario"]) for r in mlperf.PUBLISHED} <= set(mlperf.SCENARIOS)
-  ratio = {s: next(r["per_gpu"] for r in mlperf.PUBLISHED if r["scenario"] == s
-                   and r["round"] == "v6.0" and r["benchmark"] == "deepseek-r1")
-           / next(r["per_gpu"] for r in mlperf.PUBLISHED if r["scenario"] == s
-                  and r["round"] == "v5.1" and r["benchmark"] == "deepseek-r1")
+  issue = {("deepseek-r1", "Server", "v6.0"): 8064, ("deepseek-r1", "Offline", "v6.0"): 9821,
+           ("deepseek-r1", "Interactive", "v6.0"): 250634 / 72,
+           ("deepseek-r1", "Server", "v5.1"): 2907, ("deepseek-r1", "Offline", "v5.1"): 5842,
+           ("llama3.1-405b", "Server", "v6.0"): 259, ("llama3.1-405b", "Offline", "v6.0"): 271,
+           ("llama3.1-405b", "Server", "v5.1"): 170, ("llama3.1-405b", "Offline", "v5.1"): 224}
+  for p in mlperf.PUBLISHED:
+    rec = p["record"]
+    assert p["per_gpu"] == pytest.approx(rec.system_tokens_per_s / rec.system_gpus)
+    assert p["per_gpu"] == pytest.approx(issue[(p["benchmark"], p["scenario"], p["round"])],
+                                         abs=1.0)
+    assert rec.source.startswith("mlcommons/inference_results_v")
+    assert rec.config.batch >= 1 and rec.system_gpus in (8, 72)
+    if p["scenario"] != "Offline":
+      assert rec.log["tpot_p99_ms"] <= mlperf.SCENARIOS[(p["benchmark"], p["scenario"])].tpot_ms
+      # Little's law: decoding sequences / TPOT reproduces the published rate.
+      per_rank = rec.log["in_flight_per_rank"] / rec.log["tpot_mean_ms"] * 1e3
+      gpus_per_rank = rec.config.tp
+      decode_share = (rec.system_gpus - rec.config.prefill_gpus) / rec.system_gpus
+      assert per_rank / gpus_per_rank * decode_share == pytest.approx(p["per_gpu"], rel=0.05)
+  ratio = {s: _pub("deepseek-r1", s, "v6.0")["per_gpu"] / _pub("deepseek-r1", s, "v5.1")["per_gpu"]
            for s in ("Server", "Offline")}
   assert math.isclose(ratio["Server"], 2.77, abs_tol=0.01)
   assert math.isclose(ratio["Offline"], 1.68, abs_tol=0.01)
   assert set(mlperf.HARDWARE_SOURCES) == {"gb300", "b200", "h200", "h100"}
+
+
+def test_cost_part_slowdown_and_added_floor():
+  cfg = presets.get("deepseek_v3")
+  kw = dict(cfg=cfg, device=cost_lib.device("gb300"), par=cost_lib.Parallelism(dp=8, ep=8),
+            weight_dtype="fp4", kv_dtype="fp8")
+  shape = cost_lib.StepShape(decode_seqs=256, kv_read_tokens=256 * 4000,
+                             pairs_decode=256 * 4000)
+  base = cost_lib.RooflineCost(**kw).step_time([shape])
+  slow = cost_lib.RooflineCost(**kw, part_slowdown=(("experts", 2.0),)).step_time([shape])
+  assert slow.parts["experts"] == pytest.approx(2 * base.parts["experts"])
+  assert slow.parts["attention"] == pytest.approx(base.parts["attention"])
+  added = cost_lib.RooflineCost(**kw, floor_adds=True).step_time([shape])
+  layers = cfg.num_layers
+  assert added.parts["latency_floor"] == pytest.approx(layers * 100e-6)
+  assert added.seconds > base.seconds
+  with pytest.raises(ValueError):
+    cost_lib.RooflineCost(**kw, part_slowdown=(("experts", 0.5),))
