@@ -1,5 +1,6 @@
-"""DLRMv3 under LoadGen on a random tiny model: Server (80 ms p99) and
-Offline, then an accuracy run (NE / GAUC / accuracy / AUC on synthetic labels).
+"""DLRMv3 under LoadGen on a random tiny model (DLRMv3 as MLPerf runs it):
+Server (80 ms p99) and Offline, then an accuracy run (NE / GAUC / accuracy /
+AUC on the synthetic labels).
 
 `experiments/dlrm_loadgen.py`'s default config (its fields are the flags' defaults):
 
@@ -12,7 +13,9 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/dlrm_loadgen.py"
-  c.recsys_preset = "tiny_hstu"  # recsys preset
+  c.recsys_preset = "tiny_dlrm_v3"  # recsys preset
+  c.dataset_dir = config_dict.placeholder(str)  # None: requests drawn on demand
+  c.dataset_ts = 90  # the data set's timestamp
   c.scenarios = ("Server", "Offline")  # performance-mode scenarios
   c.num_samples = 256  # synthetic users in the QSL
   c.server_qps = 200.0  # Server target QPS

@@ -1,8 +1,10 @@
 """DLRMv3 under MLPerf LoadGen (`jaxinfer.serving.dlrm.run_benchmark`): a
-random model of a recsys preset (default the tiny one) scoring the synthetic
-data set of the benchmark's shape; Server (80 ms p99) and Offline in
-performance mode, then an accuracy run with NE / GAUC / accuracy / AUC
-from LoadGen's log (the MLPerf reference's records). Writes <out>.json.
+random model of a recsys preset (default the tiny DLRMv3 as MLPerf runs it)
+scoring requests drawn from the reference generator's distributions, or
+MLPerf's own streaming data set files (--dataset_dir, at --dataset_ts);
+Server (80 ms p99) and Offline in performance mode, then an accuracy run with
+NE / GAUC / accuracy / AUC from LoadGen's log (the MLPerf reference's
+records). Writes <out>.json.
 
   python experiments/dlrm_loadgen.py
 """
@@ -16,11 +18,15 @@ from absl import flags
 import jax
 
 from benchlib import cli, flag_config, results
-from jaxinfer.recsys import config
+from jaxinfer.recsys import family, streaming
 from jaxinfer.serving import dlrm
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("recsys_preset", "tiny_hstu", "recsys preset (jaxinfer.recsys.config.PRESETS)")
+flags.DEFINE_string("recsys_preset", "tiny_dlrm_v3",
+                    "recsys preset (jaxinfer.recsys.family.PRESETS)")
+flags.DEFINE_string("dataset_dir", None, "MLPerf's streaming synthetic data set folder "
+                    "(recsys.streaming; its reference layout); None: drawn requests")
+flags.DEFINE_integer("dataset_ts", 90, "the data set's (inference) timestamp to read")
 flags.DEFINE_list("scenarios", ["Server", "Offline"], "LoadGen scenarios (performance mode)")
 flags.DEFINE_integer("num_samples", 256, "synthetic users in the QSL")
 flags.DEFINE_float("server_qps", 200.0, "Server target QPS")
@@ -37,14 +43,18 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg = config.get(FLAGS.recsys_preset)
-  params = config.init_params(cfg, jax.random.key(0))
+  cfg = family.get(FLAGS.recsys_preset)
+  params = family.of(cfg).init_params(cfg, jax.random.key(0))
+  dataset = None
+  if FLAGS.dataset_dir:
+    dataset = streaming.StreamingDataset(FLAGS.dataset_dir)
+    dataset.set_ts(FLAGS.dataset_ts)
   with tempfile.TemporaryDirectory() as outdir:
     rows = dlrm.run_benchmark(
         cfg, params, outdir=outdir, num_samples=FLAGS.num_samples, scenarios=FLAGS.scenarios,
         server_qps=FLAGS.server_qps, offline_qps=FLAGS.offline_qps, latency_ms=FLAGS.latency_ms,
         token_budget=FLAGS.token_budget, max_users=FLAGS.max_users,
-        min_duration_ms=FLAGS.min_duration_ms)
+        min_duration_ms=FLAGS.min_duration_ms, dataset=dataset)
   for r in rows:
     print(r)
   results.write(FLAGS.out, rows, preset=FLAGS.recsys_preset)

@@ -13,12 +13,12 @@ import os
 from absl import flags
 
 from benchlib import cli, flag_config, results
-from jaxinfer.recsys import config, memory
+from jaxinfer.recsys import family, memory
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("recsys_preset", "dlrm_v3", "recsys preset (jaxinfer.recsys.config.PRESETS)")
+flags.DEFINE_string("recsys_preset", "dlrm_v3", "recsys preset (jaxinfer.recsys.family.PRESETS)")
 flags.DEFINE_list("devices", ["64", "8"], "H100 counts to plan for")
-flags.DEFINE_list("quant", ["none", "int8"], "table formats: none | int8 | float8_e4m3fn")
+flags.DEFINE_list("quant", ["none", "int8", "float8_e4m3fn"], "table formats: none | int8 | float8_e4m3fn")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "dlrm_memory_plan"),
                     "output prefix (.json)")
 _CONFIG = flag_config.define_config(__file__)
@@ -27,7 +27,7 @@ _CONFIG = flag_config.define_config(__file__)
 def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
-  cfg = config.get(FLAGS.recsys_preset)
+  cfg = family.get(FLAGS.recsys_preset)
   rows = []
   for devices in (int(d) for d in FLAGS.devices):
     for q in FLAGS.quant:

@@ -1,11 +1,13 @@
 """`HSTUConfig`, its presets and its one param declaration.
 
-DLRMv3 (MLPerf Inference v6.0 `recommendation/dlrm_v3`) is Meta's `DlrmHSTU`:
-an HSTU trunk (Zhai et al., "Actions Speak Louder than Words", 2024) over a
-user's history of (item, action, timestamp) events, scoring candidate items
-appended after it. The benchmark's sizes are the `dlrm_v3` preset: 5 HSTU
-layers, 4 heads, embedding dim 512, 1B items (the data set uses 1% of them,
-the checkpoint holds them all: ~1 TB of float32 rows), 5M users.
+The paper-era HSTU (Zhai et al., "Actions Speak Louder than Words", 2024) over
+a user's history of (item, action, timestamp) events, scoring candidate items
+appended after it: relative position and time biases in every layer and a
+fixed n. MLPerf v6.0's DLRMv3 runs a different model, the reference's
+`DlrmHSTU` (`recsys.dlrm_config`, `recsys.dlrm_v3`); this one stays as a
+variant under its own names: the `hstu_paper` preset (DLRMv3's sizes: 5
+layers, 4 heads, embedding dim 512, 1B items, 5M users) and `tiny_hstu`.
+`recsys.family.get` reads every recsys preset.
 
 `param_specs(cfg)` declares every weight once (shape, logical axes,
 initializer); `init_params`, `abstract_params` and the table shardings
@@ -88,20 +90,20 @@ def tiny() -> HSTUConfig:
                     head_hidden=32)
 
 
-def dlrm_v3() -> HSTUConfig:
-  """The MLPerf v6.0 DLRMv3 shape: 5 HSTU layers, 4 heads, D 512, 1B items,
-  user features of 5M users; bf16 tables (the ~1 TB checkpoint: 2 bytes a value)."""
+def hstu_paper() -> HSTUConfig:
+  """The paper-era HSTU at MLPerf v6.0 DLRMv3's sizes: 5 HSTU layers, 4 heads, D 512,
+  1B items, user features of 5M users; bf16 tables (~1 TB: 2 bytes a value)."""
   return HSTUConfig(num_items=1_000_000_000, num_actions=16,
                     user_feature_rows=(5_000_000, 1_000_000, 100_000), embed_dim=512,
                     num_layers=5, num_heads=4, qk_dim=128, v_dim=128, max_seq_len=4096,
                     time_buckets=128, head_hidden=512, dtype="bfloat16", table_dtype="bfloat16")
 
 
-PRESETS = {"tiny_hstu": tiny, "dlrm_v3": dlrm_v3}
+PRESETS = {"tiny_hstu": tiny, "hstu_paper": hstu_paper}
 
 
 def get(name: str, **overrides) -> HSTUConfig:
-  """The preset `name` ("tiny_hstu", "dlrm_v3"), with optional field overrides."""
+  """The preset `name` ("tiny_hstu", "hstu_paper"), with optional field overrides."""
   if name not in PRESETS:
     raise ValueError(f"unknown recsys preset {name!r}; available: {sorted(PRESETS)}")
   cfg = PRESETS[name]()

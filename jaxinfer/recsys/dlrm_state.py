@@ -13,10 +13,13 @@ must equal what the config implies; any other key is an error.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer.recsys import dlrm_checkpoint
 from jaxinfer.recsys.dlrm_config import DlrmV3Config, param_specs
 
 _PRE = "_hstu_transducer._input_preprocessor."
@@ -164,3 +167,14 @@ def to_reference_state(cfg: DlrmV3Config, params: dict) -> dict[str, np.ndarray]
     a = a[layer] if layer is not None else a
     out[key] = a.T if tr else a
   return {**out, **_buffer_values(cfg)}
+
+
+def load_reference_checkpoint(cfg: DlrmV3Config, path, *, as_numpy: bool = False) -> dict:
+  """The reference's checkpoint folder (its `--model-path`: `non_sparse.ckpt` and
+  `sparse/`, read by `dlrm_checkpoint.read_reference_checkpoint`) -> our param
+  tree (`from_reference_state`); errors name the folder and the key."""
+  state = dlrm_checkpoint.read_reference_checkpoint(path)
+  try:
+    return from_reference_state(cfg, state, as_numpy=as_numpy)
+  except ValueError as e:
+    raise ValueError(f"DLRMv3 checkpoint {os.fspath(path)}: {e}") from None

@@ -1,17 +1,19 @@
 """Memory plans for DLRMv3 on GPUs, compiled from abstract params.
 
-`plan(cfg, devices=64)` builds the abstract param tree (`config.param_specs`:
-nothing allocates), places it as `tables.place_params` would (the big tables
-row-wise over every device, the rest table-wise; dense params replicated),
-lowers `hstu.score` for a mesh of compile-only H100s (`jaxinfer.gpu_compile`)
+`plan(cfg, devices=64)` builds the abstract param tree of cfg's model
+(`family.of(cfg)`: DLRMv3 as MLPerf runs it, or the paper-era HSTU; nothing
+allocates), places it as `tables.place_params` would (the big tables row-wise
+over every device, the rest table-wise; dense params replicated), lowers the
+model's `score` for a mesh of compile-only H100s (`jaxinfer.gpu_compile`)
 with the Pallas kernel as the attention, compiles it and reads the per-device
 bytes off `memory_analysis()`. A plan says whether it fits the GPU's memory
 and, if not, by how much it is over; `quant` sizes int8 / fp8 tables (one
 byte a value plus a float32 scale a row).
 
-The DLRMv3 preset's bf16 tables are ~1.03 TB: 16 GB a device on 64 H100s,
-129 GB on 8 (over the 80 GB), where int8 rows (~0.52 TB, 65 GB a device)
-fit with room for the step.
+The `dlrm_v3` preset's fp16 tables (item_id 1B x 512, user_id 10M x 512,
+item_category_id 128 x 512, as MLPerf's `configs.py` declares them) are
+~1.03 TB: 16 GB a device on 64 H100s, 129 GB on 8 (over the 80 GB), where
+int8 or fp8 rows (~0.52 TB, 65 GB a device) fit with room for the step.
 """
 
 from __future__ import annotations
@@ -25,9 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxinfer import gpu_compile
 from jaxinfer.backend import Backend
-from jaxinfer.recsys import hstu, tables as tables_lib
-from jaxinfer.recsys.batch import JaggedBatch
-from jaxinfer.recsys.config import HSTUConfig, abstract_params
+from jaxinfer.recsys import family, tables as tables_lib
 
 GB = 1e9
 
@@ -72,9 +72,9 @@ def _place(x, mesh, spec):
   return jax.tree.map(put, x)
 
 
-def abstract_placed_params(cfg: HSTUConfig, mesh, axis: str, *, row_wise, quant=None) -> dict:
+def abstract_placed_params(cfg, mesh, axis: str, *, row_wise, quant=None) -> dict:
   """`tables.place_params` of abstract params: the same types, ShapeDtypeStruct leaves."""
-  ap = abstract_params(cfg)
+  ap = family.of(cfg).abstract_params(cfg)
   d = mesh.shape[axis]
   tabs = {k: _abstract_table(v, quant) for k, v in ap["tables"].items()}
   placed = {}
@@ -95,26 +95,22 @@ def abstract_placed_params(cfg: HSTUConfig, mesh, axis: str, *, row_wise, quant=
   return {**dense, "tables": placed}
 
 
-def abstract_batch(cfg: HSTUConfig, mesh, *, tokens: int, users: int, targets: int,
-                   feature_ids: int) -> JaggedBatch:
-  """A `JaggedBatch` of ShapeDtypeStructs (the step's buckets), replicated."""
-  s = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(mesh, P()))
-  nf = len(cfg.user_feature_rows)
-  return JaggedBatch(offsets=s(users + 1), num_targets=s(users), item_ids=s(tokens),
-                     action_ids=s(tokens), timestamps=s(tokens), target_index=s(targets),
-                     feature_ids=tuple(s(feature_ids) for _ in range(nf)),
-                     feature_offsets=tuple(s(users + 1) for _ in range(nf)))
+def abstract_batch(cfg, mesh, *, tokens: int, users: int, targets: int,
+                   feature_ids: int = 512):
+  """The model's batch (`family.of(cfg)`) of ShapeDtypeStructs at the step's buckets, replicated."""
+  return family.of(cfg).abstract_batch(cfg, NamedSharding(mesh, P()), tokens=tokens, users=users,
+                                       candidates=targets, feature_ids=feature_ids)
 
 
-def table_bytes(cfg: HSTUConfig, quant: str | None = None) -> int:
+def table_bytes(cfg, quant: str | None = None) -> int:
   """Bytes of every table (unpadded): rows x dim x itemsize (+ a float32 scale a row)."""
-  rows = sum(cfg.table_rows().values())
+  rows, width = sum(cfg.table_rows().values()), family.of(cfg).table_width(cfg)
   if quant is None:
-    return rows * cfg.embed_dim * jnp.dtype(cfg.table_dtype).itemsize
-  return rows * (cfg.embed_dim * jnp.dtype(tables_lib.QUANT_DTYPES[quant][0]).itemsize + 4)
+    return rows * width * jnp.dtype(cfg.table_dtype).itemsize
+  return rows * (width * jnp.dtype(tables_lib.QUANT_DTYPES[quant][0]).itemsize + 4)
 
 
-def plan(cfg: HSTUConfig, *, devices: int, gpu: str = "h100", quant: str | None = None,
+def plan(cfg, *, devices: int, gpu: str = "h100", quant: str | None = None,
          row_wise=None, tokens: int = 8192, users: int = 64, targets: int = 2048,
          feature_ids: int = 512) -> Plan:
   """Compile one scoring step for `devices` GPUs (8 a host) -> its `Plan`.
@@ -129,12 +125,13 @@ def plan(cfg: HSTUConfig, *, devices: int, gpu: str = "h100", quant: str | None 
   batch = abstract_batch(gcfg, mesh, tokens=tokens, users=users, targets=targets,
                          feature_ids=feature_ids)
   with gpu_compile.lowering(mesh):
-    compiled = jax.jit(lambda p, b: hstu.score(gcfg, p, b)).lower(params, batch).compile()
+    score = family.of(cfg).score
+    compiled = jax.jit(lambda p, b: score(gcfg, p, b)).lower(params, batch).compile()
   return Plan(devices=devices, gpu=gpu, quant=quant, table_bytes=table_bytes(cfg, quant),
               memory=gpu_compile.MemoryReport.of(compiled),
               hbm_bytes=gpu_compile.target(gpu).hbm_bytes)
 
 
-def per_device_table_bytes(cfg: HSTUConfig, devices: int, quant: str | None = None) -> float:
+def per_device_table_bytes(cfg, devices: int, quant: str | None = None) -> float:
   """The tables' share of one device when every table is split evenly (a lower bound)."""
   return table_bytes(cfg, quant) / devices if devices else math.inf

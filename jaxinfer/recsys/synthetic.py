@@ -55,7 +55,7 @@ class SyntheticSpec:
 def for_model(cfg: HSTUConfig, *, num_users: int, item_fraction: float = 0.01, seed: int = 0,
               candidates: int | None = None) -> SyntheticSpec:
   """A spec whose requests fit `cfg` (tables and max_seq_len): DLRMv3's shape
-  for the `dlrm_v3` preset (5M users, 1% of 1B items), a small one for tiny."""
+  for the `hstu_paper` preset (5M users, 1% of 1B items), a small one for tiny."""
   cand = candidates or max(1, min(64, cfg.max_seq_len // 16))
   max_hist = cfg.max_seq_len - 1 - cand
   return SyntheticSpec(num_users=num_users, num_items=cfg.num_items, item_fraction=item_fraction,

@@ -128,3 +128,30 @@ def request(spec: RequestSpec, user: int, ts: int | None = None) -> DlrmRequest:
                      timestamps=np.ones(len(items), np.int64), category_ids=items // ipc,
                      candidate_ids=cand, candidate_category_ids=cand // ipc, query_time=1,
                      candidate_ratings=cand_r)
+
+
+def for_model(cfg, *, seed: int = 0, **overrides) -> RequestSpec:
+  """A spec whose requests fit a `DlrmV3Config`: its item, category and user
+  rows (users at most MLPerf's 5M), its candidates per request, and histories
+  that fill its max_seq_len (max_seq_len - candidates - 1, as the reference's
+  reader truncates)."""
+  fields = dict(num_users=min(cfg.user_rows, 5_000_000), num_items=cfg.item_rows,
+                num_categories=cfg.category_rows, num_candidates=cfg.max_num_candidates,
+                max_uih_len=cfg.max_seq_len - cfg.max_num_candidates - 1, seed=seed)
+  if cfg.item_rows < 10**8:  # small models: fewer timestamps, shorter slots, and half
+    fields.update(num_timestamps=10, samples_per_item=1, train_ratio=0.5)  # of them inference
+  return RequestSpec(**{**fields, **overrides})
+
+
+def samples(spec: RequestSpec, n: int) -> list[DlrmRequest]:
+  """n distinct requests spread over the users: sample k is user (k * stride) mod
+  num_users at the inference timestamp train_ts + k // num_users (a user asks
+  again at a later timestamp once every user has asked), as MLPerf's query
+  set holds each timestamp's sampled users."""
+  inference = spec.num_timestamps - spec.train_ts
+  if n > spec.num_users * inference:
+    raise ValueError(f"samples: {n} requests, but {spec.num_users} users x {inference} "
+                     f"inference timestamps hold only {spec.num_users * inference}")
+  stride = max(1, spec.num_users // n)
+  return [request(spec, (k * stride) % spec.num_users, spec.train_ts + k // spec.num_users)
+          for k in range(n)]

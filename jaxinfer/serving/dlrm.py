@@ -2,14 +2,17 @@
 and a LoadGen system under test over it (`mlperf.run_loadgen`, query
 latencies: Server's p99 limit is 80 ms).
 
-  scorer = Scorer(cfg, params, Buckets.for_samples(users, token_budget=512, max_users=16))
-  sut = DlrmSUT(scorer, users)
+  scorer = Scorer(cfg, params, Buckets.for_samples(cfg, requests, token_budget=512,
+                                                   max_users=16))
+  sut = DlrmSUT(scorer, requests)
   summary = mlperf.run_loadgen(sut, scenario="Server", latency_ms=80, target_qps=..., outdir=...)
 
-A request is one user (`recsys.batch.User`); its response is the float32
-logits of its candidates (in accuracy mode, a record: below). The batcher takes queued requests in arrival order
+The model is either recommender of `recsys.family` (DLRMv3 as MLPerf runs
+it, `DlrmV3Config`, whose requests are `recsys.request.DlrmRequest`s; or the
+paper-era HSTU, `HSTUConfig`, whose requests are `recsys.batch.User`s). A
+request is one user; its response is the float32 logits of its candidates (in accuracy mode, a record: below). The batcher takes queued requests in arrival order
 while their tokens fit the budget (and the user slots last), packs them into
-one token axis (`recsys.batch.pack`) at fixed buckets, so every batch runs
+one token axis (the family's `pack`) at fixed buckets, so every batch runs
 one compiled program, scores them and answers each query. The SUT keeps the
 scores it sent (`scores`); `accuracy_run` scores every sample once in
 LoadGen's accuracy mode and computes NE / GAUC / accuracy / AUC
@@ -36,26 +39,24 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxinfer.recsys import hstu, metrics, synthetic
-from jaxinfer.recsys.batch import User, pack
-from jaxinfer.recsys.config import HSTUConfig
+from jaxinfer.recsys import family, metrics, synthetic, synthetic_requests
 from jaxinfer.serving import mlperf
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Buckets:
   """A batch's fixed shapes: tokens (the budget), users, candidates, ids per
-  user-feature table."""
+  user-feature table (the paper-era HSTU's bags; DLRMv3 has none)."""
   token_budget: int
   max_users: int
   max_targets: int
-  max_feature_ids: int
+  max_feature_ids: int = 1
 
   @classmethod
-  def for_samples(cls, samples: Sequence[User], *, token_budget: int, max_users: int):
-    """Buckets that hold any max_users of `samples`."""
-    cand = max(len(u.candidates) for u in samples)
-    feats = max((len(bag) for u in samples for bag in u.features), default=1)
+  def for_samples(cls, cfg, samples: Sequence, *, token_budget: int, max_users: int):
+    """Buckets that hold any max_users of `samples` (requests of cfg's model)."""
+    cand = max(family.of(cfg).num_candidates(u) for u in samples)
+    feats = max((len(bag) for u in samples for bag in getattr(u, "features", ())), default=1)
     return cls(token_budget=token_budget, max_users=max_users, max_targets=max_users * cand,
                max_feature_ids=max(1, max_users * feats))
 
@@ -74,33 +75,37 @@ def take_batch(pending: collections.deque, sizes: Sequence[int], *, token_budget
 class Scorer:
   """Scores lists of users with one jitted program at `buckets`' shapes."""
 
-  def __init__(self, cfg: HSTUConfig, params, buckets: Buckets):
+  def __init__(self, cfg, params, buckets: Buckets):
     self.cfg, self.params, self.buckets = cfg, params, buckets
-    self._fn = jax.jit(lambda p, b: hstu.score(cfg, p, b))
+    self.family = family.of(cfg)
+    score = self.family.score
+    self._fn = jax.jit(lambda p, b: score(cfg, p, b))
 
-  def __call__(self, users: Sequence[User]) -> list[np.ndarray]:
+  def __call__(self, users: Sequence) -> list[np.ndarray]:
     """Per user, its candidates' logits (float32)."""
     b = self.buckets
-    batch = pack(self.cfg, users, token_bucket=b.token_budget, user_bucket=b.max_users,
-                 target_bucket=b.max_targets, feature_bucket=b.max_feature_ids)
+    batch = self.family.pack(self.cfg, users, tokens=b.token_budget, users=b.max_users,
+                             candidates=b.max_targets, feature_ids=b.max_feature_ids)
     logits = np.asarray(self._fn(self.params, batch))
-    ends = np.cumsum([len(u.candidates) for u in users])
+    ends = np.cumsum([self.family.num_candidates(u) for u in users])
     return np.split(logits[:ends[-1]], ends[:-1])
 
 
 class DlrmSUT(mlperf.ThreadedSUT):
-  """A LoadGen SUT scoring `samples` (sample index -> User) with `scorer`."""
+  """A LoadGen SUT scoring `samples` (sample index -> a request of the scorer's
+  model) with `scorer`."""
 
-  def __init__(self, scorer: Scorer, samples: Sequence[User]):
+  def __init__(self, scorer: Scorer, samples: Sequence):
     self.scorer, self.prompts = scorer, list(samples)  # `prompts`: the QSL, as run_loadgen reads
     self.sizes = [u.num_tokens for u in self.prompts]
     b = scorer.buckets
     for i, n in enumerate(self.sizes):
       if n > b.token_budget:
         raise ValueError(f"sample {i}: {n} tokens, over the token budget {b.token_budget}")
-      if len(self.prompts[i].candidates) > b.max_targets:
-        raise ValueError(f"sample {i}: {len(self.prompts[i].candidates)} candidates, over the "
-                         f"candidate limit max_targets={b.max_targets}")
+      c = scorer.family.num_candidates(self.prompts[i])
+      if c > b.max_targets:
+        raise ValueError(f"sample {i}: {c} candidates, over the candidate limit "
+                         f"max_targets={b.max_targets}")
     self.scores: dict[int, tuple[int, np.ndarray]] = {}  # query id -> (sample index, logits)
     self.times: dict[int, list[float]] = {}  # query id -> [issued, done]
     self.batch_sizes: list[int] = []
@@ -205,19 +210,38 @@ def accuracy_run(sut: DlrmSUT, labels: Sequence[np.ndarray], *, outdir: str) -> 
   return dict(samples=len({r["qsl_idx"] for r in recs}), summary=summary, **m)
 
 
-def run_benchmark(cfg: HSTUConfig, params, *, outdir: str, num_samples: int = 256,
-                  scenarios: Sequence[str] = ("Server", "Offline"), server_qps: float = 200.0,
-                  offline_qps: float = 4000.0, latency_ms: float = 80.0, token_budget: int = 256,
-                  max_users: int = 16, min_duration_ms: int = 1000, min_query_count: int = 500,
-                  seed: int = 0) -> list[dict]:
-  """LoadGen runs of `cfg` on the synthetic data set (`recsys.synthetic`, the
-  benchmark's shape: 5M users, 1% of the items; `num_samples` of them spread
-  over the users): each scenario in performance mode, then one accuracy run
-  (NE / GAUC / accuracy / AUC from LoadGen's log). -> one row per run."""
+def benchmark_samples(cfg, num_samples: int, *, seed: int = 0, dataset=None) -> tuple:
+  """(requests, labels) of `num_samples` users for cfg's model: read from
+  `dataset` (a `recsys.streaming.StreamingDataset`: MLPerf's files, at its
+  current timestamp) when given, else drawn on demand: DLRMv3 from the
+  reference generator's distributions (`synthetic_requests.for_model`), the
+  paper-era HSTU from `recsys.synthetic` (5M users, 1% of the items)."""
+  if dataset is not None:
+    n = len(dataset)
+    if n < num_samples:
+      raise ValueError(f"dataset: {n} requests at its timestamp, fewer than num_samples "
+                       f"{num_samples}")
+    reqs = [dataset.request(i * n // num_samples) for i in range(num_samples)]
+    return reqs, [r.labels for r in reqs]
+  if family.of(cfg) is family.DLRM_V3:
+    reqs = synthetic_requests.samples(synthetic_requests.for_model(cfg, seed=seed), num_samples)
+    return reqs, [r.labels for r in reqs]
   spec = synthetic.for_model(cfg, num_users=5_000_000, seed=seed)
   step = spec.num_users // num_samples
   users, labels = zip(*(synthetic.sample(spec, i * step) for i in range(num_samples)))
-  scorer = Scorer(cfg, params, Buckets.for_samples(users, token_budget=token_budget,
+  return list(users), list(labels)
+
+
+def run_benchmark(cfg, params, *, outdir: str, num_samples: int = 256,
+                  scenarios: Sequence[str] = ("Server", "Offline"), server_qps: float = 200.0,
+                  offline_qps: float = 4000.0, latency_ms: float = 80.0, token_budget: int = 256,
+                  max_users: int = 16, min_duration_ms: int = 1000, min_query_count: int = 500,
+                  seed: int = 0, dataset=None) -> list[dict]:
+  """LoadGen runs of cfg's model on `benchmark_samples` (MLPerf's data set
+  files when `dataset` is given): each scenario in performance mode, then one
+  accuracy run (NE / GAUC / accuracy / AUC from LoadGen's log). -> one row per run."""
+  users, labels = benchmark_samples(cfg, num_samples, seed=seed, dataset=dataset)
+  scorer = Scorer(cfg, params, Buckets.for_samples(cfg, users, token_budget=token_budget,
                                                    max_users=max_users))
   rows = []
   for scenario in scenarios:

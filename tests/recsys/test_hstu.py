@@ -148,7 +148,7 @@ def test_config_rejects_bad_fields_and_presets_have_the_benchmarks_dims():
     config.HSTUConfig(num_items=10, num_heads=0)
   with pytest.raises(ValueError, match="unknown recsys preset"):
     config.get("dlrm_v2")
-  big = config.get("dlrm_v3")
+  big = config.get("hstu_paper")
   assert (big.num_layers, big.num_heads, big.embed_dim, big.num_items) == (5, 4, 512, 10**9)
   assert config.get("tiny_hstu", num_layers=1).num_layers == 1
 

@@ -49,3 +49,12 @@ def test_bad_requests_name_the_field():
     sr.request(SPEC, 1000)
   with pytest.raises(ValueError, match="ts 3"):
     sr.request(SPEC, 0, ts=3)
+
+
+def test_samples_are_distinct_requests_past_the_user_count():
+  spec = sr.RequestSpec(**{**SPEC.__dict__, "num_users": 10})  # 10 users x 2 inference ts
+  reqs = sr.samples(spec, 20)
+  keys = {(r.user_id, tuple(r.candidate_ids)) for r in reqs}
+  assert len(keys) == 20 and {r.user_id for r in reqs} == set(range(10))
+  with pytest.raises(ValueError, match="hold only 20"):
+    sr.samples(spec, 21)
