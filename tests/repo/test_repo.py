@@ -1,5 +1,6 @@
-"""Repository contracts: README's commands match CI; layers never import upward;
-the installed library holds no benchmark code (that is experiments/benchlib)."""
+"""Repository contracts: README's commands match CI; the installed library holds
+no benchmark code (that is experiments/benchlib). The layers' imports are
+tests/repo/test_imports.py's, from docs/design.md's table."""
 
 import ast
 import configparser
@@ -11,39 +12,6 @@ import subprocess
 import sys
 
 ROOT = pathlib.Path(__file__).parents[2]
-
-# Lower index = lower layer. A module may import its own layer or lower ones.
-LAYERS = [
-    ("pallas_kernels", 0), ("jaxinfer/backend.py", 0), ("jaxinfer/config.py", 1), ("jaxinfer/hf_config.py", 1),
-    ("jaxinfer/presets.py", 1), ("jaxinfer/ops.py", 1), ("jaxinfer/xla_attention.py", 1),
-    ("jaxinfer/models", 2),
-    ("jaxinfer/kv/pool.py", 1), ("jaxinfer/kv/contexts.py", 2), ("jaxinfer/kv", 3),
-    ("jaxinfer/checkpoint", 3), ("jaxinfer/diffusion", 3), ("jaxinfer/tokenizer.py", 1),
-    ("jaxinfer/vision_inputs.py", 1), ("jaxinfer/sharding.py", 3), ("jaxinfer/eplb.py", 3),
-    ("jaxinfer/engine", 4), ("jaxinfer/recsys", 4), ("jaxinfer/run.py", 5), ("jaxinfer/training.py", 3),
-    ("jaxinfer/serving", 5), ("jaxinfer/sim", 5), ("jaxinfer/gpu_compile.py", 3),
-    # The experiments' benchmark library (imported as `benchlib`): above the library.
-    ("experiments/benchlib", 6),
-]
-MODULE_LAYER = {"pallas_kernels": 0, "jaxinfer.backend": 0, "jaxinfer.config": 1, "jaxinfer.hf_config": 1,
-                "jaxinfer.presets": 1, "jaxinfer.ops": 1, "jaxinfer.xla_attention": 1,
-                "jaxinfer.models": 2,
-                "jaxinfer.kv.pool": 1, "jaxinfer.kv.contexts": 2, "jaxinfer.kv": 3,
-                "jaxinfer.checkpoint": 3, "jaxinfer.diffusion": 3, "jaxinfer.tokenizer": 1,
-                "jaxinfer.vision_inputs": 1, "jaxinfer.sharding": 3, "jaxinfer.eplb": 3,
-                "jaxinfer.engine": 4, "jaxinfer.recsys": 4, "jaxinfer.run": 5, "jaxinfer.training": 3,
-                "jaxinfer.serving": 5, "jaxinfer.sim": 5, "jaxinfer.gpu_compile": 3,
-                "benchlib": 6}
-# Within a layer: (importer, what it must not import).
-FORBIDDEN = [("jaxinfer/serving", "jaxinfer.sim")]
-
-
-def _layer_of_module(name):
-  for prefix, layer in sorted(MODULE_LAYER.items(), key=lambda kv: -len(kv[0])):
-    if name == prefix or name.startswith(prefix + "."):
-      return layer
-  return None
-
 
 def test_readme_test_command_is_what_ci_runs():
   readme = (ROOT / "README.md").read_text()
@@ -65,43 +33,6 @@ def test_a_skipped_test_fails_the_suite(tmp_path):
                         "addopts=", str(tmp_path)], capture_output=True, text=True, timeout=300)
   assert out.returncode == 1, out.stdout[-2000:]
   assert "1 failed, 1 passed" in out.stdout and "this suite never skips" in out.stdout
-
-
-def test_no_upward_imports():
-  bad = []
-  for path_prefix, layer in LAYERS:
-    base = ROOT / path_prefix
-    files = [base] if base.suffix == ".py" else sorted(base.rglob("*.py"))
-    for f in files:
-      for node in ast.walk(ast.parse(f.read_text())):
-        names = []
-        if isinstance(node, ast.Import):
-          names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-          names = [node.module]
-        for n in names:
-          dep = _layer_of_module(n)
-          if path_prefix == "pallas_kernels" and n.startswith("jaxinfer"):
-            bad.append((str(f), n))
-          elif dep is not None and dep > layer:
-            bad.append((str(f.relative_to(ROOT)), n))
-  assert not bad, bad
-
-
-def _imports(f):
-  for node in ast.walk(ast.parse(f.read_text())):
-    if isinstance(node, ast.Import):
-      yield from (a.name for a in node.names)
-    elif isinstance(node, ast.ImportFrom) and node.module:
-      yield node.module
-
-
-def test_serving_does_not_import_the_simulator():
-  # The simulator runs the serving flow; serving never depends on it.
-  bad = [(str(f.relative_to(ROOT)), n) for where, banned in FORBIDDEN
-         for f in sorted((ROOT / where).rglob("*.py")) for n in _imports(f)
-         if n == banned or n.startswith(banned + ".")]
-  assert not bad, bad
 
 
 def _imported_names(f):
