@@ -18,8 +18,17 @@ grouped_matmul "mosaic" (`grouped_matmul`, `mosaic_grouped_matmul`).
   causal_attention        full causal self-attention (prefill without a cache)
   full_attention          every query sees every key (diffusion transformers)
   attention               queries at arbitrary positions over a padded KV range (XLA)
-  ragged_paged_attention  an engine step's mixed batch over the page pool
+  ragged_paged_attention  an engine step's mixed batch over the page pool: one
+                          `AttentionCall` (q, the `PagedKV` pools and step
+                          metadata, the step's own K/V, window, sinks, scale,
+                          MLA's W_uv), plain tensors, no callbacks; MLA's
+                          expanded form for fresh prompts is the model's
+                          choice (`fresh_prompts`, `packed_attention`,
+                          `fresh_and_decodes`)
   hstu_attention          HSTU's pointwise SiLU attention over packed jagged users (DLRMv3)
+
+This module dispatches; the XLA implementations (dense, blocked, packed and
+the paged step's) live in `xla_attention`, the kernels in `pallas_kernels`.
 """
 
 from __future__ import annotations
@@ -40,7 +49,7 @@ from pallas_kernels import mosaic_mla_ragged
 from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels import mosaic_ragged_attention as mosaic_ragged
 from pallas_kernels import mosaic_wide_attention as mosaic_wide
-from pallas_kernels.paged_attention import dequantize, gpu_blocks, tile_error
+from pallas_kernels.paged_attention import gpu_blocks, tile_error
 from pallas_kernels.ragged_paged_attention import to_padded
 
 try:  # jax's Hopper grouped matmul (Mosaic GPU; jax >= 0.11 takes it on Hopper)
@@ -48,7 +57,6 @@ try:  # jax's Hopper grouped matmul (Mosaic GPU; jax >= 0.11 takes it on Hopper)
 except ImportError:  # a jax without it
   _ragged_dot_mgpu = None
 
-_BLOCK_Q, _BLOCK_K = 64, 128  # XLA attention blocks (queries, keys)
 _SM_PROGRAMS = 132  # split-K below this many (sequence, KV head) programs (H100: 132 SMs)
 # The default ("mosaic" by attention None) keeps steps with more query tokens a
 # sequence than this on Triton: on the H200 (run 7) the Mosaic ragged kernel was
@@ -149,7 +157,7 @@ def mosaic_experts(xs, w, group_sizes, *, scale=None, block=None, packed=None, s
 # Average rows per expert up to which `cpu_experts` runs the C++ kernel when
 # it has no register tiles (`pallas_kernels.cpu.tiled`), its streaming path
 # only: bench_moe's experts (round 31's 2-core Xeon, one layer, ms, streaming against XLA's
-# loop `moe._experts_split`): 1 token 1.45 vs 2.02, 8 tokens 8.4 vs 10.2, 32
+# loop `moe.experts_split`): 1 token 1.45 vs 2.02, 8 tokens 8.4 vs 10.2, 32
 # tokens 16.2 vs 24.9, 64 tokens 21.6 vs 36.7, 128 tokens (12 rows) 34.8 vs
 # 38.5, 256 tokens 60.3 vs 57.8. With the tiles it runs at any size: 256
 # tokens 44.8 vs 69.1, 1024 tokens 128.6 vs 185.6, 2048 tokens 242 vs 350.
@@ -262,7 +270,8 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
   if impl == "xla" or (not interpret and small and backend.attention is None):
     B, T = q.shape[:2]
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    return _attention_xla(q, k, v, pos, jnp.full((B,), T, jnp.int32), window, sinks, scale)
+    return xla_attention.attention(q, k, v, pos, jnp.full((B,), T, jnp.int32), window, sinks,
+                                   scale)
   flash = lambda w: functools.partial(pallas_kernels.flash_attention, causal=True, sm_scale=scale,
                                       window=w, interpret=interpret)
   if isinstance(window, int):
@@ -299,7 +308,7 @@ def full_attention(q, k, v, *, scale, backend: Backend = Backend()):
   if impl == "xla" or (not interpret and small and backend.attention is None):
     B, T, S = q.shape[0], q.shape[1], k.shape[1]
     pos = jnp.full((B, T), S - 1, jnp.int32)
-    return _attention_xla(q, k, v, pos, jnp.full((B,), S, jnp.int32), 0, None, scale)
+    return xla_attention.attention(q, k, v, pos, jnp.full((B,), S, jnp.int32), 0, None, scale)
   return pallas_kernels.flash_attention(q, k, v, causal=False, sm_scale=scale,
                                         interpret=interpret)
 
@@ -317,17 +326,7 @@ def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale):
   key); softmax runs in float32.
   Every backend runs this XLA form (it takes no `Backend`).
   """
-  return _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale)
-
-
-def _attention_xla(q, k, v, q_positions, kv_lengths, window, sinks, scale):
-  # Past one block of queries and of keys, blocks with an online softmax: no
-  # [T, S] scores, and key blocks past causality or the window are skipped
-  # (bench_dense prefill @512 on a 2-core CPU: see `xla_attention`).
-  if q.shape[1] > _BLOCK_Q and k.shape[1] > _BLOCK_K:
-    return xla_attention.blocked(q, k, v, q_positions, kv_lengths, window, sinks, scale,
-                                 block_q=_BLOCK_Q, block_k=_BLOCK_K)
-  return xla_attention.dense(q, k, v, q_positions, kv_lengths, window, sinks, scale)
+  return xla_attention.attention(q, k, v, q_positions, kv_lengths, window, sinks, scale)
 
 
 def paged_kernel(q_shape, dtype, k_pages_shape, page_table_shape, *, max_q: int,
@@ -400,176 +399,134 @@ def _trial(kernel, q_shape, k_pages_shape, max_q, trials):
   return kernel
 
 
-def ragged_paged_attention(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q,
-                           window=0, sinks=None, scale, v_head_dim=None, layer=None,
-                           k_scale=None, v_scale=None, new_kv=None, latent_out=None,
-                           expand=None, q_rows=None, backend: Backend = Backend()):
-  """Attention for a token-flattened mixed batch over a paged KV cache.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PagedKV:
+  """Where a paged step's keys and values live (a `kv.contexts.PagedContext`
+  gives it, its pages written): the pools, k_pages [(L,) K, P, page_size,
+  Hk] and v_pages [(L,) K, P, page_size, Hv], or v_pages None for MLA's
+  latent pool (one pool for both: the values its first latent_dim columns);
+  layer: the pools carry a leading layer axis and this layer's pages are
+  read (gathered directly, never slicing the layer's pool), or None;
+  k_scale / v_scale: quantized pages' float32 scalars (fp8 / int8,
+  `kv.pool.KV_CACHE_DTYPES`: pages * scale, per tile in the kernel, after
+  the gather on the XLA path; MLA: k_scale only) or None; the step's
+  sequences: kv_lens [B] (after the step), page_table [B, pages_per_seq],
+  cu_q_lens [B + 1] (sequence b owns query rows cu_q_lens[b]:cu_q_lens[b + 1],
+  its newest tokens, the last at position kv_lens[b] - 1); max_q (static):
+  at least every sequence's query count."""
 
-  q [T, N, Hk]: the step's tokens, sequence b owning rows
-  cu_q_lens[b]:cu_q_lens[b + 1] (its newest tokens, the last at position
-  kv_lens[b] - 1). k_pages [K, P, page_size, Hk], v_pages [K, P, page_size, Hv];
-  page_table [B, pages_per_seq]; max_q (static) >= every sequence's query count.
-  v_pages None: the values are the first v_head_dim columns of the keys (MLA's
-  latent, one pool for both). layer: pools carry a leading layer axis
-  ([L, K, P, page_size, H]) and this layer's pages are read (gathered
-  directly, never slicing the layer's whole pool). Rows past cu_q_lens[-1] are padding and return
-  zeros. -> [T, N, Hv]. k_scale / v_scale (float32 scalars, or None):
-  quantized pages (fp8 / int8, `kv.pool.KV_CACHE_DTYPES`) read as
-  pages * scale: per tile in the kernel, after the gather on the XLA path
-  (MLA: k_scale, the latent's one scale).
+  k_pages: jax.Array
+  v_pages: jax.Array | None = None
+  kv_lens: jax.Array
+  page_table: jax.Array
+  cu_q_lens: jax.Array
+  layer: jax.Array | int | None = None
+  k_scale: jax.Array | None = None
+  v_scale: jax.Array | None = None
+  max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
+  latent_dim: int | None = dataclasses.field(metadata=dict(static=True), default=None)
 
-  new_kv: the step's own keys and values (k [T, K, Hk], v [T, K, Hv], as
-  written to the pages), or None. On the XLA path, a step (max_q > 1) whose
-  sequences are each a fresh chunk (from position 0) or one decode token (a
-  batch of fresh prompts, or prompts admitted beside decodes) then attends
-  packed over its own keys for the prompts (`xla_attention.packed`: no page
-  gather, no per-sequence padding) and over the pages for the decode tokens
-  only; any other step (a chunk continuing past position 0) over the pages.
-  GQA pools without scales only.
 
-  latent_out (MLA): W_uv [N, Hv, R]; the result is then latent result x
-  W_uv [T, N, Hv]. expand: a callable -> the step's q, k [T, N, Dq], v [T,
-  N, Hv] in MLA's expanded form, traced only in the branch above, whose
-  prompts then attend packed over those (bench_moe: Dq 96, not 288 + 256).
-  q_rows: None, or a callable rows -> q[rows] (None: all) computing queries
-  inside the XLA path's branches (q then gives the shape): fresh MLA prompts
-  need absorbed queries for their decode rows only, not every token's.
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionCall:
+  """One paged attention call, plain tensors, keyword-only: q [T, N, Hk] (the step's
+  tokens; MLA: the absorbed queries [T, N, R + Hr]), kv (`PagedKV`), new_kv:
+  the step's own keys and values (k [T, K, Hk], v [T, K, Hv], as written to
+  the pages; GQA) or None, window (an int or a traced scalar, 0: none),
+  sinks [N] or None, scale (static); values: MLA's W_uv [N, Hv, R] (the
+  result is then the heads' values, `latent_values`), or None."""
 
-  GPU target: the kernel tiled by `paged_tiling`, or (attention None)
-  the XLA path where `tile_error` says the kernel cannot tile the shapes.
+  q: jax.Array
+  kv: PagedKV
+  new_kv: tuple | None = None
+  window: jax.Array | int = 0
+  sinks: jax.Array | None = None
+  scale: float = dataclasses.field(metadata=dict(static=True))
+  values: jax.Array | None = None
+
+
+def _call_kernel(call: AttentionCall, backend: Backend):
+  """`paged_kernel` for a call's shapes."""
+  kv = call.kv
+  values_dim = None if kv.v_pages is None else kv.v_pages.shape[-1]
+  return paged_kernel(call.q.shape, call.q.dtype, kv.k_pages.shape, kv.page_table.shape,
+                      max_q=kv.max_q, values_dim=values_dim, latent_dim=kv.latent_dim,
+                      window=call.window, sinks=call.sinks is not None,
+                      quantized=kv.k_scale is not None, backend=backend)
+
+
+def ragged_paged_attention(call: AttentionCall, backend: Backend = Backend()):
+  """Attention for a token-flattened mixed batch over a paged KV cache:
+  `call.q` [T, N, Hk] over `call.kv`'s pages -> [T, N, Hv] (MLA: the latent
+  result [T, N, R], times `call.values` where given). Rows past
+  cu_q_lens[-1] are padding and return zeros.
+
+  GPU target: the kernel tiled by `paged_tiling`, or (attention None) the
+  XLA path where `tile_error` says the kernel cannot tile the shapes.
   "mosaic" (the default on a Hopper target, `Backend`): GQA steps on
   `mosaic_paged_attention` (decode-only) or `mosaic_ragged_attention`
   (mixed), decode-only MLA steps on `mosaic_mla_attention` (variants:
   `Backend.trials`), where their `unsupported` finds nothing against the
-  shapes (`mosaic_kernel`); other steps "pallas".
-  """
-  kernel, interpret, tiling = paged_kernel(
-      q.shape, q.dtype, k_pages.shape, page_table.shape, max_q=max_q,
-      values_dim=None if v_pages is None else v_pages.shape[-1], latent_dim=v_head_dim,
-      window=window, sinks=sinks is not None, quantized=k_scale is not None, backend=backend)
-  post = lambda o: latent_values(o, latent_out)
+  shapes (`mosaic_kernel`); other steps "pallas". The XLA path is
+  `xla_attention.ragged`: with `call.new_kv`, a step (max_q > 1) whose
+  sequences are each a fresh chunk (from position 0) or one decode token
+  attends the chunks packed over their own keys (`xla_attention.packed`:
+  no page gather, no per-sequence padding) and the pages for the decode
+  tokens only; any other step over the pages. (MLA's fresh chunks in the
+  expanded form: `fresh_prompts`, the model's choice.)"""
+  kernel, interpret, tiling = _call_kernel(call, backend)
+  return latent_values(_paged_step(call, kernel, interpret, tiling), call.values)
+
+
+def _paged_step(call: AttentionCall, kernel: str, interpret: bool, tiling: dict):
+  """The step on `kernel` (`paged_kernel`'s choice)."""
+  kv = call.kv
   if kernel.startswith("mosaic"):
-    return post(_mosaic_step(kernel, q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q,
-                             window, sinks, scale, v_head_dim, layer, interpret))
+    return _mosaic_step(kernel, call.q, kv.k_pages, kv.v_pages, kv.kv_lens, kv.page_table,
+                        kv.cu_q_lens, kv.max_q, call.window, call.sinks, call.scale,
+                        kv.latent_dim, kv.layer, interpret)
   if kernel == "pallas":
-    return post(pallas_kernels.ragged_paged_attention(
-        q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q=max_q, sm_scale=scale,
-        window=window, sinks=sinks, v_head_dim=v_head_dim, layer=layer, k_scale=k_scale,
-        v_scale=v_scale, interpret=interpret, **tiling))
-  return _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
-                     scale, v_head_dim, layer, (k_scale, v_scale), new_kv, latent_out, expand,
-                     post, q_rows)
+    return pallas_kernels.ragged_paged_attention(
+        call.q, kv.k_pages, kv.v_pages, kv.kv_lens, kv.page_table, kv.cu_q_lens, max_q=kv.max_q,
+        sm_scale=call.scale, window=call.window, sinks=call.sinks, v_head_dim=kv.latent_dim,
+        layer=kv.layer, k_scale=kv.k_scale, v_scale=kv.v_scale, interpret=interpret, **tiling)
+  return xla_attention.ragged(call)
 
 
-def latent_values(out, w_uv):
-  """MLA: the heads' values [..., N, Hv] from the absorbed form's latent
-  result [..., N, R] (x W_uv [N, Hv, R], `layouts.AbsorbedMLA`); out
-  itself when w_uv is None."""
-  if w_uv is None:
-    return out
-  return jnp.einsum("...NR,NHR->...NH", out, w_uv.astype(out.dtype))
+def fresh_prompts(call: AttentionCall, backend: Backend = Backend()):
+  """Whether a step may attend its fresh chunks packed over their own keys
+  (MLA: in the expanded form, `models.attention.mla`): None (static) unless
+  the step runs the XLA path (`paged_kernel`) with max_q > 1 over pages
+  without scales; else (every sequence a fresh chunk or one decode token: a
+  traced bool, decodes [B] bool), for `packed_attention` and
+  `fresh_and_decodes`. call.q may be a ShapeDtypeStruct (shapes only)."""
+  kv = call.kv
+  if _call_kernel(call, backend)[0] != "xla" or kv.max_q == 1 or kv.k_scale is not None:
+    return None
+  return xla_attention.fresh_or_decodes(kv.cu_q_lens, kv.kv_lens)
 
 
-def _ragged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
-                scale, v_head_dim, layer, kv_scales, new_kv, latent_out, expand, post, q_rows=None):
-  """`ragged_paged_attention`'s XLA path: packed fresh prompts where it can
-  (`_fresh_or_paged_xla`), else over the pages."""
-  if q_rows is None:
-    q_rows = lambda rows=None: q if rows is None else q[rows]
-  if layer is None:
-    k_pages = k_pages[None]
-    v_pages = None if v_pages is None else v_pages[None]
-    layer = 0
-  paged = lambda: post(_ragged_paged_xla(
-      q_rows(), k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks, scale,
-      v_head_dim, layer, kv_scales, trim=max_q == 1))
-  if v_pages is not None and new_kv is not None and latent_out is None:
-    fresh_qkv = lambda: (q, *new_kv)
-  elif v_pages is None and expand is not None and latent_out is not None:
-    fresh_qkv = expand  # MLA: the prompts in the expanded form
-  else:
-    fresh_qkv = None
-  if fresh_qkv is None or max_q == 1 or kv_scales[0] is not None:
-    return paged()
-  return _fresh_or_paged_xla(q_rows, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens,
-                             window, sinks, scale, layer, paged, v_head_dim, post, q.shape[0])
+def packed_attention(q, k, v, cu_q_lens, *, window=0, sinks=None, scale):
+  """A step of fresh chunks over its own keys and values, packed (the XLA
+  path, `xla_attention.packed_step`): q [T, N, Hk], k [T, K, Hk], v [T, K,
+  Hv] -> [T, N, Hv], padding rows zeros."""
+  return xla_attention.packed_step(q, k, v, cu_q_lens, window, sinks, scale)
 
 
-def _fresh_or_paged_xla(q_rows, k_pages, v_pages, fresh_qkv, kv_lens, page_table, cu_q_lens,
-                        window, sinks, scale, layer, paged, v_head_dim, post, T):
-  """`_fresh_and_decodes_xla` where every sequence is a fresh chunk or one
-  decode token (chosen by value in the step), the prompts packed over
-  fresh_qkv() (traced in that branch only), else paged()."""
-  packed = lambda: _packed_xla(*fresh_qkv(), cu_q_lens, window, sinks, scale)
-  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-  decodes = (q_lens == 1) & (kv_lens > 1)  # a lone token past position 0
-  return jax.lax.cond(
-      jnp.all((kv_lens == q_lens) | decodes),
-      lambda: _fresh_and_decodes_xla(q_rows, k_pages, v_pages, packed(), kv_lens, page_table,
-                                     cu_q_lens, decodes, window, sinks, scale, layer,
-                                     v_head_dim, post, T),
-      paged)
+def fresh_and_decodes(firsts, kv: PagedKV, packed, decodes, *, window=0, sinks=None, scale,
+                      values=None):
+  """`packed` [T, N, Hv] (the fresh chunks' `packed_attention`) with the
+  decode tokens' rows (decodes [B], from `fresh_prompts`) attended over
+  their pages from their queries firsts [B, N, Hk] (each sequence's first
+  token's), then `values` (MLA: W_uv [N, Hv, R]) -> [T, N, Hv]
+  (`xla_attention.fresh_and_decodes`)."""
+  return xla_attention.fresh_and_decodes(firsts, kv, packed, decodes, window=window, sinks=sinks,
+                                         scale=scale, values=values)
 
 
-# Query and key block of the packed XLA path (`xla_attention.packed`).
-_PACKED_BLOCK = 128
-
-# How a step's index maps search their (short, sorted) offsets: every probe
-# against every offset in one fusion. jnp's default binary search is a while
-# loop of log2(offsets) trips, 4 launches each, in every compiled GPU step
-# (llama3_8b decode on an H100 at batch 64: 31 of the step's launches).
-SEARCH = "compare_all"
-
-
-def token_sequences(cu_q_lens, T: int):
-  """[T] int32: the sequence each of a step's tokens belongs to (the last b
-  with cu_q_lens[b] <= t; B for the padding past cu_q_lens[-1])."""
-  t = jnp.arange(T, dtype=jnp.int32)
-  return (jnp.searchsorted(cu_q_lens, t, side="right", method=SEARCH) - 1).astype(jnp.int32)
-
-
-def _packed_xla(q, k, v, cu_q_lens, window, sinks, scale):
-  """A step of fresh chunks (each starting at position 0) over its own keys
-  and values, packed: token t of sequence b sits at position t - cu_q_lens[b];
-  rows past cu_q_lens[-1] are padding and return zeros."""
-  T = q.shape[0]
-  t = jnp.arange(T, dtype=jnp.int32)
-  seq = token_sequences(cu_q_lens, T)
-  positions = t - cu_q_lens[seq]
-  out = xla_attention.packed(q, k, v, seq, positions, window, sinks, scale,
-                             block=min(_PACKED_BLOCK, T), seq_starts=cu_q_lens)
-  return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
-
-
-def _fresh_and_decodes_xla(q_rows, k_pages, v_pages, packed, kv_lens, page_table, cu_q_lens,
-                           decodes, window, sinks, scale, layer, v_head_dim, post, T):
-  """A step whose sequences are each a fresh chunk (from position 0) or one
-  decode token (`decodes` [B]): the fresh chunks' attention `packed` [T, N,
-  Hv] (`_packed_xla` over the step's own keys), the decode tokens over their
-  pages (then `post`: MLA's W_uv), one query row a sequence as in a decode
-  step, gathered for the decodes only: none, at most a quarter of the
-  sequences, or all of them (`lax.switch`). q_rows(rows): the queries of
-  the step's tokens rows (T of them)."""
-  B = page_table.shape[0]
-  firsts = q_rows(jnp.clip(cu_q_lens[:-1], 0, T - 1))  # [B, N, H]: each sequence's first token
-
-  def decode_rows(rows):  # -> [B, N, Hv]: sequence b's decode attention (others: any values)
-    order = jnp.argsort(jnp.where(decodes, 0, 1), stable=True)[:rows]  # the decodes first
-    out = post(_ragged_paged_xla(firsts[order], k_pages, v_pages,
-                                 jnp.where(decodes[order], kv_lens[order], 0), page_table[order],
-                                 jnp.arange(rows + 1, dtype=jnp.int32), 1, window, sinks, scale,
-                                 v_head_dim, layer, (None, None)))
-    return out[jnp.clip(jnp.cumsum(decodes) - 1, 0, rows - 1)]
-
-  sizes = sorted({max(1, B // 4), B})
-  n = jnp.sum(decodes)
-  dec = jax.lax.switch(jnp.searchsorted(jnp.asarray([0] + sizes), n),
-                       [lambda: jnp.zeros(firsts.shape[:2] + packed.shape[-1:], packed.dtype)]
-                       + [lambda r=r: decode_rows(r).astype(packed.dtype) for r in sizes])
-  seq = token_sequences(cu_q_lens, T)  # B for the padding rows
-  b = jnp.clip(seq, 0, B - 1)
-  return jnp.where(((seq < B) & decodes[b])[:, None, None], dec[b], packed)
+latent_values = xla_attention.latent_values
 
 
 def _ragged_mosaic(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window, sinks,
@@ -692,90 +649,3 @@ def _ragged_mosaic_mla_items(q, k_pages, kv_lens, page_table, cu_q_lens, scale, 
   return mosaic_mla_ragged.mosaic_mla_ragged_attention(
       q[..., :latent_dim], q[..., latent_dim:], pages, kv_lens, table, cu_q_lens, max_q=max_q,
       sm_scale=scale, num_splits=splits, cluster=not interpret, interpret=interpret)
-
-
-def xla_item_size(num_tokens: int, num_seqs: int, max_q: int) -> int:
-  """Query tokens per row of the XLA path's query layout: max_q (one row per
-  sequence, [B, max_q]) where that pads at most 2x over the step's tokens
-  (decode steps, batches of prompts), else the largest power of two p <= max_q
-  with B * p <= T (at least 1): rows of p tokens of one sequence, so a mixed
-  step (a long chunk among decodes) attends about 2T rows, not B * max_q."""
-  if num_seqs * max_q <= 2 * num_tokens:
-    return max_q
-  p = 1
-  while 2 * p <= max_q and num_seqs * 2 * p <= num_tokens:
-    p *= 2
-  return p
-
-
-def _page_rows(pool, layer, table):
-  """pool [L, K, P, ps, H], table [R, pages] -> [K, R * pages, ps, H]: the
-  pages of `layer`, gathered as whole rows of the pool flattened to
-  [L * K * P, ps, H] (bench_dense's decode at batch 8, 12 pages a sequence,
-  the gathers and attention of 8 layers: 5.4 ms against 6.2 indexing
-  pool[layer, heads, table], one run)."""
-  L, K, P = pool.shape[:3]
-  rows = (layer * K + jnp.arange(K, dtype=jnp.int32)[:, None]) * P + table.reshape(1, -1)
-  return jnp.take(pool.reshape((L * K * P,) + pool.shape[3:]), rows.reshape(-1), axis=0,
-                  mode="clip")
-
-
-def _ragged_paged_xla(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
-                      sinks, scale, v_head_dim, layer, kv_scales, per_item=None, trim=False):
-  # Reference path: each row's sequence's pages gathered into a contiguous
-  # [S] view (KV-head-major), the ragged queries laid out in rows of
-  # `per_item` tokens of one sequence (`xla_item_size`; the Mosaic ragged
-  # kernel's work items), then the dense kernel (`dense_kmajor`; blocked past
-  # a block of queries and of keys).
-  B, pages = page_table.shape
-  T = q.shape[0]
-  dims = kernel_dims(k_pages)
-  K, page_size = dims["kv_head"], dims["slot"]
-  per_item = per_item or xla_item_size(T, B, max_q)
-
-  def gather(pool, scale, table):  # [L, K, P, ps, H] -> [K, R, pages * ps, H] of `layer`
-    g = _page_rows(pool, layer, table)  # [K, R * pages, ps, H]
-    g = g.reshape(K, table.shape[0], table.shape[1] * page_size, pool.shape[-1])
-    return g if scale is None else dequantize(g, scale, q.dtype)
-
-  def attend_pages(qr, table, q_pos, kv_len):
-    k = gather(k_pages, kv_scales[0], table)
-    v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1], table)
-    if qr.shape[1] > _BLOCK_Q and k.shape[2] > _BLOCK_K:  # blocked: [R, S, K, H]
-      return _attention_xla(qr, k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3), q_pos, kv_len,
-                            window, sinks, scale)
-    return xla_attention.dense_kmajor(qr, k, v, q_pos, kv_len, window, sinks, scale)
-
-  def attend(qr, table, q_pos, kv_len):
-    # trim (a decode-only step): its pages come in powers of two; where every
-    # row's keys fit in the first three quarters, only those are gathered
-    # (the 1.5x page bucket without another program). Prompt programs, whose
-    # attention has several branches already, keep one: each branch is more
-    # machine code, and serve.py's warm-up then ran out of memory maps
-    # (docs/known_issues.md).
-    short = 3 * pages // 4
-    if not trim or pages < 4 or pages % 4:
-      return attend_pages(qr, table, q_pos, kv_len)
-    return jax.lax.cond(jnp.max(kv_len) <= short * page_size,
-                        lambda: attend_pages(qr, table[:, :short], q_pos, kv_len),
-                        lambda: attend_pages(qr, table, q_pos, kv_len))
-
-  if per_item == max_q:  # a row per sequence
-    q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
-    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
-    out = attend(q_pad, page_table, q_pos, kv_lens)[seq, row]
-    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
-  num_items = -(-T // per_item) + B  # >= sum over sequences of ceil(q_len / per_item)
-  items, first, item_cu = mosaic_ragged.work_items(cu_q_lens, kv_lens, per_item=per_item,
-                                                   num_items=num_items)
-  u = jnp.arange(per_item, dtype=jnp.int32)
-  q_rows = q[jnp.clip(first[:, None] + u[None], 0, T - 1)]  # [I, per_item, N, H]
-  out = attend(q_rows, page_table[items[:, 0]], items[:, 1:2] + u[None], items[:, 2])
-  # Back to token order: token t is row (t - start) % per_item of its
-  # sequence's item (t - start) // per_item.
-  t = jnp.arange(T, dtype=jnp.int32)
-  b = jnp.clip(token_sequences(cu_q_lens, T), 0, B - 1)
-  offset = t - cu_q_lens[b]
-  out = out[jnp.clip(item_cu[b] + offset // per_item, 0, num_items - 1), offset % per_item]
-  return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)

@@ -25,12 +25,23 @@ the keys of its own sequence up to itself), with no page gather and no
 per-sequence padding: every query block against its own key block in one
 product, then the online softmax over earlier key blocks only where a
 sequence started in one.
+
+The paged step's XLA path lives here too (`ops.ragged_paged_attention`'s
+"xla" kernel; `ops` is the dispatch): `ragged` takes a step's
+`ops.AttentionCall`, `ragged_paged` its pages gathered per sequence,
+`packed_step` and `fresh_and_decodes` a step of fresh chunks and decode
+tokens, `attention` the padded form (`dense` or `blocked`), `latent_values`
+MLA's W_uv.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.mosaic_ragged_attention import work_items
+from pallas_kernels.paged_attention import dequantize
+from pallas_kernels.ragged_paged_attention import to_padded
 
 MASKED = -1e30
 
@@ -266,3 +277,221 @@ def _earlier(carry, first, qb, kb, vb, sb, pb, visible, scale, G):
 
   _, state = jax.lax.scan(query_block, None, (jnp.arange(n), first, qb, sb, pb, carry))
   return state
+
+
+# ---------------------------------------------------------------------------
+# The paged step's XLA path (`ops.ragged_paged_attention`'s "xla" kernel).
+#
+# A step's call (`ops.AttentionCall`: q [T, N, Hk], its `ops.PagedKV` pools
+# and metadata, the step's own keys and values) over the page pool: each
+# sequence's pages gathered into a contiguous view, its ragged queries in
+# rows of whole tokens (`item_size`), then `dense_kmajor` (or `blocked` past a
+# block). A step whose sequences are each a fresh chunk or one decode token
+# attends the chunks packed over their own keys instead (`packed_step`) and
+# the pages for the decode tokens only (`fresh_and_decodes`).
+
+BLOCK_Q, BLOCK_K = 64, 128  # queries and keys a block (`attention`)
+# Query and key block of the packed path (`packed`).
+PACKED_BLOCK = 128
+# How a step's index maps search their (short, sorted) offsets: every probe
+# against every offset in one fusion. jnp's default binary search is a while
+# loop of log2(offsets) trips, 4 launches each, in every compiled GPU step
+# (llama3_8b decode on an H100 at batch 64: 31 of the step's launches).
+SEARCH = "compare_all"
+
+
+def attention(q, k, v, q_positions, kv_lengths, window, sinks, scale):
+  """`dense`, or past one block of queries and of keys `blocked` (an online
+  softmax: no [T, S] scores, and key blocks past causality or the window
+  skipped; bench_dense prefill @512 on a 2-core CPU)."""
+  if q.shape[1] > BLOCK_Q and k.shape[1] > BLOCK_K:
+    return blocked(q, k, v, q_positions, kv_lengths, window, sinks, scale,
+                   block_q=BLOCK_Q, block_k=BLOCK_K)
+  return dense(q, k, v, q_positions, kv_lengths, window, sinks, scale)
+
+
+def token_sequences(cu_q_lens, T: int):
+  """[T] int32: the sequence each of a step's tokens belongs to (the last b
+  with cu_q_lens[b] <= t; B for the padding past cu_q_lens[-1])."""
+  t = jnp.arange(T, dtype=jnp.int32)
+  return (jnp.searchsorted(cu_q_lens, t, side="right", method=SEARCH) - 1).astype(jnp.int32)
+
+
+def packed_step(q, k, v, cu_q_lens, window, sinks, scale):
+  """A step of fresh chunks (each starting at position 0) over its own keys
+  and values, packed: q [T, N, Hk], k [T, K, Hk], v [T, K, Hv]; token t of
+  sequence b sits at position t - cu_q_lens[b]; rows past cu_q_lens[-1] are
+  padding and return zeros. -> [T, N, Hv]."""
+  T = q.shape[0]
+  t = jnp.arange(T, dtype=jnp.int32)
+  seq = token_sequences(cu_q_lens, T)
+  positions = t - cu_q_lens[seq]
+  out = packed(q, k, v, seq, positions, window, sinks, scale,
+               block=min(PACKED_BLOCK, T), seq_starts=cu_q_lens)
+  return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)
+
+
+def fresh_or_decodes(cu_q_lens, kv_lens):
+  """-> (whether every sequence of the step is a fresh chunk, from position
+  0, or one decode token: a traced bool; decodes [B] bool: the lone tokens
+  past position 0)."""
+  q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+  decodes = (q_lens == 1) & (kv_lens > 1)
+  return jnp.all((kv_lens == q_lens) | decodes), decodes
+
+
+def layered(kv):
+  """(k_pages, v_pages, layer) of a `ops.PagedKV`, the pools given a layer
+  axis where they have none (layer 0)."""
+  if kv.layer is not None:
+    return kv.k_pages, kv.v_pages, kv.layer
+  return kv.k_pages[None], None if kv.v_pages is None else kv.v_pages[None], 0
+
+
+def fresh_and_decodes(firsts, kv, packed, decodes, *, window, sinks, scale, values=None):
+  """A step whose sequences are each a fresh chunk or one decode token
+  (`decodes` [B]): the fresh chunks' attention `packed` [T, N, Hv]
+  (`packed_step` over the step's own keys), the decode tokens over their
+  pages (kv: the `ops.PagedKV`), their queries `firsts` [B, N, Hk] (each
+  sequence's first token's), then `values` (MLA's W_uv [N, Hv, R]: the
+  latent result's values, `latent_values`), gathered for the decodes only:
+  none, at most a quarter of the sequences, or all of them (`lax.switch`)."""
+  k_pages, v_pages, layer = layered(kv)
+  B, T = kv.page_table.shape[0], packed.shape[0]
+
+  def decode_rows(rows):  # -> [B, N, Hv]: sequence b's decode attention (others: any values)
+    order = jnp.argsort(jnp.where(decodes, 0, 1), stable=True)[:rows]  # the decodes first
+    out = latent_values(ragged_paged(
+        firsts[order], k_pages, v_pages, jnp.where(decodes[order], kv.kv_lens[order], 0),
+        kv.page_table[order], jnp.arange(rows + 1, dtype=jnp.int32), 1, window, sinks, scale,
+        kv.latent_dim, layer, (None, None)), values)
+    return out[jnp.clip(jnp.cumsum(decodes) - 1, 0, rows - 1)]
+
+  sizes = sorted({max(1, B // 4), B})
+  n = jnp.sum(decodes)
+  dec = jax.lax.switch(jnp.searchsorted(jnp.asarray([0] + sizes), n),
+                       [lambda: jnp.zeros(firsts.shape[:2] + packed.shape[-1:], packed.dtype)]
+                       + [lambda r=r: decode_rows(r).astype(packed.dtype) for r in sizes])
+  seq = token_sequences(kv.cu_q_lens, T)  # B for the padding rows
+  b = jnp.clip(seq, 0, B - 1)
+  return jnp.where(((seq < B) & decodes[b])[:, None, None], dec[b], packed)
+
+
+def latent_values(out, w_uv):
+  """MLA: the heads' values [..., N, Hv] from the absorbed form's latent
+  result [..., N, R] (x W_uv [N, Hv, R], `layouts.AbsorbedMLA`); out
+  itself when w_uv is None."""
+  if w_uv is None:
+    return out
+  return jnp.einsum("...NR,NHR->...NH", out, w_uv.astype(out.dtype))
+
+
+def ragged(call):
+  """A step (`ops.AttentionCall`) on the XLA path: GQA fresh chunks packed
+  over the step's own keys where every sequence is one or a decode token
+  (chosen by value in the step, `fresh_and_decodes`; pools without scales,
+  max_q > 1, `call.new_kv` given), else over the pages (`ragged_paged`).
+  MLA's fresh chunks in the expanded form are the model's choice
+  (`models.attention.mla`). -> [T, N, Hv]."""
+  kv = call.kv
+  k_pages, v_pages, layer = layered(kv)
+  paged = lambda: ragged_paged(call.q, k_pages, v_pages, kv.kv_lens, kv.page_table, kv.cu_q_lens,
+                               kv.max_q, call.window, call.sinks, call.scale, kv.latent_dim,
+                               layer, (kv.k_scale, kv.v_scale), trim=kv.max_q == 1)
+  if v_pages is None or call.new_kv is None or kv.max_q == 1 or kv.k_scale is not None:
+    return paged()
+  q = call.q
+  T = q.shape[0]
+  packed = lambda: packed_step(q, *call.new_kv, kv.cu_q_lens, call.window, call.sinks, call.scale)
+  fresh, decodes = fresh_or_decodes(kv.cu_q_lens, kv.kv_lens)
+  return jax.lax.cond(
+      fresh,
+      lambda: fresh_and_decodes(q[jnp.clip(kv.cu_q_lens[:-1], 0, T - 1)], kv, packed(), decodes,
+                                window=call.window, sinks=call.sinks, scale=call.scale),
+      paged)
+
+
+def item_size(num_tokens: int, num_seqs: int, max_q: int) -> int:
+  """Query tokens per row of the XLA path's query layout: max_q (one row per
+  sequence, [B, max_q]) where that pads at most 2x over the step's tokens
+  (decode steps, batches of prompts), else the largest power of two p <= max_q
+  with B * p <= T (at least 1): rows of p tokens of one sequence, so a mixed
+  step (a long chunk among decodes) attends about 2T rows, not B * max_q."""
+  if num_seqs * max_q <= 2 * num_tokens:
+    return max_q
+  p = 1
+  while 2 * p <= max_q and num_seqs * 2 * p <= num_tokens:
+    p *= 2
+  return p
+
+
+def page_rows(pool, layer, table):
+  """pool [L, K, P, ps, H], table [R, pages] -> [K, R * pages, ps, H]: the
+  pages of `layer`, gathered as whole rows of the pool flattened to
+  [L * K * P, ps, H] (bench_dense's decode at batch 8, 12 pages a sequence,
+  the gathers and attention of 8 layers: 5.4 ms against 6.2 indexing
+  pool[layer, heads, table], one run)."""
+  L, K, P = pool.shape[:3]
+  rows = (layer * K + jnp.arange(K, dtype=jnp.int32)[:, None]) * P + table.reshape(1, -1)
+  return jnp.take(pool.reshape((L * K * P,) + pool.shape[3:]), rows.reshape(-1), axis=0,
+                  mode="clip")
+
+
+def ragged_paged(q, k_pages, v_pages, kv_lens, page_table, cu_q_lens, max_q, window,
+                      sinks, scale, v_head_dim, layer, kv_scales, per_item=None, trim=False):
+  # Reference path: each row's sequence's pages gathered into a contiguous
+  # [S] view (KV-head-major), the ragged queries laid out in rows of
+  # `per_item` tokens of one sequence (`item_size`; the Mosaic ragged
+  # kernel's work items), then the dense kernel (`dense_kmajor`; blocked past
+  # a block of queries and of keys).
+  B, pages = page_table.shape
+  T = q.shape[0]
+  K, page_size = k_pages.shape[-4], k_pages.shape[-2]  # [L, K, P, ps, H]
+  per_item = per_item or item_size(T, B, max_q)
+
+  def gather(pool, scale, table):  # [L, K, P, ps, H] -> [K, R, pages * ps, H] of `layer`
+    g = page_rows(pool, layer, table)  # [K, R * pages, ps, H]
+    g = g.reshape(K, table.shape[0], table.shape[1] * page_size, pool.shape[-1])
+    return g if scale is None else dequantize(g, scale, q.dtype)
+
+  def attend_pages(qr, table, q_pos, kv_len):
+    k = gather(k_pages, kv_scales[0], table)
+    v = k[..., :v_head_dim] if v_pages is None else gather(v_pages, kv_scales[1], table)
+    if qr.shape[1] > BLOCK_Q and k.shape[2] > BLOCK_K:  # blocked: [R, S, K, H]
+      return attention(qr, k.transpose(1, 2, 0, 3), v.transpose(1, 2, 0, 3), q_pos, kv_len,
+                            window, sinks, scale)
+    return dense_kmajor(qr, k, v, q_pos, kv_len, window, sinks, scale)
+
+  def attend(qr, table, q_pos, kv_len):
+    # trim (a decode-only step): its pages come in powers of two; where every
+    # row's keys fit in the first three quarters, only those are gathered
+    # (the 1.5x page bucket without another program). Prompt programs, whose
+    # attention has several branches already, keep one: each branch is more
+    # machine code, and serve.py's warm-up then ran out of memory maps
+    # (docs/known_issues.md).
+    short = 3 * pages // 4
+    if not trim or pages < 4 or pages % 4:
+      return attend_pages(qr, table, q_pos, kv_len)
+    return jax.lax.cond(jnp.max(kv_len) <= short * page_size,
+                        lambda: attend_pages(qr, table[:, :short], q_pos, kv_len),
+                        lambda: attend_pages(qr, table, q_pos, kv_len))
+
+  if per_item == max_q:  # a row per sequence
+    q_pad, seq, row, valid = to_padded(q, cu_q_lens, max_q)
+    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(max_q, dtype=jnp.int32)[None]
+    out = attend(q_pad, page_table, q_pos, kv_lens)[seq, row]
+    return jnp.where(valid[:, None, None], out, 0).astype(q.dtype)
+  num_items = -(-T // per_item) + B  # >= sum over sequences of ceil(q_len / per_item)
+  items, first, item_cu = work_items(cu_q_lens, kv_lens, per_item=per_item,
+                                                   num_items=num_items)
+  u = jnp.arange(per_item, dtype=jnp.int32)
+  q_rows = q[jnp.clip(first[:, None] + u[None], 0, T - 1)]  # [I, per_item, N, H]
+  out = attend(q_rows, page_table[items[:, 0]], items[:, 1:2] + u[None], items[:, 2])
+  # Back to token order: token t is row (t - start) % per_item of its
+  # sequence's item (t - start) // per_item.
+  t = jnp.arange(T, dtype=jnp.int32)
+  b = jnp.clip(token_sequences(cu_q_lens, T), 0, B - 1)
+  offset = t - cu_q_lens[b]
+  out = out[jnp.clip(item_cu[b] + offset // per_item, 0, num_items - 1), offset % per_item]
+  return jnp.where((t < cu_q_lens[-1])[:, None, None], out, 0).astype(q.dtype)

@@ -11,6 +11,9 @@
 Multi-query attention with one KV head whose keys are the whole page rows and
 whose values are their first R columns: the paged core reads each page once
 for all N heads.
+
+`prepare` (public: the Mosaic MLA kernels validate through it) checks q_latent,
+q_rope and the pages and lays q out as [B, Q, N, R + Hr].
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from pallas_kernels.paged_attention import (PagedBlocks, check_tiles, paged_atte
                                             ragged_core, validate_paged)
 
 
-def _prepare(q_latent, q_rope, latent_pages, name):
+def prepare(q_latent, q_rope, latent_pages, name):
+  """Validate the absorbed queries and latent pages (errors name `name`) ->
+  (q [B, Q, N, R + Hr], squeeze: q came without its Q axis, R)."""
   if q_latent.ndim not in (3, 4) or q_rope.ndim != q_latent.ndim:
     raise ValueError(f"{name}: q_latent / q_rope must both be [B, N, R] or [B, Q, N, R], got "
                      f"{q_latent.shape} and {q_rope.shape}")
@@ -44,7 +49,7 @@ def mla_paged_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *
   sm_scale is required: MLA scales by 1/sqrt(nope + rope dims) (times YaRN's
   mscale^2), not by the latent width. The R + Hr wide rows are read as
   power-of-two column parts (512 + 64), never padded."""
-  q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mla_paged_attention")
+  q, squeeze, R = prepare(q_latent, q_rope, latent_pages, "mla_paged_attention")
   k_pages = latent_pages[None]
   validate_paged(q, k_pages, None, lengths, page_indices, window=0, sinks=None,
                  name="mla_paged_attention", k_scale=kv_scale)
@@ -62,7 +67,7 @@ def mla_paged_attention(q_latent, q_rope, latent_pages, lengths, page_indices, *
 def mla_paged_attention_reference(q_latent, q_rope, latent_pages, lengths, page_indices, *,
                                   sm_scale, kv_scale=None):
   """Pure jnp, float32: `mla_paged_attention`'s semantics through `paged_attention_reference`."""
-  q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mla_paged_attention_reference")
+  q, squeeze, R = prepare(q_latent, q_rope, latent_pages, "mla_paged_attention_reference")
   out = paged_attention_reference(q, latent_pages[None], None, lengths, page_indices,
                                   sm_scale=sm_scale, dv=R, k_scale=kv_scale)
   return out[:, 0] if squeeze else out

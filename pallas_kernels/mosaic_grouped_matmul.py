@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mosaic_paged_attention import SMEM_BYTES, _INTERPRETER, available, plgpu
+from pallas_kernels.mosaic_paged_attention import SMEM_BYTES, INTERPRETER, available, plgpu
 from pallas_kernels.quantized_grouped_matmul import work_items
 
 TILE = 64  # rows of a work item, output columns and In columns (bytes of codes) of a step
@@ -364,7 +364,7 @@ def mosaic_grouped_matmul(xs, w, group_sizes, *, scale=None, block=None, packed=
                      plgpu.Barrier(num_arrivals=2 * nw, num_barriers=1),
                      *group_scales),
       grid=(W, out // TILE), grid_names=("items", "cols"),
-      interpret=_INTERPRETER() if interpret else False)
+      interpret=INTERPRETER() if interpret else False)
   o = kernel(items, *xparts, *(u[0] for u in ws), *(o[0] for o in ops_),
              *(o[2] for o in ops_), *(o[3] for o in ops_))
   return jnp.concatenate([o, jnp.zeros((1, out), o.dtype)])[pos]

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels.mla_paged_attention import _prepare
-from pallas_kernels.mosaic_paged_attention import (ROWS, SMEM_BYTES, _INTERPRETER, available,
+from pallas_kernels.mla_paged_attention import prepare
+from pallas_kernels.mosaic_paged_attention import (ROWS, SMEM_BYTES, INTERPRETER, available,
                                                    finish, merge_lse, plgpu, softmax_init,
                                                    softmax_step, wait_last_releases)
 from pallas_kernels.paged_attention import validate_paged
@@ -294,7 +294,7 @@ def launch(rows, latent_pages, items, page_indices, *, N, R, scale, num_splits=1
                      plgpu.Barrier(num_arrivals=WGS, num_barriers=1), *xchg,
                      *([smem(WGS, ROWS, keys)] if interpret else [])),
       num_threads=WGS, thread_name="wg", **grid,
-      interpret=_INTERPRETER() if interpret else False)
+      interpret=INTERPRETER() if interpret else False)
   return kernel(rows, latent_pages, items.astype(jnp.int32), table)
 
 
@@ -318,7 +318,7 @@ def mosaic_mla_attention(q_latent, q_rope, latent_pages, lengths, page_indices, 
   read (`cluster_blocks`). block_keys: latent rows a loop step. split_scores:
   each warpgroup computes half of S's dot. interpret: run on CPU in Mosaic GPU's interpret mode
   (which copies the whole block into each program: a multicast's result)."""
-  q, squeeze, R = _prepare(q_latent, q_rope, latent_pages, "mosaic_mla_attention")
+  q, squeeze, R = prepare(q_latent, q_rope, latent_pages, "mosaic_mla_attention")
   validate_paged(q, latent_pages[None], None, lengths, page_indices, window=0, sinks=None,
                  name="mosaic_mla_attention")
   B, Q, N, D = q.shape

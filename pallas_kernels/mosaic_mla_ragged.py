@@ -43,7 +43,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import mosaic_mla_attention as mma
 from pallas_kernels import mosaic_ragged_attention as mra
-from pallas_kernels.mla_paged_attention import _prepare
+from pallas_kernels.mla_paged_attention import prepare
 from pallas_kernels.mosaic_paged_attention import ROWS
 from pallas_kernels.paged_attention import token_sequences, validate_paged
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
@@ -69,7 +69,7 @@ def mosaic_mla_ragged_attention(q_latent, q_rope, latent_pages, kv_lens, page_in
   name = "mosaic_mla_ragged_attention"
   if q_latent.ndim != 3:
     raise ValueError(f"{name}: q_latent must be [T, N, R], got {q_latent.shape}")
-  q, _, R = _prepare(q_latent, q_rope, latent_pages, name)
+  q, _, R = prepare(q_latent, q_rope, latent_pages, name)
   q = q[:, 0]
   T, N, D = q.shape
   B = kv_lens.shape[0]

@@ -30,6 +30,10 @@ On CPU the kernel runs in Mosaic GPU's interpret mode
 (`plgpu.InterpretGPUParams`: simulated shared memory, barriers, TMA), which
 jax has from 0.11; jax 0.10 gets a named error. Not yet: quantized pages,
 MLA (latent pages), Q * G > 64, head dims other than multiples of 64.
+
+Public helpers the other Mosaic kernels share: `INTERPRETER` (Mosaic GPU's
+interpret-mode params class, None on a jax without it), `LOG2E` (the base-2
+softmax's log2(e)), with `ROWS`, `SMEM_BYTES`, `available`, `finish`.
 """
 
 from __future__ import annotations
@@ -45,20 +49,20 @@ from pallas_kernels.paged_attention import validate_paged
 
 try:
   from jax.experimental.pallas import mosaic_gpu as plgpu
-  _INTERPRETER = getattr(plgpu, "InterpretGPUParams", None)
+  INTERPRETER = getattr(plgpu, "InterpretGPUParams", None)
 except ImportError:  # a jax without Mosaic GPU
-  plgpu, _INTERPRETER = None, None
+  plgpu, INTERPRETER = None, None
 
 ROWS = 64  # one wgmma tile of rows: the Q x G queries of a KV head, padded
 MIN_KEYS = 64  # keys per loop step: P's [64, keys] tile is one 128-byte swizzle wide
 SMEM_BYTES = 227 * 1024  # Hopper's shared memory per block
 MASK = -0.7 * float(jnp.finfo(jnp.float32).max)
-_LOG2E = math.log2(math.e)
+LOG2E = math.log2(math.e)
 
 
 def available() -> str | None:
   """None when this jax can run the kernel, else why not."""
-  if plgpu is None or _INTERPRETER is None or not hasattr(plgpu, "kernel"):
+  if plgpu is None or INTERPRETER is None or not hasattr(plgpu, "kernel"):
     return (f"jax {jax.__version__} has no Mosaic GPU kernels with an interpreter "
             "(plgpu.kernel, plgpu.InterpretGPUParams): jax >= 0.11 needed")
   return None
@@ -199,7 +203,7 @@ def _body(dims, q_ref, k_ref, v_ref, item_ref, tab_ref, glob_ref, o_ref, lse_ref
     def qk(acc_ref):
       plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].T)
       return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * LOG2E)
     k_pos = blk * keys + col
     # Causal: keys < end too for every row that is a query (padding rows are dropped).
     visible = (k_pos <= q_pos) & (k_pos < end) & ((window == 0) | (q_pos - k_pos < window))
@@ -251,7 +255,7 @@ def finish(acc, m_i, l_i):
   """-> (acc / sum, natural log-sum-exp); a row that saw no key: 0, -inf."""
   filled = l_i > 0
   safe_l = jnp.where(filled, l_i, 1.0)
-  lse = jnp.where(filled, m_i / _LOG2E + jnp.log(safe_l), -jnp.inf)
+  lse = jnp.where(filled, m_i / LOG2E + jnp.log(safe_l), -jnp.inf)
   return acc / lax.broadcast_in_dim(safe_l, acc.shape, [0]), lse
 
 
@@ -311,7 +315,7 @@ def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, sca
                      *([plgpu.SMEM((ROWS, keys), rows.dtype, transforms=tiles)]
                        if interpret else [])),
       grid=(K, I, num_splits), grid_names=("heads", "items", "splits"),
-      interpret=_INTERPRETER() if interpret else False)
+      interpret=INTERPRETER() if interpret else False)
   glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
   return kernel(rows, k_pages, v_pages, items.astype(jnp.int32), table, glob)
 

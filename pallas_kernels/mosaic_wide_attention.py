@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels import mosaic_paged_attention as mpa
-from pallas_kernels.mosaic_paged_attention import (ROWS, _INTERPRETER, _LOG2E, finish, plgpu,
+from pallas_kernels.mosaic_paged_attention import (ROWS, INTERPRETER, LOG2E, finish, plgpu,
                                                    softmax_init, softmax_step)
 
 TILES = 2  # wide items: 64-row tiles (warpgroups) an item holds
@@ -112,7 +112,7 @@ def _compute(w, dims, span, issue, ins, out, q_smem, k_smem, v_smem, lse_smem, p
     def qk(acc_ref):
       plgpu.wgmma(acc_ref, q_smem.at[w], k_smem.at[slot].T)
       return acc_ref[...]
-    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * _LOG2E)
+    s = pl.run_scoped(qk, plgpu.ACC((ROWS, keys), jnp.float32)) * (scale * LOG2E)
     d = ahead - blk * keys  # query position - key position
     visible = (d >= 0) & ((window == 0) | (d < window))
     p, alpha, m_new, l_i = softmax_step(s, visible, m_i, l_i)
@@ -188,7 +188,7 @@ def launch(rows, k_pages, v_pages, items, page_indices, layer, window, *, G, sca
                      *([plgpu.SMEM((tiles, ROWS, keys), rows.dtype, transforms=swizzled)]
                        if interpret else [])),
       num_threads=tiles, thread_name="wg", **grid,
-      interpret=_INTERPRETER() if interpret else False)
+      interpret=INTERPRETER() if interpret else False)
   glob = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
   return kernel(rows.reshape(I, K, tiles, ROWS, D), k_pages, v_pages, items.astype(jnp.int32),
                 table, glob, spans.astype(jnp.int32))

@@ -18,8 +18,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.quantized_matmul import (BlockSizes, Tiling, _check, _pad_operands, _scale_cols,
-                                             _scale_f32, _split_x, _tile_product,
+from pallas_kernels.quantized_matmul import (BlockSizes, Tiling, check, pad_operands, scale_cols,
+                                             scale_f32, split_x, tile_product,
                                              dequantize_reference, fit)
 
 
@@ -40,8 +40,8 @@ def _grouped_kernel(*refs, t: Tiling):
 
   def body(kb, acc):
     ks = pl.ds(kb * t.kq, t.kq)
-    s = _scale_f32(s_ref[e, srows, _scale_cols(t, kb)])
-    return acc + _tile_product(tuple(r[:, ks] for r in x_refs), q_ref[e, ns, ks], s, t)
+    s = scale_f32(s_ref[e, srows, scale_cols(t, kb)])
+    return acc + tile_product(tuple(r[:, ks] for r in x_refs), q_ref[e, ns, ks], s, t)
 
   # Empty items read nothing (a dynamic trip count; bounds of one integer type for Triton).
   num_kb = jnp.where(rows > 0, jnp.int32(q_ref.shape[2] // t.kq), jnp.int32(0))
@@ -83,7 +83,7 @@ def _check_grouped(xs, codes, scale, group_sizes, block, packed, scale2):
     raise ValueError(f"{name}: scale has {scale.shape[0]} experts, codes {codes.shape[0]}")
   if scale2 is not None and jnp.shape(scale2) != (codes.shape[0],):
     raise ValueError(f"{name}: scale2 must be [E] = [{codes.shape[0]}], got {jnp.shape(scale2)}")
-  return _check(xs, codes[0], scale[0], block, packed, None, name)
+  return check(xs, codes[0], scale[0], block, packed, None, name)
 
 
 def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block=(0, 0),
@@ -102,10 +102,10 @@ def quantized_grouped_matmul(xs, codes, scale, group_sizes, *, block=(0, 0),
 @functools.partial(jax.jit, static_argnames=("t", "interpret"))
 def _quantized_grouped_matmul(xs, codes, scale, s2, group_sizes, *, t: Tiling, interpret):
   (R, K), (E, N) = xs.shape, codes.shape[:2]
-  codes, scale, N_pad, K_pad = _pad_operands(codes, scale, t, N, K)
+  codes, scale, N_pad, K_pad = pad_operands(codes, scale, t, N, K)
   items, src, pos = work_items(group_sizes, R, t.bm)
   W = items.shape[0]
-  x = _split_x(jnp.pad(xs, ((0, 1), (0, 0)))[src], t, K_pad)  # zero rows past each item
+  x = split_x(jnp.pad(xs, ((0, 1), (0, 0)))[src], t, K_pad)  # zero rows past each item
   full = lambda a: pl.BlockSpec(a.shape, lambda w, j: (0,) * a.ndim)
   in_specs = [pl.BlockSpec((None, 2), lambda w, j: (w, 0))]
   in_specs += [pl.BlockSpec((t.bm, codes.shape[2]), lambda w, j: (w, 0)) for _ in x]

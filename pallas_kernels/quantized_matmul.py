@@ -26,6 +26,13 @@ place; only dims that are not multiples of 16 (tiny test shapes) are padded
 per call. One program per (block_m rows of x, block_n rows of W), a loop over
 K in block_k steps, float32 accumulation. Shapes: M tokens, K input dim, N
 output dim.
+
+Public helpers (`quantized_grouped_matmul` builds on them): `check` (the
+operands' validation, naming the argument), `scale_f32` (a scale tile as
+float32, E8M0 decoded), `scale_cols` (a scale tile's columns for one key
+tile), `tile_product` (one tile's dequantized dot), `split_x` (x padded to
+K_pad, split into even / odd columns for packed codes), `pad_operands`
+(codes and scales padded to the tiling).
 """
 
 from __future__ import annotations
@@ -120,21 +127,21 @@ def _decode(nib, packed: str):
   return jnp.where((nib & 8) != 0, -v, v)
 
 
-def _scale_f32(s):
+def scale_f32(s):
   """Stored scales -> float32 multipliers (uint8: E8M0 exponents)."""
   if s.dtype == jnp.uint8:
     return jnp.exp2(s.astype(jnp.float32) - 127.0)
   return s.astype(jnp.float32)
 
 
-def _scale_cols(t: Tiling, kb):
+def scale_cols(t: Tiling, kb):
   """The scale columns key tile kb reads."""
   if t.groups:
     return pl.ds(kb * t.groups, t.groups)
   return pl.ds(kb * t.bk // t.bi, 1)
 
 
-def _tile_product(xs, codes, s, t: Tiling):
+def tile_product(xs, codes, s, t: Tiling):
   """xs: (x,) or (x_even, x_odd) tiles [bm, kq]; codes [bn, kq]; s float32
   [R, groups or 1], the tile's scales for its R (bn or 1) scale rows ->
   float32 [bm, bn]."""
@@ -171,8 +178,8 @@ def _kernel(*refs, t: Tiling):
 
   def body(kb, acc):
     ks = pl.ds(kb * t.kq, t.kq)
-    s = _scale_f32(s_ref[:, _scale_cols(t, kb)])
-    return acc + _tile_product(tuple(r[:, ks] for r in x_refs), q_ref[:, ks], s, t)
+    s = scale_f32(s_ref[:, scale_cols(t, kb)])
+    return acc + tile_product(tuple(r[:, ks] for r in x_refs), q_ref[:, ks], s, t)
 
   acc = lax.fori_loop(0, q_ref.shape[1] // t.kq, body, jnp.zeros(o_ref.shape, jnp.float32))
   if s2_ref is not None:
@@ -182,7 +189,8 @@ def _kernel(*refs, t: Tiling):
 
 # ------------------------------------------------------------ wrappers
 
-def _check(x, codes, scale, block, packed, scale2, name="quantized_matmul"):
+def check(x, codes, scale, block, packed, scale2, name="quantized_matmul"):
+  """Validate the operands (a ValueError naming the argument and `name`)."""
   if x.ndim != 2 or codes.ndim != 2 or scale.ndim != 2:
     raise ValueError(f"{name}: x [M, K], codes [N, K] (packed [N, K / 2]), scale 2-D; got "
                      f"{x.shape}, {codes.shape}, {scale.shape}")
@@ -211,13 +219,13 @@ def _check(x, codes, scale, block, packed, scale2, name="quantized_matmul"):
   return M, K, N, bo, bi
 
 
-def _split_x(x, t: Tiling, K_pad: int):
+def split_x(x, t: Tiling, K_pad: int):
   """x [M', K] -> the kernel's activation operands, K padded to K_pad."""
   x = jnp.pad(x, ((0, 0), (0, K_pad - x.shape[1])))
   return (x[:, 0::2], x[:, 1::2]) if t.packed else (x,)
 
 
-def _pad_operands(codes, scale, t: Tiling, N: int, K: int):
+def pad_operands(codes, scale, t: Tiling, N: int, K: int):
   """Codes and scales padded to whole tiles: a no-op when the tiles divide N
   and K (model dims); codes pad with 0, so padded weights are 0."""
   N_pad, K_pad = pl.cdiv(N, t.bn) * t.bn, pl.cdiv(K, t.bk) * t.bk
@@ -236,7 +244,7 @@ def quantized_matmul(x, codes, scale, *, block=(0, 0), packed: str | None = None
   """x [M, K] (bf16 / f32) @ W^T, W [N, K] = codes * scale (* scale2) over
   `block` = (rows, cols) blocks of W (0: the whole dimension) -> [M, N] in
   x's dtype. See the module docstring for codes, packed and scale formats."""
-  M, K, N, bo, bi = _check(x, codes, scale, block, packed, scale2)
+  M, K, N, bo, bi = check(x, codes, scale, block, packed, scale2)
   t = fit(blocks, M, N, K, bo, bi, packed, scale2 is not None)
   s2 = None if scale2 is None else jnp.asarray(scale2, jnp.float32).reshape(1)
   return _quantized_matmul(x, codes, scale, s2, t=t, interpret=interpret)
@@ -246,8 +254,8 @@ def quantized_matmul(x, codes, scale, *, block=(0, 0), packed: str | None = None
 def _quantized_matmul(x, codes, scale, s2, *, t: Tiling, interpret):
   M, N, K = x.shape[0], codes.shape[0], x.shape[1]
   M_pad = pl.cdiv(M, t.bm) * t.bm
-  codes, scale, N_pad, K_pad = _pad_operands(codes, scale, t, N, K)
-  xs = _split_x(jnp.pad(x, ((0, M_pad - M), (0, 0))), t, K_pad)
+  codes, scale, N_pad, K_pad = pad_operands(codes, scale, t, N, K)
+  xs = split_x(jnp.pad(x, ((0, M_pad - M), (0, 0))), t, K_pad)
   kq_pad = codes.shape[1]
   rows = ((t.bn, scale.shape[1]), lambda i, j: (j, 0)) if t.row_scales else (
       (1, scale.shape[1]), lambda i, j: (j * t.bn // t.bo, 0))
@@ -298,7 +306,7 @@ def dequantize_reference(codes, scale, *, block=(0, 0), packed=None, scale2=None
 
 def quantized_matmul_reference(x, codes, scale, *, block=(0, 0), packed=None, scale2=None):
   """Dequantize W whole in float32, then x @ W^T (float32 math, x's dtype out)."""
-  _check(x, codes, scale, block, packed, scale2)
+  check(x, codes, scale, block, packed, scale2)
   w = dequantize_reference(codes, scale, block=block, packed=packed, scale2=scale2)
   y = jnp.dot(x.astype(jnp.float32), w.T, precision=lax.Precision.HIGHEST)
   return y.astype(x.dtype)

@@ -18,10 +18,12 @@ backend of the process tracing it.
 
 New entries are a dict matching the cache: GQA {k [B, T, K, H], v}; MLA
 {kv [B, T, R + Hr]} (normed latent + roped shared key). For MLA the context
-reads k = the whole entry (one KV head) and v = its first `latent_dim` columns,
-returns the heads' values (latent result x `latent_out`, W_uv), and may
-attend a step's fresh prompts in the expanded form (`expand`: a callable ->
-q, k, v [B, T, N, H], traced only where that form is taken; the paged XLA path).
+reads k = the whole entry (one KV head) and v = its first `latent_dim` columns
+and returns the heads' values (latent result x `values`, W_uv, a tensor the
+model passes).
+`fresh_prompts` says whether a step may attend its fresh prompts apart
+(the paged XLA path; None elsewhere): MLA's model then takes them in the
+expanded form, over the pages `write` returns (`ops.PagedKV`).
 
 The cache a context receives is (stacked segment cache [L, ...], layer index):
 it reads and writes at [layer] without slicing the layer out, so XLA updates
@@ -66,13 +68,15 @@ class FullContext:
   def token_valid(self):
     return None
 
+  def fresh_prompts(self, q, cache, **kw):
+    return None
+
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             latent_out=None, expand=None, q_rows=None, backend: Backend = Backend()):
-    del expand, q_rows  # MLA takes the expanded form itself here (caches_latent False)
+             values=None, backend: Backend = Backend()):
     k, v = _split(new, latent_dim, head_axis=2)
     out = ops.causal_attention(q, k, v, window=window, window_choices=self.window_choices,
                                sinks=sinks, scale=scale, backend=backend)
-    return ops.latent_values(out, latent_out), cache
+    return ops.latent_values(out, values), cache
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,9 +92,11 @@ class ContiguousContext:
   def token_valid(self):
     return None
 
+  def fresh_prompts(self, q, cache, **kw):
+    return None  # the absorbed form throughout (a reference path)
+
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             latent_out=None, expand=None, q_rows=None, backend: Backend = Backend()):
-    del expand, q_rows  # the absorbed form throughout (a reference path)
+             values=None, backend: Backend = Backend()):
     # Per-sequence offsets into a contiguous cache: the XLA path on every
     # backend (a reference; the engine's paged path is the one with kernels).
     stack, layer = cache  # {name: [L, B, S, ...]}
@@ -101,7 +107,7 @@ class ContiguousContext:
     k, v = _split({n: stack[n][layer] for n in stack}, latent_dim, head_axis=2)
     out = ops.attention(q, k, v, q_positions=pos, kv_lengths=self.starts + T,
                         window=window, sinks=sinks, scale=scale)
-    return ops.latent_values(out, latent_out), (stack, layer)
+    return ops.latent_values(out, values), (stack, layer)
 
 
 @jax.tree_util.register_dataclass
@@ -139,14 +145,47 @@ class PagedContext:
     return self.valid[None]
 
   def attend(self, q, new, cache, *, latent_dim=None, window=0, sinks=None, scale,
-             latent_out=None, expand=None, q_rows=None, backend: Backend = Backend()):
+             values=None, backend: Backend = Backend()):
     kw = dict(latent_dim=latent_dim, scale=scale, backend=backend)
     if self.mesh is None or self.head_axis is None:
-      return self._attend_local(q, new, cache, window=window, sinks=sinks, latent_out=latent_out,
-                                expand=expand, q_rows=q_rows, **kw)
+      return self._attend_local(q, new, cache, window=window, sinks=sinks, values=values, **kw)
     # Per head shard: the absorbed form, W_uv after the shard_map (GSPMD splits it).
     out, cache = self._attend_per_head_shard(q, new, cache, window, sinks, kw)
-    return ops.latent_values(out, latent_out), cache
+    return ops.latent_values(out, values), cache
+
+  def fresh_prompts(self, q, cache, *, latent_dim=None, window=0, scale,
+                    backend: Backend = Backend()):
+    """`ops.fresh_prompts` for this step over `cache` (q [1, T, N, H], or
+    its ShapeDtypeStruct): None (static) where the step cannot attend its
+    fresh prompts apart (per head shard, or not the XLA path), else (every
+    sequence a fresh chunk or one decode token, decodes [B])."""
+    if self.mesh is not None and self.head_axis is not None:
+      return None
+    q0 = jax.ShapeDtypeStruct(q.shape[1:], q.dtype)
+    return ops.fresh_prompts(ops.AttentionCall(q=q0, kv=self._kv(cache, latent_dim), window=window,
+                                               scale=scale), backend)
+
+  def _kv(self, cache, latent_dim) -> ops.PagedKV:
+    """The step's `ops.PagedKV` over the pools of `cache`."""
+    stack, layer = cache
+    layout = _layout(latent_dim is not None, stack)
+    k_pages, v_pages = layout.kernel_pools(stack)
+    k_scale, v_scale = (layout.layer_scales(stack, layer) + (None,))[:2]  # MLA: k_scale only
+    return ops.PagedKV(k_pages=k_pages, v_pages=v_pages, kv_lens=self.kv_lens,
+                       page_table=self.page_table, cu_q_lens=self.cu_q_lens, layer=layer,
+                       k_scale=k_scale, v_scale=v_scale, max_q=self.max_q, latent_dim=latent_dim)
+
+  def write(self, new, cache, *, latent_dim=None):
+    """The step's new entries written into its pages -> (`ops.PagedKV` over
+    the written pools, the new cache)."""
+    stack, layer = cache
+    layout = _layout(latent_dim is not None, stack)
+    page_size = layout.page_size(stack)
+    page = self.page_table[self.token_seq, self.positions // page_size]
+    page = jnp.where(self.valid, page, 0)
+    slot = jnp.where(self.valid, self.positions % page_size, 0)
+    stack = layout.write(stack, layer, page, slot, {n: new[n][0] for n in layout.names})
+    return self._kv((stack, layer), latent_dim), (stack, layer)
 
   def _attend_per_head_shard(self, q, new, cache, window, sinks, kw):
     """`_attend_local` on each device of `head_axis`: its q heads [1, T, N/n, H]
@@ -177,21 +216,10 @@ class PagedContext:
     return out, (stack, layer)
 
   def _attend_local(self, q, new, cache, *, latent_dim, window, sinks, scale, backend,
-                    latent_out=None, expand=None, q_rows=None):
-    stack, layer = cache
-    layout = _layout(latent_dim is not None, stack)
-    page_size = layout.page_size(stack)
-    page = self.page_table[self.token_seq, self.positions // page_size]
-    page = jnp.where(self.valid, page, 0)
-    slot = jnp.where(self.valid, self.positions % page_size, 0)
-    stack = layout.write(stack, layer, page, slot, {n: new[n][0] for n in layout.names})
-    k_pages, v_pages = layout.kernel_pools(stack)
-    k_scale, v_scale = (layout.layer_scales(stack, layer) + (None,))[:2]  # MLA: k_scale only
-    out = ops.ragged_paged_attention(
-        q[0], k_pages, v_pages, kv_lens=self.kv_lens, page_table=self.page_table,
-        cu_q_lens=self.cu_q_lens, max_q=self.max_q, window=window, sinks=sinks, scale=scale,
-        v_head_dim=latent_dim, layer=layer, k_scale=k_scale, v_scale=v_scale,
-        new_kv=(new["k"][0], new["v"][0]) if set(new) == {"k", "v"} else None,
-        latent_out=latent_out, expand=None if expand is None else lambda: [a[0] for a in expand()],
-        q_rows=None if q_rows is None else lambda rows=None: q_rows(rows)[0], backend=backend)
-    return out[None], (stack, layer)
+                    values=None):
+    kv, cache = self.write(new, cache, latent_dim=latent_dim)
+    new_kv = (new["k"][0], new["v"][0]) if set(new) == {"k", "v"} else None
+    call = ops.AttentionCall(q=q[0], kv=kv, new_kv=new_kv, window=window, sinks=sinks,
+                             scale=scale, values=values)
+    out = ops.ragged_paged_attention(call, backend)
+    return out[None], cache

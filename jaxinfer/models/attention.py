@@ -9,8 +9,10 @@ layer's cache slice, and returns (out [B, T, D], new cache slice).
 from __future__ import annotations
 
 from einops import rearrange
+import jax
 import jax.numpy as jnp
 
+from jaxinfer import ops
 from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.layers import apply_rope, linear, pack_linear, rms_norm, unpack_linear
@@ -150,10 +152,12 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
   Without a cache, K/V are expanded per head from the latent (prefill form).
   With one, attention runs in the absorbed form over the cached latent
   c [S, R] and shared rope key kr [S, Hr], as multi-query attention with one
-  KV head: score = (q_nope W_uk) . c + q_rope . kr, out = (probs @ c) W_uv;
-  the context may attend a step's fresh prompts in the expanded form instead
-  (`_expanded`, on the paged XLA path: bench_moe's 512-token prefill step
-  1.13 s against 1.48 s in the absorbed form, 2-core CPU).
+  KV head: score = (q_nope W_uk) . c + q_rope . kr, out = (probs @ c) W_uv
+  (W_uv passed as the call's `values`). Where the context may attend a step's fresh prompts
+  apart (`ctx.fresh_prompts`: the paged XLA path), they take the expanded
+  form instead (`_fresh_or_absorbed`: bench_moe's 512-token prefill step
+  1.13 s against 1.48 s in the absorbed form, 2-core CPU): the choice is
+  made here, the context and `ops` get plain tensors.
   """
   R, Hn = cfg.kv_lora_rank, cfg.qk_nope_head_dim
   if "wqkv_a" in p:  # wq_a and wkv_a fused (`layouts.AbsorbedMLA`)
@@ -174,22 +178,53 @@ def mla(cfg: ModelConfig, p, x, cos, sin, ctx, window, cache):
     q, k, v = _expanded(q_nope, q_rope, c, k_rope, w_uk, w_uv)
     out, cache = ctx.attend(q, dict(k=k, v=v), cache, window=window, scale=scale,
                             backend=cfg.backend)
-  else:
-    def absorbed(rows=None):  # the queries of tokens rows (None: all) in the absorbed form
-      qn, qr = (q_nope, q_rope) if rows is None else (q_nope[:, rows], q_rope[:, rows])
-      q_lat = jnp.einsum("BTNH,NRH->BTNR", qn, w_uk)
-      return jnp.concatenate([q_lat, qr.astype(q_lat.dtype)], axis=-1)
+    return out_proj(out, p["wo"], cfg.backend), cache
 
-    q_abs = absorbed()
-    new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
-    # No layer with a window: a static 0, so kernels without windows (the
-    # Mosaic MLA decode) can take the step.
-    window = 0 if cfg.window_choices() == (0,) else window
-    out, cache = ctx.attend(q_abs, new, cache, latent_dim=R, window=window, scale=scale,
-                            latent_out=w_uv, expand=lambda: _expanded(q_nope, q_rope, c, k_rope,
-                                                                      w_uk, w_uv),
-                            q_rows=absorbed, backend=cfg.backend)
+  def absorbed(rows=None):  # the queries of tokens rows (None: all) in the absorbed form
+    qn, qr = (q_nope, q_rope) if rows is None else (q_nope[:, rows], q_rope[:, rows])
+    q_lat = jnp.einsum("BTNH,NRH->BTNR", qn, w_uk)
+    return jnp.concatenate([q_lat, qr.astype(q_lat.dtype)], axis=-1)
+
+  new = dict(kv=jnp.concatenate([c, k_rope], axis=-1))
+  # No layer with a window: a static 0, so kernels without windows (the
+  # Mosaic MLA decode) can take the step.
+  window = 0 if cfg.window_choices() == (0,) else window
+  kw = dict(latent_dim=R, window=window, scale=scale, backend=cfg.backend)
+  fresh = ctx.fresh_prompts(jax.eval_shape(absorbed), cache, **kw)
+  if fresh is None:
+    out, cache = ctx.attend(absorbed(), new, cache, values=w_uv, **kw)
+  else:
+    out, cache = _fresh_or_absorbed(ctx, new, cache, fresh, absorbed,
+                                    lambda: _expanded(q_nope, q_rope, c, k_rope, w_uk, w_uv),
+                                    w_uv, kw)
   return out_proj(out, p["wo"], cfg.backend), cache
+
+
+def _fresh_or_absorbed(ctx, new, cache, fresh, absorbed, expanded, w_uv, kw):
+  """MLA's paged step where the context may attend fresh prompts apart
+  (`ctx.fresh_prompts`: the XLA path): a step whose sequences are each a
+  fresh prompt or one decode token attends the prompts packed in the
+  expanded form (`expanded()`: q, k, v [1, T, N, H], traced in that branch
+  only; bench_moe: Dq 96, not 288 + 256) and the decode tokens in the
+  absorbed form over their pages (absorbed queries for their rows only);
+  any other step in the absorbed form over the pages. -> ([1, T, N, Hv],
+  cache)."""
+  every_fresh, decodes = fresh
+  kv, cache = ctx.write(new, cache, latent_dim=kw["latent_dim"])
+  window, scale = kw["window"], kw["scale"]
+
+  def prompts():
+    q, k, v = (a[0] for a in expanded())
+    packed = ops.packed_attention(q, k, v, kv.cu_q_lens, window=window, scale=scale)
+    firsts = absorbed(jnp.clip(kv.cu_q_lens[:-1], 0, q.shape[0] - 1))[0]
+    return ops.fresh_and_decodes(firsts, kv, packed, decodes, window=window, scale=scale,
+                                 values=w_uv)
+
+  def pages():
+    call = ops.AttentionCall(q=absorbed()[0], kv=kv, window=window, scale=scale, values=w_uv)
+    return ops.ragged_paged_attention(call, kw["backend"])
+
+  return jax.lax.cond(every_fresh, prompts, pages)[None], cache
 
 
 def _expanded(q_nope, q_rope, c, k_rope, w_uk, w_uv):

@@ -60,7 +60,7 @@ def test_blocked_matches_dense(name, traced_window):
 
 def test_dispatch_blocks_long_sequences_only():
   q, k, v, pos, lengths, window, sinks = _inputs(1, 200, 300, 8, 2, 64, True, None, None)
-  full = jax.jit(ops._attention_xla, static_argnums=(7,))
+  full = jax.jit(xa.attention, static_argnums=(7,))
   ref = xa.dense(q, k, v, pos, lengths, window, sinks, 0.2)
   np.testing.assert_allclose(full(q, k, v, pos, lengths, window, sinks, 0.2), ref, atol=1e-5)
   hlo = full.lower(q, k, v, pos, lengths, window, sinks, 0.2).as_text()
@@ -91,7 +91,7 @@ def test_engine_greedy_unchanged_by_blocked_prefill(name, monkeypatch):
   eng = Engine(cfg, params, EngineConfig(page_size=16, num_pages=64, max_num_batched_tokens=512))
   outs = [o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=6))]
   jax.clear_caches()
-  monkeypatch.setattr(ops, "_BLOCK_Q", 1 << 30)  # the reference runs dense throughout
+  monkeypatch.setattr(xa, "BLOCK_Q", 1 << 30)  # the reference runs dense throughout
   try:
     assert outs == engine.greedy_reference(cfg, params, prompts, 6)
   finally:
@@ -99,13 +99,13 @@ def test_engine_greedy_unchanged_by_blocked_prefill(name, monkeypatch):
 
 
 def test_item_size_pads_at_most_twice():
-  assert ops.xla_item_size(256, 32, 1) == 1  # decode: a row per sequence
-  assert ops.xla_item_size(4096, 32, 128) == 128  # prompts only: [B, max_q] is the tokens
-  assert ops.xla_item_size(256, 32, 256) == 8  # a chunk among decodes: rows of 8 tokens
-  assert ops.xla_item_size(64, 32, 64) == 2
-  assert ops.xla_item_size(16, 32, 16) == 1
+  assert xa.item_size(256, 32, 1) == 1  # decode: a row per sequence
+  assert xa.item_size(4096, 32, 128) == 128  # prompts only: [B, max_q] is the tokens
+  assert xa.item_size(256, 32, 256) == 8  # a chunk among decodes: rows of 8 tokens
+  assert xa.item_size(64, 32, 64) == 2
+  assert xa.item_size(16, 32, 16) == 1
   for T, B, q in [(256, 32, 256), (96, 8, 64), (40, 32, 33)]:
-    p = ops.xla_item_size(T, B, q)
+    p = xa.item_size(T, B, q)
     assert B * p <= max(T, B) and 1 <= p <= q
 
 
@@ -121,7 +121,7 @@ ITEM_CASES = {
 @pytest.mark.parametrize("name", sorted(ITEM_CASES))
 @pytest.mark.parametrize("per_item", [1, 4, 16])
 def test_item_rows_equal_the_reference(name, per_item):
-  """The XLA path in rows of per_item tokens (`xla_item_size`'s layout for
+  """The XLA path in rows of per_item tokens (`xla_attention.item_size`'s layout for
   mixed steps) equals the float32 reference, and the row-per-sequence layout."""
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
   q_lens, kv_lens, window, sinks, latent = ITEM_CASES[name]
@@ -139,16 +139,25 @@ def test_item_rows_equal_the_reference(name, per_item):
   kw = dict(window=window, sinks=sink, scale=0.3, v_head_dim=12 if latent else None, layer=0,
             kv_scales=(None, None))
   args = (q, k_pages[None], None if latent else v_pages[None], kv, table, cu, max_q)
-  got = ops._ragged_paged_xla(*args, **{k: v for k, v in kw.items() if k != "window"},
-                              window=window, per_item=per_item)
-  rows = ops._ragged_paged_xla(*args, **{k: v for k, v in kw.items() if k != "window"},
-                               window=window, per_item=max_q)
+  got = xa.ragged_paged(*args, **{k: v for k, v in kw.items() if k != "window"},
+                        window=window, per_item=per_item)
+  rows = xa.ragged_paged(*args, **{k: v for k, v in kw.items() if k != "window"},
+                         window=window, per_item=max_q)
   want = ragged_paged_attention_reference(q, k_pages, v_pages, kv, table, cu, max_q=max_q,
                                           sm_scale=0.3, window=window, sinks=sink,
                                           v_head_dim=12 if latent else None)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(got, rows, atol=2e-5, rtol=2e-5)
   assert not np.any(np.asarray(got[sum(q_lens):]))  # padding tokens are zeros
+
+
+def _paged(q, k_pages, v_pages, *, kv_lens, page_table, cu_q_lens, max_q, window=0, sinks=None,
+           scale, new_kv=None):
+  """`ops.ragged_paged_attention` of one call (`ops.AttentionCall`) from its parts."""
+  kv = ops.PagedKV(k_pages=k_pages, v_pages=v_pages, kv_lens=kv_lens, page_table=page_table,
+                   cu_q_lens=cu_q_lens, max_q=max_q)
+  return ops.ragged_paged_attention(ops.AttentionCall(q=q, kv=kv, new_kv=new_kv, window=window,
+                                                      sinks=sinks, scale=scale))
 
 
 # (sequences' query counts, window, sinks, packed block): fresh prompts (each
@@ -189,11 +198,11 @@ def test_packed_fresh_prompts_equal_the_reference(name, monkeypatch):
   the same program takes the pages, and equals the reference too."""
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
   q_lens, window, sinks, block = FRESH_CASES[name]
-  monkeypatch.setattr(ops, "_PACKED_BLOCK", block)
+  monkeypatch.setattr(xa, "PACKED_BLOCK", block)
   q, k_new, v_new, k_pages, v_pages, table, cu = _step_with_new_kv(
       np.random.default_rng(1), q_lens, q_lens, padding=3)
   sink = jnp.linspace(-1.0, 1.0, q.shape[1], dtype=jnp.float32) if sinks else None
-  step = jax.jit(lambda kv, kp, vp: ops.ragged_paged_attention(
+  step = jax.jit(lambda kv, kp, vp: _paged(
       q, kp, vp, kv_lens=kv, page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
       max_q=max(q_lens), window=window, sinks=sink, scale=0.3,
       new_kv=(jnp.asarray(k_new), jnp.asarray(v_new))))
@@ -229,14 +238,14 @@ def test_fresh_prompts_beside_decodes_equal_the_reference(name, monkeypatch):
   equals the float32 reference; zeroing the fresh sequences' pages changes
   nothing, so they were not read."""
   from pallas_kernels.ragged_paged_attention import ragged_paged_attention_reference
-  monkeypatch.setattr(ops, "_PACKED_BLOCK", 16)
+  monkeypatch.setattr(xa, "PACKED_BLOCK", 16)
   q_lens, kv_lens, window, sinks = MIXED_CASES[name]
   q, k_new, v_new, k_pages, v_pages, table, cu = _step_with_new_kv(
       np.random.default_rng(2), q_lens, kv_lens, padding=5)
   B = len(q_lens)
   sink = jnp.linspace(-1.0, 1.0, q.shape[1], dtype=jnp.float32) if sinks else None
   kv = jnp.asarray(kv_lens, jnp.int32)
-  step = jax.jit(lambda kp, vp: ops.ragged_paged_attention(
+  step = jax.jit(lambda kp, vp: _paged(
       q, kp, vp, kv_lens=kv, page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
       max_q=max(q_lens), window=window, sinks=sink, scale=0.3,
       new_kv=(jnp.asarray(k_new), jnp.asarray(v_new))))
@@ -278,9 +287,9 @@ def test_decode_reads_three_quarters_of_the_pages_when_they_hold_every_key(windo
     poisoned = v_pages.copy()
     if trimmed:
       poisoned[:, table[:, 3 * pages // 4:]] = np.nan
-    got = ops.ragged_paged_attention(q, jnp.asarray(k_pages), jnp.asarray(poisoned), kv_lens=kv,
-                                     page_table=jnp.asarray(table), cu_q_lens=cu, max_q=1,
-                                     window=window, sinks=sink, scale=0.3)
+    got = _paged(q, jnp.asarray(k_pages), jnp.asarray(poisoned), kv_lens=kv,
+                 page_table=jnp.asarray(table), cu_q_lens=cu, max_q=1, window=window,
+                 sinks=sink, scale=0.3)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -296,13 +305,15 @@ MLA_CASES = {
 
 @pytest.mark.parametrize("name", sorted(MLA_CASES))
 def test_mla_fresh_prompts_in_the_expanded_form_equal_the_absorbed_form(name, monkeypatch):
-  """MLA on the XLA path: with `expand` and `latent_out`, a step of fresh
-  prompts and decode tokens attends the prompts packed in the expanded form
-  (per-head k = [c W_uk, k_rope], v = c W_uv) and the decodes over the latent
-  pages; it equals the absorbed form over the pages times W_uv, and zeroed
-  pages of the fresh sequences change nothing (they were not read). A step
-  with a chunk past position 0 takes the pages, as without `expand`."""
-  monkeypatch.setattr(ops, "_PACKED_BLOCK", 16)
+  """MLA on the XLA path, as `models.attention.mla` chooses: where
+  `ops.fresh_prompts` finds every sequence a fresh prompt or a decode token,
+  the prompts attend packed in the expanded form (per-head k = [c W_uk,
+  k_rope], v = c W_uv, `ops.packed_attention`) and the decodes over the
+  latent pages (`ops.fresh_and_decodes`); it equals the absorbed form over
+  the pages times W_uv, and zeroed pages of the fresh sequences change
+  nothing (they were not read). A step with a chunk past position 0 takes
+  the pages."""
+  monkeypatch.setattr(xa, "PACKED_BLOCK", 16)
   q_lens, kv_lens = MLA_CASES[name]
   r = np.random.default_rng(4)
   N, Hn, Hr, R, Hv, ps, pages = 4, 8, 4, 16, 8, 4, 16
@@ -325,11 +336,24 @@ def test_mla_fresh_prompts_in_the_expanded_form_equal_the_absorbed_form(name, mo
                          jnp.broadcast_to(k_rope[:, None], (T, N, Hr))], axis=-1)
     return jnp.concatenate([q_nope, q_rope], axis=-1), k, jnp.einsum("TR,NHR->TNH", c, w_uv)
 
-  kw = dict(kv_lens=jnp.asarray(kv_lens, jnp.int32), page_table=jnp.asarray(table),
-            cu_q_lens=jnp.asarray(cu), max_q=max(q_lens), scale=0.3, v_head_dim=R)
-  step = jax.jit(lambda kp: ops.ragged_paged_attention(q_abs, kp, None, latent_out=w_uv,
-                                                       expand=expand, **kw))
-  absorbed = jax.jit(lambda kp: ops.ragged_paged_attention(q_abs, kp, None, **kw))
+  kv = lambda kp: ops.PagedKV(k_pages=kp, v_pages=None, kv_lens=jnp.asarray(kv_lens, jnp.int32),
+                              page_table=jnp.asarray(table), cu_q_lens=jnp.asarray(cu),
+                              max_q=max(q_lens), latent_dim=R)
+  absorbed = jax.jit(lambda kp: ops.ragged_paged_attention(
+      ops.AttentionCall(q=q_abs, kv=kv(kp), scale=0.3)))
+
+  @jax.jit
+  def step(kp):  # the model's choice (`models.attention._fresh_or_absorbed`)
+    call = ops.AttentionCall(q=q_abs, kv=kv(kp), scale=0.3)
+    every_fresh, decodes = ops.fresh_prompts(call)
+
+    def prompts():
+      packed = ops.packed_attention(*expand(), call.kv.cu_q_lens, scale=0.3)
+      firsts = q_abs[jnp.clip(call.kv.cu_q_lens[:-1], 0, T - 1)]
+      return ops.fresh_and_decodes(firsts, call.kv, packed, decodes, scale=0.3, values=w_uv)
+
+    return jax.lax.cond(every_fresh, prompts,
+                        lambda: ops.latent_values(ops.ragged_paged_attention(call), w_uv))
   want = jnp.einsum("TNR,NHR->TNH", absorbed(jnp.asarray(pool)), w_uv)
   got = step(jnp.asarray(pool))
   np.testing.assert_allclose(got, want, atol=3e-4, rtol=3e-4)
