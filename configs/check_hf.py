@@ -2,7 +2,8 @@
 checkpoint of one's own) loaded with `checkpoint.load_hf`, logits against
 transformers.
 
-`experiments/check_hf.py`'s default config (its fields are the flags' defaults):
+`experiments/check_hf.py`'s default config: it changes none of the flags' defaults, and
+`benchlib.flag_config` fills every flag in as a field holding its default:
 
   python experiments/check_hf.py --config=configs/check_hf.py --config.<field>=
 """
@@ -13,11 +14,5 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/check_hf.py"
-  c.hf_dir = config_dict.placeholder(str)
-  c.archs = ("llama", "deepseek_v3")
-  c.seq_len = 16  # tokens per sequence
-  c.batch = 2  # sequences
-  c.seed = 0  # weights and tokens seed
-  c.tolerance = 0.0001  # largest relative error accepted (float32 parity measures ~1e-6)
   c.lock()
   return c

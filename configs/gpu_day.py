@@ -2,7 +2,8 @@
 peers and the roofline, and the Engine at real widths, in a 450 s time box
 (`dry_run=True`: CPU, tiny shapes).
 
-`experiments/gpu_day.py`'s default config (its fields are the flags' defaults):
+`experiments/gpu_day.py`'s default config: it changes none of the flags' defaults, and
+`benchlib.flag_config` fills every flag in as a field holding its default:
 
   python experiments/gpu_day.py --config=configs/gpu_day.py --config.<field>=
 """
@@ -13,12 +14,7 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/gpu_day.py"
-  c.out_dir = config_dict.placeholder(str)  # None: experiments/results/gpu
-  c.dry_run = False  # CPU, tiny shapes, Pallas interpreted
-  c.budget_s = 450.0  # the whole run's time box, seconds
-  c.parts = ("tests", "kernels", "engine")  # subset of tests,kernels,engine
   # the kernels part's kernels, in this order (first measured first): the least
   # measured first, as benchlib.gpu_day.KERNEL_ORDER
-  c.kernels = ("mla", "ragged", "paged", "gmm", "flash", "qmatmul")
   c.lock()
   return c

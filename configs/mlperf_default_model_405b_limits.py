@@ -18,5 +18,4 @@ def get_config() -> config_dict.ConfigDict:
   c = load_config(pathlib.Path(__file__).with_name("mlperf_default_model.py"))
   with c.unlocked():
     c.limits = "llama3.1-405b"
-    c.speculative = 0
   return c

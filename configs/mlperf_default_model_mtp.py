@@ -17,6 +17,5 @@ from benchlib.flag_config import load_config
 def get_config() -> config_dict.ConfigDict:
   c = load_config(pathlib.Path(__file__).with_name("mlperf_default_model.py"))
   with c.unlocked():
-    c.limits = "deepseek-r1"
     c.speculative = 3
   return c

@@ -19,5 +19,4 @@ def get_config() -> config_dict.ConfigDict:
   with c.unlocked():
     c.cpu_devices = 8
     c.mesh = "data=2,expert=4"
-    c.layout = "dp_attn_ep"
   return c

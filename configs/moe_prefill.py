@@ -1,7 +1,8 @@
 """MoE prefill variants of one bench_moe layer (random weights) on CPU at 512
 tokens.
 
-`experiments/moe_prefill.py`'s default config (its fields are the flags' defaults):
+`experiments/moe_prefill.py`'s default config: it changes none of the flags' defaults, and
+`benchlib.flag_config` fills every flag in as a field holding its default:
 
   python experiments/moe_prefill.py --config=configs/moe_prefill.py --config.<field>=
 """
@@ -12,9 +13,5 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/moe_prefill.py"
-  c.model = "bench_moe"  # preset with MoE layers
-  c.tokens = ("512",)  # prefill tokens per call
-  c.repeats = 5  # timed calls per variant (median)
-  c.out = "experiments/results/moe_prefill"  # output prefix (.json)
   c.lock()
   return c

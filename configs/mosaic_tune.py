@@ -1,7 +1,8 @@
 """The Mosaic GPU paged decode kernel's tuning sweep on a GPU
 (`dry_run=True`: CPU, tiny shapes, interpret mode).
 
-`experiments/mosaic_tune.py`'s default config (its fields are the flags' defaults):
+`experiments/mosaic_tune.py`'s default config: it changes none of the flags' defaults, and
+`benchlib.flag_config` fills every flag in as a field holding its default:
 
   python experiments/mosaic_tune.py --config=configs/mosaic_tune.py --config.<field>=
 """
@@ -12,8 +13,5 @@ from ml_collections import config_dict
 def get_config() -> config_dict.ConfigDict:
   c = config_dict.ConfigDict()
   c.script = "experiments/mosaic_tune.py"
-  c.out = "/tmp/mosaic_tune.json"  # the JSON written
-  c.dry_run = False  # CPU: tiny shapes, interpret mode
-  c.repeats = 10  # timed samples per variant
   c.lock()
   return c

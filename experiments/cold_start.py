@@ -20,7 +20,7 @@ import tempfile
 from absl import flags
 
 from benchlib import cli, cold_start, flag_config, results
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 
 _SERVE_FLAGS = flags.DEFINE_list("serve_flags", [], "flags passed on to serve.py")
 _WAIT_WARM = flags.DEFINE_bool("wait_warm", False, "wait for /health to say ok (the whole "

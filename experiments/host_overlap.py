@@ -19,7 +19,7 @@ import os
 from absl import flags
 
 from benchlib import cli, flag_config, host_overlap, results
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 
 _BATCHES = flags.DEFINE_list("batches", ["1", "64", "256"], "decoding sequences, one run each")
 _LAYERS = flags.DEFINE_integer("num_layers", 32, "the model's layers")

@@ -11,7 +11,7 @@ Writes experiments/results/host_profile_<model>[_decode_steps<n>].json.
 from absl import flags
 
 from benchlib import cli, flag_config, host_profile, model_flags, results
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 
 _MODEL = model_flags.define_preset("bench_moe")
 _BATCH = flags.DEFINE_integer("batch", 8, "decoding sequences")

@@ -61,7 +61,7 @@ def main(argv):
     print("ROWS " + json.dumps(rows))
     return
   from benchlib import linear_forms, results
-  from benchlib.decode import machine_info
+  from benchlib.results import machine_info
   base = os.environ.get("XLA_FLAGS", "")
   settings = [""] + [s.strip() for s in _XLA_FLAGS.value.split(";") if s.strip()]
   rows, wins = [], {}

@@ -46,7 +46,6 @@ LIMITS = {"llama2-70b": ((2000, 200), (450, 40)), "llama3.1-405b": ((6000, 175),
           "deepseek-r1": ((2000, 80), (1500, 15)), "gpt-oss-120b": ((3000, 80), (2000, 15))}
 
 FLAGS = flags.FLAGS
-_CONFIG = flag_config.define_config(__file__, "mlperf_default_model.py")  # or configs/mlperf_*.py
 flags.DEFINE_list("scenarios", ["Offline", "Server", "Interactive"], "LoadGen scenarios")
 flags.DEFINE_enum("mode", "performance", ["performance", "accuracy"], "LoadGen mode")
 flags.DEFINE_string("dataset", "", "JSONL of prompts ({'tokens': [...]} or {'text': ...}); "
@@ -84,6 +83,7 @@ flags.DEFINE_string("server_model", "default", "with --server_url: the model id 
 flags.DEFINE_integer("http_concurrency", 64, "with --server_url: requests in flight at most")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "mlperf"),
                     "output directory (LoadGen logs per run, results.json)")
+_CONFIG = flag_config.define_config(__file__, "mlperf_default_model.py")  # or configs/mlperf_*.py
 
 
 def _dataset(cfg, tokenizer):

@@ -13,7 +13,7 @@ Writes experiments/results/moe_prefill.json.
 from absl import flags
 
 from benchlib import cli, flag_config, model_flags, moe_prefill, results
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 
 _MODEL = model_flags.define_preset("bench_moe")  # a preset with MoE layers
 _TOKENS = flags.DEFINE_list("tokens", ["512"], "prefill tokens per call")

@@ -18,7 +18,7 @@ from absl import flags
 import jax
 import jax.numpy as jnp
 
-from benchlib import cli, flag_config, kernels
+from benchlib import cli, flag_config, kernel_peers, kernel_timing
 import pallas_kernels as pk
 from pallas_kernels import mosaic_paged_attention as mpa
 
@@ -34,7 +34,7 @@ VARIANTS = [dict(slots=s, block_keys=k) for k in (64, 128) for s in (2, 3, 4)]
 
 def inputs(B, S, ps, N, K, D, dtype, key):
   kq, kk, kv, kt = jax.random.split(key, 4)
-  tables, P = kernels._page_tables(kt, [S] * B, ps)
+  tables, P = kernel_peers.page_tables(kt, [S] * B, ps)
   normal = lambda k, shape: jax.random.normal(k, shape, jnp.float32).astype(dtype)
   return (normal(kq, (B, N, D)), normal(kk, (K, P, ps, D)), normal(kv, (K, P, ps, D)),
           jnp.full((B,), S, jnp.int32), tables)
@@ -49,7 +49,7 @@ def tune_shape(shape, *, N, K, D, dtype, interpret, repeats, roof, variants=VARI
   rows = {}
   for v in variants:
     h100 = types.SimpleNamespace(sms=132)  # split-K to ~2 programs per SM, as kernel_bench
-    for splits in sorted({1, kernels._split_count(h100, B * K, S // max(ps, v["block_keys"]))}):
+    for splits in sorted({1, kernel_peers.split_count(h100, B * K, S // max(ps, v["block_keys"]))}):
       name = f"slots{v['slots']}_keys{v['block_keys']}_splits{splits}"
       bad = mpa.unsupported((B, 1, N, D), dtype, args[1].shape, values_dim=D, **v)
       if bad:
@@ -58,15 +58,15 @@ def tune_shape(shape, *, N, K, D, dtype, interpret, repeats, roof, variants=VARI
       fn = jax.jit(lambda *a, v=v, splits=splits: mpa.mosaic_paged_attention(
           *a, num_splits=splits, interpret=interpret, **v))
       try:
-        out, first_s, inner, t = kernels._time_calls(fn, [args], warmup=0 if interpret else 2,
-                                                     repeats=repeats)
+        out, first_s, inner, t = kernel_timing.time_calls(
+            fn, [args], warmup=0 if interpret else 2, repeats=repeats)
       except Exception as e:  # noqa: BLE001  (recorded; the next variant runs)
-        rows[name] = dict(status="error", error=kernels.short_error(e))
+        rows[name] = dict(status="error", error=kernel_timing.short_error(e))
         continue
       sec = statistics.median(t)
       rows[name] = dict(status="ok", time_s=sec, gbps=nbytes / sec / 1e9,
                         frac_copy_bw=nbytes / sec / 1e9 / roof["hbm_gbps"],
-                        rel_err=kernels._rel_err(out, ref), first_call_s=first_s, inner=inner)
+                        rel_err=kernel_timing.rel_err(out, ref), first_call_s=first_s, inner=inner)
   return dict(shape=dict(shape, N=N, K=K, D=D), bytes=nbytes, variants=rows)
 
 
@@ -79,7 +79,7 @@ def main(argv):
     raise SystemExit(f"mosaic_tune: {why}")
   dtype = jnp.bfloat16
   gpu = jax.default_backend() == "gpu"
-  roof = kernels.measure_roofline(gpu=gpu, dtype=dtype, warmup=2, repeats=5)
+  roof = kernel_timing.measure_roofline(gpu=gpu, dtype=dtype, warmup=2, repeats=5)
   shapes, dims, variants = SHAPES, dict(N=32, K=8, D=128), VARIANTS
   if dry:
     shapes, dims = [dict(B=2, S=128, ps=16)], dict(N=8, K=2, D=64)

@@ -54,7 +54,6 @@ from jaxinfer.serving.ray_worker import WorkerSpec, host_tree  # noqa: E402
 from jaxinfer.serving.worker import Worker  # noqa: E402
 
 FLAGS = flags.FLAGS
-_CONFIG = flag_config.define_config(__file__, "serving_topologies.py")  # [:shared|tp2|dp_ep2]
 flags.DEFINE_list("experiments", ["routing", "disagg", "faults"], "which experiments to run")
 # A preset (random weights, float32) by default, small and fast, so that four
 # workers sharing two CPU cores can be driven near saturation.
@@ -94,6 +93,7 @@ flags.DEFINE_bool("warmup", True, "run every experiment once untimed first (comp
                   "step programs the workloads need)")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results", "serve_bench"),
                     "output prefix (.json, .png)")
+_CONFIG = flag_config.define_config(__file__, "serving_topologies.py")  # [:shared|tp2|dp_ep2]
 
 
 def _engine_config():

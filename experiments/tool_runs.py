@@ -28,7 +28,7 @@ import tempfile
 from absl import flags
 
 from benchlib import cli, flag_config, results, tool_runs
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 
 _GUIDELLM = flags.DEFINE_string("guidellm", None, "the guidellm executable (its virtualenv's "
                                 "bin/guidellm; None: guidellm is skipped)")

@@ -16,7 +16,7 @@ out_major, panels.
 from absl import flags
 
 from benchlib import cli, flag_config, results
-from benchlib.decode import machine_info
+from benchlib.results import machine_info
 from jaxinfer.engine import weight_layout
 
 _SHAPES = flags.DEFINE_list("shapes", ["1024x5632", "2816x1024"], "d_in x d_out shapes")

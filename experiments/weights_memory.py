@@ -41,6 +41,7 @@ def _status(key: str) -> int:
 def measure(model: str) -> dict:
   import jax
   from jaxinfer import Engine, EngineConfig, models, presets
+  from jaxinfer.engine import inspect as engine_inspect
   cfg = presets.get(model)
   rss = {"start": _status("VmRSS")}
   params = models.init_params(cfg, jax.random.key(0))
@@ -48,7 +49,7 @@ def measure(model: str) -> dict:
   weight_bytes = sum(w.nbytes for w in jax.tree.leaves(params))
   rss["params"] = _status("VmRSS")
   engine = Engine(cfg, params, EngineConfig(num_pages=64, page_size=16, unroll_layers=True))
-  jax.block_until_ready(engine._model.params)
+  jax.block_until_ready(engine_inspect.step_params(engine))
   rss["params_and_engine"] = _status("VmRSS")
   del params
   gc.collect()

@@ -26,25 +26,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import os
-import platform
 import shlex
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from benchlib import results
+from benchlib.decode_roofline import decode_bytes_per_step, measure_bandwidth
+from benchlib.hf_peer import bench_hf, hf_model, hf_param_count
+from benchlib.results import machine_info
 from jaxinfer import hf_config as hf_config_lib
 from jaxinfer import models, presets
 from jaxinfer.config import ModelConfig, QuantConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams
+from jaxinfer.engine import inspect as engine_inspect
 from jaxinfer.engine import weight_layout as layout_probe
-from jaxinfer.models.specs import is_spec
 
 CONVENTIONS = {
     "decode tokens_per_s": "ours: batch / mean TPOT over the batch's requests (every prompt is "
@@ -66,87 +66,6 @@ CONVENTIONS = {
 }
 
 
-# ----------------------------------------------------------------------------- roofline
-
-
-def _median_rate(fn, nbytes: float, repeats: int) -> float:
-  fn()  # compile / first touch
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - t0)
-  return nbytes / statistics.median(times) / 1e9
-
-
-def measure_bandwidth(nbytes: int = 1 << 30, repeats: int = 9) -> dict:
-  """Streaming read bandwidth of this machine now -> {gbps, numpy_copy_gbps,
-  nbytes, repeats}. `gbps` (the roofline's) is a jitted `jnp.sum` over a
-  float32 array of nbytes: one read of every byte, the access pattern of a
-  decode step's weights. The numpy copy (read + write bytes counted) is for
-  reference. (numpy's `sum` is not: its pairwise float32 summation is
-  compute bound here, well under the read bandwidth.)"""
-  n = nbytes // 4
-  x = jnp.ones((n,), jnp.float32)
-  total = jax.jit(jnp.sum)
-  gbps = _median_rate(lambda: total(x).block_until_ready(), 4 * n, repeats)
-  del x
-  a = np.ones(n, np.float32)
-  b = np.empty_like(a)
-  copy = _median_rate(lambda: np.copyto(b, a), 8 * n, repeats)
-  return dict(gbps=gbps, numpy_copy_gbps=copy, nbytes=4 * n, repeats=repeats)
-
-
-def expected_experts(num_experts: int, top_k: int, tokens: int) -> float:
-  """Distinct experts `tokens` tokens route to on average, each picking top_k
-  of E uniformly: E * (1 - (1 - k/E)^tokens)."""
-  return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
-
-
-def decode_bytes_per_step(cfg: ModelConfig, batch: int, context_len: int,
-                          weight_dtype_bytes: int = 4, kv_dtype_bytes: int | None = None) -> dict:
-  """Bytes one decode step of `batch` sequences, each attending to
-  `context_len` cached tokens, must read -> {embed, weights, experts, kv, total}.
-
-  From `models.param_specs` shapes: every weight is read once per step except
-  the embedding table (batch rows gathered; the whole table once more if tied,
-  as the output head) and the routed experts (a leaf with an `expert` axis
-  counts E(1 - (1 - k/E)^batch) of its E slices). MTP modules are left out:
-  plain decoding does not run them. KV: `cfg.cache_entry_shapes()` per token and
-  layer (MLA: the latent + rope key), over min(context, window) tokens."""
-  wb = weight_dtype_bytes
-  kvb = wb if kv_dtype_bytes is None else kv_dtype_bytes
-  specs = models.param_specs(cfg)
-  touched = (expected_experts(cfg.num_experts, cfg.num_experts_per_tok, batch)
-             if cfg.is_moe else 0.0)
-  V, D = specs["embed"].shape
-  out = dict(embed=float(batch * D * wb), weights=float(V * D * wb if cfg.tie_embeddings else 0),
-             experts=0.0, kv=0.0)
-  for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
-    top = path[0].key
-    if top in ("embed", "mtp"):
-      continue
-    # A quantized weight's values and scales are read at their storage size.
-    quantized = any(isinstance(k, jax.tree_util.GetAttrKey) for k in path)
-    n = math.prod(spec.shape) * (jnp.dtype(spec.dtype).itemsize if quantized else wb)
-    if "expert" in spec.logical_axes:
-      out["experts"] += n / spec.shape[spec.logical_axes.index("expert")] * touched
-    else:
-      out["weights"] += n
-  per_token_layer = sum(math.prod(e) for e in cfg.cache_entry_shapes().values()) * kvb
-  tokens = sum(min(context_len, cfg.layer_window(i) or context_len)
-               for i in range(cfg.num_layers))
-  out["kv"] = float(batch * tokens * per_token_layer)
-  out["total"] = out["embed"] + out["weights"] + out["experts"] + out["kv"]
-  return out
-
-
-# ----------------------------------------------------------------------------- ours
-
-
-def _spread(samples: list[float]) -> dict:
-  return dict(tokens_per_s=statistics.median(samples), tokens_per_s_min=min(samples),
-              tokens_per_s_max=max(samples), samples=samples)
 
 
 _COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -208,100 +127,15 @@ def bench_engine(cfg: ModelConfig, params, *, batch: int, prompt_len: int, new_t
   with count_xla_compiles() as xla_compiles:
     runs = [once() for _ in range(repeats)]
   stats = engine.stats()
-  return dict(prefill=_spread([p for p, _ in runs]),
-              decode=_spread([d for _, d in runs]) if new_tokens > 1 else None,
+  return dict(prefill=results.spread([p for p, _ in runs]),
+              decode=results.spread([d for _, d in runs]) if new_tokens > 1 else None,
               compiles_warm=warm, compiles_after=stats["compiles"],
               xla_compiles_timed=xla_compiles[0], host_ms_per_step=stats["host_ms_per_step"],
-              param_leaves=len(jax.tree.leaves(engine._model.params)))
+              param_leaves=len(jax.tree.leaves(engine_inspect.step_params(engine))))
 
-
-# ----------------------------------------------------------------------------- HF peer
-
-
-def hf_model(hf: dict, *, threads: int | None = None):
-  """An HF causal LM with random weights from a config dict: float32, eval
-  mode, torch running `threads` threads (default os.cpu_count())."""
-  import torch
-  import transformers
-  transformers.logging.set_verbosity_error()
-  torch.set_num_threads(threads or os.cpu_count())
-  hf = dict(hf)
-  config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-  return transformers.AutoModelForCausalLM.from_config(config).float().eval()
-
-
-def hf_param_count(model) -> int:
-  """Parameters plus persistent buffers (DeepSeek's router score bias is a
-  buffer in HF and a parameter here), each storage counted once."""
-  seen = {}
-  for v in model.state_dict().values():
-    seen[(v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape))] = v.numel()
-  return sum(seen.values())
-
-
-def bench_hf(model, *, batch: int, prompt_len: int, new_tokens: int, repeats: int,
-             seed: int = 0) -> dict:
-  """Greedy `generate` of a [batch, prompt_len] random prompt (attention mask
-  of ones), exactly `new_tokens` new tokens (min_new_tokens = max_new_tokens)
-  under `torch.inference_mode`, timed per step from inside the call: a
-  stopping criterion stamps the clock as each token lands. As for the Engine,
-  prefill tokens/s = batch * prompt_len / time to the first token and decode
-  tokens/s = batch * (new_tokens - 1) / (last token - first token), so both
-  come from one call and no difference of two noisy calls can go negative.
-  One untimed warm-up call first. -> {prefill, decode | None}."""
-  import torch
-  import transformers
-
-  class Clock(transformers.StoppingCriteria):
-    def __init__(self):
-      self.stamps = []
-
-    def __call__(self, input_ids, scores, **kwargs):
-      self.stamps.append(time.perf_counter())
-      return torch.zeros(input_ids.shape[0], dtype=torch.bool)
-
-  gen = torch.Generator().manual_seed(seed)
-  ids = torch.randint(0, model.config.vocab_size, (batch, prompt_len), generator=gen)
-  mask = torch.ones_like(ids)
-  eos = model.config.eos_token_id
-  pad = (eos[0] if isinstance(eos, (list, tuple)) else eos) or 0
-
-  def once():
-    clock = Clock()
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-      out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
-                           stopping_criteria=transformers.StoppingCriteriaList([clock]))
-    assert out.shape == (batch, prompt_len + new_tokens), out.shape
-    assert len(clock.stamps) == new_tokens, len(clock.stamps)
-    first, last = clock.stamps[0], clock.stamps[-1]
-    decode = batch * (new_tokens - 1) / (last - first) if new_tokens > 1 else None
-    return batch * prompt_len / (first - t0), decode
-
-  once()
-  runs = [once() for _ in range(repeats)]
-  return dict(prefill=_spread([p for p, _ in runs]),
-              decode=_spread([d for _, d in runs]) if new_tokens > 1 else None)
 
 
 # ----------------------------------------------------------------------------- the run
-
-
-def machine_info() -> dict:
-  """The machine a benchmark ran on: CPU model and count, versions."""
-  cpu = platform.processor()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-  except OSError:
-    pass
-  out = dict(cpu=cpu, cpu_count=os.cpu_count(), python=platform.python_version(),
-             jax=jax.__version__, backend=jax.default_backend())
-  for name in ("torch", "transformers"):
-    mod = sys.modules.get(name)
-    out[name] = getattr(mod, "__version__", None)
-  return out
 
 
 def format_table(rows: list[dict]) -> str:

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchlib import gpu_plan
+from benchlib import hlo_report
 from jaxinfer import gpu_compile, sharding
 from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
@@ -47,7 +47,7 @@ def _nbytes(dtype: str, dims: str) -> int:
 
 
 def collective_bytes(hlo: str, dtype: str | None = None) -> dict:
-  """Per collective kind in compiled HLO (`gpu_plan.collective_ops`): the
+  """Per collective kind in compiled HLO (`hlo_report.collective_ops`): the
   bytes of its results (all-to-all, all-gather, all-reduce: what each rank
   sends or receives), and for ragged all-to-alls the send operands (first
   operand) instead. A ragged all-to-all moves only its send_sizes rows (known
@@ -55,7 +55,7 @@ def collective_bytes(hlo: str, dtype: str | None = None) -> dict:
   (an HLO name, e.g. "bf16"): count only arrays of that type (the
   activations, leaving out int32 ids and bool flags)."""
   out = {"all_to_all": 0, "ragged_all_to_all_send": 0, "all_gather": 0, "all_reduce": 0}
-  for kind, result in gpu_plan.collective_ops(hlo):
+  for kind, result in hlo_report.collective_ops(hlo):
     if kind == "ragged-all-to-all":  # async start: ((operand, output, offsets...), output)
       shapes = _SHAPE.findall(result)[:1]
       key = "ragged_all_to_all_send"

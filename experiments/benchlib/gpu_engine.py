@@ -51,8 +51,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchlib import torch_peer, trace_top
-from benchlib.decode import count_xla_compiles, decode_bytes_per_step, expected_experts
-from benchlib.kernels import measure_roofline, short_error
+from benchlib.decode import count_xla_compiles
+from benchlib.decode_roofline import decode_bytes_per_step, expected_experts
+from benchlib.kernel_timing import measure_roofline, short_error
 from jaxinfer import hf_config, models, ops, presets
 from jaxinfer.backend import Backend
 from jaxinfer.config import ModelConfig
@@ -67,7 +68,7 @@ CONVENTIONS = {
     "step_s": "that window / the engine steps finishing in it (steps dispatched after the "
               "moment + the one in flight then)",
     "tpot_s": "mean over the requests of RequestMetrics.tpot_s (bench.decode's convention)",
-    "bytes_per_step": "bench.decode.decode_bytes_per_step in the weight dtype: every weight but "
+    "bytes_per_step": "benchlib.decode_roofline.decode_bytes_per_step in the weight dtype: every weight but "
                       "the embedding (batch rows of it), MTP modules excluded; routed experts "
                       "counted as the distinct experts the batch's tokens touch on average, "
                       "E(1 - (1 - k/E)^batch) per MoE layer; KV of the mean context "
@@ -640,7 +641,7 @@ def run_engine_bench(record: dict, save: Callable[[], None], *, deadline: float,
   {batch_B}, prefill, mtp {k_K}, pallas_vs_xla, mosaic {batch_B}, and
   torch_peer (the dense model's). deadline: a
   `time.monotonic()` value; roofline: {"hbm_gbps", "matmul_tflops"} measured
-  earlier in the run, else measured here (`bench.kernels.measure_roofline`)."""
+  earlier in the run, else measured here (`benchlib.kernel_timing.measure_roofline`)."""
   t0 = time.monotonic()
   record["meta"] = _meta(dry_run)
   save()

@@ -10,7 +10,7 @@ target set to "gpu" (Pallas kernels through Triton):
 
   decode      `steps.step`: `batch` sequences, one token each, `context` tokens
   mixed       `steps.step`: one prefill chunk of `prefill_tokens` + decodes
-  speculative `speculative.spec_step` (MTP models): each sequence verifies
+  speculative `steps.step` with `speculative.Mtp` (MTP models): each sequence verifies
               `num_draft_tokens` drafts
   dp_attn_ep  each of the above whole per rank in `shard_map` (`steps.Ranks`:
               attention DP, experts split over every mesh axis, ragged
@@ -54,6 +54,9 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchlib import hlo_report, results
+# collective_ops: gpu_plan.collective_ops, as the tests read it
+from benchlib.hlo_report import (MOSAIC_CALL, TRITON_CALL, collective_ops, collectives,  # noqa: F401
+                                 kernel_gathers, quantized_gathers, xla_cost)
 from benchlib.sharding_report import parse_mesh
 from jaxinfer import EngineConfig, gpu_compile, presets, sharding
 from jaxinfer.config import ModelConfig
@@ -66,8 +69,6 @@ from jaxinfer.models import specs as specs_lib
 from jaxinfer.models.moe_ep import plan_from_params
 from jaxinfer.sim.cost import param_counts
 
-TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
-MOSAIC_CALL = 'custom_call_target="mosaic_gpu'  # the Mosaic GPU kernels' (mosaic_gpu_v2)
 _GB = 1e9
 
 
@@ -253,6 +254,12 @@ def _step_inputs(params, mesh, layout: str, seqs, w: Workload):
 _FROM_PARAMS = object()
 
 
+def _model(cfg: ModelConfig, params, ep, where: dict) -> steps.StepModel:
+  """The `steps.StepModel` of `_placement`'s kwargs (ranks, or the head split)."""
+  return steps.StepModel(cfg, params, ep, where.get("ranks"),
+                         {k: v for k, v in where.items() if k != "ranks"})
+
+
 def _plan(params, ep):
   """A lowering's expert-parallel plan: `ep` as given, or by default the one
   the (stacked) params' sharding implies."""
@@ -269,15 +276,16 @@ def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
   ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
-    lowered = steps.step.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                               max_q=shapes.max_q, ep=ep, greedy=w.greedy,
-                               **where)
+    lowered = steps.step.lower(_model(cfg, params, ep, where),
+                               steps.StepState(pool, _load(cfg, mesh)),
+                               steps.StepInputs(batch, prev),
+                               steps.Program(steps.Plain(), max_q=shapes.max_q, greedy=w.greedy))
   return lowered, shapes
 
 
 def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload,
                        num_steps: int, extras=None, *, ep=_FROM_PARAMS):
-  """`steps.decode_steps` (multi-step decode, `EngineConfig.decode_steps`)
+  """`steps.step` with `steps.MultiStep` (multi-step decode, `EngineConfig.decode_steps`)
   lowered for decode-only `seqs` (as `lower_step`) -> (Lowered, StepShapes).
   extras: a host `sampling_extras.Extras` for the step's rows (replicated),
   or None."""
@@ -285,15 +293,16 @@ def lower_decode_steps(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, 
   extras = None if extras is None else _replicated(mesh, extras)
   ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
-    lowered = steps.decode_steps.lower(cfg, params, pool, batch, prev, _load(cfg, mesh),
-                                       num_steps=num_steps, ep=ep,
-                                       greedy=w.greedy, extras=extras, **where)
+    lowered = steps.step.lower(_model(cfg, params, ep, where),
+                               steps.StepState(pool, _load(cfg, mesh)),
+                               steps.StepInputs(batch, prev, extras=extras),
+                               steps.Program(steps.MultiStep(num_steps), greedy=w.greedy))
   return lowered, shapes
 
 
 def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload, *,
                ep=_FROM_PARAMS):
-  """`speculative.spec_step` (MTP draft + verify), pool with its MTP entry,
+  """`steps.step` with `speculative.Mtp` (MTP draft + verify), pool with its MTP entry,
   placed as `lower_step` places a step; under attention DP each rank's
   draft-state rows split over the DP axes."""
   K = w.num_draft_tokens
@@ -303,10 +312,12 @@ def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
   ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
-    lowered = speculative.spec_step.lower(
-        cfg, params, pool, _ranked(mesh, layout, packed, n),
-        gpu_compile.abstract(state, NamedSharding(mesh, P(axes) if axes else P())),
-        _load(cfg, mesh), max_q=shapes.max_q, K=K, ep=ep, greedy=w.greedy, **where)
+    lowered = steps.step.lower(
+        _model(cfg, params, ep, where),
+        steps.StepState(pool, _load(cfg, mesh),
+                        gpu_compile.abstract(state, NamedSharding(mesh, P(axes) if axes else P()))),
+        steps.StepInputs(_ranked(mesh, layout, packed, n)),
+        steps.Program(speculative.Mtp(K), max_q=shapes.max_q, greedy=w.greedy))
   return lowered, shapes
 
 
@@ -399,48 +410,6 @@ def fit_verdict(params_bytes: int, kv_bytes: int, hbm_bytes: float) -> dict:
               f"<= {gb(hbm_bytes)}")
 
 
-def kernel_gathers(hlo: str, pool_shapes=()) -> int:
-  """All-gathers XLA placed around the Pallas kernels in compiled HLO text:
-  GSPMD cannot split a custom call, so outside `shard_map` (tp layouts) it
-  gathers the kernel's sharded operands (the page pool) whole on every device.
-  Counted: gathers tagged with the kernel (jax 0.10's XLA), and gathers that
-  produce a whole pool of `pool_shapes` (newer XLA gathers the pool where the
-  step writes it, one combined gather tagged with the scatter)."""
-  dims = ["[" + ",".join(map(str, s)) + "]" for s in pool_shapes]
-  return sum(1 for line in hlo.splitlines()
-             if ("all-gather-start(" in line or " all-gather(" in line)
-             and ("pallas_call" in line or any(d in line for d in dims)))
-
-
-_COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")
-_COLLECTIVE_LINE = re.compile(r"= (.*?) (ragged-all-to-all|all-to-all|all-gather|all-reduce)"
-                              r"(?:-start)?\(")
-
-
-def collective_ops(hlo: str):
-  """(kind, result type text) of every collective op in compiled HLO text
-  (async starts or sync ops; the matching -done lines are not counted)."""
-  for line in hlo.splitlines():
-    m = _COLLECTIVE_LINE.search(line)
-    if m:
-      yield m.group(2), m.group(1)
-
-
-def quantized_gathers(hlo: str) -> int:
-  """All-gathers of 1-byte arrays (quantized weights in their storage dtype)
-  in compiled HLO text: 0 when every quantized weight is read where it lies."""
-  return sum(1 for kind, ty in collective_ops(hlo)
-             if kind == "all-gather" and re.search(r"\b(f8e4m3fn|u8|s8)\[", ty))
-
-
-def collectives(hlo: str) -> dict:
-  """Collective ops in compiled HLO text, by kind (async starts or sync ops)."""
-  counts = {op.replace("-", "_"): 0 for op in _COLLECTIVES}
-  for kind, _ in collective_ops(hlo):
-    counts[kind.replace("-", "_")] += 1
-  return counts
-
-
 def compile_program(lowered, hbm_bytes: float, pool=None, *, num_layers: int | None = None,
                     hlo_path: str | None = None) -> dict:
   """Compiles a Lowered step -> memory_analysis per device, peak vs HBM,
@@ -467,22 +436,6 @@ def compile_program(lowered, hbm_bytes: float, pool=None, *, num_layers: int | N
               quantized_grouped_kernel="jit(_quantized_grouped_matmul)" in hlo,
               kernel_all_gathers=kernel_gathers(hlo, pool_shapes), quantized_gathers=quantized_gathers(hlo),
               collectives=collectives(hlo))
-
-
-def xla_cost(compiled) -> dict:
-  """XLA's own estimate of a compiled program's bytes accessed and FLOPs
-  (`cost_analysis()`), or why the backend gives none."""
-  try:
-    cost = compiled.cost_analysis()
-  except (NotImplementedError, RuntimeError) as e:
-    return dict(unavailable=f"{type(e).__name__}: {e}")
-  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
-    cost = cost[0] if cost else {}
-  if not cost:  # jax 0.10.2 and 0.12.1 give None for a compile-only GPU target
-    return dict(unavailable=f"cost_analysis() gave {cost!r} for this target")
-  if "bytes accessed" not in cost:
-    return dict(unavailable="cost_analysis() has no 'bytes accessed'")
-  return dict(bytes_accessed=float(cost["bytes accessed"]), flops=float(cost.get("flops", 0.0)))
 
 
 def decode_budget(model: str | ModelConfig, *, batch: int, context: int = 1024,

@@ -24,6 +24,13 @@ parameters `weights(instruction)` accepts (the step's `params...` arguments), th
 results of data movement over them, and the while-loop tuple elements they
 enter. Lookups that write less than `MIN_COPY_BYTES` (an embedding row) are
 reads, not copies.
+
+Kernel calls and collectives in the same text (`gpu_plan.compile_program`
+reports them): the Pallas (`TRITON_CALL`) and Mosaic GPU (`MOSAIC_CALL`)
+custom calls, `kernel_gathers` (pools gathered whole around a kernel),
+`collective_ops` / `collectives` (by kind), `quantized_gathers` (1-byte
+weights gathered); and XLA's own cost estimate of a compiled program,
+`xla_cost`.
 """
 
 from __future__ import annotations
@@ -102,10 +109,12 @@ class Report:
 def param_weights(param: Instr) -> bool:
   """The step's weight arguments (an entry `parameter`): jax names them by
   their path, `params__layers___0___attn____wq__.1` for
-  params['layers'][0]['attn']['wq'], and keeps the path as the op_name
+  params['layers'][0]['attn']['wq'] (`model_params__...` for the
+  `steps.StepModel`'s model.params), and keeps the path as the op_name
   (`param.63`, op_name="params['layers'][0]['attn']['wo']" once the SPMD
   partitioner has renamed them)."""
-  return param.name.startswith("params_") or "op_name=\"params[" in param.attrs
+  return (param.name.startswith(("params_", "model_params_")) or
+          "op_name=\"params[" in param.attrs or "op_name=\"model.params[" in param.attrs)
 
 
 def parse(hlo: str) -> dict[str, Computation]:
@@ -250,3 +259,67 @@ def _weight_elements(init: Instr | None, names: set[str], body: Computation) -> 
   param = next((i.name for i in body.instrs if i.opcode == "parameter"), None)
   return {i.name for i in body.instrs if i.opcode == "get-tuple-element"
           and i.operands[:1] == [param] and int(i.attr("index") or 0) in indices}
+
+
+# ----------------------------------------------------------------------------- kernel calls, collectives, XLA's cost
+
+TRITON_CALL = "__gpu$xla.gpu.triton"  # the Pallas kernels' custom call in compiled HLO
+MOSAIC_CALL = 'custom_call_target="mosaic_gpu'  # the Mosaic GPU kernels' (mosaic_gpu_v2)
+
+
+def kernel_gathers(hlo: str, pool_shapes=()) -> int:
+  """All-gathers XLA placed around the Pallas kernels in compiled HLO text:
+  GSPMD cannot split a custom call, so outside `shard_map` (tp layouts) it
+  gathers the kernel's sharded operands (the page pool) whole on every device.
+  Counted: gathers tagged with the kernel (jax 0.10's XLA), and gathers that
+  produce a whole pool of `pool_shapes` (newer XLA gathers the pool where the
+  step writes it, one combined gather tagged with the scatter)."""
+  dims = ["[" + ",".join(map(str, s)) + "]" for s in pool_shapes]
+  return sum(1 for line in hlo.splitlines()
+             if ("all-gather-start(" in line or " all-gather(" in line)
+             and ("pallas_call" in line or any(d in line for d in dims)))
+
+
+_COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-gather", "all-reduce")
+_COLLECTIVE_LINE = re.compile(r"= (.*?) (ragged-all-to-all|all-to-all|all-gather|all-reduce)"
+                              r"(?:-start)?\(")
+
+
+def collective_ops(hlo: str):
+  """(kind, result type text) of every collective op in compiled HLO text
+  (async starts or sync ops; the matching -done lines are not counted)."""
+  for line in hlo.splitlines():
+    m = _COLLECTIVE_LINE.search(line)
+    if m:
+      yield m.group(2), m.group(1)
+
+
+def quantized_gathers(hlo: str) -> int:
+  """All-gathers of 1-byte arrays (quantized weights in their storage dtype)
+  in compiled HLO text: 0 when every quantized weight is read where it lies."""
+  return sum(1 for kind, ty in collective_ops(hlo)
+             if kind == "all-gather" and re.search(r"\b(f8e4m3fn|u8|s8)\[", ty))
+
+
+def collectives(hlo: str) -> dict:
+  """Collective ops in compiled HLO text, by kind (async starts or sync ops)."""
+  counts = {op.replace("-", "_"): 0 for op in _COLLECTIVES}
+  for kind, _ in collective_ops(hlo):
+    counts[kind.replace("-", "_")] += 1
+  return counts
+
+
+def xla_cost(compiled) -> dict:
+  """XLA's own estimate of a compiled program's bytes accessed and FLOPs
+  (`cost_analysis()`), or why the backend gives none."""
+  try:
+    cost = compiled.cost_analysis()
+  except (NotImplementedError, RuntimeError) as e:
+    return dict(unavailable=f"{type(e).__name__}: {e}")
+  if isinstance(cost, (list, tuple)):  # older jax: one dict per program
+    cost = cost[0] if cost else {}
+  if not cost:  # jax 0.10.2 and 0.12.1 give None for a compile-only GPU target
+    return dict(unavailable=f"cost_analysis() gave {cost!r} for this target")
+  if "bytes accessed" not in cost:
+    return dict(unavailable="cost_analysis() has no 'bytes accessed'")
+  return dict(bytes_accessed=float(cost["bytes accessed"]), flops=float(cost.get("flops", 0.0)))

@@ -47,6 +47,7 @@ import numpy as np
 from jaxinfer import models
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams, steps
+from jaxinfer.engine import inspect as engine_inspect
 
 BATCHES = (1, 64, 256)
 # jax's concrete array class (its `_value` property is the one device-to-host read).
@@ -128,36 +129,37 @@ class Probe:
 
   def __enter__(self):
     step, value = steps.step, _ARRAY._value
-    probe, iters = self, jnp.int32(self.spin_iters)  # on device once, not each step
+    iters = jnp.int32(self.spin_iters)  # on device once, not each step
 
     @functools.wraps(step)
     def traced_step(*args, **kwargs):
-      before_done = bool(probe._keep) and probe._keep[-1].is_ready()
+      before_done = bool(self._keep) and self._keep[-1].is_ready()
       out = step(*args, **kwargs)
       sampled = out[0]
-      if probe.spin_iters:
+      if self.spin_iters:
         sampled = spin(sampled, iters)
-      k = len(probe._keep)
-      probe._keep.append(sampled)
-      probe._ids[id(sampled)] = k
-      probe.log.append(("dispatch", k))
-      if kwargs.get("max_q") == 1:
-        probe.decode.add(k)
+      k = len(self._keep)
+      self._keep.append(sampled)
+      self._ids[id(sampled)] = k
+      self.log.append(("dispatch", k))
+      program = args[3]  # `steps.step(model, state, inputs, program)`
+      if type(program.decoder) is steps.Plain and program.max_q == 1:
+        self.decode.add(k)
         if before_done:
-          probe.idle.add(k)
-        probe.last_call = (args, kwargs)
+          self.idle.add(k)
+        self.last_call = (args, kwargs)
       return (sampled, *out[1:])
 
     def read(array):
-      k = probe._ids.get(id(array))
+      k = self._ids.get(id(array))
       if k is not None:
-        probe.log.append(("read", k))
+        self.log.append(("read", k))
       if array.is_ready():
         return value.fget(array)
       t0 = time.perf_counter()
       out = value.fget(array)
-      probe.blocked_s += time.perf_counter() - t0
-      probe.blocking_reads += 1
+      self.blocked_s += time.perf_counter() - t0
+      self.blocking_reads += 1
       return out
 
     steps.step = traced_step
@@ -231,12 +233,16 @@ def _device_ms(call, eng: Engine, repeats: int, spin_iters: int = 0) -> float:
   pool as in the engine, then waited for -> ms per call. The host's
   dispatches overlap the device's work, so this is the device's time."""
   args, kwargs = call
-  cfg, params, _, batch, prev, load = args[:6]
+  model, state, inputs, program = args
+  prev, load = inputs.prev, state.load
   # Copies: the calls donate the pool and the load, and the engine keeps its own.
-  pool, load = jax.tree.map(jnp.copy, (eng.pool, load if load is None else eng._load))
+  pool, copied = engine_inspect.device_state_copy(eng)
+  load = load if load is None else copied
 
   def one(prev, pool, load):
-    sampled, pool, load, _ = steps.step(cfg, params, pool, batch, prev, load, *args[6:], **kwargs)
+    sampled, state, _ = steps.step(model, steps.StepState(pool, load),
+                                   dataclasses.replace(inputs, prev=prev), program, **kwargs)
+    pool, load = state.pool, state.load
     if spin_iters:
       sampled = spin(sampled, jnp.int32(spin_iters))
     return sampled, pool, load
@@ -294,7 +300,7 @@ def run_batch(cfg: ModelConfig, params, batch: int, *, prompt_len: int = 16,
   slow["spin_ms"] = spin_ms
   slow["device_ms"] = _device_ms(probe.last_call, eng, repeats, iters)
   slow.update(overlap=overlap(slow["wall_ms"], slow["host_ms"], slow["device_ms"], tolerance))
-  return dict(batch=batch, weight_arrays=len(jax.tree.leaves(eng._model.params)),
+  return dict(batch=batch, weight_arrays=len(jax.tree.leaves(engine_inspect.step_params(eng))),
               normal=normal, slow=slow)
 
 

@@ -15,11 +15,11 @@ import statistics
 import time
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import models, presets
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams, scheduler, steps
+from jaxinfer.engine import inspect as engine_inspect
 
 
 def _ms(samples) -> float:
@@ -31,7 +31,7 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
   """-> {in_engine: {part: {wall_ms, cpu_ms}}, alone: {part: ms}, param_leaves}
   (medians over the decode dispatches of the second of two generate runs,
   then `repeats` calls). decode_steps: `EngineConfig.decode_steps`; above 1
-  the dispatch and the step call are the multi-step ones (`steps.decode_steps`),
+  the dispatch and the step call are the multi-step ones (`steps.step` with `steps.MultiStep`),
   each running decode_steps model steps."""
   cfg = presets.get(model)
   eng = Engine(cfg, models.init_params(cfg, jax.random.key(0)), EngineConfig(
@@ -41,9 +41,7 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
   wall, cpu, last = {}, {}, {}
   undo = []
 
-  def wrap(obj, name, label):
-    f = getattr(obj, name)
-
+  def timer(f, label):
     @functools.wraps(f)
     def timed(*a, **k):
       t0, c0 = time.perf_counter(), time.thread_time()
@@ -52,24 +50,28 @@ def run(model: str = "bench_moe", batch: int = 8, prompt_len: int = 128, new_tok
       cpu.setdefault(label, []).append(time.thread_time() - c0)
       last[label] = (a, k)
       return out
-    setattr(obj, name, timed)
+    return timed
+
+  def wrap(obj, name, label):
+    f = getattr(obj, name)
+    setattr(obj, name, timer(f, label))
     undo.append((obj, name, f))
 
   multi = decode_steps > 1
-  wrap(eng._runner, "_dispatch", "dispatch")
-  wrap(steps, "decode_steps" if multi else "step", "step call")
+  wrap(steps, "step", "step call")
   wrap(steps, "rank_batch", "rank_batch")
   wrap(scheduler, "schedule_ranks", "schedule")
   rng = np.random.default_rng(0)
-  for _ in range(2):
-    eng.generate(rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist(),
-                 SamplingParams(max_tokens=new_tokens))
+  with engine_inspect.dispatch_hook(eng, lambda f, *a, **k: timer(f, "dispatch")(*a, **k)):
+    for _ in range(2):
+      eng.generate(rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist(),
+                   SamplingParams(max_tokens=new_tokens))
   for obj, name, f in undo:
     setattr(obj, name, f)
   decodes = -(-(new_tokens - 1) // decode_steps)  # dispatches after the prefill
   in_engine = {k: dict(wall_ms=_ms(v[-decodes:]), cpu_ms=_ms(cpu[k][-decodes:]))
                for k, v in wall.items()}
-  alone, leaves = _alone(eng, last, repeats, steps.decode_steps if multi else steps.step)
+  alone, leaves = _alone(eng, last, repeats, steps.step)
   return dict(in_engine=in_engine, alone=alone, param_leaves=leaves)
 
 
@@ -87,14 +89,16 @@ def _alone(eng, last, repeats: int, step_fn):
   computing."""
   alone = {"rank_batch": _time(lambda: steps.rank_batch(*last["rank_batch"][0]), repeats)}
   a, k = last["step call"]
-  cfg_, params, _, batch_, prev = a[:5]
+  model, _, inputs, program = a  # `steps.step(model, state, inputs, program)`
+  params = model.params
   # Copies: the calls donate them, and the engine keeps its own.
-  pool, load = jax.tree.map(jnp.copy, (eng.pool, eng._load))
+  pool, load = engine_inspect.device_state_copy(eng)
 
   def call():
     nonlocal pool, load
     t0 = time.perf_counter()
-    out, pool, load, _ = step_fn(cfg_, params, pool, batch_, prev, load, *a[6:], **k)
+    out, state, _ = step_fn(model, steps.StepState(pool, load), inputs, program, **k)
+    pool, load = state.pool, state.load
     return time.perf_counter() - t0, out
 
   for mode in ("inputs ready", "behind a running step"):

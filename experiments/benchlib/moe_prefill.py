@@ -3,7 +3,7 @@ prefill's tokens, in the variants XLA:CPU could run them, each checked
 against the dense reference and timed in one run.
 
 Variants (all exact up to float32 summation order):
-  split C=<n>       the Engine's CPU path (`moe._experts_split`): token
+  split C=<n>       the Engine's CPU path (`moe.experts_split`): token
                     copies sorted by expert (one argsort), one loop over
                     every chosen expert's chunks of C rows, the weights
                     picked by `lax.switch`, gate and up fused in one dot per
@@ -15,7 +15,7 @@ Variants (all exact up to float32 summation order):
                     per expert over its chunks
   capacity <n>      looped, each expert's first n rows as one static block
                     outside the loop (a capacity bucket), the loop only past it
-  native            the C++ CPU kernel (`moe._experts_native`), where it builds
+  native            the C++ CPU kernel (`moe.experts_native`), where it builds
   grouped           the stacked layout's `lax.ragged_dot` (`moe_core.grouped_ffn`)
   dense             every expert on every token (E/k times the FLOPs): the reference
 
@@ -62,7 +62,7 @@ def experts_looped(cfg, p, x, idx, weights, chunk: int | None = None, capacity: 
   D = x.shape[1]
   E = len(p.w_down)  # physical slots
   C = chunk or moe.split_chunk(T, k, E)
-  order, sizes = moe._sorted_copies(idx, E)  # copy c belongs to token c // k
+  order, sizes = moe.sorted_copies(idx, E)  # copy c belongs to token c // k
   starts = jnp.cumsum(sizes) - sizes
   pad = max(C, capacity)
   xs = jnp.concatenate([x[order // k], jnp.zeros((pad, D), x.dtype)])  # [T k + pad, D]
@@ -87,7 +87,7 @@ def experts_looped(cfg, p, x, idx, weights, chunk: int | None = None, capacity: 
     rest = jnp.maximum(sizes[e] - capacity, 0)
     ys = jax.lax.fori_loop(0, (rest + C - 1) // C,
                            lambda i, ys, e=e: block(e, capacity + i * C, C, ys), ys)
-  return moe._combine(ys, order, weights)
+  return moe.combine_copies(ys, order, weights)
 
 
 
@@ -112,20 +112,20 @@ def variants(cfg, p, split, unfused, tokens: int) -> dict:
   k, E = cfg.num_experts_per_tok, cfg.num_experts
   C = moe.split_chunk(tokens, k, E)  # the Engine's chunk at this many tokens
   fn = lambda impl, **kw: jax.jit(lambda q, x, i, w: impl(cfg, q, x, i, w, **kw))
-  out = {f"split C={C} (default)": (fn(moe._experts_split), split),
-         f"split C={C} (again)": (fn(moe._experts_split), split)}
+  out = {f"split C={C} (default)": (fn(moe.experts_split), split),
+         f"split C={C} (again)": (fn(moe.experts_split), split)}
   smaller = sorted({max(1, C // 4), max(1, C // 2)} - {C})
   for c in smaller + [2 * C]:
-    out[f"split C={c}"] = (fn(moe._experts_split, chunk=c), split)
-  out[f"split unfused C={C}"] = (fn(moe._experts_split), unfused)
+    out[f"split C={c}"] = (fn(moe.experts_split, chunk=c), split)
+  out[f"split unfused C={C}"] = (fn(moe.experts_split), unfused)
   out[f"looped C={C}"] = (fn(experts_looped), split)
   half = max(1, C // 2)
   for cap, c in ((C, C), (2 * C, C), (C, half)):
     out[f"capacity {cap}, then C={c}"] = (fn(experts_looped, chunk=c, capacity=cap), split)
   if cpu_kernels.available():  # the Engine's path where the C++ kernel builds
-    out["native (C++ kernel)"] = (fn(moe._experts_native), split)
-  out["grouped (ragged_dot)"] = (fn(moe._experts_grouped), p)
-  out["dense (reference)"] = (fn(moe._experts_dense), DenseExperts(p))
+    out["native (C++ kernel)"] = (fn(moe.experts_native), split)
+  out["grouped (ragged_dot)"] = (fn(moe.experts_grouped), p)
+  out["dense (reference)"] = (fn(moe.experts_dense), DenseExperts(p))
   return out
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import platform
+import statistics
+import sys
 from typing import Callable
 
 import jax
@@ -33,3 +36,25 @@ def write_report(report: dict, path: str) -> None:
     json.dump(report, f, indent=1)
     f.write("\n")
   print(f"\nwrote {path}")
+
+
+def spread(samples: list[float]) -> dict:
+  """Timed tokens/s samples -> their median, min, max and the samples."""
+  return dict(tokens_per_s=statistics.median(samples), tokens_per_s_min=min(samples),
+              tokens_per_s_max=max(samples), samples=samples)
+
+
+def machine_info() -> dict:
+  """The machine a benchmark ran on: CPU model and count, versions."""
+  cpu = platform.processor()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+  except OSError:
+    pass
+  out = dict(cpu=cpu, cpu_count=os.cpu_count(), python=platform.python_version(),
+             jax=jax.__version__, backend=jax.default_backend())
+  for name in ("torch", "transformers"):
+    mod = sys.modules.get(name)
+    out[name] = getattr(mod, "__version__", None)
+  return out

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from benchlib.gpu_plan import TRITON_CALL
+from benchlib.hlo_report import TRITON_CALL
 from jaxinfer import gpu_compile
 from jaxinfer.backend import Backend
 from jaxinfer.diffusion import wan_parallel, wan_pipeline, wan_weights

@@ -14,10 +14,10 @@ the same read, in steps whose requests ask for them).
 The Engine holds a host core (`core.HostCore`: requests, per-rank schedulers
 and page allocators) and owns the device state: the params in the step's
 layout with their placement (`steps.StepModel`), the page pool and the
-expert load. Its step runner (`steps.PlainRunner`, or
-`spec_runner.SpecRunner` with speculation) takes them on each step and
-returns the pool and load the step donated and made anew; only the Engine
-assigns them.
+expert load. Its step runner (`steps.Runner`, one for every decoder; with
+speculation it holds the MTP draft state, `drafts.Drafts`) takes them on
+each step and returns the pool and load the step donated and made anew;
+only the Engine assigns them.
 """
 
 from __future__ import annotations
@@ -39,9 +39,9 @@ from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput, prefi
                                   forward, forward_attribute)
 from jaxinfer.engine.images import Images, per_prompt
 from jaxinfer.engine import steps
-from jaxinfer.engine.steps import PlainRunner, Ranks, StepModel
+from jaxinfer.engine.steps import Ranks, Runner, StepModel
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.engine.spec_runner import SpecRunner
+from jaxinfer.engine.drafts import Drafts
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
 from jaxinfer.kv.pool import KV_CACHE_DTYPES
 from jaxinfer.models import mtp, quant, transformer
@@ -125,7 +125,7 @@ class EngineConfig:
   # differs by CPU, up to 1.5x; `python -m jaxinfer.engine.cpu_setup` probes).
   cpu_weight_layout: str = "auto"
   # Multi-step decode: a step whose chunks are all lone decode tokens runs
-  # this many decode steps in one program (`steps.decode_steps`), so the
+  # this many decode steps in one program (`steps.MultiStep`), so the
   # host dispatches once per decode_steps tokens per sequence. Tokens past a
   # stop or max_tokens are computed (and counted in the expert load) and
   # dropped; waiting requests are admitted at the next dispatch. Plain
@@ -357,9 +357,8 @@ class Engine:
                                        max_q=prefill_chunk(config), form=self._form)
 
   def _new_runner(self):
-    if self._spec is not None:
-      return SpecRunner(self.core, self._model)
-    return PlainRunner(self.core, self.images)
+    drafts = Drafts(self.core, self._model) if self._spec is not None else None
+    return Runner(self.core, self.images, drafts)
 
   def _set_params(self, params) -> None:
     """params (stacked, as `init_params` makes them) -> the `StepModel` the

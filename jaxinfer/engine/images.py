@@ -122,7 +122,7 @@ class Images:
       self.cache.release()
 
   def step_visual(self, per_rank, num_rows: int) -> dict | None:
-    """A step's visual rows (`steps.step`'s visual argument), each rank's
+    """A step's visual rows (`steps.StepInputs.visual`), each rank's
     stacked [n, ...], when any rank's chunks hold a visual token, else None:
     the text step, rotated by `step_rope` (decode steps, and prefill chunks
     between images). A rank without one gets its text rows: token embeddings

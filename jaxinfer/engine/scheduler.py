@@ -402,49 +402,35 @@ class Scheduler:
 
   # ------------------------------------------------------------ results
 
-  def apply(self, scheduled: list[Scheduled], sampled) -> list[tuple[int, list[int], bool]]:
-    """Takes a finished step's samples (row i: scheduled[i]; a token, or
-    the `steps` tokens of a multi-step decode).
-    -> events (request id, new tokens, finished)."""
+  def apply(self, scheduled: list[Scheduled], tokens, num_emitted=None,
+            num_drafted: int = 0) -> list[tuple[int, list[int], bool]]:
+    """Takes a finished step's tokens, every decoder's. Row i: scheduled[i]'s
+    token, or the `steps` tokens of a multi-step decode (num_emitted None);
+    a speculative step's row i emitted tokens[i, :num_emitted[i]] (its
+    accepted drafts, then one token from the target), and num_drafted is
+    the drafts it left in the draft state for each sampling row. Steps are
+    applied in dispatch order. -> events (request id, new tokens, finished)."""
     now = time.perf_counter()
     events = []
-    for s, tokens in zip(scheduled, token_rows(sampled)):
+    for i, (s, row) in enumerate(zip(scheduled, token_rows(tokens))):
       req = s.request
       if req.finish_reason is not None:
         continue  # aborted, or stopped on the previous step's token
-      if s.samples:
-        req.pending -= s.steps
-        events.append((req.id, _append(self, req, tokens[:s.steps], now),
-                       req.finish_reason is not None))
-      if req.finish_reason is None:
-        self._register_full_pages(req)
-    return events
-
-  def apply_speculative(self, scheduled: list[Scheduled], tokens, num_emitted,
-                        num_drafted: int) -> list[tuple[int, list[int], bool]]:
-    """Takes a finished speculative step: row i emitted tokens[i,
-    :num_emitted[i]] (its accepted drafts, then one token from the target);
-    num_drafted: drafts the step left in the draft state for each sampling row.
-    Steps are applied in dispatch order. -> events (request id, new tokens,
-    finished)."""
-    now = time.perf_counter()
-    events = []
-    for s, row, n in zip(scheduled, tokens, num_emitted):
-      req = s.request
-      if req.finished:
-        continue
       if s.from_state:
         req.spec_ahead -= s.num_tokens
       if s.samples:
-        req.pending -= 1
-        # The block ends at the last known token (earlier steps are applied),
-        # so K/V is valid through it and its accepted drafts; the rejected
-        # rest lies past the length and is overwritten. Pipelined blocks still
-        # in flight count at their most.
-        req.num_computed = req.num_known - 1 + int(n) + req.spec_ahead
-        req.num_drafts = num_drafted
-        events.append((req.id, _append(self, req, row[:int(n)], now), req.finished))
-      if not req.finished:
+        req.pending -= s.steps
+        n = s.steps
+        if num_emitted is not None:
+          # The block ends at the last known token (earlier steps are applied),
+          # so K/V is valid through it and its accepted drafts; the rejected
+          # rest lies past the length and is overwritten. Pipelined blocks
+          # still in flight count at their most.
+          n = int(num_emitted[i])
+          req.num_computed = req.num_known - 1 + n + req.spec_ahead
+          req.num_drafts = num_drafted
+        events.append((req.id, _append(self, req, row[:n], now), req.finish_reason is not None))
+      if req.finish_reason is None:
         self._register_full_pages(req)
     return events
 

@@ -46,7 +46,7 @@ import numpy as np
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.logprobs import step_logprobs
-from jaxinfer.engine.steps import Ranks, expert_parallel, per_rank
+from jaxinfer.engine.steps import expert_parallel, per_rank
 from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
 from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models import mtp
@@ -396,47 +396,55 @@ def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
   return state
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "K", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "ranks", "logprobs"),
-                   donate_argnames=("pool", "state", "load"))
-def spec_step(cfg: ModelConfig, params, pool, packed, state, load=None, targets=None, *,
-              max_q: int, K: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-              head_axis=None, ranks: Ranks | None = None, logprobs: bool = False):
-  """-> (emitted [n, B, K + 3] int32, new pool, new state, new load, logprobs):
-  row b of rank r emitted emitted[r, b, :m] with m = emitted[r, b, K + 1] (0
-  for a prefill chunk that does not sample), after verifying emitted[r, b,
-  K + 2] drafts (fewer than the batch's num_draft where a pipelined block
-  reached max_len). packed: `SpecBatch.pack()` of each rank, stacked [n, ...].
+@dataclasses.dataclass(frozen=True)
+class Mtp:
+  """The MTP decoder (`steps.step` with `Program(Mtp(k), ...)`): each step
+  verifies the drafts of K = k, accepts, catches the MTP cache up and
+  drafts anew (the module docstring). Its inputs' batch is `SpecBatch.pack()`
+  of each rank, stacked [n, ...], and targets as the plain decoder's; the
+  state's draft is the draft state, [n * slots, ...] (each rank its block of
+  rows); the pool holds the target's stacked caches per segment plus the MTP
+  entry last; the load counts the target's MoE layers, then (EPLB over the
+  MTP experts) one row per module. The emitted tokens' logprobs are scored
+  by the verify logits, as plain decoding scores them ([n, B, K + 1,
+  1 + MAX_LOGPROBS] arrays: entry j is emitted token j's).
+  -> (emitted [n, B, K + 3] int32, new state, logprobs): row b of rank r
+  emitted emitted[r, b, :m] with m = emitted[r, b, K + 1] (0 for a prefill
+  chunk that does not sample), after verifying emitted[r, b, K + 2] drafts
+  (fewer than the batch's num_draft where a pipelined block reached
+  max_len)."""
 
-  pool: the target's stacked caches per segment plus the MTP entry last.
-  state: the draft state, [n * slots, ...] (each rank owns its block of rows).
-  load: int32 [Lm, E] EPLB routing counts of the target's MoE layers, or None.
-  greedy (static): every request in the batch has temperature 0 (argmax
-  everywhere; the draft distributions are not kept). k_cap (static): the
-  top-k bound of the sampled rows (`sampling.top_k_cap`; 0: sort).
-  mesh, head_axis (static): attention heads split over head_axis (`steps.step`).
-  ranks (static): attention DP, the step run whole per rank (`steps.step`).
-  logprobs (static), targets [n, T]: as `steps.step`'s; the emitted tokens'
-  are scored by the verify logits, as plain decoding scores them ([n, B,
-  K + 1, 1 + MAX_LOGPROBS] arrays: entry j is emitted token j's).
-  """
-  kw = dict(max_q=max_q, K=K, ep=expert_parallel(ep, ranks), greedy=greedy, k_cap=k_cap,
-            mesh=mesh, head_axis=head_axis, logprobs=logprobs)
+  k: int
 
-  def body(params, pool, ranked, state, load):
-    packed, targets = ranked
-    emitted, pool, state, load, lp = _spec_body(cfg, params, pool, packed, state, load, targets,
-                                                **kw)
-    return (emitted, lp), pool, state, load
+  def run(self, model, state, inputs, program):
+    kw = dict(max_q=program.max_q, K=self.k, ep=expert_parallel(model.ep, model.ranks),
+              greedy=program.greedy, k_cap=program.k_cap, logprobs=program.logprobs,
+              **model.head_kw)
+    cfg = model.cfg
 
-  (emitted, lp), pool, state, load = per_rank(body, ranks, params, pool, (packed, targets),
-                                              state, load)
-  return emitted, pool, state, load, lp
+    def body(params, pool, ranked, draft, load):
+      packed, targets = ranked
+      emitted, pool, draft, load, lp = _spec_body(cfg, params, pool, packed, draft, load,
+                                                  targets, **kw)
+      return (emitted, lp), pool, draft, load
+
+    (emitted, lp), pool, draft, load = per_rank(body, model.ranks, model.params, state.pool,
+                                                (inputs.batch, inputs.targets), state.draft,
+                                                state.load)
+    return emitted, dataclasses.replace(state, pool=pool, load=load, draft=draft), lp
+
+  logprob_steps = None  # `logprobs.split_ranks`: the rows hold their K + 1 already
+
+  def rows(self, out, ranks: int) -> list[tuple]:
+    """A read step's emitted rows (host) -> per rank, (tokens [B, K + 1],
+    emitted [B], drafts verified [B])."""
+    e = np.asarray(out).reshape(ranks, -1, self.k + 3)
+    return [(r[:, :self.k + 1], r[:, self.k + 1], r[:, self.k + 2]) for r in e]
 
 
 def _spec_body(cfg, params, pool, packed, state, load, targets, *, max_q, K, ep, greedy, k_cap,
-               mesh, head_axis, logprobs):
-  """One rank's `spec_step` (packed fields and targets without the rank axis)."""
+               mesh=None, head_axis=None, logprobs=False):
+  """One rank's `Mtp` step (packed fields and targets without the rank axis)."""
   batch = SpecBatch.unpack(packed)
   rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
   main_pool, mtp_pool = pool.model, pool.mtp_entry
@@ -457,5 +465,6 @@ def _spec_body(cfg, params, pool, packed, state, load, targets, *, max_q, K, ep,
   state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
   num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
   emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)
-  return (emitted, pool.with_segments(main_pool, mtp_pool), state, load,
-          step_logprobs(cfg, params, logits, out, x, targets, logprobs))
+  lp = (step_logprobs(cfg, params, logits, out, x, targets, logprobs)
+        if logprobs or targets is not None else None)
+  return emitted, pool.with_segments(main_pool, mtp_pool), state, load, lp

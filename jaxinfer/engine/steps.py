@@ -1,24 +1,33 @@
-"""The plain engine step, whole: its host side, its program, its ranks.
+"""The engine step, whole, for every decoder: its host side, its program,
+its ranks.
 
-Read top to bottom, one decode step is here: `PlainRunner.dispatch` takes
-every rank's chunks from the scheduler (`scheduler.schedule_ranks`), picks
-the program's bucketed shapes (`step_shapes`), builds the padded batch
-(`rank_batch`, `pad_batch`, `stack_batches`) and calls the jitted `step`,
-which runs the model over the page pool (writing the new K/V into the pages),
-picks each sequence's last token and samples it (`_sample`);
-`PlainRunner.read` brings the tokens back and hands them to the scheduler
-(`Scheduler.apply`). `Engine.step` calls `dispatch`, then `read`.
+Read top to bottom, one decode step is here: `Runner.dispatch` takes every
+rank's chunks from the scheduler (`scheduler.schedule_ranks`), picks the
+program's bucketed shapes (`step_shapes`), builds the padded batch
+(`rank_batch`, `pad_batch`, `stack_batches`; an MTP step's is
+`drafts.spec_batch`) and calls the jitted `step`, which runs the decoder
+(`Plain()`, `MultiStep(n)`, `speculative.Mtp(k)`: small frozen values) over
+the page pool: the model writes the new K/V into the pages, and each
+sequence's last token is sampled (`_sample`); `Runner.read` brings the
+tokens back and hands them to the scheduler (`Scheduler.apply`).
+`Engine.step` calls `dispatch`, then `read`.
 
-The program. The scheduler flattens the step's tokens ([T], padded to a
-bucket) with per-sequence metadata ([B], padded to a bucket): query start
-offsets, KV lengths after the step, page tables ([B, pages], padded to a
-bucket). Each request's temperature / top-k / top-p / seed are traced
-arrays. The pool is donated. Steps whose requests ask for logprobs also
-return them (`engine.logprobs`); steps whose requests set min_tokens,
-logit_bias or penalties take an `extras` input that processes the logits
-before sampling (`engine.sampling_extras`). Bucketed dims, and so the
-compiled programs: (T, B, pages per sequence, max query tokens of one
-sequence). `StepShapes` names one program.
+The program, `step(model, state, inputs, program)`: model the `StepModel`
+(params; their placement static), state the donated `StepState` (pool,
+expert load, MTP draft state), inputs the `StepInputs` pytree, program one
+hashable `Program` (the decoder and the sampler's static choices). The
+scheduler flattens the step's tokens ([T], padded to a bucket) with
+per-sequence metadata ([B], padded to a bucket): query start offsets, KV
+lengths after the step, page tables ([B, pages], padded to a bucket). Each
+request's temperature / top-k / top-p / seed are traced arrays. The
+optional inputs are None unless a request asks, and only then does their
+code run: steps whose requests ask for logprobs also return them
+(`engine.logprobs`); steps whose requests set min_tokens, logit_bias or
+penalties take `extras` that process the logits before sampling
+(`engine.sampling_extras`); steps with an image chunk take its visual rows
+(`engine.images`). Bucketed dims, and so the compiled programs: (T, B,
+pages per sequence, max query tokens of one sequence). `StepShapes` names
+one program.
 
 Attention-DP ranks are a dimension of every step. A step's per-request
 inputs carry a leading rank axis [n, ...]: n = 1 on one device and under the
@@ -29,17 +38,15 @@ program on each rank: called directly for n = 1, in one `shard_map` over the
 rank axes otherwise, where the weights stay as they are placed (each rank
 sees its shards) and the routed experts stay expert-parallel inside it
 (`moe_ep.InRankExpertParallel`: the ranks exchange tokens by collectives,
-and their routing counts are summed over the ranks). So the plain and the
-speculative (`engine.speculative`) steps are written once, for one rank;
-there is no second, ranked form of either.
+and their routing counts are summed over the ranks). So every decoder's
+step is written once, for one rank; there is no second, ranked form.
 
-The runner. A runner holds the `engine.core.HostCore` it schedules and its
+The runner. `Runner` holds the `engine.core.HostCore` it schedules and its
 own host state (the queue of steps in flight, the device-side previous
-samples, its counters), never the Engine. The Engine's device state goes in
-explicitly on each call, what the step reads as a `StepModel` (params and
-their placement) and what it donates as arguments (the page pool and the
-expert load); the runner returns the new pool and load, and the Engine keeps
-them. The speculative MTP runner is `engine.spec_runner.SpecRunner`.
+samples, its counters; with MTP the draft state, `drafts.Drafts`), never
+the Engine. The Engine's device state goes in explicitly on each call, the
+`StepModel` and what the step donates (the page pool and the expert load);
+the runner returns the new pool and load, and the Engine keeps them.
 """
 
 from __future__ import annotations
@@ -244,7 +251,8 @@ def _add_load(load, counts):
 def _sample(logits, batch, greedy, k_cap, extras=None):
   """The rows' tokens from their logits [B, V], processed first by the
   step's extras (`sampling_extras.processed`; None: as they are)."""
-  logits = sampling_extras.processed(logits, extras, batch.sample_idx)
+  if extras is not None:
+    logits = sampling_extras.processed(logits, extras, batch.sample_idx)
   if greedy:  # every row has temperature 0: skip the filters' full-vocab sort
     return argmax(logits)
   keys = request_keys(batch.seeds, batch.sample_idx)
@@ -278,56 +286,154 @@ def _head_and_sample(cfg, params, x, batch, greedy, k_cap, extras, keep_logits: 
   return None, jax.lax.cond(jnp.sum(batch.kv_lens > 0) <= r, few, all_rows)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_q", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "ranks", "logprobs"),
-                   donate_argnames=("pool", "load"))
-def step(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, visual=None,
-         targets=None, *, max_q: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-         head_axis=None, ranks: Ranks | None = None, logprobs: bool = False, extras=None):
-  """One step on every rank -> (sampled tokens [n, S] int32 (row b of rank
-  r: its sequence b; S = prev_sampled's fixed size), new pool, new load,
-  logprobs).
+# ------------------------------------------------------------ the one step
 
-  Every per-request input has a leading rank axis: batch fields [n, ...],
-  prev_sampled [n, S] (the previous step's output, from which tokens not yet
-  read back by the host are taken: async scheduling), visual and targets
-  [n, ...]; n = 1 unless ranks (static, `ranks.Ranks`: attention DP) runs
-  the step whole on each rank of its axes, over its own pages. load: int32
-  [Lm, E] routed copies per expert so far (EPLB statistics, padding rows
-  excluded), or None to record nothing. greedy (static): every row has
-  temperature 0. k_cap (static): the top-k bound of the sampled rows
-  (`sampling.top_k_cap`; 0: sort the vocabulary). mesh, head_axis (static):
-  the mesh axis the layout splits attention heads and the pool over
-  (`sharding.head_axis`), so attention runs per device in shard_map; None:
-  no split. visual: a step's visual rows (`engine.images.Images.step_visual`):
-  rope [n, 3, T] MRoPE positions, embeds [n, T, D] where mask [n, T]
-  (visual tokens), deepstack [n, k, T, D]; None: text (RoPE at
-  batch.rope_positions). logprobs (static) and targets [n, T] int32 (each
-  row's next prompt token, or None): `logprobs.step_logprobs` of the sampled
-  rows ([n, B, 1 + MAX_LOGPROBS]) and of every row against targets ([n, T,
-  ...]), None when neither. extras: a `sampling_extras.Extras` (rows [n * B],
-  rank-major) processing the logits before sampling, or None."""
-  n = prev_sampled.shape[0]
-  extras = sampling_extras.by_rank(
-      sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size), n)
-  kw = dict(max_q=max_q, ep=expert_parallel(ep, ranks), greedy=greedy, k_cap=k_cap, mesh=mesh,
-            head_axis=head_axis, logprobs=logprobs)
+@dataclasses.dataclass(frozen=True)
+class Plain:
+  """The plain decoder: one step over every sequence's chunk, one token
+  sampled per sequence that reaches its end."""
 
-  def body(params, pool, ranked, _, load):
-    batch, prev, visual, targets, extras = ranked
-    sampled, pool, load, lp = _step(cfg, params, pool, batch, prev, load, visual, targets,
-                                    extras=extras, **kw)
-    return (sampled, lp), pool, None, load
+  def run(self, model: "StepModel", state: "StepState", inputs: "StepInputs", program):
+    """-> (sampled [n, S] int32 (row b of rank r: its sequence b; S =
+    inputs.prev's fixed size), new state, logprobs)."""
+    cfg, n = model.cfg, inputs.prev.shape[0]
+    extras = inputs.extras
+    if extras is not None:  # only steps whose requests set extras run their code
+      extras = sampling_extras.by_rank(
+          sampling_extras.prepare(extras, inputs.prev.size, cfg.vocab_size), n)
+    kw = _sampler_kw(model, program)
 
-  (sampled, lp), pool, _, load = per_rank(body, ranks, params, pool,
-                                          (batch, prev_sampled, visual, targets, extras),
-                                          load=load)
-  return sampled, pool, load, lp
+    def body(params, pool, ranked, _, load):
+      batch, prev, visual, targets, extras = ranked
+      sampled, pool, load, lp = _step(cfg, params, pool, batch, prev, load, visual, targets,
+                                      extras=extras, max_q=program.max_q, **kw)
+      return (sampled, lp), pool, None, load
+
+    (sampled, lp), pool, _, load = per_rank(
+        body, model.ranks, model.params, state.pool,
+        (inputs.batch, inputs.prev, inputs.visual, inputs.targets, extras), load=state.load)
+    return sampled, StepState(pool, load, state.draft), lp
+
+  logprob_steps = 1  # `logprobs.split_ranks`' steps
+
+  def rows(self, out, ranks: int) -> list[tuple]:
+    """A read step's output (host) -> per rank, (each row's tokens [S, 1],)."""
+    return [(r,) for r in np.moveaxis(np.asarray(out).reshape(1, ranks, -1), 0, -1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiStep:
+  """n plain decode steps in one program (`EngineConfig.decode_steps`): the
+  batch is decode-only (one token per sequence), and step j > 0 decodes the
+  tokens step j - 1 sampled, one position further, sampling token
+  sample_idx + j of each request (so seeded sampling draws what single
+  steps would). The host dispatches once for n tokens per sequence and
+  provides pages for all n positions. Extras: each step's samples count in
+  the next steps' penalties."""
+
+  n: int
+
+  def run(self, model: "StepModel", state: "StepState", inputs: "StepInputs", program):
+    """-> (sampled [n_steps, ranks, S] int32, new state, logprobs [n_steps,
+    ranks, B, 1 + MAX_LOGPROBS] or None)."""
+    cfg, n = model.cfg, inputs.prev.shape[0]
+    extras = inputs.extras
+    if extras is not None:
+      extras = sampling_extras.by_rank(
+          sampling_extras.prepare(extras, inputs.prev.size, cfg.vocab_size), n)
+    kw = _sampler_kw(model, program)
+
+    def body(params, pool, ranked, _, load):
+      batch, prev, extras = ranked
+      sampled, pool, load, lp = _decode_steps(cfg, params, pool, batch, prev, load, extras,
+                                              self.n, kw)
+      return (sampled, lp), pool, None, load
+
+    (sampled, lp), pool, _, load = per_rank(body, model.ranks, model.params, state.pool,
+                                            (inputs.batch, inputs.prev, extras), load=state.load)
+    steps_first = lambda a: jnp.moveaxis(a, 1, 0)  # [n, steps, ...] -> [steps, n, ...]
+    return (steps_first(sampled), StepState(pool, load, state.draft),
+            jax.tree.map(steps_first, lp))
+
+  @property
+  def logprob_steps(self) -> int:
+    return self.n
+
+  def rows(self, out, ranks: int) -> list[tuple]:
+    """A read step's output [n, ranks, S] (host) -> per rank, (each row's
+    n tokens [S, n],)."""
+    return [(r,) for r in np.moveaxis(np.asarray(out).reshape(self.n, ranks, -1), 0, -1)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A step's static part, one hashable value: the decoder (`Plain()`,
+  `MultiStep(n)`, `speculative.Mtp(k)`), the most query tokens of one
+  sequence (max_q), greedy (every row has temperature 0), k_cap (the top-k
+  bound of the sampled rows, `sampling.top_k_cap`; 0: sort the vocabulary)
+  and logprobs (the sampled rows' logprobs are returned)."""
+
+  decoder: object
+  max_q: int = 1
+  greedy: bool = False
+  k_cap: int = 0
+  logprobs: bool = False
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepState:
+  """The device state a step donates and returns anew, the Engine's: the
+  page pool, the expert load (int32 [Lm, E] routed copies per expert so
+  far, EPLB statistics; None: record nothing) and the MTP draft state
+  ([ranks * slots, ...], each rank its block of rows; None without MTP)."""
+
+  pool: object
+  load: object = None
+  draft: object = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+  """A step's inputs, every per-request one with a leading rank axis [n, ...].
+  batch: a `StepBatch` (plain decoders) or `speculative.SpecBatch.pack()`'s
+  arrays (MTP). The optional parts are None unless a request asks:
+  prev: the previous step's samples [n, S] (plain decoders: tokens not yet
+  read back come from there, async scheduling); visual: the step's visual
+  rows (`images.Images.step_visual`: rope [n, 3, T], embeds [n, T, D] where
+  mask [n, T], deepstack [n, k, T, D]); targets [n, T] int32: each row's
+  next prompt token, scored (`logprobs.step_logprobs`); extras: a
+  `sampling_extras.Extras` (rows [n * B], rank-major) processing the logits
+  before sampling."""
+
+  batch: object
+  prev: object = None
+  visual: object = None
+  targets: object = None
+  extras: object = None
+
+
+@functools.partial(jax.jit, static_argnums=3, donate_argnums=1)
+def step(model: "StepModel", state: StepState, inputs: StepInputs, program: Program):
+  """The one jitted step, every decoder's: `program.decoder` runs the model
+  (a `StepModel`: params, their experts' plan, attention-DP ranks, head
+  split) over the donated state (pool, load, draft state) and the inputs,
+  on every rank (`per_rank`). -> (out, new `StepState`, logprobs or None):
+  out is the decoder's (`Plain`: sampled [n, S]; `MultiStep`: [steps, n,
+  S]; `Mtp`: emitted [n, B, K + 3])."""
+  return program.decoder.run(model, state, inputs, program)
+
+
+def _sampler_kw(model: "StepModel", program: Program) -> dict:
+  """The one-rank step's static keywords from the model and the program."""
+  return dict(ep=expert_parallel(model.ep, model.ranks), greedy=program.greedy,
+              k_cap=program.k_cap, logprobs=program.logprobs, **model.head_kw)
 
 
 def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, max_q, ep,
-          greedy, k_cap, mesh, head_axis, logprobs=False, extras=None):
-  """One rank's step (batch fields without the rank axis)."""
+          greedy, k_cap, mesh=None, head_axis=None, logprobs=False, extras=None):
+  """One rank's plain step (batch fields without the rank axis)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
@@ -340,48 +446,14 @@ def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *,
                                                      jax.tree.map(lambda a: a[None], visual)))
   pool = pool.with_segments(caches)
   logits, sampled = _head_and_sample(cfg, params, x[0], batch, greedy, k_cap, extras, logprobs)
+  lp = (step_logprobs(cfg, params, logits, sampled, x[0], targets, logprobs)
+        if logprobs or targets is not None else None)
   return (jnp.zeros_like(prev_sampled).at[:sampled.shape[0]].set(sampled), pool,
-          _add_load(load, counts), step_logprobs(cfg, params, logits, sampled, x[0], targets,
-                                                 logprobs))
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "num_steps", "ep", "greedy", "k_cap", "mesh",
-                                              "head_axis", "ranks", "logprobs"),
-                   donate_argnames=("pool", "load"))
-def decode_steps(cfg: ModelConfig, params, pool, batch: StepBatch, prev_sampled, load=None, *,
-                 num_steps: int, ep=None, greedy: bool = False, k_cap: int = 0, mesh=None,
-                 head_axis=None, ranks: Ranks | None = None, logprobs: bool = False,
-                 extras=None):
-  """num_steps plain decode steps in one program (`EngineConfig.decode_steps`):
-  batch is a decode-only `step` batch (one token per sequence), and step
-  j > 0 decodes the tokens step j - 1 sampled, one position further,
-  sampling token sample_idx + j of each request (so seeded sampling draws
-  what single steps would). The host dispatches once for num_steps tokens
-  per sequence. The caller provides pages for all num_steps positions.
-  Arguments as `step`'s (batch fields and prev_sampled [n, ...]); extras:
-  each step's samples count in the next steps' penalties.
-  -> (sampled [num_steps, n, S] int32, new pool, new load,
-  logprobs [num_steps, n, B, 1 + MAX_LOGPROBS] or None)."""
-  n = prev_sampled.shape[0]
-  extras = sampling_extras.by_rank(
-      sampling_extras.prepare(extras, prev_sampled.size, cfg.vocab_size), n)
-  kw = dict(ep=expert_parallel(ep, ranks), greedy=greedy, k_cap=k_cap, mesh=mesh,
-            head_axis=head_axis, logprobs=logprobs)
-
-  def body(params, pool, ranked, _, load):
-    batch, prev, extras = ranked
-    sampled, pool, load, lp = _decode_steps(cfg, params, pool, batch, prev, load, extras,
-                                            num_steps, kw)
-    return (sampled, lp), pool, None, load
-
-  (sampled, lp), pool, _, load = per_rank(body, ranks, params, pool,
-                                          (batch, prev_sampled, extras), load=load)
-  steps_first = lambda a: jnp.moveaxis(a, 1, 0)  # [n, steps, ...] -> [steps, n, ...]
-  return steps_first(sampled), pool, load, jax.tree.map(steps_first, lp)
+          _add_load(load, counts), lp)
 
 
 def _decode_steps(cfg, params, pool, batch, prev_sampled, load, extras, num_steps: int, kw):
-  """One rank's `decode_steps` (batch fields without the rank axis)."""
+  """One rank's `MultiStep` (batch fields without the rank axis)."""
   live = batch.valid.astype(jnp.int32)  # padding rows stay where they are
   seq_live = (batch.kv_lens > 0).astype(jnp.int32)
   follow = jnp.where(batch.valid, batch.token_seq, -1)  # step j > 0: each row's own last sample
@@ -395,7 +467,8 @@ def _decode_steps(cfg, params, pool, batch, prev_sampled, load, extras, num_step
         kv_lens=batch.kv_lens + j * seq_live, sample_idx=batch.sample_idx + j)
     prev, pool, load, lp = _step(cfg, params, pool, b, prev, load, None, max_q=1,
                                  extras=extras, **kw)
-    extras = sampling_extras.advance(extras, prev[:B])
+    if extras is not None:
+      extras = sampling_extras.advance(extras, prev[:B])
     return (pool, load, prev, extras), (prev, lp)
 
   (pool, load, _, _), (sampled, lp) = jax.lax.scan(one, (pool, load, prev_sampled, extras),
@@ -427,19 +500,32 @@ def stack_batches(batches: list[StepBatch]) -> StepBatch:
 Events = list[tuple[int, list[int], bool]]  # (request id, new token ids, finished)
 
 
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["params"],
+                   meta_fields=["cfg", "ep", "ranks", "heads"])
 @dataclasses.dataclass(frozen=True)
 class StepModel:
-  """What an Engine's steps run: the model config, the params in the step's
-  layout (`Engine._set_params`) and how they are placed: ep, the experts'
-  plan (`moe_ep.plan_from_params`); ranks, the attention-DP ranks
-  (`ranks.Ranks`, None without attention DP); heads, {mesh, head_axis}
-  when a mesh axis splits the attention heads (`sharding.head_axis`), else
-  {}. The Engine makes one per params (`rebalance` makes another)."""
+  """What an Engine's steps run (`step`'s first argument: the params its
+  array leaves, the rest static): the model config, the params in the
+  step's layout (`Engine._set_params`) and how they are placed: ep, the
+  experts' plan (`moe_ep.plan_from_params`); ranks, the attention-DP ranks
+  (`Ranks`, None without attention DP); heads, (("mesh", mesh),
+  ("head_axis", axis)) when a mesh axis splits the attention heads
+  (`sharding.head_axis`), else () (a dict is taken too). The Engine makes
+  one per params (`rebalance` makes another)."""
   cfg: ModelConfig
   params: object
   ep: object = None
   ranks: Ranks | None = None
-  heads: dict = dataclasses.field(default_factory=dict)
+  heads: tuple = ()
+
+  def __post_init__(self):
+    if isinstance(self.heads, dict):
+      object.__setattr__(self, "heads", tuple(sorted(self.heads.items())))
+
+  @property
+  def head_kw(self) -> dict:
+    """heads as keywords (mesh=, head_axis=), or {}."""
+    return dict(self.heads)
 
 
 @dataclasses.dataclass
@@ -449,7 +535,7 @@ class StepCounts:
   the host seconds spent dispatching steps whose program was compiled
   already (building the batch and the call; not the first call of a
   program, which compiles it) over the model steps they ran (a multi-step
-  decode runs `decode_steps` in one dispatch)."""
+  decode runs its n steps in one dispatch)."""
   steps: int = 0
   tokens: int = 0
   overlapped: int = 0
@@ -475,6 +561,16 @@ def sampling_fields(reqs) -> dict:
               seeds=[r.sampling.seed % (1 << 32) for r in reqs])
 
 
+def asks(per_rank) -> tuple[bool, bool, bool]:
+  """What a step's requests ask beyond text and sampling, over every rank's
+  chunks: (images, logprobs, sampling extras). A step none asks runs no code
+  of `images`, `logprobs` or `sampling_extras`."""
+  reqs = [s.request for sch in per_rank for s in sch]
+  return (any(r.mm is not None for r in reqs),
+          any(r.logprobs is not None or r.prompt_logprobs is not None for r in reqs),
+          any(s.samples and s.request.sampling.uses_extras for sch in per_rank for s in sch))
+
+
 def all_greedy(scheduled) -> bool:
   """Every request of the chunks has temperature 0 (the step skips sampling)."""
   return all(s.request.sampling.temperature == 0 for s in scheduled)
@@ -482,7 +578,7 @@ def all_greedy(scheduled) -> bool:
 
 def sampler_mode(busy) -> tuple[bool, int]:
   """A step's static sampling arguments over its ranks' chunks: (greedy,
-  k_cap) as `steps.step` and `speculative.spec_step` take them."""
+  k_cap) as `Program` takes them."""
   chunks = [s for scheduled in busy for s in scheduled]
   greedy = all_greedy(chunks)
   return greedy, 0 if greedy else sampling.top_k_cap(s.request.sampling for s in chunks)
@@ -629,7 +725,8 @@ def rank_batch(scheduled: list[Scheduled], shapes: StepShapes):
   fields = dict(q_lens=q, kv_lens=[a + n for a, n in zip(starts, q)],
                 page_tables=[r.pages for r in reqs], **sampling_fields(reqs),
                 sample_idx=[len(r.output) + r.pending for r in reqs],
-                rope_positions=images.step_rope(scheduled))
+                rope_positions=(images.step_rope(scheduled)
+                                if any(r.mm is not None for r in reqs) else None))
   # A token past its request's known ones was sampled by the previous
   # step, not read back yet: taken on device from its row there.
   if len(got) == sum(q):  # one token a chunk (decodes): no per-token arrays to build
@@ -662,66 +759,87 @@ def multi_step(schedulers, per_rank, n: int):
 
 
 @dataclasses.dataclass(frozen=True)
-class PlainInFlight:
-  """A dispatched plain step: each rank's chunks and the samples on device,
-  [n, S] ([steps, n, S] for a multi-step decode; row b: chunk b), and their
-  logprobs if computed."""
+class InFlight:
+  """A dispatched step: each rank's chunks, its decoder and its output on
+  device (the decoder's `step` output: samples [n, S], [steps, n, S], or an
+  MTP step's emitted rows [n, B, K + 3]), and its logprobs if computed."""
   per_rank: list[list[Scheduled]]
-  sampled: jax.Array
-  steps: int = 1
+  decoder: object
+  out: jax.Array
   logprobs: dict | None = None
 
 
-def _holds_prompt(done: PlainInFlight) -> bool:
+def _holds_prompt(done: InFlight) -> bool:
   """Whether a dispatched step has a prompt chunk."""
   return any(s.is_prompt for sch in done.per_rank for s in sch)
 
 
-class PlainRunner:
-  """Plain steps on every rank together (an idle rank on an all-padding
-  batch). With async scheduling step N + 1 is dispatched before step N's
-  samples are read; the tokens it needs from step N come from the device.
-  images: the Engine's `images.Images` (a step's visual rows)."""
+class Runner:
+  """Steps on every rank together (an idle rank on an all-padding batch),
+  every decoder's: it schedules, builds the inputs, dispatches `step` and
+  keeps what is in flight until it reads it back into the schedulers
+  (`Scheduler.apply`). It holds the host core, never the Engine: the
+  Engine's `StepModel`, pool and load go in on each `dispatch`, which
+  returns the new pool and load.
 
-  def __init__(self, core: HostCore, images: images.Images):
-    self.core, self.images = core, images
+  Plain decoding: with async scheduling step N + 1 is dispatched before step
+  N's samples are read; the tokens it needs from step N come from the device
+  (the previous samples). drafts: MTP speculation's host side
+  (`drafts.Drafts`: the draft-slot map, the acceptance counters and the
+  device draft state), or None: with it a decode-only batch is pipelined
+  (the next step dispatched before the one in flight is read, its last
+  tokens and positions left to the device: `Scheduler.plan_continue`), and
+  anything else (admissions, prefill chunks, preemption, a new draft budget
+  K) reads the step in flight first and schedules with K as the draft
+  budget. images: the Engine's `images.Images` (a step's visual rows)."""
+
+  def __init__(self, core: HostCore, images: images.Images, drafts=None):
+    self.core, self.images, self.drafts = core, images, drafts
     self.counts = StepCounts()
-    self.in_flight: collections.deque[PlainInFlight] = collections.deque()
+    self.in_flight: collections.deque[InFlight] = collections.deque()
     self._prev_sampled = jnp.zeros((core.num_ranks, core.config.max_num_seqs), jnp.int32)
     # The last dispatch's samples, every decode step of a multi-step one:
     # where penalties find the tokens still in flight (`sampling_extras`).
     self._prev_out = self._prev_sampled
     self._keep = 0  # steps `read` leaves in flight
+    self._events: Events = []  # read by `dispatch`, for `read`
     self.guard = map_guard.ProgramGuard(core.config.max_map_fraction)
 
   def dispatch(self, model: StepModel, pool, load):
     """Schedules every rank and dispatches their step (when any has a chunk)
-    -> (new pool, new load)."""
+    -> (new pool, new load). The events of steps it had to read first wait
+    for `read`."""
     core = self.core
-    if core.config.async_scheduling and self.in_flight and _holds_prompt(self.in_flight[-1]):
-      # Behind a prompt step nothing is dispatched until it is read: the
-      # requests that arrive while it runs join the next step (a burst split
-      # by its arrival times is one prompt step, and the running sequences'
-      # next decode rides in it), at the cost of one host gap of a few ms
-      # after a step of hundreds.
-      self._keep = 0
-      return pool, load
-    per_rank = scheduler.schedule_ranks(core.schedulers, [0] * core.num_ranks, core.config)
+    self._events = []
+    if self.drafts is None:
+      if core.config.async_scheduling and self.in_flight and _holds_prompt(self.in_flight[-1]):
+        # Behind a prompt step nothing is dispatched until it is read: the
+        # requests that arrive while it runs join the next step (a burst split
+        # by its arrival times is one prompt step, and the running sequences'
+        # next decode rides in it), at the cost of one host gap of a few ms
+        # after a step of hundreds.
+        self._keep = 0
+        return pool, load
+      per_rank, K = scheduler.schedule_ranks(core.schedulers, [0] * core.num_ranks,
+                                             core.config), 0
+    else:
+      per_rank, K, self._events = self.drafts.schedule(core, self.in_flight, self._read)
     scheduled = any(per_rank)
     self._keep = 1 if scheduled and core.config.async_scheduling else 0
-    if scheduled:
-      t0 = time.perf_counter()
-      n = core.config.decode_steps
-      multi = multi_step(core.schedulers, per_rank, n)
-      if multi is None:
-        return self._dispatch(model, pool, load, per_rank, t0)
-      return self._dispatch(model, pool, load, multi, t0, n)
-    return pool, load
+    if not scheduled:
+      return pool, load
+    t0 = time.perf_counter()
+    n = core.config.decode_steps
+    multi = multi_step(core.schedulers, per_rank, n) if self.drafts is None else None
+    if multi is None:
+      return self._dispatch(model, pool, load, per_rank, t0, K=K)
+    return self._dispatch(model, pool, load, multi, t0, n)
 
   def read(self) -> Events:
-    """Reads the steps in flight but, with async scheduling, the one
-    `dispatch` just dispatched -> their events."""
-    return self._read(self._keep)
+    """The events of the steps `dispatch` read, then of those in flight but,
+    with async scheduling, the one `dispatch` just dispatched."""
+    events, self._events = self._events, []
+    return events + self._read(self._keep)
 
   def warm(self, model: StepModel, pool, load, programs,
            map_fraction: float = 1.0) -> tuple[int, int, object, object]:
@@ -748,61 +866,81 @@ class PlainRunner:
     self.counts = dataclasses.replace(before, programs=compiled)
     return len(compiled) - known, len(programs) - done, pool, load
 
+  def _inputs(self, per_rank, shapes: StepShapes, n: int, K: int):
+    """-> (the step's `StepInputs`, its decoder, its real tokens, want: the
+    logprobs asked (sampled rows, prompt rows), its extras' program key)."""
+    busy = [s for sch in per_rank for s in sch]
+    images_, lp_, extras_ = asks(per_rank)
+    want = logprobs.wanted(busy) if lp_ else (False, False)
+    targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] and n == 1 else None
+    if self.drafts is not None:
+      batch, tokens = self.drafts.batch(self.core, per_rank, shapes)
+      return StepInputs(batch, targets=targets), self.drafts.decoder(K), tokens, want, None
+    built = [rank_batch(sch, shapes) for sch in per_rank]
+    extras = (sampling_extras.step_extras(per_rank, shapes.seqs, self.core.config.max_num_seqs,
+                                          self._prev_out) if extras_ else None)
+    inputs = StepInputs(
+        stack_batches([b for b, _ in built]), self._prev_sampled,
+        visual=self.images.step_visual(per_rank, shapes.tokens) if images_ and n == 1 else None,
+        targets=targets, extras=extras)
+    return (inputs, MultiStep(n) if n > 1 else Plain(), n * sum(k for _, k in built), want,
+            None if extras is None else sampling_extras.program_key(extras))
+
   def _dispatch(self, model: StepModel, pool, load, per_rank, t0: float, n: int = 1,
-                program=None):
-    """One program over every rank's chunks: a step, or n decode steps
-    (`steps.decode_steps`) of `multi_step`'s chunks -> (new pool, new load).
-    program: (shapes, greedy, k_cap) for chunks that do not say (`warm`'s
-    empty ones)."""
+                program=None, K: int = 0):
+    """One program over every rank's chunks: a step, n decode steps
+    (`MultiStep`) of `multi_step`'s chunks, or an MTP step with K drafts ->
+    (new pool, new load). program: (shapes, greedy, k_cap) for chunks that
+    do not say (`warm`'s empty ones)."""
     core = self.core
     busy = [sch for sch in per_rank if sch]
-    shapes, greedy, k_cap = program or (step_shapes(core, busy, core.chunk), *sampler_mode(busy))
-    batches = [rank_batch(sch, shapes) for sch in per_rank]
-    want = logprobs.wanted([s for scheduled in busy for s in scheduled])
-    extras = sampling_extras.step_extras(per_rank, shapes.seqs, core.config.max_num_seqs,
-                                         self._prev_out)
-    batch = stack_batches([b for b, _ in batches])
-    args = (model.cfg, model.params, pool, batch, self._prev_sampled, load)
-    kw = dict(ep=model.ep, greedy=greedy, k_cap=k_cap, logprobs=want[0], extras=extras,
-              ranks=model.ranks, **model.heads)
-    program = (shapes, n, greedy, want, sampling_extras.program_key(extras), k_cap)
-    self.guard.before(program)
-    if n > 1:  # decode rows only: no prompt rows to score
-      sampled, pool, load, lp = decode_steps(*args, num_steps=n, **kw)
-      self._prev_sampled = sampled[-1]
+    shapes, greedy, k_cap = program or (step_shapes(core, busy, core.chunk + K),
+                                        *sampler_mode(busy))
+    inputs, decoder, tokens, want, extras_key = self._inputs(per_rank, shapes, n, K)
+    key = ((shapes, K, greedy, want, k_cap) if self.drafts is not None else
+           (shapes, n, greedy, want, extras_key, k_cap))
+    self.guard.before(key)
+    draft = None if self.drafts is None else self.drafts.state
+    out, state, lp = step(model, StepState(pool, load, draft), inputs,
+                          Program(decoder, max_q=1 if n > 1 else shapes.max_q, greedy=greedy,
+                                  k_cap=k_cap, logprobs=want[0]))
+    if self.drafts is None:
+      self._prev_sampled = out[-1] if n > 1 else out
+      self._prev_out = out
     else:
-      visual = self.images.step_visual(per_rank, shapes.tokens)
-      targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] else None
-      sampled, pool, load, lp = step(*args, visual, targets, max_q=shapes.max_q, **kw)
-      self._prev_sampled = sampled
-    self._prev_out = sampled
+      self.drafts.state = state.draft
     for sch, rank_scheduled in zip(core.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
-    self.counts.record(program, n * sum(k for _, k in batches),
-                       bool(self.in_flight), time.perf_counter() - t0, n)
-    self.in_flight.append(PlainInFlight(per_rank, sampled, n, lp))
-    return pool, load
+    self.counts.record(key, tokens, bool(self.in_flight), time.perf_counter() - t0, n)
+    self.in_flight.append(InFlight(per_rank, decoder, out, lp))
+    return state.pool, state.load
 
   def _read(self, keep: int) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
-    events, n = [], self.core.num_ranks
+    events, ranks = [], self.core.num_ranks
     while len(self.in_flight) > keep:
       done = self.in_flight.popleft()
       # The one device-to-host read: the tokens, and their logprobs if computed.
-      sampled, lp = jax.device_get((done.sampled, done.logprobs))
-      # -> [ranks, S, steps]: row b's tokens (one unless a multi-step decode)
-      sampled = np.moveaxis(np.asarray(sampled).reshape(done.steps, n, -1), 0, -1)
-      for sch, rank_done, rank_sampled, rank_lp in zip(
-          self.core.schedulers, done.per_rank, sampled, logprobs.split_ranks(lp, n, done.steps)):
-        tokens = rank_sampled[:len(rank_done)]
-        events += (sch.apply(rank_done, tokens) if rank_lp is None else
-                   logprobs.applied(rank_lp, sch.apply, rank_done, tokens))
+      out, lp = jax.device_get((done.out, done.logprobs))
+      lps = ([None] * ranks if lp is None else
+             logprobs.split_ranks(lp, ranks, done.decoder.logprob_steps))
+      for sch, rank_done, rows, rank_lp in zip(self.core.schedulers, done.per_rank,
+                                               done.decoder.rows(out, ranks), lps):
+        args = [a[:len(rank_done)] for a in rows]
+        if self.drafts is not None:  # the acceptance counted: -> (tokens, emitted, K)
+          args = self.drafts.after_read(rank_done, args, self.counts)
+        events += (sch.apply(rank_done, *args) if rank_lp is None else
+                   logprobs.applied(rank_lp, sch.apply, rank_done, *args))
+        if self.drafts is not None:
+          self.drafts.keep_handover(self.core, rank_done)
     return events
 
   def stats(self) -> dict:
-    return {}
+    return {} if self.drafts is None else self.drafts.stats()
 
   def release(self) -> None:
     """Drops the device state (`Engine.release`)."""
     self.in_flight.clear()
     self._prev_sampled = self._prev_out = None
+    if self.drafts is not None:
+      self.drafts.state = None

@@ -1,6 +1,6 @@
 """Compiling before serving: every step program that plain traffic can
 reach (`programs`), each run once on all-padding batches by `Engine.warmup`
-(`steps.PlainRunner.warm`), so no request waits for XLA.
+(`steps.Runner.warm`), so no request waits for XLA.
 
 The set is finite because step shapes are bucketed, and small when steps
 with a prompt chunk have fixed shapes (`EngineConfig.fixed_prefill_shapes`:

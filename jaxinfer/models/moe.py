@@ -11,8 +11,8 @@ outputs:
            combine weights (a reference: E/k times the FLOPs)
   split    (`SplitExperts`: one array per expert, the Engine's CPU layout)
            sorted copies through the C++ CPU kernel where `ops.cpu_experts`
-           allows (`_experts_native`), else one loop over the chosen
-           experts' row chunks (`_experts_split`)
+           allows (`experts_native`), else one loop over the chosen
+           experts' row chunks (`experts_split`)
 
 `cfg.moe_impl` stays a config field (users and tests pick the reference
 path through the config, as they pick the attention kernels in `cfg.backend`); `with_impl` turns
@@ -48,7 +48,9 @@ def with_impl(cfg: ModelConfig, p):
   return p
 
 
-def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
+def experts_dense(cfg: ModelConfig, p, x, idx, weights):
+  """The reference: every token through every expert (stacked dict params),
+  weighted by its routing weights (0 for experts it did not choose)."""
   T, E = x.shape[0], p["w_gate"].shape[0]  # physical slots (== cfg.num_experts without EPLB)
   combine = jnp.zeros((T, E), jnp.float32).at[jnp.arange(T)[:, None], idx].add(weights)
   gate = jnp.einsum("TD,EDF->TEF", x, dense(p["w_gate"], x.dtype))
@@ -61,7 +63,7 @@ def _experts_dense(cfg: ModelConfig, p, x, idx, weights):
   return jnp.einsum("TED,TE->TD", y.astype(jnp.float32), combine)
 
 
-def _sorted_copies(idx, E: int):
+def sorted_copies(idx, E: int):
   """idx [T, k] -> (order [T k]: the token copies sorted by expert, copy c
   belonging to token c // k; sizes [E]: each expert's copies). Copies to
   slot E and above (`moe`'s padding) sort last and are not counted."""
@@ -69,7 +71,7 @@ def _sorted_copies(idx, E: int):
   return order, jnp.bincount(idx.reshape(-1), length=E).astype(jnp.int32)
 
 
-def _combine(ys, order, weights):
+def combine_copies(ys, order, weights):
   """ys [>= T k, D]: the sorted copies' outputs -> [T, D] float32, each
   token's k outputs weighted by weights [T, k]."""
   T, k = weights.shape
@@ -82,15 +84,17 @@ def _combine(ys, order, weights):
   return jnp.einsum("TKD,TK->TD", y.astype(jnp.float32), weights)
 
 
-def _experts_grouped(cfg: ModelConfig, p, x, idx, weights):
+def experts_grouped(cfg: ModelConfig, p, x, idx, weights):
+  """Token copies sorted by expert through one grouped matmul
+  (`moe_core.grouped_ffn`) over the stacked experts."""
   k = idx.shape[1]
-  order, sizes = _sorted_copies(idx, p["w_gate"].shape[0])  # physical slots
+  order, sizes = sorted_copies(idx, p["w_gate"].shape[0])  # physical slots
   ys = grouped_ffn(cfg, p, x[order // k], idx.reshape(-1)[order], sizes)
-  return _combine(ys, order, weights)
+  return combine_copies(ys, order, weights)
 
 
 def split_chunk(T: int, k: int, E: int) -> int:
-  """`_experts_split`'s default C for T tokens routed to k of E experts: 1
+  """`experts_split`'s default C for T tokens routed to k of E experts: 1
   while the expected rows per chosen expert are under 2.5 (a one-row product
   is XLA:CPU's matrix-vector kernel, and an expert's second row finds its
   weights in cache), else those rows rounded up to a power of two.
@@ -108,7 +112,7 @@ def split_chunk(T: int, k: int, E: int) -> int:
   return 1 if rows < 2.5 else 1 << math.ceil(math.log2(rows))
 
 
-def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = None):
+def experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = None):
   """Routed experts held as one array per expert (`SplitExperts`): token
   copies sorted by expert, then one loop over every chosen expert's row
   chunks of C. Chunk i belongs to expert e (a search of the chunk counts'
@@ -116,7 +120,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   (each branch one dot over its own expert's array, read in place), so an
   expert no token chose costs nothing and the loop's code exists once a
   layer. C (static, `chunk` overrides it): `split_chunk`. This is the CPU
-  path where the C++ kernel is not (`_experts_native`): XLA:CPU's grouped
+  path where the C++ kernel is not (`experts_native`): XLA:CPU's grouped
   matmul touches every expert, and slicing a stacked expert copies it.
   Copies routed to slot E (`moe` sends a step's padding tokens there) are
   never computed: their rows of the result are zeros.
@@ -132,7 +136,7 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
   D = x.shape[1]
   E = len(p.w_down)  # physical slots
   C = chunk or split_chunk(T, k, E)
-  order, sizes = _sorted_copies(idx, E)  # slot E: never run (`moe`'s padding)
+  order, sizes = sorted_copies(idx, E)  # slot E: never run (`moe`'s padding)
   starts = jnp.cumsum(sizes) - sizes
   chunks = (sizes + C - 1) // C
   ends = jnp.cumsum(chunks)  # expert e's chunks: ends[e] - chunks[e] .. ends[e]
@@ -156,20 +160,20 @@ def _experts_split(cfg: ModelConfig, p, x, idx, weights, chunk: int | None = Non
     return jax.lax.dynamic_update_slice_in_dim(
         ys, jnp.where(mine, ye, jax.lax.dynamic_slice_in_dim(ys, start, C)), start, 0)
 
-  return _combine(jax.lax.fori_loop(0, ends[-1], body, ys), order, weights)
+  return combine_copies(jax.lax.fori_loop(0, ends[-1], body, ys), order, weights)
 
 
-def _experts_native(cfg: ModelConfig, p, x, idx, weights):
-  """`_experts_split`'s outputs from the C++ CPU kernel
+def experts_native(cfg: ModelConfig, p, x, idx, weights):
+  """`experts_split`'s outputs from the C++ CPU kernel
   (`ops.routed_experts_cpu`): token copies sorted by expert, each chosen
   expert's weights read once for all its copies, the cores on different
   experts. Copies routed to slot E (padding) sort last, past every count,
   and come back zero."""
-  order, sizes = _sorted_copies(idx, len(p.w_down))
+  order, sizes = sorted_copies(idx, len(p.w_down))
   ys = ops.routed_experts_cpu(x[order // idx.shape[1]], sizes, p.w_gate_up, p.w_down,
                               activation=cfg.activation, limit=cfg.swiglu_limit,
                               alpha=cfg.swiglu_alpha)
-  return _combine(ys, order, weights)
+  return combine_copies(ys, order, weights)
 
 
 def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None = None, valid=None, count=None):
@@ -195,16 +199,16 @@ def moe(cfg: ModelConfig, p, x, ep: ExpertParallel | InRankExpertParallel | None
   if count == ExpertCount.PHYSICAL:
     counts = expert_counts(idx, ok, len(p["w_down"]))
   if isinstance(p, SplitExperts):
-    experts = _experts_split
+    experts = experts_split
     if p.native and ops.cpu_experts(B * T * cfg.num_experts_per_tok, len(p.w_down), xt.dtype,
                                     p.w_gate_up, p.w_down, cfg.expert_bias, cfg.backend):
-      experts = _experts_native
+      experts = experts_native
     if valid is not None:  # padding copies to slot E: past every expert's rows, never run
       idx = jnp.where(ok[:, None], idx, len(p.w_down))
   elif isinstance(p, DenseExperts):
-    experts = _experts_dense
+    experts = experts_dense
   else:
-    experts = _experts_grouped
+    experts = experts_grouped
   out = experts(cfg, p, xt, idx, weights).astype(x.dtype)
   if cfg.num_shared_experts:
     out = out + mlp(cfg, p["shared"], xt)

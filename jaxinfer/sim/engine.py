@@ -249,7 +249,7 @@ class SimEngine:
         for s, n in zip(sched, emitted):  # decode rows, as step_shape counts them
           if s.samples and s.num_tokens - s.num_draft == 1 and s.start >= len(s.request.prompt):
             self.stats.decode_tokens += n
-        events = sch.apply_speculative(sched, [[0] * (K + 1)] * len(sched), emitted, K)
+        events = sch.apply(sched, [[0] * (K + 1)] * len(sched), emitted, K)
       out += events
     if self.core.spec is None:
       self.stats.decode_tokens = self.stats.decode_rows

@@ -72,3 +72,95 @@ def test_a_decode_step_crosses_at_most_nine_files():
   assert reached == STATIONS, f"the step did not reach {STATIONS - reached}"
   assert "jaxinfer/engine/engine.py" in files and "jaxinfer/xla_attention.py" in files
   assert len(files) <= MAX_FILES, f"{len(files)} files: {sorted(files)}"
+
+
+# ------------------------------------------------------------ what runs (issue 72)
+#
+# Counted as docs/design.md says: `sys.setprofile` during one `Engine.step`
+# collects the file of every Python function called (a "call" event) whose
+# file lies under jaxinfer/ or pallas_kernels/; the step is a decode step
+# of one text request (greedy, no logprobs, extras or images) whose program
+# is compiled already (the warm step: the third decode step, after the
+# first traced and compiled its program), and, separately, the first decode
+# step, which traces the program, so the model's code runs in Python.
+# Plain: tiny_dense; speculative: tiny_dense with one MTP module, K = 2.
+
+WARM_PLAIN_FILES, WARM_SPEC_FILES = 16, 18
+# The traced first decode step (18 and 22 files; 21 and 25 before issue 72,
+# the speculative step then counted on tiny_moe): the model, the KV contexts,
+# ops and the kernels' modules run there too, not in a warm step.
+TRACED_PLAIN_FILES, TRACED_SPEC_FILES = 18, 22
+OPTIONAL_PARTS = {"jaxinfer/engine/images.py", "jaxinfer/engine/logprobs.py",
+                  "jaxinfer/engine/sampling_extras.py"}
+
+
+def _files_run(eng) -> set:
+  """The files under jaxinfer/ and pallas_kernels/ whose code one
+  `eng.step()` calls."""
+  files = set()
+
+  def profile(frame, event, arg):
+    if event == "call":
+      name = _ours(frame.f_code.co_filename)
+      if name is not None and name.startswith(("jaxinfer", "pallas_kernels")):
+        files.add(name)
+
+  sys.setprofile(profile)
+  try:
+    eng.step()
+  finally:
+    sys.setprofile(None)
+  return files
+
+
+def _decode_files(speculative) -> tuple[set, set]:
+  """(files of the traced first decode step, of a warm decode step)."""
+  cfg = presets.get("tiny_dense", num_mtp_layers=1 if speculative else 0)
+  eng = jaxinfer.Engine(cfg, models.init_params(cfg, jax.random.key(0)),
+                        jaxinfer.EngineConfig(max_num_seqs=2, num_pages=32, page_size=8,
+                                              max_num_batched_tokens=32, async_scheduling=False,
+                                              speculative=speculative))
+  eng.submit([1, 2, 3, 4, 5], jaxinfer.SamplingParams(max_tokens=16, ignore_eos=True))
+  eng.step()  # the prompt
+  jax.clear_caches()  # an earlier test may have compiled the decode program
+  traced = _files_run(eng)
+  eng.step()
+  warm = _files_run(eng)
+  assert eng.has_unfinished()  # still decoding: every counted step was a decode step
+  return traced, warm
+
+
+def test_a_plain_text_decode_step_runs_code_in_at_most_16_files():
+  traced, warm = _decode_files(None)
+  assert "jaxinfer/engine/engine.py" in warm and "jaxinfer/engine/steps.py" in warm
+  assert "jaxinfer/xla_attention.py" in traced  # the model ran while tracing
+  assert not (traced | warm) & OPTIONAL_PARTS, sorted((traced | warm) & OPTIONAL_PARTS)
+  assert len(warm) <= WARM_PLAIN_FILES, f"{len(warm)} files: {sorted(warm)}"
+  assert len(traced) <= TRACED_PLAIN_FILES, f"{len(traced)} files: {sorted(traced)}"
+
+
+def test_a_speculative_decode_step_runs_code_in_at_most_18_files():
+  traced, warm = _decode_files(jaxinfer.MTPConfig(num_draft_tokens=2))
+  assert "jaxinfer/engine/speculative.py" in warm and "jaxinfer/models/mtp.py" in traced
+  assert not (traced | warm) & OPTIONAL_PARTS, sorted((traced | warm) & OPTIONAL_PARTS)
+  assert len(warm) <= WARM_SPEC_FILES, f"{len(warm)} files: {sorted(warm)}"
+  assert len(traced) <= TRACED_SPEC_FILES, f"{len(traced)} files: {sorted(traced)}"
+
+
+def test_one_step_entry_one_runner_one_apply():
+  import inspect as pyinspect
+  from jaxinfer.engine import drafts, scheduler, speculative, steps
+  modules = (steps, speculative, drafts, scheduler)
+  jitted = {f"{m.__name__.rsplit('.', 1)[1]}.{n}" for m in modules
+            for n, v in vars(m).items() if callable(v) and hasattr(v, "lower")
+            and getattr(v, "__module__", m.__name__) == m.__name__}
+  # One step program; the other two copy one draft-state row (hand-over).
+  assert jitted == {"steps.step", "speculative.take_drafts", "speculative.put_drafts"}, jitted
+  params = pyinspect.signature(steps.step).parameters
+  assert list(params) == ["model", "state", "inputs", "program"]
+  runners = [v for m in modules for v in vars(m).values()
+             if isinstance(v, type) and hasattr(v, "dispatch") and hasattr(v, "read")]
+  assert runners == [steps.Runner]
+  assert [n for n in vars(scheduler.Scheduler) if n.startswith("apply")] == ["apply"]
+  for decoder in (steps.Plain(), steps.MultiStep(3), speculative.Mtp(2)):  # small values
+    assert hash(steps.Program(decoder, max_q=4)) == hash(steps.Program(decoder, max_q=4))

@@ -166,7 +166,7 @@ def _near_bigram(cfg, params, scale=0.3):
 def test_speculative_logprobs_equal_plain_decoding(model, ranks):
   # The accepted drafts' logprobs come from the verify logits: the full
   # forward's, as plain decoding gives them (greedy tokens equal its argmax).
-  # ranks 2: attention DP (`spec_step` run whole per rank).
+  # ranks 2: attention DP (the Mtp step run whole per rank).
   cfg, params = model
   params = _near_bigram(cfg, params)
   prompts = random_prompts(cfg, [13, 5, 9], seed=4)

@@ -1,5 +1,5 @@
 """With async scheduling, nothing is dispatched behind a prompt step until it
-is read (`steps.PlainRunner.dispatch`): prompts that arrive while it runs
+is read (`steps.Runner.dispatch`): prompts that arrive while it runs
 join the next step whole, beside the running sequences' decodes, instead of
 a step being committed with half of them."""
 

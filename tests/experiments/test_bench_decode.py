@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from benchlib import decode
+from benchlib import decode, decode_roofline, hf_peer
 from jaxinfer import ModelConfig, hf_config, models, presets
 from conftest import subprocess_env
 
@@ -23,7 +23,7 @@ def test_bytes_per_step_dense_hand_count():
   assert (cfg.vocab_size, cfg.d_model, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads,
           cfg.head_dim, cfg.ffn_dim) == (V, D, L, N, K, H, F)
   B, S = 3, 100
-  b = decode.decode_bytes_per_step(cfg, B, S, 4)
+  b = decode_roofline.decode_bytes_per_step(cfg, B, S, 4)
   per_layer = 2 * D + D * N * H + 2 * D * K * H + N * H * D + 3 * D * F  # norms, q k v o, mlp
   assert b["weights"] == 4 * (D * V + D + L * per_layer)  # lm_head, final norm, blocks
   assert b["embed"] == 4 * B * D  # B rows of the table
@@ -31,13 +31,13 @@ def test_bytes_per_step_dense_hand_count():
   assert b["kv"] == 4 * B * S * L * 2 * K * H
   assert b["total"] == b["weights"] + b["embed"] + b["kv"]
   # bfloat16 weights and cache halve everything.
-  b16 = decode.decode_bytes_per_step(cfg, B, S, 2)
+  b16 = decode_roofline.decode_bytes_per_step(cfg, B, S, 2)
   assert b16["total"] == b["total"] / 2
 
 
 def test_bytes_per_step_tied_embeddings_and_sliding_window():
   cfg = dataclasses.replace(presets.get("tiny_dense"), tie_embeddings=True, sliding_window=16)
-  b = decode.decode_bytes_per_step(cfg, 1, 100, 4)
+  b = decode_roofline.decode_bytes_per_step(cfg, 1, 100, 4)
   assert b["weights"] == 4 * models.count_params(cfg)  # the table once, as the output head
   assert b["kv"] == 4 * 16 * cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
 
@@ -47,8 +47,8 @@ def test_bytes_per_step_moe_mla():
   E, k, D, Fm = cfg.num_experts, cfg.num_experts_per_tok, cfg.d_model, cfg.moe_ffn_dim
   moe_layers = cfg.num_layers - len(cfg.dense_layers)
   B, S = 4, 50
-  b = decode.decode_bytes_per_step(cfg, B, S, 4)
-  touched = decode.expected_experts(E, k, B)
+  b = decode_roofline.decode_bytes_per_step(cfg, B, S, 4)
+  touched = decode_roofline.expected_experts(E, k, B)
   assert b["experts"] == pytest.approx(4 * moe_layers * touched * 3 * D * Fm)
   # All experts + the table + what the step reads == the main model (MTP excluded).
   main = models.count_params(dataclasses.replace(cfg, num_mtp_layers=0))
@@ -58,12 +58,12 @@ def test_bytes_per_step_moe_mla():
 
 
 def test_expected_experts():
-  assert decode.expected_experts(64, 6, 1) == pytest.approx(6)
-  assert decode.expected_experts(8, 2, 1) == pytest.approx(2)
-  seq = [decode.expected_experts(64, 6, b) for b in (1, 2, 8, 32, 128, 1024)]
+  assert decode_roofline.expected_experts(64, 6, 1) == pytest.approx(6)
+  assert decode_roofline.expected_experts(8, 2, 1) == pytest.approx(2)
+  seq = [decode_roofline.expected_experts(64, 6, b) for b in (1, 2, 8, 32, 128, 1024)]
   assert all(a < b for a, b in zip(seq, seq[1:]))
   assert seq[-1] == pytest.approx(64, rel=1e-6)
-  assert decode.expected_experts(64, 64, 1) == 64
+  assert decode_roofline.expected_experts(64, 64, 1) == 64
 
 
 @pytest.mark.parametrize("name", ["bench_dense", "bench_moe", "tiny_dense", "tiny_moe",
@@ -94,8 +94,8 @@ def test_hf_model_has_our_param_count(name):
   # The full bench_moe allocates 3.2 GB in torch: 2 layers (1 dense, 1 MoE) and
   # a small vocabulary keep every kind of weight at its real shape.
   cfg = dataclasses.replace(presets.get(name), num_layers=2, vocab_size=512, num_mtp_layers=0)
-  model = decode.hf_model(hf_config.to_hf(cfg), threads=1)
-  assert decode.hf_param_count(model) == models.count_params(cfg)
+  model = hf_peer.hf_model(hf_config.to_hf(cfg), threads=1)
+  assert hf_peer.hf_param_count(model) == models.count_params(cfg)
 
 
 def test_script_end_to_end(tmp_path):

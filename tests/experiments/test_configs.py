@@ -1,10 +1,11 @@
 """configs/ is the one configuration system of the experiments: every
 `experiments/*.py` script takes a config with `--config=` (by default one in
-configs/ whose fields are the flags' defaults, so a script behaves the same
-with and without it), every config in configs/ loads and names its script,
-and that script's own flag parsing consumes every field (`--config=` +
+configs/ that changes none of the flags' defaults, so a script behaves the
+same with and without it), every config in configs/ loads and names its
+script, and that script's own flag parsing consumes every field (`--config=` +
 `benchlib.flag_config`, run in a subprocess per script without the
-experiment)."""
+experiment). A default is written once, in its flag: no config field restates
+it, and every flag is a field all the same (`--config.<field>=`)."""
 
 import importlib.util
 import json
@@ -108,18 +109,35 @@ def test_script_takes_its_configs(script):
   default = pathlib.Path(out["config_default"].strip("'\""))
   assert default.parent == ROOT / "configs" and default.exists(), default
   assert _load(default.name).script == script
-  # No --config: the default config, whose fields are the flags' defaults.
+  # No --config: the default config, which changes no flag.
   first = out["rounds"][0]
-  assert first["applied"], script
-  assert {k: first["defaults"][k] for k in first["applied"]} == first["applied"], script
-  assert first["values"] == first["defaults"], script
+  assert first["applied"] == {} and first["values"] == first["defaults"], script
   # Each config: the script's flags consume every field and hold its value.
   for (spec, cfg), got in zip(configs, out["rounds"][1:]):
-    fields = {k: v for k, v in cfg.items() if k != "script" and v is not None}
+    fields = {k: v for k, v in cfg.items() if k != "script"}
+    # A default lives in its flag only: a field in a config file changes it.
+    assert None not in fields.values(), (spec, "a None field: the flag's default, restated")
+    restated = [k for k, v in fields.items() if _same(v, got["defaults"][k])]
+    assert not restated, (spec, "fields that restate their flag's default", restated)
     assert set(got["applied"]) == set(fields), spec
     for k, v in fields.items():  # the flag holds the field (list flags: strings)
       want = [str(x) for x in v] if isinstance(v, tuple) else v
       assert got["values"][k] == want, (spec, k)
+
+
+def _same(field, default) -> bool:
+  """A config field's value equals a flag's default (as the flag would hold it)."""
+  if isinstance(field, bool) != isinstance(default, bool):
+    return False
+  if isinstance(field, tuple):
+    field = [str(x) for x in field]
+  return field == default or (isinstance(default, float) and not isinstance(field, bool)
+                              and isinstance(field, (int, float)) and float(field) == default)
+
+
+def test_same_sees_a_restated_default():
+  assert _same((1, 8, 32), ["1", "8", "32"]) and _same(450, 450.0) and _same("tp", "tp")
+  assert not _same(3, 0) and not _same(True, 1.0) and not _same(("1",), ["1", "8"])
 
 
 @pytest.mark.parametrize("script", ["experiments/gpu_day.py", "experiments/mosaic_tune.py"])
@@ -131,9 +149,18 @@ def test_gpu_scripts_run_without_ml_collections(script):
   assert out["rounds"][0]["values"] == out["rounds"][0]["defaults"]
 
 
-def test_mlperf_configs_set_the_same_fields():
-  keys = [set(_load(n).keys()) for n in CONFIGS if n.startswith("mlperf_")]
-  assert len(keys) == 5 and all(k == keys[0] for k in keys)
+def test_every_flag_is_a_field_but_internal_deprecated_and_secret_ones():
+  # Filled in from the flags: a field no config file writes is overridable.
+  out = _parse("experiments/kv_quant.py", "--config.max_tokens=8", "--config.teacher=False")
+  assert out["values"]["max_tokens"] == 8 and out["values"]["teacher"] is False
+  assert out["applied"] == {"max_tokens": 8, "teacher": False}
+  for script, field in [("experiments/gpu_day.py", "part"), ("experiments/serve.py", "api_key"),
+                        ("experiments/kv_quant.py", "model_dir")]:
+    proc = subprocess.run([sys.executable, "-c", _PARSE, str(ROOT / script),
+                           json.dumps([[f"--config.{field}=x"]])],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
+    assert proc.returncode != 0, (script, field)
 
 
 def test_mlperf_configs_run_the_bundled_model():
@@ -143,7 +170,8 @@ def test_mlperf_configs_run_the_bundled_model():
     if name.startswith("mlperf_"):
       assert name.startswith("mlperf_default_model"), name
       cfg = _load(name)
-      assert cfg.model == "default" and "hf_dir" not in cfg and "model_dir" not in cfg, name
+      # model: the flag's default, "default" (the bundled model), never restated
+      assert "model" not in cfg and "hf_dir" not in cfg and "model_dir" not in cfg, name
   assert _load("mlperf_default_model_405b_limits.py").limits == "llama3.1-405b"
   assert _load("mlperf_default_model_gpt_oss_limits.py").limits == "gpt-oss-120b"
   assert _load("mlperf_default_model_mtp.py").speculative == 3

@@ -41,9 +41,10 @@ def _ragged(page_size, target, implementation=None, D=64):
           S((B,), jnp.int32), S((B, pages), jnp.int32), S((B + 1,), jnp.int32))
 
   def fn(q, kp, vp, kv_lens, table, cu):
-    return ops.ragged_paged_attention(q, kp, vp, kv_lens=kv_lens, page_table=table,
-                                      cu_q_lens=cu, max_q=2, scale=0.125,
-                                      backend=Backend(attention=implementation, target=target))
+    kv = ops.PagedKV(k_pages=kp, v_pages=vp, kv_lens=kv_lens, page_table=table, cu_q_lens=cu,
+                     max_q=2)
+    return ops.ragged_paged_attention(ops.AttentionCall(q=q, kv=kv, scale=0.125),
+                                      Backend(attention=implementation, target=target))
   with gpu_compile.lowering(mesh):
     return jax.jit(fn).lower(*args).compile().as_text()
 
@@ -238,10 +239,11 @@ def test_qwen3_vl_image_step_and_encoder_compile_for_one_h100():
   compiled = {}
   for name, rows in (("text", None), ("image", visual)):
     with gpu_compile.lowering(mesh):
-      lowered = steps.step.lower(cfg, params, pool,
-                                 gpu_compile.abstract(steps.stack_batches([batch]), rep),
-                                 S((shapes.seqs,), jnp.int32), None, rows, max_q=shapes.max_q,
-                                 greedy=True)
+      lowered = steps.step.lower(
+          steps.StepModel(cfg, params), steps.StepState(pool),
+          steps.StepInputs(gpu_compile.abstract(steps.stack_batches([batch]), rep),
+                           S((shapes.seqs,), jnp.int32), visual=rows),
+          steps.Program(steps.Plain(), max_q=shapes.max_q, greedy=True))
     compiled[name] = lowered.compile()
   text, image = (gpu_compile.MemoryReport.of(compiled[n]) for n in ("text", "image"))
   assert gpu_plan.TRITON_CALL in compiled["image"].as_text()  # the paged kernel, not XLA
@@ -282,9 +284,10 @@ def test_qwen3_vl_moe_image_step_under_attention_dp_compiles_for_four_h100s():
   ranked = gpu_compile.abstract(steps.stack_batches([batch] * n), split)
   with gpu_compile.lowering(mesh):
     compiled = steps.step.lower(
-        cfg, params, pool, ranked, S((shapes.seqs,), jnp.int32), None, visual,
-        max_q=shapes.max_q, ep=plan_from_params(params), ranks=Ranks.of(params, mesh, axes),
-        greedy=True).compile()
+        steps.StepModel(cfg, params, plan_from_params(params), Ranks.of(params, mesh, axes)),
+        steps.StepState(pool),
+        steps.StepInputs(ranked, S((shapes.seqs,), jnp.int32), visual=visual),
+        steps.Program(steps.Plain(), max_q=shapes.max_q, greedy=True)).compile()
   assert n == 4 and gpu_plan.TRITON_CALL in compiled.as_text()
   assert 0 < gpu_compile.MemoryReport.of(compiled).peak_bytes < 80e9
 

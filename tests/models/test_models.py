@@ -325,8 +325,8 @@ def test_split_experts_never_run_padding_tokens():
 @pytest.mark.parametrize("tokens", [1, 5, 40, 200])
 @pytest.mark.parametrize("padded", [False, True])
 def test_native_cpu_experts_equal_the_xla_loop(monkeypatch, tokens, padded):
-  """The split layout's two CPU paths (`moe._experts_native`, the C++ kernel,
-  and `moe._experts_split`, XLA's loop) give the same layer outputs, with
+  """The split layout's two CPU paths (`moe.experts_native`, the C++ kernel,
+  and `moe.experts_split`, XLA's loop) give the same layer outputs, with
   and without padding tokens; each path is forced, and the native one is
   checked to have run (the kernel's custom call is in the program)."""
   from jaxinfer import ops

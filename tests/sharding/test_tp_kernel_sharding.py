@@ -30,10 +30,12 @@ def _compiled_step(name, axes, layout, split_heads):
   prev = jax.ShapeDtypeStruct((1, shapes.seqs), jnp.int32)  # one rank
   heads = dict(mesh=mesh, head_axis=sharding.head_axis(mesh, layout)) if split_heads else {}
   with gpu_compile.lowering(mesh):
-    lowered = steps.step.lower(cfg, params, pool, gpu_plan._replicated(mesh, steps.stack_batches([batch])),
-                               gpu_plan._replicated(mesh, prev), gpu_plan._load(cfg, mesh),
-                               max_q=shapes.max_q, ep=plan_from_params(params), greedy=True,
-                               **heads)
+    lowered = steps.step.lower(
+        steps.StepModel(cfg, params, plan_from_params(params), heads=heads),
+        steps.StepState(pool, gpu_plan._load(cfg, mesh)),
+        steps.StepInputs(gpu_plan._replicated(mesh, steps.stack_batches([batch])),
+                         gpu_plan._replicated(mesh, prev)),
+        steps.Program(steps.Plain(), max_q=shapes.max_q, greedy=True))
   return lowered.compile().as_text(), {a.shape for a in jax.tree.leaves(pool)}
 
 
@@ -94,5 +96,5 @@ def test_tp_pallas_engine_greedy_equals_single_device_xla(cfg, axes):
   ref = [o.token_ids for o in Engine(cfg, params, config).generate(prompts, sp)]
   pallas = dataclasses.replace(cfg, backend=Backend(attention="pallas"))
   eng = Engine(pallas, params, config, mesh=sharding.make_mesh(axes), layout="tp")
-  assert eng._model.heads["head_axis"] == "tensor"
+  assert eng._model.head_kw["head_axis"] == "tensor"
   assert [o.token_ids for o in eng.generate(prompts, sp)] == ref
