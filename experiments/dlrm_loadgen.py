@@ -1,7 +1,8 @@
 """DLRMv3 under MLPerf LoadGen (`jaxinfer.serving.dlrm.run_benchmark`): a
 random model of a recsys preset (default the tiny DLRMv3 as MLPerf runs it)
 scoring requests drawn from the reference generator's distributions, or
-MLPerf's own streaming data set files (--dataset_dir, at --dataset_ts);
+MLPerf's own streaming data set files (--dataset_dir, at --dataset_ts), with
+the reference's trained checkpoint (--checkpoint_dir) or random weights;
 Server (80 ms p99) and Offline in performance mode, then an accuracy run with
 NE / GAUC / accuracy / AUC from LoadGen's log (the MLPerf reference's
 records). Writes <out>.json.
@@ -18,7 +19,7 @@ from absl import flags
 import jax
 
 from benchlib import cli, flag_config, results
-from jaxinfer.recsys import family, streaming
+from jaxinfer.recsys import dlrm_state, family, streaming
 from jaxinfer.serving import dlrm
 
 FLAGS = flags.FLAGS
@@ -27,6 +28,8 @@ flags.DEFINE_string("recsys_preset", "tiny_dlrm_v3",
 flags.DEFINE_string("dataset_dir", None, "MLPerf's streaming synthetic data set folder "
                     "(recsys.streaming; its reference layout); None: drawn requests")
 flags.DEFINE_integer("dataset_ts", 90, "the data set's (inference) timestamp to read")
+flags.DEFINE_string("checkpoint_dir", None, "the reference's checkpoint folder (its "
+                    "--model-path: non_sparse.ckpt and sparse/); None: random weights")
 flags.DEFINE_list("scenarios", ["Server", "Offline"], "LoadGen scenarios (performance mode)")
 flags.DEFINE_integer("num_samples", 256, "synthetic users in the QSL")
 flags.DEFINE_float("server_qps", 200.0, "Server target QPS")
@@ -44,7 +47,13 @@ def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg = family.get(FLAGS.recsys_preset)
-  params = family.of(cfg).init_params(cfg, jax.random.key(0))
+  if FLAGS.checkpoint_dir:
+    if family.of(cfg) is not family.DLRM_V3:
+      raise ValueError(f"--checkpoint_dir: the reference's checkpoints hold DLRMv3 "
+                       f"(dlrm_v3, tiny_dlrm_v3), not {FLAGS.recsys_preset}")
+    params = dlrm_state.load_reference_checkpoint(cfg, FLAGS.checkpoint_dir)
+  else:
+    params = family.of(cfg).init_params(cfg, jax.random.key(0))
   dataset = None
   if FLAGS.dataset_dir:
     dataset = streaming.StreamingDataset(FLAGS.dataset_dir)

@@ -138,6 +138,9 @@ class DlrmSUT(mlperf.ThreadedSUT):
     except BaseException as e:  # noqa: BLE001 - surfaced by stop()
       self.error = e
 
+  def _unanswered(self) -> list[int]:
+    return [q for q, t in list(self.times.items()) if t[1] is None]
+
   def _answer(self, batch, logits) -> None:
     lg = mlperf._lg()
     now = time.perf_counter()

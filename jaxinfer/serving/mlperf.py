@@ -44,17 +44,43 @@ class ThreadedSUT:
   """The LoadGen SUT lifecycle the in-process SUTs share: LoadGen's threads
   put queries on `_incoming` (`issue`), one worker thread (`_loop`, the
   subclass's) serves them until `stop`, and a failure of that thread is
-  raised from `stop` instead of lost. `EngineSUT`, `mlperf_video.VideoSUT`
+  raised from `stop` instead of lost. After a failure the thread answers
+  every query left (the ones it held, `_unanswered`, and every one issued
+  later) with an empty response, so LoadGen's run ends and `stop` raises,
+  instead of LoadGen waiting forever. `EngineSUT`, `mlperf_video.VideoSUT`
   and `dlrm.DlrmSUT` are ones."""
 
   def __init__(self, name: str):
     self._incoming: queue.Queue = queue.Queue()
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._loop, daemon=True, name=name)
+    self._thread = threading.Thread(target=self._serve, daemon=True, name=name)
     self.error: BaseException | None = None
 
   def _loop(self) -> None:
     raise NotImplementedError
+
+  def _unanswered(self) -> list[int]:
+    """Query ids the loop took off `_incoming` and did not answer (subclasses)."""
+    return []
+
+  def _serve(self) -> None:
+    self._loop()
+    if self.error is None:
+      return
+    lg, done = _lg(), set()
+
+    def answer(ids):
+      ids = [q for q in ids if q not in done]
+      done.update(ids)
+      if ids:
+        lg.QuerySamplesComplete([lg.QuerySampleResponse(q, 0, 0) for q in ids])
+
+    answer(self._unanswered())
+    while not self._stop.is_set():
+      try:
+        answer([self._incoming.get(timeout=0.005)[0]])
+      except queue.Empty:
+        continue
 
   def flush(self) -> None:
     pass
@@ -119,6 +145,9 @@ class SUTRecord:
 
 class EngineSUT(SUTRecord, ThreadedSUT):
   """A LoadGen system under test serving `prompts` (sample index -> token ids)."""
+
+  def _unanswered(self) -> list[int]:
+    return [q for q, t in list(self.times.items()) if t[2] is None]
 
   def __init__(self, engine: Engine, prompts, sampling: SamplingParams, *,
                first_token_events: bool = True, images=None):

@@ -148,3 +148,19 @@ def test_sut_rejects_a_sample_over_the_candidate_limit(served):
   with pytest.raises(ValueError, match=r"sample 0: \d+ candidates, over the candidate limit "
                                        r"max_targets=3"):
     dlrm.DlrmSUT(small, users)
+
+
+def test_a_failing_scorer_ends_the_loadgen_run_with_its_error(served, tmp_path):
+  cfg, scorer, users, _ = served
+
+  class Failing(dlrm.Scorer):
+    def __call__(self, batch):
+      if len(batch) > 1 or batch[0] is not users[0]:  # the SUT's own first call passes
+        raise ValueError("scorer failed on purpose")
+      return super().__call__(batch)
+
+  sut = dlrm.DlrmSUT(Failing(cfg, scorer.params, scorer.buckets), users[:8])
+  with pytest.raises(RuntimeError, match="dlrm-sut thread failed") as e:
+    mlperf.run_loadgen(sut, scenario="Offline", outdir=str(tmp_path), target_qps=1000.0,
+                       min_duration_ms=0, min_query_count=8)
+  assert "failed on purpose" in str(e.value.__cause__)
