@@ -1,9 +1,10 @@
 """Which way float32 projection weights multiply fastest on this machine:
 XLA:CPU's [In, Out], [Out, In] as rows x w^T, or [Out, In] into [Out, rows],
 or the C++ kernel's 32-column panels where it builds
-(`jaxinfer.engine.weight_layout`, the probe
-`EngineConfig.cpu_weight_layout="auto"` runs), at 1, 8 and 32 rows, weights
-streaming from memory.
+(`jaxinfer.engine.weight_layout`: the probe whose result, kept on disk by
+`weight_layout.probe` or `python -m jaxinfer.engine.cpu_setup`,
+`EngineConfig.cpu_weight_layout="auto"` reads), at 1, 8 and 32 rows,
+weights streaming from memory.
 
   python experiments/weight_layout.py                    # bench_dense's gate-up, 1024 x 5632
   python experiments/weight_layout.py --shapes=1024x5632,2816x1024,4096x28672
