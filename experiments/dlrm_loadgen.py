@@ -2,7 +2,7 @@
 random model of a recsys preset (default the tiny DLRMv3 as MLPerf runs it)
 scoring requests drawn from the reference generator's distributions, or
 MLPerf's own streaming data set files (--dataset_dir, at --dataset_ts), with
-the reference's trained checkpoint (--checkpoint_dir) or random weights;
+the reference's trained checkpoint (--reference_checkpoint) or random weights;
 Server (80 ms p99) and Offline in performance mode, then an accuracy run with
 NE / GAUC / accuracy / AUC from LoadGen's log (the MLPerf reference's
 records). Writes <out>.json.
@@ -28,7 +28,7 @@ flags.DEFINE_string("recsys_preset", "tiny_dlrm_v3",
 flags.DEFINE_string("dataset_dir", None, "MLPerf's streaming synthetic data set folder "
                     "(recsys.streaming; its reference layout); None: drawn requests")
 flags.DEFINE_integer("dataset_ts", 90, "the data set's (inference) timestamp to read")
-flags.DEFINE_string("checkpoint_dir", None, "the reference's checkpoint folder (its "
+flags.DEFINE_string("reference_checkpoint", None, "the reference's checkpoint folder (its "
                     "--model-path: non_sparse.ckpt and sparse/); None: random weights")
 flags.DEFINE_list("scenarios", ["Server", "Offline"], "LoadGen scenarios (performance mode)")
 flags.DEFINE_integer("num_samples", 256, "synthetic users in the QSL")
@@ -47,11 +47,11 @@ def main(argv):
   del argv
   flag_config.apply_config(_CONFIG.value, flags.FLAGS, __file__)
   cfg = family.get(FLAGS.recsys_preset)
-  if FLAGS.checkpoint_dir:
+  if FLAGS.reference_checkpoint:
     if family.of(cfg) is not family.DLRM_V3:
-      raise ValueError(f"--checkpoint_dir: the reference's checkpoints hold DLRMv3 "
+      raise ValueError(f"--reference_checkpoint: the reference's checkpoints hold DLRMv3 "
                        f"(dlrm_v3, tiny_dlrm_v3), not {FLAGS.recsys_preset}")
-    params = dlrm_state.load_reference_checkpoint(cfg, FLAGS.checkpoint_dir)
+    params = dlrm_state.load_reference_checkpoint(cfg, FLAGS.reference_checkpoint)
   else:
     params = family.of(cfg).init_params(cfg, jax.random.key(0))
   dataset = None
