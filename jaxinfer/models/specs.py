@@ -166,8 +166,15 @@ def init_params(cfg: ModelConfig, key, dtype=None):
   return init_from_specs(param_specs(cfg, dtype), key)
 
 
-def init_from_specs(specs, key):
-  """Random params of a ParamSpec tree (normal / ones / zeros per spec)."""
+def init_from_specs(specs, key, init_leaf=None):
+  """Random params of a ParamSpec tree (normal / ones / zeros per spec);
+  init_leaf(spec, key) draws one leaf (default: the fan-in scaled normal above)."""
+  init_leaf = init_leaf or _init_leaf
   leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
   keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys)])
+  return jax.tree.unflatten(treedef, [init_leaf(s, k) for s, k in zip(leaves, keys)])
+
+
+def abstract_from_specs(specs):
+  """`jax.ShapeDtypeStruct` tree of a ParamSpec tree (nothing allocates)."""
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), specs, is_leaf=is_spec)

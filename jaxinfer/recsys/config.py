@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxinfer.backend import Backend
-from jaxinfer.models.specs import ParamSpec, is_spec
+from jaxinfer.models.specs import ParamSpec, abstract_from_specs, init_from_specs
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -138,8 +138,7 @@ def param_specs(cfg: HSTUConfig) -> dict:
 
 def abstract_params(cfg: HSTUConfig):
   """`jax.ShapeDtypeStruct` tree of `param_specs` (nothing allocates)."""
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg),
-                      is_leaf=is_spec)
+  return abstract_from_specs(param_specs(cfg))
 
 
 def _init_leaf(spec: ParamSpec, key):
@@ -156,7 +155,4 @@ def _init_leaf(spec: ParamSpec, key):
 
 def init_params(cfg: HSTUConfig, key):
   """Random params from `param_specs` (tiny configs: the tables allocate)."""
-  specs = param_specs(cfg)
-  leaves, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys)])
+  return init_from_specs(param_specs(cfg), key, _init_leaf)

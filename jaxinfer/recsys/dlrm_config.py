@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer.backend import Backend
-from jaxinfer.models.specs import ParamSpec, is_spec
+from jaxinfer.models.specs import ParamSpec, abstract_from_specs, init_from_specs
 
 _POSITIVE = ("num_heads", "attn_linear_dim", "attn_qk_dim", "num_layers", "embedding_dim",
              "transducer_dim", "preprocessor_hidden_dim", "item_mlp_hidden_dim",
@@ -217,8 +217,7 @@ def param_specs(cfg: DlrmV3Config) -> dict:
 
 def abstract_params(cfg: DlrmV3Config):
   """`jax.ShapeDtypeStruct` tree of `param_specs` (nothing allocates)."""
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype), param_specs(cfg),
-                      is_leaf=is_spec)
+  return abstract_from_specs(param_specs(cfg))
 
 
 def _init_leaf(spec: ParamSpec, key):
@@ -233,6 +232,4 @@ def init_params(cfg: DlrmV3Config, key):
   """Random params: unit-normal table rows, 0.1-normal action / position / time
   rows, fan-in scaled normal weights, norms at identity, zero biases (tiny
   configs only: the tables allocate)."""
-  leaves, treedef = jax.tree.flatten(param_specs(cfg), is_leaf=is_spec)
-  keys = jax.random.split(key, len(leaves))
-  return jax.tree.unflatten(treedef, [_init_leaf(s, k) for s, k in zip(leaves, keys)])
+  return init_from_specs(param_specs(cfg), key, _init_leaf)
