@@ -42,15 +42,14 @@ import jax.numpy as jnp
 from jaxinfer import xla_attention
 from jaxinfer.backend import Backend
 import pallas_kernels
-from pallas_kernels import cpu as cpu_kernels
+import native_kernels as cpu_kernels
 from pallas_kernels import mosaic_grouped_matmul as mosaic_experts_kernel
 from pallas_kernels import mosaic_mla_attention as mosaic_mla
 from pallas_kernels import mosaic_mla_ragged
 from pallas_kernels import mosaic_paged_attention as mosaic
 from pallas_kernels import mosaic_ragged_attention as mosaic_ragged
 from pallas_kernels import mosaic_wide_attention as mosaic_wide
-from pallas_kernels.paged_attention import gpu_blocks, tile_error
-from pallas_kernels.ragged_paged_attention import to_padded
+from pallas_kernels.paged_attention import gpu_blocks, tile_error, to_padded
 
 try:  # jax's Hopper grouped matmul (Mosaic GPU; jax >= 0.11 takes it on Hopper)
   from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as _ragged_dot_mgpu
@@ -155,7 +154,7 @@ def mosaic_experts(xs, w, group_sizes, *, scale=None, block=None, packed=None, s
 
 
 # Average rows per expert up to which `cpu_experts` runs the C++ kernel when
-# it has no register tiles (`pallas_kernels.cpu.tiled`), its streaming path
+# it has no register tiles (`native_kernels.tiled`), its streaming path
 # only: bench_moe's experts (round 31's 2-core Xeon, one layer, ms, streaming against XLA's
 # loop `moe.experts_split`): 1 token 1.45 vs 2.02, 8 tokens 8.4 vs 10.2, 32
 # tokens 16.2 vs 24.9, 64 tokens 21.6 vs 36.7, 128 tokens (12 rows) 34.8 vs
@@ -175,7 +174,7 @@ def cpu_experts_fit(dtype, quantized: bool, bias: bool) -> bool:
 def cpu_experts(num_rows: int, num_experts: int, xs_dtype, w_gate_up, w_down, bias: bool,
                 backend: Backend) -> bool:
   """Whether `routed_experts_cpu` takes a step's routed experts: a CPU
-  target, the native kernels built (`pallas_kernels.cpu.available`: the
+  target, the native kernels built (`native_kernels.available`: the
   first call, when a step is traced, builds them),
   float32 rows and weights held as plain arrays, no expert biases, and with
   the kernel's register tiles any number of rows, else at most
@@ -208,7 +207,7 @@ def routed_experts_cpu(xs, sizes, w_gate_up, w_down, *, activation: str, limit: 
                        alpha: float):
   """xs [M, D] token copies sorted by expert, sizes [E] their counts -> [M,
   D]: each copy through its expert's gated FFN (rows past the sum are 0), on
-  the C++ CPU kernel (`pallas_kernels.cpu.split_experts_ffn`); call where
+  the C++ CPU kernel (`native_kernels.split_experts_ffn`); call where
   `cpu_experts` holds."""
   return cpu_kernels.split_experts_ffn(xs, sizes, list(w_gate_up), list(w_down),
                                        activation=activation, limit=limit, alpha=alpha)
@@ -216,7 +215,7 @@ def routed_experts_cpu(xs, sizes, w_gate_up, w_down, *, activation: str, limit: 
 
 def pack_panels(w2):
   """A float32 projection [In, Out] -> the C++ CPU kernel's 32-column
-  panels [ceil(Out / 32), In, 32] (`pallas_kernels.cpu.pack_panels`)."""
+  panels [ceil(Out / 32), In, 32] (`native_kernels.pack_panels`)."""
   return cpu_kernels.pack_panels(w2)
 
 
@@ -227,7 +226,7 @@ def unpack_panels(wp, out: int):
 
 def panel_linear(x2, wp, out: int):
   """x2 [rows, In] times a projection in panels (`pack_panels`) -> [rows,
-  out] float32: the C++ CPU kernel (`pallas_kernels.cpu.panel_matmul`)
+  out] float32: the C++ CPU kernel (`native_kernels.panel_matmul`)
   where it builds (on this first use, when the step is traced), else the
   same product in XLA (slow: panels are the layout `engine.weight_layout`
   picks only where the kernel may build)."""

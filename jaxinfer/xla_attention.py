@@ -40,8 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.mosaic_ragged_attention import work_items
-from pallas_kernels.paged_attention import dequantize
-from pallas_kernels.ragged_paged_attention import to_padded
+from pallas_kernels.paged_attention import dequantize, to_padded
 
 MASKED = -1e30
 

@@ -404,6 +404,17 @@ def token_sequences(cu_q_lens, num_tokens: int):
   return t, seq, t < cu_q_lens[-1]
 
 
+def to_padded(q, cu_q_lens, max_q):
+  """Token-flattened q [T, ...] -> ([B, max_q, ...], seq [T], row [T], valid [T]):
+  token t is row `row[t]` of sequence `seq[t]`; padding tokens are not valid."""
+  B = cu_q_lens.shape[0] - 1
+  t, seq, valid = token_sequences(cu_q_lens, q.shape[0])
+  row = t - cu_q_lens[seq]
+  q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype)
+  q_pad = q_pad.at[jnp.where(valid, seq, B), row].set(q, mode="drop")
+  return q_pad, seq, jnp.minimum(row, max_q - 1), valid
+
+
 def validate_paged(q, k_pages, v_pages, lengths, page_indices, *, window, sinks, name,
                    q_lens=None, k_scale=None, v_scale=None):
   """Shape and dtype checks shared by the paged wrappers (ValueError/TypeError).

@@ -23,18 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attention import (PagedBlocks, check_tiles, paged_attention_reference,
-                                            ragged_core, token_sequences, validate_paged)
-
-
-def to_padded(q, cu_q_lens, max_q):
-  """Token-flattened q [T, ...] -> ([B, max_q, ...], seq [T], row [T], valid [T]):
-  token t is row `row[t]` of sequence `seq[t]`; padding tokens are not valid."""
-  B = cu_q_lens.shape[0] - 1
-  t, seq, valid = token_sequences(cu_q_lens, q.shape[0])
-  row = t - cu_q_lens[seq]
-  q_pad = jnp.zeros((B, max_q, *q.shape[1:]), q.dtype)
-  q_pad = q_pad.at[jnp.where(valid, seq, B), row].set(q, mode="drop")
-  return q_pad, seq, jnp.minimum(row, max_q - 1), valid
+                                            ragged_core, to_padded, validate_paged)
 
 
 def _check(q, cu_q_lens, kv_lens, max_q):

@@ -193,22 +193,18 @@ def host_batch(seqs, page_size: int, pages: int, seq_cap: int):
 
 
 def spec_host_batch(seqs, K: int, page_size: int, pages: int, seq_cap: int):
-  """Decode sequences each verifying K drafts -> (SpecBatch.pack() arrays, StepShapes)."""
+  """Decode sequences each verifying K drafts -> (`StepBatch`, `DraftRows`, StepShapes)."""
   batch, shapes = host_batch([(K + 1, kv) for _, kv in seqs], page_size, pages, seq_cap)
   B, T = shapes.seqs, shapes.tokens
   n = len(seqs)
-  draft_j = steps.pad([j - 1 for _ in seqs for j in range(K + 1)], T, np.int32, -1)
   fill = lambda v, dtype=np.int32: steps.pad([v] * n, B, dtype)
-  spec = speculative.SpecBatch(
-      tokens=batch.tokens, draft_j=draft_j, positions=batch.positions,
-      token_seq=batch.token_seq, valid=batch.valid, cu_q_lens=batch.cu_q_lens,
-      kv_lens=batch.kv_lens, page_table=batch.page_table, logits_idx=batch.logits_idx,
+  rows = steps.DraftRows(
+      draft_j=steps.pad([j - 1 for _ in seqs for j in range(K + 1)], T, np.int32, -1),
       slot=steps.pad(range(n), B, np.int32), num_draft=fill(K), samples=fill(True, bool),
       from_state=fill(False, bool), chunk_next=fill(0),
       capacity=steps.pad([-(-kv // page_size) * page_size for _, kv in seqs], B, np.int32),
-      max_len=fill(1 << 30), prompt_len=fill(1), temperature=batch.temperature,
-      top_k=batch.top_k, top_p=batch.top_p, seeds=batch.seeds)
-  return spec.pack(), shapes
+      max_len=fill(1 << 30), prompt_len=fill(1))
+  return batch, rows, shapes
 
 
 def _replicated(mesh, tree):
@@ -306,7 +302,7 @@ def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
   placed as `lower_step` places a step; under attention DP each rank's
   draft-state rows split over the DP axes."""
   K = w.num_draft_tokens
-  packed, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
+  batch, rows, shapes = spec_host_batch(seqs, K, w.page_size, w.pages_per_seq(), len(seqs))
   n, where = _placement(params, mesh, layout)
   axes = sharding.dp_axes(mesh, layout)
   state = jax.eval_shape(lambda: speculative.init_state(cfg, n * shapes.seqs, K))
@@ -316,7 +312,8 @@ def lower_spec(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workl
         _model(cfg, params, ep, where),
         steps.StepState(pool, _load(cfg, mesh),
                         gpu_compile.abstract(state, NamedSharding(mesh, P(axes) if axes else P()))),
-        steps.StepInputs(_ranked(mesh, layout, packed, n)),
+        steps.StepInputs(_ranked(mesh, layout, batch, n),
+                         drafts=_ranked(mesh, layout, rows, n)),
         steps.Program(speculative.Mtp(K), max_q=shapes.max_q, greedy=w.greedy))
   return lowered, shapes
 

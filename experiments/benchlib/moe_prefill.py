@@ -37,7 +37,7 @@ from jaxinfer import models, presets
 from jaxinfer.models import moe, moe_core, transformer
 from jaxinfer.models.layers import glu
 from jaxinfer.models.layouts import DenseExperts, WeightForm
-from pallas_kernels import cpu as cpu_kernels
+import native_kernels as cpu_kernels
 
 
 @jax.tree_util.register_dataclass

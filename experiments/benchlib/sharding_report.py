@@ -10,7 +10,7 @@ uses, so a mesh the runtime rejects is rejected here with the same message.
                dims). Shards are equal (spec_for rejects indivisible dims), so the
                maximum over devices is the sum over params of one shard each.
   kv           the page pool holding `kv_tokens` tokens, sharded as
-               `Engine._pool_sharding`: GQA splits KV heads like wk/wv, MLA's
+               `Engine._zero_pool`: GQA splits KV heads like wk/wv, MLA's
                latent pool is replicated.
   collectives  ANALYTIC, not read from a compiled program: for each layer kind
                the collectives the layout implies for one forward over

@@ -231,11 +231,6 @@ class HostCore:
         host_ms_per_step=1e3 * counts.host_s / max(counts.host_steps, 1),
         requests_per_rank=[sum(r.rank == k for r in reqs) for k in range(self.num_ranks)])
 
-  def spec_draft_tokens(self, sch: Scheduler) -> int:
-    """The MTP drafts K of a rank's next speculative step (by its batch)."""
-    return self.spec.draft_tokens_for(
-        min(len(sch.running) + len(sch.waiting), self.config.max_num_seqs))
-
   # ------------------------------------------------------------ KV hand-over
 
   def take_pages(self, request_id: int) -> tuple[int, list[int]]:

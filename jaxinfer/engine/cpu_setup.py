@@ -2,7 +2,7 @@
 
   python -m jaxinfer.engine.cpu_setup [preset ...]   # default: PROBED_PRESETS
 
-builds the C++ CPU kernels for this machine (`pallas_kernels.cpu.build`;
+builds the C++ CPU kernels for this machine (`native_kernels.build`;
 they build on first use otherwise) and probes the float weight layouts at
 each preset's widest projection (`weight_layout.probe`), keeping the result
 beside the kernels' library, where `EngineConfig(cpu_weight_layout="auto")`

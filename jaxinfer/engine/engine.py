@@ -13,11 +13,11 @@ the same read, in steps whose requests ask for them).
 
 The Engine holds a host core (`core.HostCore`: requests, per-rank schedulers
 and page allocators) and owns the device state: the params in the step's
-layout with their placement (`steps.StepModel`), the page pool and the
-expert load. Its step runner (`steps.Runner`, one for every decoder; with
-speculation it holds the MTP draft state, `drafts.Drafts`) takes them on
-each step and returns the pool and load the step donated and made anew;
-only the Engine assigns them.
+layout with their placement (`steps.StepModel`), the page pool, the
+expert load and, with speculation, the MTP draft state. Its step runner
+(`steps.Runner`, one for every decoder) takes them on each step as one
+`steps.StepState` and returns what the step donated, made anew; only the
+Engine assigns them.
 """
 
 from __future__ import annotations
@@ -39,9 +39,8 @@ from jaxinfer.engine.core import (HostCore, RequestMetrics, RequestOutput, prefi
                                   forward, forward_attribute)
 from jaxinfer.engine.images import Images, per_prompt
 from jaxinfer.engine import steps
-from jaxinfer.engine.steps import Ranks, Runner, StepModel
+from jaxinfer.engine.steps import Ranks, Runner, StepModel, StepState
 from jaxinfer.engine.sampling import SamplingParams
-from jaxinfer.engine.drafts import Drafts
 from jaxinfer.kv import cache as kv_cache, scales as kv_scales
 from jaxinfer.kv.pool import KV_CACHE_DTYPES
 from jaxinfer.models import mtp, quant, transformer
@@ -251,6 +250,16 @@ def _zero_load(cfg: ModelConfig, spec, mesh):
   return load
 
 
+def _zero_draft(engine: "Engine"):
+  """An Engine's zeroed MTP draft state (each rank's slots), or None
+  without speculation."""
+  spec = engine.config.speculative
+  if spec is None:
+    return None
+  return speculative.zero_state(engine.cfg, engine.num_ranks * engine.config.max_num_seqs,
+                                spec.num_draft_tokens, engine._model.ranks)
+
+
 def _pool_scales(cfg: ModelConfig, c: EngineConfig, params, found_scales):
   """-> (the pool's scales as numpy, where they came from) for a quantized
   kv_cache_dtype (`kv_calibration.resolve`), else (None, None)."""
@@ -350,6 +359,7 @@ class Engine:
     # (Only the vision weights: they outlive a rebalance of the layers'.)
     vision = {k: v for k, v in self._model.params.items() if k == "vision"}
     self.images = Images(cfg, vision, config.image_processor, config.encoder_cache_tokens)
+    self._draft = _zero_draft(self)  # the MTP draft state (None without speculation)
     self._runner = self._new_runner()  # builds, dispatches and reads the steps
     # Which kernels the steps run (Engine.stats): read off the shapes as the ops read them.
     self.kernels = steps.kernel_choice(cfg, self.pool, num_seqs=config.max_num_seqs,
@@ -357,8 +367,11 @@ class Engine:
                                        max_q=prefill_chunk(config), form=self._form)
 
   def _new_runner(self):
-    drafts = Drafts(self.core, self._model) if self._spec is not None else None
-    return Runner(self.core, self.images, drafts)
+    return Runner(self.core, self.images, self._spec and speculative.Drafts(self.core))
+
+  def _keep(self, state: StepState) -> None:
+    """What a step donated, anew: the engine keeps it."""
+    self.pool, self._load, self._draft = state.pool, state.load, state.draft
 
   def _set_params(self, params) -> None:
     """params (stacked, as `init_params` makes them) -> the `StepModel` the
@@ -387,9 +400,10 @@ class Engine:
     return None if self._model is None else _stacked_params(self)
 
   def _zero_pool(self, num_pages: int):
+    where = (None if self.mesh is None else jax.sharding.NamedSharding(
+        self.mesh, sharding.kv_pool_spec(self.cfg, self.mesh, self.layout)))
     return kv_cache.init_pool(self.cfg, num_pages, self.config.page_size, self.kv_dtype,
-                              sharding=self._pool_sharding() if self.mesh is not None else None,
-                              mtp=self._spec is not None, scales=self._pool_scales)
+                              sharding=where, mtp=self._spec is not None, scales=self._pool_scales)
 
   @property
   def kv_scales(self) -> list[dict] | None:
@@ -398,10 +412,6 @@ class Engine:
     if not self.pool.layout.quantized:
       return None
     return [{n: np.asarray(a) for n, a in seg.items()} for seg in self.pool.scales]
-
-  def _pool_sharding(self):
-    return jax.sharding.NamedSharding(self.mesh,
-                                      sharding.kv_pool_spec(self.cfg, self.mesh, self.layout))
 
   # ------------------------------------------------------------ requests
 
@@ -437,9 +447,8 @@ class Engine:
     previous step, read back while this one runs. Under attention DP every
     rank steps together, an idle one on an all-padding batch."""
     self._check_not_released()
-    # The runner returns what the step donated anew; the engine keeps it.
-    self.pool, self._load = self._runner.dispatch(self._model, self.pool, self._load)
-    return self._runner.read()
+    self._keep(self._runner.dispatch(self._model, StepState(self.pool, self._load, self._draft)))
+    return self._runner.read(self._draft)
 
   def recover(self) -> list[int]:
     """After `step` raised: ends every queued and running request with
@@ -458,6 +467,7 @@ class Engine:
         a.forget_cached()
     if self._load is not None and self._load.is_deleted():
       self._load = _zero_load(self.cfg, self._spec, self.mesh)
+    self._draft = _zero_draft(self)  # the slots start empty
     return ended
 
   def warmup(self, *, sampled: bool = True, top_k: bool = False, map_fraction=0.6,
@@ -468,8 +478,9 @@ class Engine:
     -> {"programs": compiled now, "left_out": not compiled, "seconds"}."""
     todo = warmup.programs(self, sampled=sampled, top_k=top_k) if programs is None else programs
     start = time.perf_counter()
-    compiled, left, self.pool, self._load = self._runner.warm(self._model, self.pool, self._load,
-                                                              todo, map_fraction)
+    compiled, left, state = self._runner.warm(
+        self._model, StepState(self.pool, self._load, self._draft), todo, map_fraction)
+    self._keep(state)
     return dict(programs=compiled, left_out=left, seconds=time.perf_counter() - start)
 
   def release(self) -> None:
@@ -479,7 +490,7 @@ class Engine:
     stepping afterwards is a RuntimeError."""
     self._runner.release()
     self.images.release()
-    self.pool = self._load = self._model = None
+    self.pool = self._load = self._draft = self._model = None
 
   @property
   def released(self) -> bool:

@@ -45,7 +45,7 @@ def device_state_copy(engine):
 def dispatch_hook(engine, fn):
   """While open, each step dispatch of the Engine's runner calls
   fn(dispatch, *args, **kwargs) instead of dispatch(*args, **kwargs) (fn
-  must call dispatch and return its result: the new pool and load)."""
+  must call dispatch and return its result: the new `steps.StepState`)."""
   runner = engine._runner
   own = vars(runner).get("_dispatch")  # an instance attribute, if one was set
   dispatch = runner._dispatch

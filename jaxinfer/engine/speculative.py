@@ -33,6 +33,14 @@ position. A decode block marked `from_state` takes its token and positions
 from there, so the engine can dispatch step N + 1 before it has read how
 many tokens step N accepted (the host only reserves pages for the most step
 N could have accepted, and never waits on the device between the two).
+
+The host side (`Drafts`, the end of this file) is what `steps.Runner` holds
+with MTP: each request's row of the draft state (`DraftSlots`), the
+acceptance counters, and the batch's `steps.DraftRows` (`spec_batch`). The
+draft state itself is the Engine's, in its `steps.StepState`. A decode-only
+batch is pipelined with async scheduling; anything else (admissions,
+prefill chunks, preemption, a new draft budget K) reads the step in flight
+first and schedules as usual, with K as the draft budget.
 """
 
 from __future__ import annotations
@@ -42,11 +50,16 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 import numpy as np
 
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import scheduler, steps
+from jaxinfer.engine.core import HostCore
 from jaxinfer.engine.logprobs import step_logprobs
-from jaxinfer.engine.steps import expert_parallel, per_rank
+from jaxinfer.engine.scheduler import Scheduled
+from jaxinfer.engine.steps import (DraftRows, StepBatch, expert_parallel, per_rank,
+                                   sampling_fields)
 from jaxinfer.engine.sampling import argmax, filter_logits, request_keys
 from jaxinfer.kv.contexts import PagedContext
 from jaxinfer.models import mtp
@@ -87,55 +100,19 @@ class MTPConfig:
         k = min(kb, self.num_draft_tokens)
     return k
 
+  def draft_tokens_of(self, sch, max_num_seqs: int) -> int:
+    """The drafts K of a rank's next speculative step, by its batch (a
+    `Scheduler`'s running and waiting requests, at most max_num_seqs)."""
+    return self.draft_tokens_for(min(len(sch.running) + len(sch.waiting), max_num_seqs))
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SpecBatch:
-  tokens: jax.Array  # [T] int32 (draft rows: ignored, read from the draft state)
-  draft_j: jax.Array  # [T] int32: index of the state draft this row holds, or -1
-  positions: jax.Array  # [T]
-  token_seq: jax.Array  # [T]
-  valid: jax.Array  # [T] bool
-  cu_q_lens: jax.Array  # [B + 1]
-  kv_lens: jax.Array  # [B]
-  page_table: jax.Array  # [B, pages]
-  logits_idx: jax.Array  # [B]: each sequence's last row
-  slot: jax.Array  # [B]: the sequence's row of the draft state
-  num_draft: jax.Array  # [B]: drafts verified this step (0: prefill)
-  samples: jax.Array  # [B] bool: the chunk reaches the end (tokens are emitted)
-  from_state: jax.Array  # [B] bool: a decode block whose last token and positions come
-  #                        from the draft state (dispatched before the last step was read)
-  chunk_next: jax.Array  # [B]: the token after a prefill chunk that does not sample
-  capacity: jax.Array  # [B]: positions the sequence's pages hold
-  max_len: jax.Array  # [B]: tokens the request may reach (prompt + max_tokens, or the context)
-  prompt_len: jax.Array  # [B]
-  temperature: jax.Array  # [B] float32
-  top_k: jax.Array  # [B]
-  top_p: jax.Array  # [B]
-  seeds: jax.Array  # [B] uint32
 
-  _ROWS = ("tokens", "draft_j", "positions", "token_seq", "valid")
-  _SEQS = ("kv_lens", "logits_idx", "slot", "num_draft", "samples", "from_state", "chunk_next",
-           "capacity", "max_len", "prompt_len", "top_k", "seeds")
-
-  def pack(self) -> tuple:
-    """Host numpy fields -> 5 arrays (one transfer each instead of 19)."""
-    rows = np.stack([np.asarray(getattr(self, f)).astype(np.int32) for f in self._ROWS])
-    seqs = np.stack([np.asarray(getattr(self, f)).view(np.int32) if f == "seeds"
-                     else np.asarray(getattr(self, f)).astype(np.int32) for f in self._SEQS])
-    floats = np.stack([self.temperature, self.top_p]).astype(np.float32)
-    return rows, seqs, np.asarray(self.cu_q_lens, np.int32), np.asarray(self.page_table, np.int32), floats
-
-  @classmethod
-  def unpack(cls, packed) -> "SpecBatch":
-    rows, seqs, cu, table, floats = packed
-    f = {name: rows[i] for i, name in enumerate(cls._ROWS)}
-    f.update({name: seqs[i] for i, name in enumerate(cls._SEQS)})
-    f["valid"] = f["valid"] > 0
-    f["samples"] = f["samples"] > 0
-    f["from_state"] = f["from_state"] > 0
-    f["seeds"] = jax.lax.bitcast_convert_type(f["seeds"], jnp.uint32)
-    return cls(cu_q_lens=cu, page_table=table, temperature=floats[0], top_p=floats[1], **f)
+def zero_state(cfg: ModelConfig, slots: int, max_draft: int, ranks=None) -> dict:
+  """`init_state`, placed: under attention DP (`steps.Ranks`) each rank's
+  block of rows on its devices (as the pool's pages are split)."""
+  state = init_state(cfg, slots, max_draft)
+  if ranks is None:
+    return state
+  return jax.device_put(state, NamedSharding(ranks.mesh, P(ranks.axes)))
 
 
 def init_state(cfg: ModelConfig, slots: int, max_draft: int) -> dict:
@@ -259,7 +236,7 @@ class _Rows:
   base: jax.Array  # [B]: each block's first verified row
 
 
-def _resolve_rows(batch: SpecBatch, state, max_q, mesh, head_axis) -> _Rows:
+def _resolve_rows(batch: StepBatch, d: DraftRows, state, max_q, mesh, head_axis) -> _Rows:
   """Pipelining: a `from_state` decode block takes its last token and its
   positions from the draft state (the host dispatched it before reading the
   step in flight), and its drafts are cut where the request would pass
@@ -267,45 +244,45 @@ def _resolve_rows(batch: SpecBatch, state, max_q, mesh, head_axis) -> _Rows:
   T = batch.tokens.shape[0]
   b = batch.token_seq
   j_row = jnp.arange(T) - batch.cu_q_lens[b]  # row index within its sequence's block
-  pos0 = state["pos"][batch.slot]
-  num_draft = jnp.where(batch.from_state,
-                        jnp.clip(jnp.minimum(batch.num_draft, batch.max_len - pos0 - 2), 0),
-                        batch.num_draft)
-  fs = batch.from_state[b]
+  pos0 = state["pos"][d.slot]
+  num_draft = jnp.where(d.from_state,
+                        jnp.clip(jnp.minimum(d.num_draft, d.max_len - pos0 - 2), 0),
+                        d.num_draft)
+  fs = d.from_state[b]
   positions = jnp.where(fs, pos0[b] + j_row, batch.positions)
   valid = batch.valid & (~fs | (j_row <= num_draft[b]))
   # The kernels place a block's rows at the end of its KV length, so a cut
   # block keeps its full length; its cut rows are invalid (their K/V goes to
   # the null page) and, being later in the causal order, unseen by the rest.
-  kv_lens = jnp.where(batch.from_state, pos0 + batch.num_draft + 1, batch.kv_lens)
-  row_slot = batch.slot[b]
-  tokens = jnp.where(batch.draft_j >= 0,
-                     state["drafts"][row_slot, jnp.maximum(batch.draft_j, 0)], batch.tokens)
+  kv_lens = jnp.where(d.from_state, pos0 + d.num_draft + 1, batch.kv_lens)
+  row_slot = d.slot[b]
+  tokens = jnp.where(d.draft_j >= 0,
+                     state["drafts"][row_slot, jnp.maximum(d.draft_j, 0)], batch.tokens)
   tokens = jnp.where(fs & (j_row == 0), state["last"][row_slot], tokens)
   ctx = PagedContext(positions=positions, token_seq=b, valid=valid, cu_q_lens=batch.cu_q_lens,
                      kv_lens=kv_lens, page_table=batch.page_table, max_q=max_q, mesh=mesh,
                      head_axis=head_axis)
-  base = jnp.clip(batch.logits_idx - batch.num_draft, 0, T - 1)
+  base = jnp.clip(batch.logits_idx - d.num_draft, 0, T - 1)
   return _Rows(tokens, positions, ctx, num_draft, base)
 
 
-def _verify(cfg, params, x, rows: _Rows, batch: SpecBatch, state, K: int, greedy: bool,
-            k_cap: int):
+def _verify(cfg, params, x, rows: _Rows, batch: StepBatch, d: DraftRows, state, K: int,
+            greedy: bool, k_cap: int):
   """Target logits at each block's K + 1 rows (the last known token and its
   drafts: one forward, the kernels' Q > 1 path), then `accept`.
   -> (tokens [B, K + 1], accepted [B], draft keys [B] or None, the logits)."""
   T = x.shape[0]
   idx = jnp.clip(rows.base[:, None] + jnp.arange(K + 1), 0, T - 1)  # [B, K + 1]
   logits = head(cfg, params, x[idx])  # [B, K + 1, V]
-  drafts_in = state["drafts"][batch.slot, :K]
+  drafts_in = state["drafts"][d.slot, :K]
   if greedy:
     q_in = k_acc = k_draft = None
   else:
     # Keyed by the index of the request's first token emitted this step.
-    keys = request_keys(batch.seeds, rows.positions[rows.base] + 1 - batch.prompt_len)
+    keys = request_keys(batch.seeds, rows.positions[rows.base] + 1 - d.prompt_len)
     split = jax.vmap(lambda k: jax.random.split(k, 2))(keys)
     k_acc, k_draft = split[:, 0], split[:, 1]
-    q_in = state["q"][batch.slot, :K]
+    q_in = state["q"][d.slot, :K]
   out, n_acc = accept(logits, drafts_in, q_in, rows.num_draft, batch.temperature, batch.top_k,
                       batch.top_p, k_acc, greedy, k_cap)
   return out, n_acc, k_draft, logits
@@ -318,8 +295,8 @@ def _add_mtp_load(cfg, mtp_load, load, m: int, counts):
   return load.at[load.shape[0] - cfg.num_mtp_layers + m].add(counts)
 
 
-def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep, mtp_load,
-              load):
+def _catch_up(cfg, params, x, rows: _Rows, batch: StepBatch, d: DraftRows, out, mtp_pool, ep,
+              mtp_load, load):
   """MTP module 1 over every row of the step, input (h_i, t_{i + 1}): the
   next token is the next row's, the step's output inside a verified window,
   or `chunk_next` after a prefill chunk that does not sample. Its K/V up to
@@ -330,10 +307,10 @@ def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep, 
   r = jnp.arange(T)
   b = batch.token_seq
   jr = r - rows.base[b]
-  in_window = batch.samples[b] & (jr >= 0) & (jr <= rows.num_draft[b])
+  in_window = d.samples[b] & (jr >= 0) & (jr <= rows.num_draft[b])
   nxt = rows.tokens[jnp.minimum(r + 1, T - 1)]
   nxt = jnp.where(in_window, out[b, jnp.clip(jr, 0, K)], nxt)
-  nxt = jnp.where((r == batch.logits_idx[b]) & ~batch.samples[b], batch.chunk_next[b], nxt)
+  nxt = jnp.where((r == batch.logits_idx[b]) & ~d.samples[b], d.chunk_next[b], nxt)
   cos, sin = rope_cos_sin(cfg, rows.positions[None])
   m = mtp.module_for(cfg, 1)
   h, mtp_pool, counts = mtp.apply_with_counts(
@@ -342,8 +319,8 @@ def _catch_up(cfg, params, x, rows: _Rows, batch: SpecBatch, out, mtp_pool, ep, 
   return h[0], mtp_pool, _add_mtp_load(cfg, mtp_load, load, m, counts)
 
 
-def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_load, load, *, K,
-           greedy, k_cap, mesh, head_axis):
+def _draft(cfg, params, h, pos, batch: StepBatch, d: DraftRows, mtp_pool, ep, k_draft, mtp_load,
+           load, *, K, greedy, k_cap, mesh, head_axis):
   """From the accepted frontier (h [B, D] at position pos [B]) the chain
   drafts K tokens: depth k runs module min(k, M) at pos + k - 1 on the
   previous depth's hidden and draft, writing K/V there (overwritten once
@@ -357,7 +334,7 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_loa
     m = mtp.module_for(cfg, k)
     if k > 1:
       pos_k = pos + k - 1
-      ok = batch.samples & (pos_k < batch.capacity)
+      ok = d.samples & (pos_k < d.capacity)
       ctx_k = PagedContext(positions=pos_k, token_seq=jnp.arange(B, dtype=jnp.int32), valid=ok,
                            cu_q_lens=jnp.arange(B + 1, dtype=jnp.int32),
                            kv_lens=jnp.where(ok, pos_k + 1, 0), page_table=batch.page_table,
@@ -379,12 +356,12 @@ def _draft(cfg, params, h, pos, batch: SpecBatch, mtp_pool, ep, k_draft, mtp_loa
   return drafts, qs, mtp_pool, load
 
 
-def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
+def _write_state(state, d: DraftRows, out, n_acc, pos, drafts, qs):
   """Per sampling slot: the last emitted token (out[n_acc]: not in the KV
   cache yet), its position pos + 1, the new drafts and their q. Rows that
   do not sample write nothing (their index is out of range: dropped)."""
   state = dict(state)
-  write = jnp.where(batch.samples, batch.slot, state["drafts"].shape[0])
+  write = jnp.where(d.samples, d.slot, state["drafts"].shape[0])
   last = jnp.take_along_axis(out, n_acc[:, None], 1)[:, 0]
   state["last"] = state["last"].at[write].set(last, mode="drop")
   state["pos"] = state["pos"].at[write].set(pos + 1, mode="drop")
@@ -400,8 +377,8 @@ def _write_state(state, batch: SpecBatch, out, n_acc, pos, drafts, qs):
 class Mtp:
   """The MTP decoder (`steps.step` with `Program(Mtp(k), ...)`): each step
   verifies the drafts of K = k, accepts, catches the MTP cache up and
-  drafts anew (the module docstring). Its inputs' batch is `SpecBatch.pack()`
-  of each rank, stacked [n, ...], and targets as the plain decoder's; the
+  drafts anew (the module docstring). Its inputs are the `StepBatch` and the
+  `DraftRows` of each rank, stacked [n, ...], and targets as the plain decoder's; the
   state's draft is the draft state, [n * slots, ...] (each rank its block of
   rows); the pool holds the target's stacked caches per segment plus the MTP
   entry last; the load counts the target's MoE layers, then (EPLB over the
@@ -423,14 +400,14 @@ class Mtp:
     cfg = model.cfg
 
     def body(params, pool, ranked, draft, load):
-      packed, targets = ranked
-      emitted, pool, draft, load, lp = _spec_body(cfg, params, pool, packed, draft, load,
+      batch, rows, targets = ranked
+      emitted, pool, draft, load, lp = _spec_body(cfg, params, pool, batch, rows, draft, load,
                                                   targets, **kw)
       return (emitted, lp), pool, draft, load
 
     (emitted, lp), pool, draft, load = per_rank(body, model.ranks, model.params, state.pool,
-                                                (inputs.batch, inputs.targets), state.draft,
-                                                state.load)
+                                                (inputs.batch, inputs.drafts, inputs.targets),
+                                                state.draft, state.load)
     return emitted, dataclasses.replace(state, pool=pool, load=load, draft=draft), lp
 
   logprob_steps = None  # `logprobs.split_ranks`: the rows hold their K + 1 already
@@ -442,11 +419,10 @@ class Mtp:
     return [(r[:, :self.k + 1], r[:, self.k + 1], r[:, self.k + 2]) for r in e]
 
 
-def _spec_body(cfg, params, pool, packed, state, load, targets, *, max_q, K, ep, greedy, k_cap,
-               mesh=None, head_axis=None, logprobs=False):
-  """One rank's `Mtp` step (packed fields and targets without the rank axis)."""
-  batch = SpecBatch.unpack(packed)
-  rows = _resolve_rows(batch, state, max_q, mesh, head_axis)
+def _spec_body(cfg, params, pool, batch: StepBatch, d: DraftRows, state, load, targets, *,
+               max_q, K, ep, greedy, k_cap, mesh=None, head_axis=None, logprobs=False):
+  """One rank's `Mtp` step (batch, draft rows and targets without the rank axis)."""
+  rows = _resolve_rows(batch, d, state, max_q, mesh, head_axis)
   main_pool, mtp_pool = pool.model, pool.mtp_entry
   x, main_pool, counts = trunk_with_counts(cfg, params, rows.tokens[None], rows.ctx, main_pool,
                                            ep, None if load is None else ExpertCount.LOGICAL)
@@ -454,17 +430,193 @@ def _spec_body(cfg, params, pool, packed, state, load, targets, *, max_q, K, ep,
   mtp_load = load is not None and load.shape[0] > counts.shape[0]
   load = load if load is None else load.at[:counts.shape[0]].add(counts)
   x = x[0]  # [T, D]
-  out, n_acc, k_draft, logits = _verify(cfg, params, x, rows, batch, state, K, greedy, k_cap)
-  h, mtp_pool, load = _catch_up(cfg, params, x, rows, batch, out, mtp_pool, ep,
+  out, n_acc, k_draft, logits = _verify(cfg, params, x, rows, batch, d, state, K, greedy, k_cap)
+  h, mtp_pool, load = _catch_up(cfg, params, x, rows, batch, d, out, mtp_pool, ep,
                                 load if mtp_load else None, load)
   frontier = jnp.clip(rows.base + n_acc, 0, x.shape[0] - 1)  # each block's last accepted row
   pos = rows.positions[frontier]
-  drafts, qs, mtp_pool, load = _draft(cfg, params, h[frontier], pos, batch, mtp_pool, ep,
+  drafts, qs, mtp_pool, load = _draft(cfg, params, h[frontier], pos, batch, d, mtp_pool, ep,
                                       k_draft, load if mtp_load else None, load, K=K,
                                       greedy=greedy, k_cap=k_cap, mesh=mesh, head_axis=head_axis)
-  state = _write_state(state, batch, out, n_acc, pos, drafts, qs)
-  num_emitted = jnp.where(batch.samples, n_acc + 1, 0)
+  state = _write_state(state, d, out, n_acc, pos, drafts, qs)
+  num_emitted = jnp.where(d.samples, n_acc + 1, 0)
   emitted = jnp.concatenate([out, num_emitted[:, None], rows.num_draft[:, None]], 1)
   lp = (step_logprobs(cfg, params, logits, out, x, targets, logprobs)
         if logprobs or targets is not None else None)
   return emitted, pool.with_segments(main_pool, mtp_pool), state, load, lp
+
+
+# ------------------------------------------------------------ the host side
+
+class Drafts:
+  """MTP speculation's host side, which `steps.Runner` holds as its drafts:
+  each rank's draft-state slots (`DraftSlots`: rows of the Engine's device
+  draft state [ranks * slots, K], each rank its block) and the acceptance
+  counters (`Acceptance`)."""
+
+  def __init__(self, core: HostCore):
+    self.config = core.spec
+    S = core.config.max_num_seqs
+    self._slots = [DraftSlots(S) for _ in range(core.num_ranks)]
+    self._acceptance = Acceptance(self.config.num_draft_tokens)
+
+  def decoder(self, K: int) -> "Mtp":
+    return Mtp(K)
+
+  def schedule(self, core: HostCore, in_flight, read, draft):
+    """Continues the step in flight (pipelined) or reads it (read(keep=0))
+    and schedules anew -> (every rank's chunks, K, the events read, the
+    draft state with hand-over requests' drafts placed)."""
+    K = min(self.config.draft_tokens_of(sch, core.config.max_num_seqs)
+            for sch in core.schedulers)
+    per_rank, events = None, []
+    if in_flight and core.config.async_scheduling and in_flight[-1].decoder.k == K:
+      per_rank = _continue(core.schedulers, in_flight[-1].per_rank, K)
+    if per_rank is None:
+      events = read(0)
+      per_rank = scheduler.schedule_ranks(core.schedulers, [K] * core.num_ranks, core.config)
+      for slots, sch, scheduled in zip(self._slots, core.schedulers, per_rank):
+        slots.assign(sch.running, scheduled)
+      draft = self._place_arrived(per_rank, core.config.max_num_seqs, draft)
+    return per_rank, K, events, draft
+
+  def _place_arrived(self, per_rank, slots_per_rank: int, draft):
+    """Writes the drafts that came with hand-over requests into their new
+    slots of the draft state -> the new draft state."""
+    for rank, (slots, scheduled) in enumerate(zip(self._slots, per_rank)):
+      for s in scheduled:
+        if s.request.drafts is not None:
+          row = rank * slots_per_rank + slots.of[s.request.id]
+          draft = put_drafts(draft, row, s.request.drafts)
+          s.request.drafts = None
+    return draft
+
+  def batch(self, core: HostCore, per_rank, shapes: steps.StepShapes):
+    """Every rank's chunks -> (`StepBatch`, `DraftRows`, each stacked [n, ...],
+    real tokens)."""
+    built = [spec_batch(scheduled, shapes, slots.of, page_size=core.config.page_size,
+                        max_model_len=core.max_model_len)
+             for scheduled, slots in zip(per_rank, self._slots)]
+    return (steps.stack_batches([b for b, _, _ in built]),
+            steps.stack_batches([r for _, r, _ in built]), sum(n for _, _, n in built))
+
+  def after_read(self, scheduled: list[Scheduled], rows, counts) -> tuple:
+    """A read step's rows of one rank ((tokens, emitted, verified), `Mtp.rows`):
+    counts the acceptance and the drafts cut on device at max_len ->
+    `Scheduler.apply`'s (tokens, emitted, K)."""
+    out, n_emit, n_verified = rows
+    for s, n, d in zip(scheduled, n_emit, n_verified):
+      counts.tokens -= s.num_draft - int(d)  # drafts cut on device at max_len
+      if s.samples and s.num_draft and not s.request.finished:
+        self._acceptance.record(int(d), int(n))
+    return out, n_emit, out.shape[1] - 1
+
+  def keep_handover(self, core: HostCore, scheduled: list[Scheduled], draft) -> None:
+    """Held requests that finished (a disaggregated prefill): snapshot their
+    row of the draft state now, before the slot can go to another request."""
+    for s in scheduled:
+      req = s.request
+      if req.hold_pages and req.finish_reason not in (None, "abort") and req.num_drafts:
+        row = req.rank * core.config.max_num_seqs + self._slots[req.rank].of[req.id]
+        req.drafts = take_drafts(draft, row, req.num_drafts)
+
+  def stats(self) -> dict:
+    return self._acceptance.stats(self.config.num_draft_tokens)
+
+
+class DraftSlots:
+  """Rows of the device draft state, one per running request."""
+
+  def __init__(self, num_slots: int):
+    self.of: dict[int, int] = {}  # request id -> slot
+    self._free = list(range(num_slots))
+
+  def assign(self, running, scheduled: list[Scheduled]) -> None:
+    """Frees the slots of requests no longer running (finished or
+    preempted), then gives each newly scheduled request one."""
+    live = {r.id for r in running}
+    for rid in [rid for rid in self.of if rid not in live]:
+      self._free.append(self.of.pop(rid))
+    for s in scheduled:
+      if s.request.id not in self.of:
+        self.of[s.request.id] = self._free.pop()
+
+
+class Acceptance:
+  """Per draft position: drafts verified and accepted; per sequence-step
+  that verified drafts: the tokens it emitted (accepted + 1)."""
+
+  def __init__(self, max_draft: int):
+    self.drafted = np.zeros(max_draft, np.int64)
+    self.accepted = np.zeros(max_draft, np.int64)
+    self.verifies = self.verify_tokens = 0
+
+  def record(self, num_verified: int, num_emitted: int) -> None:
+    self.drafted[:num_verified] += 1
+    self.accepted[:num_emitted - 1] += 1
+    self.verifies += 1
+    self.verify_tokens += num_emitted
+
+  def stats(self, num_draft_tokens: int) -> dict:
+    with np.errstate(invalid="ignore", divide="ignore"):
+      per_pos = np.where(self.drafted > 0, self.accepted / np.maximum(self.drafted, 1), np.nan)
+    return dict(
+        spec_num_draft_tokens=num_draft_tokens,
+        spec_verify_steps=self.verifies,  # sequence-steps that verified drafts
+        spec_mean_accepted_length=(self.verify_tokens / self.verifies if self.verifies
+                                   else float("nan")),
+        spec_acceptance_per_position=[float(a) for a in per_pos],
+        spec_drafted_per_position=[int(d) for d in self.drafted])
+
+
+def spec_batch(scheduled: list[Scheduled], shapes: steps.StepShapes, slot_of: dict, *,
+               page_size: int, max_model_len: int):
+  """One rank's chunks -> (padded `StepBatch`, its `DraftRows`, real tokens).
+  A decode block is [last token, K draft rows]: the drafts' values stay on
+  device (`draft_j`), and a pipelined block (`from_state`) takes its last
+  token from there too."""
+  tokens, draft_j, positions, token_seq, chunk_next = [], [], [], [], []
+  for i, s in enumerate(scheduled):
+    known = s.request.tokens
+    n_known = s.num_tokens - s.num_draft
+    if s.from_state:  # the last token and the positions come from the device
+      tokens += [0] * s.num_tokens
+    else:
+      tokens += known[s.start:s.start + n_known] + [0] * s.num_draft
+    draft_j += [-1] * n_known + list(range(s.num_draft))
+    positions += range(s.start, s.start + s.num_tokens)
+    token_seq += [i] * s.num_tokens
+    chunk_next.append(0 if s.samples else known[s.start + s.num_tokens])
+  reqs = [s.request for s in scheduled]
+  T, B, pad = shapes.tokens, shapes.seqs, steps.pad
+  batch = steps.pad_batch(
+      shapes, tokens=tokens, from_prev=[-1] * len(tokens), positions=positions,
+      token_seq=token_seq, q_lens=[s.num_tokens for s in scheduled],
+      kv_lens=[s.start + s.num_tokens for s in scheduled], page_tables=[r.pages for r in reqs],
+      **sampling_fields(reqs), sample_idx=[len(r.output) for r in reqs])
+  rows = steps.DraftRows(
+      draft_j=pad(draft_j, T, np.int32, -1), slot=pad([slot_of[r.id] for r in reqs], B, np.int32),
+      num_draft=pad([s.num_draft for s in scheduled], B, np.int32),
+      samples=pad([s.samples for s in scheduled], B, bool),
+      from_state=pad([s.from_state for s in scheduled], B, bool),
+      chunk_next=pad(chunk_next, B, np.int32),
+      capacity=pad([len(r.pages) * page_size for r in reqs], B, np.int32),
+      max_len=pad([min(len(r.prompt) + r.sampling.max_tokens, max_model_len) for r in reqs],
+                  B, np.int32),
+      prompt_len=pad([len(r.prompt) for r in reqs], B, np.int32))
+  return batch, rows, len(tokens)
+
+
+def _continue(schedulers, previous: list[list[Scheduled]], K: int):
+  """Pipelined blocks for every rank, or None (then the step in flight is
+  read first). All ranks continue or none does: each is checked before any
+  takes pages. A rank with no work stays idle."""
+  plans = []
+  for sch, prev in zip(schedulers, previous):
+    plan = sch.plan_continue(prev, K) if sch.has_work() else []
+    if plan is None:
+      return None
+    plans.append(plan)
+  if not any(plans):
+    return None
+  return [sch.continue_with(plan, K) for sch, plan in zip(schedulers, plans)]

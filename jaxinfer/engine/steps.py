@@ -4,8 +4,8 @@ its ranks.
 Read top to bottom, one decode step is here: `Runner.dispatch` takes every
 rank's chunks from the scheduler (`scheduler.schedule_ranks`), picks the
 program's bucketed shapes (`step_shapes`), builds the padded batch
-(`rank_batch`, `pad_batch`, `stack_batches`; an MTP step's is
-`drafts.spec_batch`) and calls the jitted `step`, which runs the decoder
+(`rank_batch`, `pad_batch`, `stack_batches`; an MTP step's also its
+`DraftRows`, `speculative.spec_batch`) and calls the jitted `step`, which runs the decoder
 (`Plain()`, `MultiStep(n)`, `speculative.Mtp(k)`: small frozen values) over
 the page pool: the model writes the new K/V into the pages, and each
 sequence's last token is sampled (`_sample`); `Runner.read` brings the
@@ -42,11 +42,12 @@ and their routing counts are summed over the ranks). So every decoder's
 step is written once, for one rank; there is no second, ranked form.
 
 The runner. `Runner` holds the `engine.core.HostCore` it schedules and its
-own host state (the queue of steps in flight, the device-side previous
-samples, its counters; with MTP the draft state, `drafts.Drafts`), never
-the Engine. The Engine's device state goes in explicitly on each call, the
-`StepModel` and what the step donates (the page pool and the expert load);
-the runner returns the new pool and load, and the Engine keeps them.
+own host state (the queue of steps in flight, whose last output holds the
+previous samples; its counters; with MTP the draft slots and acceptance
+counters, `speculative.Drafts`), never the Engine. The Engine's device
+state goes in explicitly on each call, the `StepModel` and the `StepState`
+the step donates (the page pool, the expert load, the MTP draft state);
+the runner returns the new state, and the Engine keeps it.
 """
 
 from __future__ import annotations
@@ -159,6 +160,26 @@ class StepBatch:
   top_p: jax.Array  # [B] float32
   seeds: jax.Array  # [B] uint32
   sample_idx: jax.Array  # [B] int32: index of the token being sampled in its request
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class DraftRows:
+  """An MTP step's part of its inputs (`StepInputs.drafts`; `speculative`
+  builds it): which rows hold drafts and where each sequence's draft
+  state, emitted tokens and limits are. A decode block is [last token, K
+  draft rows]; the drafts' values stay in the device draft state."""
+  draft_j: jax.Array  # [T] int32: index of the state draft this row holds, or -1
+  slot: jax.Array  # [B] int32: the sequence's row of the draft state
+  num_draft: jax.Array  # [B] int32: drafts verified this step (0: prefill)
+  samples: jax.Array  # [B] bool: the chunk reaches the end (tokens are emitted)
+  from_state: jax.Array  # [B] bool: a decode block whose last token and positions come
+  #                        from the draft state (dispatched before the last step was read)
+  chunk_next: jax.Array  # [B] int32: the token after a prefill chunk that does not sample
+  capacity: jax.Array  # [B] int32: positions the sequence's pages hold
+  max_len: jax.Array  # [B] int32: tokens the request may reach (prompt + max_tokens, or
+  #                     the context)
+  prompt_len: jax.Array  # [B] int32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -312,7 +333,7 @@ class Plain:
     (sampled, lp), pool, _, load = per_rank(
         body, model.ranks, model.params, state.pool,
         (inputs.batch, inputs.prev, inputs.visual, inputs.targets, extras), load=state.load)
-    return sampled, StepState(pool, load, state.draft), lp
+    return sampled, dataclasses.replace(state, pool=pool, load=load), lp
 
   logprob_steps = 1  # `logprobs.split_ranks`' steps
 
@@ -352,7 +373,7 @@ class MultiStep:
     (sampled, lp), pool, _, load = per_rank(body, model.ranks, model.params, state.pool,
                                             (inputs.batch, inputs.prev, extras), load=state.load)
     steps_first = lambda a: jnp.moveaxis(a, 1, 0)  # [n, steps, ...] -> [steps, n, ...]
-    return (steps_first(sampled), StepState(pool, load, state.draft),
+    return (steps_first(sampled), dataclasses.replace(state, pool=pool, load=load),
             jax.tree.map(steps_first, lp))
 
   @property
@@ -396,22 +417,23 @@ class StepState:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
-  """A step's inputs, every per-request one with a leading rank axis [n, ...].
-  batch: a `StepBatch` (plain decoders) or `speculative.SpecBatch.pack()`'s
-  arrays (MTP). The optional parts are None unless a request asks:
-  prev: the previous step's samples [n, S] (plain decoders: tokens not yet
-  read back come from there, async scheduling); visual: the step's visual
-  rows (`images.Images.step_visual`: rope [n, 3, T], embeds [n, T, D] where
-  mask [n, T], deepstack [n, k, T, D]); targets [n, T] int32: each row's
-  next prompt token, scored (`logprobs.step_logprobs`); extras: a
-  `sampling_extras.Extras` (rows [n * B], rank-major) processing the logits
-  before sampling."""
+  """A step's inputs, every per-request one with a leading rank axis [n, ...]:
+  batch, a `StepBatch` (every decoder's). The optional parts are None
+  unless a request (or the decoder) asks: prev: the previous step's samples
+  [n, S] (plain decoders: tokens not yet read back come from there, async
+  scheduling); visual: the step's visual rows (`images.Images.step_visual`:
+  rope [n, 3, T], embeds [n, T, D] where mask [n, T], deepstack [n, k, T,
+  D]); targets [n, T] int32: each row's next prompt token, scored
+  (`logprobs.step_logprobs`); extras: a `sampling_extras.Extras` (rows
+  [n * B], rank-major) processing the logits before sampling; drafts: the
+  MTP decoder's `DraftRows`."""
 
   batch: object
   prev: object = None
   visual: object = None
   targets: object = None
   extras: object = None
+  drafts: object = None
 
 
 @functools.partial(jax.jit, static_argnums=3, donate_argnums=1)
@@ -627,7 +649,7 @@ NATIVE_CPU = "native_cpu"  # `kernel_choice`'s mark: the C++ CPU kernels decide,
 def kernels_now(kernels: dict) -> dict:
   """`kernel_choice`'s kernels with the C++ CPU kernels' entries as they
   stand now, building nothing: "cpu_experts" `ops.cpu_experts_choice`,
-  "cpu_kernels" `pallas_kernels.cpu.status()` ("native", "xla: <reason>",
+  "cpu_kernels" `native_kernels.status()` ("native", "xla: <reason>",
   or "native on first use" before a step has traced them)."""
   out = dict(kernels)
   if out.get("cpu_experts") == NATIVE_CPU:
@@ -778,20 +800,20 @@ class Runner:
   """Steps on every rank together (an idle rank on an all-padding batch),
   every decoder's: it schedules, builds the inputs, dispatches `step` and
   keeps what is in flight until it reads it back into the schedulers
-  (`Scheduler.apply`). It holds the host core, never the Engine: the
-  Engine's `StepModel`, pool and load go in on each `dispatch`, which
-  returns the new pool and load.
+  (`Scheduler.apply`). It holds the host core, never the Engine nor its
+  device state: the Engine's `StepModel` and `StepState` (pool, load,
+  draft state) go in on each `dispatch`, which returns the new state.
 
   Plain decoding: with async scheduling step N + 1 is dispatched before step
   N's samples are read; the tokens it needs from step N come from the device
-  (the previous samples). drafts: MTP speculation's host side
-  (`drafts.Drafts`: the draft-slot map, the acceptance counters and the
-  device draft state), or None: with it a decode-only batch is pipelined
-  (the next step dispatched before the one in flight is read, its last
-  tokens and positions left to the device: `Scheduler.plan_continue`), and
-  anything else (admissions, prefill chunks, preemption, a new draft budget
-  K) reads the step in flight first and schedules with K as the draft
-  budget. images: the Engine's `images.Images` (a step's visual rows)."""
+  (the previous samples: the output of the step in flight, kept with it).
+  drafts: MTP speculation's host side (`speculative.Drafts`: the draft-slot
+  map and the acceptance counters), or None: with it a decode-only batch is
+  pipelined (the next step dispatched before the one in flight is read, its
+  last tokens and positions left to the device: `Scheduler.plan_continue`),
+  and anything else (admissions, prefill chunks, preemption, a new draft
+  budget K) reads the step in flight first and schedules with K as the
+  draft budget. images: the Engine's `images.Images` (a step's visual rows)."""
 
   def __init__(self, core: HostCore, images: images.Images, drafts=None):
     self.core, self.images, self.drafts = core, images, drafts
@@ -805,10 +827,10 @@ class Runner:
     self._events: Events = []  # read by `dispatch`, for `read`
     self.guard = map_guard.ProgramGuard(core.config.max_map_fraction)
 
-  def dispatch(self, model: StepModel, pool, load):
+  def dispatch(self, model: StepModel, state: StepState) -> StepState:
     """Schedules every rank and dispatches their step (when any has a chunk)
-    -> (new pool, new load). The events of steps it had to read first wait
-    for `read`."""
+    -> the new state. The events of steps it had to read first wait for
+    `read`."""
     core = self.core
     self._events = []
     if self.drafts is None:
@@ -819,36 +841,40 @@ class Runner:
         # next decode rides in it), at the cost of one host gap of a few ms
         # after a step of hundreds.
         self._keep = 0
-        return pool, load
+        return state
       per_rank, K = scheduler.schedule_ranks(core.schedulers, [0] * core.num_ranks,
                                              core.config), 0
     else:
-      per_rank, K, self._events = self.drafts.schedule(core, self.in_flight, self._read)
+      per_rank, K, self._events, draft = self.drafts.schedule(
+          core, self.in_flight, lambda keep: self._read(keep, state.draft), state.draft)
+      state = dataclasses.replace(state, draft=draft)
     scheduled = any(per_rank)
     self._keep = 1 if scheduled and core.config.async_scheduling else 0
     if not scheduled:
-      return pool, load
+      return state
     t0 = time.perf_counter()
     n = core.config.decode_steps
     multi = multi_step(core.schedulers, per_rank, n) if self.drafts is None else None
     if multi is None:
-      return self._dispatch(model, pool, load, per_rank, t0, K=K)
-    return self._dispatch(model, pool, load, multi, t0, n)
+      return self._dispatch(model, state, per_rank, t0, K=K)
+    return self._dispatch(model, state, multi, t0, n)
 
-  def read(self) -> Events:
+  def read(self, draft=None) -> Events:
     """The events of the steps `dispatch` read, then of those in flight but,
-    with async scheduling, the one `dispatch` just dispatched."""
+    with async scheduling, the one `dispatch` just dispatched. draft: the
+    Engine's draft state (MTP: a finished hand-over request's row is copied
+    from it)."""
     events, self._events = self._events, []
-    return events + self._read(self._keep)
+    return events + self._read(self._keep, draft)
 
-  def warm(self, model: StepModel, pool, load, programs,
-           map_fraction: float = 1.0) -> tuple[int, int, object, object]:
+  def warm(self, model: StepModel, state: StepState, programs,
+           map_fraction: float = 1.0) -> tuple[int, int, StepState]:
     """Compiles each program ((shapes, decode steps, greedy, k_cap), as
     `warmup.programs` lists them) by running it on all-padding batches,
     leaving the counters other than the compiled programs as they were
     (`Engine.warmup`); stops where the process holds map_fraction of
     vm.max_map_count memory maps (`map_guard.room`). -> (programs compiled
-    now, programs left out, new pool, new load)."""
+    now, programs left out, new state)."""
     if self.in_flight or self.core.has_unfinished():  # their events would be lost
       raise RuntimeError("Engine.warmup: requests are unfinished (warm up while idle)")
     before = dataclasses.replace(self.counts, programs=set())
@@ -858,13 +884,13 @@ class Runner:
     for shapes, n, greedy, k_cap in programs:
       if not map_guard.room(map_fraction):
         break
-      pool, load = self._dispatch(model, pool, load, idle, time.perf_counter(), n,
-                                  program=(shapes, greedy, k_cap))
-      self._read(keep=0)
+      state = self._dispatch(model, state, idle, time.perf_counter(), n,
+                             program=(shapes, greedy, k_cap))
+      self._read(0, state.draft)
       done += 1
     compiled = self.counts.programs
     self.counts = dataclasses.replace(before, programs=compiled)
-    return len(compiled) - known, len(programs) - done, pool, load
+    return len(compiled) - known, len(programs) - done, state
 
   def _inputs(self, per_rank, shapes: StepShapes, n: int, K: int):
     """-> (the step's `StepInputs`, its decoder, its real tokens, want: the
@@ -874,8 +900,9 @@ class Runner:
     want = logprobs.wanted(busy) if lp_ else (False, False)
     targets = logprobs.step_targets(per_rank, shapes.tokens) if want[1] and n == 1 else None
     if self.drafts is not None:
-      batch, tokens = self.drafts.batch(self.core, per_rank, shapes)
-      return StepInputs(batch, targets=targets), self.drafts.decoder(K), tokens, want, None
+      batch, rows, tokens = self.drafts.batch(self.core, per_rank, shapes)
+      return (StepInputs(batch, targets=targets, drafts=rows), self.drafts.decoder(K), tokens,
+              want, None)
     built = [rank_batch(sch, shapes) for sch in per_rank]
     extras = (sampling_extras.step_extras(per_rank, shapes.seqs, self.core.config.max_num_seqs,
                                           self._prev_out) if extras_ else None)
@@ -886,12 +913,12 @@ class Runner:
     return (inputs, MultiStep(n) if n > 1 else Plain(), n * sum(k for _, k in built), want,
             None if extras is None else sampling_extras.program_key(extras))
 
-  def _dispatch(self, model: StepModel, pool, load, per_rank, t0: float, n: int = 1,
-                program=None, K: int = 0):
+  def _dispatch(self, model: StepModel, state: StepState, per_rank, t0: float, n: int = 1,
+                program=None, K: int = 0) -> StepState:
     """One program over every rank's chunks: a step, n decode steps
     (`MultiStep`) of `multi_step`'s chunks, or an MTP step with K drafts ->
-    (new pool, new load). program: (shapes, greedy, k_cap) for chunks that
-    do not say (`warm`'s empty ones)."""
+    the new state. program: (shapes, greedy, k_cap) for chunks that do not
+    say (`warm`'s empty ones)."""
     core = self.core
     busy = [sch for sch in per_rank if sch]
     shapes, greedy, k_cap = program or (step_shapes(core, busy, core.chunk + K),
@@ -900,22 +927,19 @@ class Runner:
     key = ((shapes, K, greedy, want, k_cap) if self.drafts is not None else
            (shapes, n, greedy, want, extras_key, k_cap))
     self.guard.before(key)
-    draft = None if self.drafts is None else self.drafts.state
-    out, state, lp = step(model, StepState(pool, load, draft), inputs,
+    out, state, lp = step(model, state, inputs,
                           Program(decoder, max_q=1 if n > 1 else shapes.max_q, greedy=greedy,
                                   k_cap=k_cap, logprobs=want[0]))
     if self.drafts is None:
       self._prev_sampled = out[-1] if n > 1 else out
       self._prev_out = out
-    else:
-      self.drafts.state = state.draft
     for sch, rank_scheduled in zip(core.schedulers, per_rank):
       sch.on_dispatch(rank_scheduled)
     self.counts.record(key, tokens, bool(self.in_flight), time.perf_counter() - t0, n)
     self.in_flight.append(InFlight(per_rank, decoder, out, lp))
-    return state.pool, state.load
+    return state
 
-  def _read(self, keep: int) -> Events:
+  def _read(self, keep: int, draft=None) -> Events:
     """Reads the steps in flight, oldest first, leaving `keep`."""
     events, ranks = [], self.core.num_ranks
     while len(self.in_flight) > keep:
@@ -932,15 +956,13 @@ class Runner:
         events += (sch.apply(rank_done, *args) if rank_lp is None else
                    logprobs.applied(rank_lp, sch.apply, rank_done, *args))
         if self.drafts is not None:
-          self.drafts.keep_handover(self.core, rank_done)
+          self.drafts.keep_handover(self.core, rank_done, draft)
     return events
 
   def stats(self) -> dict:
     return {} if self.drafts is None else self.drafts.stats()
 
   def release(self) -> None:
-    """Drops the device state (`Engine.release`)."""
+    """Drops what it holds on device (`Engine.release`)."""
     self.in_flight.clear()
     self._prev_sampled = self._prev_out = None
-    if self.drafts is not None:
-      self.drafts.state = None

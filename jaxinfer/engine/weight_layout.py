@@ -116,7 +116,7 @@ def resolve(cfg: ModelConfig, layout: str, mesh=None) -> str:
   gate-up, `probed_layout`; "in_out" below MIN_PROBE_BYTES). With a mesh
   the sharded step keeps the loaded layout whatever this returns. "panels"
   needs the C++ CPU kernels: a ValueError where they cannot run here, as
-  far as is known without building them (`pallas_kernels.cpu.precheck`)."""
+  far as is known without building them (`native_kernels.precheck`)."""
   if layout not in LAYOUTS:
     raise ValueError(f"cpu_weight_layout must be one of {LAYOUTS}, got {layout!r}")
   if layout == "panels" and _panels_unavailable():

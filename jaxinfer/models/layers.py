@@ -147,7 +147,7 @@ def linear(x, w, in_dims: int = 1, preferred_element_type=None, backend: Backend
                        f"in_dims={in_dims}")
     y = linear(x.scaled, w, 1, jnp.float32, backend)
     return x.scale(y).astype(preferred_element_type or x.scaled.dtype)
-  if quant.kernel_ready(w) and backend.on_gpu():
+  if isinstance(w, QuantizedWeight) and quant.kernel_ready(w) and backend.on_gpu():
     y = _kernel_linear(x.reshape(-1, w.dims[1]), w, backend)
     y = y.reshape(*x.shape[:x.ndim - in_dims], *w.out_shape)
     return y if preferred_element_type is None else y.astype(preferred_element_type)

@@ -190,7 +190,8 @@ class SimEngine:
     """Schedules and 'dispatches' one step -> its duration (None: nothing to do)."""
     # The K the Engine's speculative runner takes for each rank's batch.
     core = self.core
-    ks = [core.spec_draft_tokens(sch) if core.spec is not None else 0 for sch in core.schedulers]
+    ks = [core.spec.draft_tokens_of(sch, core.config.max_num_seqs) if core.spec is not None else 0
+          for sch in core.schedulers]
     K = max(ks)
     per_rank = schedule_ranks(core.schedulers, ks, core.config)
     if not any(per_rank):

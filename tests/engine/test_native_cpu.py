@@ -14,7 +14,7 @@ import pytest
 import jaxinfer
 from jaxinfer import ops
 from jaxinfer.engine import Engine, EngineConfig, SamplingParams, weight_layout
-from pallas_kernels import cpu
+import native_kernels as cpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SMALL = dict(page_size=16, num_pages=48, max_num_seqs=4, max_num_batched_tokens=64)
@@ -83,7 +83,7 @@ _NO_COMPILER = textwrap.dedent("""
     import json, warnings
     import jaxinfer
     from jaxinfer.engine import Engine, EngineConfig, SamplingParams
-    from pallas_kernels import cpu
+    import native_kernels as cpu
     cfg, params, tok = jaxinfer.load_default_model()
     with warnings.catch_warnings(record=True) as seen:
       warnings.simplefilter("always")
@@ -94,7 +94,7 @@ _NO_COMPILER = textwrap.dedent("""
       cpu.available()
       after = eng.stats()["kernels"]
     print(json.dumps(dict(tokens=[o.token_ids for o in outs], before=before, after=after,
-                          warnings=[str(w.message) for w in seen if "pallas_kernels.cpu" in str(w.message)])))
+                          warnings=[str(w.message) for w in seen if "native_kernels" in str(w.message)])))
 """)
 
 
@@ -114,7 +114,7 @@ def test_without_a_compiler_the_engine_runs_xla_with_one_warning(tmp_path):
   assert done.returncode == 0, done.stderr[-3000:]
   got = json.loads(done.stdout.strip().splitlines()[-1])
   reason = cpu.NO_COMPILER
-  assert got["warnings"] == [f"pallas_kernels.cpu: the C++ CPU kernels are unavailable "
+  assert got["warnings"] == [f"native_kernels: the C++ CPU kernels are unavailable "
                              f"({reason}); their ops run on XLA instead"]
   assert got["before"]["cpu_kernels"] == got["after"]["cpu_kernels"] == f"xla: {reason}"
   assert got["after"]["cpu_experts"] == f"xla: {reason}"
@@ -125,7 +125,7 @@ def test_without_a_compiler_the_engine_runs_xla_with_one_warning(tmp_path):
   assert native.stats()["kernels"]["cpu_kernels"] == "native"
   assert got["tokens"] == _greedy(native, tok)
   # The explicit build says the same, and fails.
-  built = subprocess.run([sys.executable, "-m", "pallas_kernels.cpu"], env=env, cwd=ROOT,
+  built = subprocess.run([sys.executable, "-m", "native_kernels"], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
   assert built.returncode == 1 and built.stdout.strip() == f"xla: {reason}", built.stdout
 

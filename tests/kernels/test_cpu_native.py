@@ -1,4 +1,4 @@
-"""The C++ CPU expert kernel (`pallas_kernels.cpu`) against its jnp
+"""The C++ CPU expert kernel (`native_kernels`) against its jnp
 reference, and its bad-input errors."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu
+import native_kernels as cpu
 
 
 def _experts(r, E, D, F):

@@ -92,6 +92,10 @@ COMMANDS = {
         "a test file of the suite: CI runs tests/models/test_hf_parity.py"),
     "pip install -e \".[dev,hf]\" && python -m pytest tests/models/test_hf_random_configs.py":
         NotHere("a test file of the suite: CI runs tests/models/test_hf_random_configs.py"),
+    "python -m native_kernels": Covered(
+        "tests/engine/test_native_cpu.py::"
+        "test_without_a_compiler_the_engine_runs_xla_with_one_warning",
+        ('"-m", "native_kernels"',)),
     "python experiments/bench_speculative.py": Run(
         ("--batches=1", "--draft_tokens=0,2", "--max_tokens=8", "--num_prompts=1",
          "--repeats=1", "--out={tmp}/bench_speculative"),

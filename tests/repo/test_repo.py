@@ -66,7 +66,8 @@ def test_benchlib_is_not_installed_with_the_package():
   cfg = configparser.ConfigParser(interpolation=None)
   cfg.read(ROOT / "setup.cfg")
   include = cfg["options.packages.find"]["include"].split()
-  assert include and all(p.split(".")[0] in ("jaxinfer", "pallas_kernels") for p in include), \
+  assert include and all(p.split(".")[0] in ("jaxinfer", "pallas_kernels", "native_kernels")
+                         for p in include), \
       include
   for name in ("benchlib", "benchlib.kernels", "experiments", "experiments.benchlib"):
     assert not any(fnmatch.fnmatch(name, p) for p in include), (name, include)

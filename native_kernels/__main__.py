@@ -1,10 +1,10 @@
-"""python -m pallas_kernels.cpu: builds the C++ CPU kernels for this machine
+"""python -m native_kernels: builds the C++ CPU kernels for this machine
 now (they build on first use otherwise) and says where they are, or why they
 cannot be built (exit status 1)."""
 
 import sys
 
-from pallas_kernels import cpu
+import native_kernels as cpu
 
 if __name__ == "__main__":
   ok = cpu.build()

@@ -1,7 +1,7 @@
 """CPU kernels written in C++ as XLA FFI custom calls, built from their
 source with the machine's C++ compiler: on first use (the first op that
 needs them, when a step is traced) or explicitly, `build()` /
-`python -m pallas_kernels.cpu`; never when a library object is made.
+`python -m native_kernels`; never when a library object is made.
 
 `moe_experts.cc`: a MoE layer's routed experts, each chosen expert's
 weights read once for all its rows (streamed for decode, register tiles
@@ -133,7 +133,7 @@ def _load() -> bool:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
       reason = str(e) if str(e) == NO_COMPILER else f"{type(e).__name__}: {e}"
   _state["reason"] = reason
-  warnings.warn(f"pallas_kernels.cpu: the C++ CPU kernels are unavailable ({reason}); "
+  warnings.warn(f"native_kernels: the C++ CPU kernels are unavailable ({reason}); "
                 "their ops run on XLA instead", RuntimeWarning, stacklevel=3)
   return False
 
@@ -141,7 +141,7 @@ def _load() -> bool:
 def build() -> bool:
   """Builds the kernels now (unless this machine's library is on disk) and
   loads them: what their first use would do, done when asked
-  (`python -m pallas_kernels.cpu`). -> `available()`."""
+  (`python -m native_kernels`). -> `available()`."""
   return _load()
 
 
