@@ -43,6 +43,21 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              dequantized tile by tile, interpreted on a CPU target. A
              variant leaves this list for the default once a GPU run has
              matched it.
+  dense_attention
+             attention with no cached prefix from a kernel library,
+             `jax.nn.dot_product_attention`: "cudnn" (its cuDNN flash
+             kernel, GPU only: bfloat16 / float16, equal q / k and v head
+             dims up to 256) or "jax_nn" (its XLA form, any device), or
+             None: our kernels as `attention` picks them. It serves full
+             forwards (`ops.causal_attention`), WAN's DiT and VAE
+             (`ops.full_attention`) and, through a traced branch, an
+             Engine step whose every sequence is a fresh prompt chunk (GQA
+             pages without scales, `ops.ragged_paged_attention`). Cases the
+             library does not take (sinks, a traced window, MLA's latent
+             pages, the dtypes and head dims above) run as with None
+             (`ops.library_unfit` names why). cuDNN cannot be lowered
+             without the cuDNN library and a GPU, so the compile gate
+             cannot build it: a candidate until a GPU run matches it.
   target     the device the program is built for: "gpu" (Pallas kernels
              compiled through Triton, even when this process runs on CPU:
              programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -67,6 +82,7 @@ import jax
 from pallas_kernels import mosaic_paged_attention
 
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
+DENSE_ATTENTION = ("cudnn", "jax_nn")  # jax.nn.dot_product_attention: cuDNN, its XLA form
 GROUPED_MATMULS = ("xla", "mosaic")
 TARGETS = ("gpu", "cpu")
 # Mosaic variants not yet run on a GPU
@@ -100,11 +116,15 @@ class Backend:
   target: str | None = None
   grouped_matmul: str | None = None
   trials: tuple[str, ...] = ()
+  dense_attention: str | None = None
 
   def __post_init__(self):
     if self.attention is not None and self.attention not in ATTENTION_KERNELS:
       raise ValueError(f"Backend.attention must be None or one of {ATTENTION_KERNELS}, "
                        f"got {self.attention!r}")
+    if self.dense_attention is not None and self.dense_attention not in DENSE_ATTENTION:
+      raise ValueError(f"Backend.dense_attention must be None or one of {DENSE_ATTENTION}, "
+                       f"got {self.dense_attention!r}")
     if self.grouped_matmul is not None and self.grouped_matmul not in GROUPED_MATMULS:
       raise ValueError(f"Backend.grouped_matmul must be None or one of {GROUPED_MATMULS}, "
                        f"got {self.grouped_matmul!r}")

@@ -39,7 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxinfer import xla_attention
+from jaxinfer import library_attention, xla_attention
 from jaxinfer.backend import Backend
 import pallas_kernels
 import native_kernels as cpu_kernels
@@ -264,6 +264,9 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
   The GPU kernel pads head dims to powers of two; below 16 (no tensor-core
   tile) attention None runs XLA.
   """
+  if _library(backend, q, v, sinks=sinks, window=window):
+    return library_attention.dense(q, k, v, causal=True, scale=scale,
+                                   impl=backend.dense_attention, window=window)
   impl, interpret = backend.attention_kernel()
   small = min(q.shape[-1], v.shape[-1]) < 16
   if impl == "xla" or (not interpret and small and backend.attention is None):
@@ -301,7 +304,11 @@ def full_attention(q, k, v, *, scale, backend: Backend = Backend()):
 
   GPU: the flash kernel without causality; XLA: every query placed after the
   last key (position S - 1), so the causal XLA form, blocked past one block,
-  masks nothing. Head dims below 16 run XLA (as `causal_attention`)."""
+  masks nothing. Head dims below 16 run XLA (as `causal_attention`).
+  `Backend.dense_attention` where the library takes the case (`_library`)."""
+  if _library(backend, q, v):
+    return library_attention.dense(q, k, v, causal=False, scale=scale,
+                                   impl=backend.dense_attention)
   impl, interpret = backend.attention_kernel()
   small = min(q.shape[-1], v.shape[-1]) < 16
   if impl == "xla" or (not interpret and small and backend.attention is None):
@@ -310,6 +317,15 @@ def full_attention(q, k, v, *, scale, backend: Backend = Backend()):
     return xla_attention.attention(q, k, v, pos, jnp.full((B,), S, jnp.int32), 0, None, scale)
   return pallas_kernels.flash_attention(q, k, v, causal=False, sm_scale=scale,
                                         interpret=interpret)
+
+
+def _library(backend: Backend, q, v, *, sinks=None, window=0) -> bool:
+  """Whether `Backend.dense_attention` asks for the library and it takes
+  attention of q [..., N, Hk] with values v [..., Hv]
+  (`library_attention.unfit`)."""
+  return backend.dense_attention is not None and library_attention.unfit(
+      backend.dense_attention, q.shape, v.shape[-1], q.dtype, sinks=sinks, window=window,
+      on_gpu=backend.on_gpu()) is None
 
 
 def attention(q, k, v, *, q_positions, kv_lengths, window=0, sinks=None, scale):
@@ -476,7 +492,24 @@ def ragged_paged_attention(call: AttentionCall, backend: Backend = Backend()):
   tokens only; any other step over the pages. (MLA's fresh chunks in the
   expanded form: `fresh_prompts`, the model's choice.)"""
   kernel, interpret, tiling = _call_kernel(call, backend)
-  return latent_values(_paged_step(call, kernel, interpret, tiling), call.values)
+  step = lambda: _paged_step(call, kernel, interpret, tiling)
+  if _fresh_library(call, backend):  # every sequence a fresh chunk: the library, else the pages
+    kv, (k, v) = call.kv, call.new_kv
+    fresh = lambda: library_attention.fresh_packed(
+        call.q, k, v, kv.cu_q_lens, kv.max_q, scale=call.scale, impl=backend.dense_attention,
+        window=call.window)
+    return jax.lax.cond(library_attention.every_fresh(kv.cu_q_lens, kv.kv_lens), fresh, step)
+  return latent_values(step(), call.values)
+
+
+def _fresh_library(call: AttentionCall, backend: Backend) -> bool:
+  """Whether a paged step may attend its fresh chunks through
+  `Backend.dense_attention`: a GQA step (its own K/V at hand, pages without
+  scales) of chunks (max_q > 1) the library takes (`_library`)."""
+  kv = call.kv
+  return (call.new_kv is not None and kv.max_q > 1 and kv.latent_dim is None
+          and call.values is None and kv.k_scale is None
+          and _library(backend, call.q, call.new_kv[1], sinks=call.sinks, window=call.window))
 
 
 def _paged_step(call: AttentionCall, kernel: str, interpret: bool, tiling: dict):

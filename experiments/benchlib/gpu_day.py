@@ -9,7 +9,8 @@ cannot take the others with it) and each with its share of the time budget
            references, every kernel and dtype) under pytest
   kernels  `kernels.sweep` at the "gpu_day" shapes: every kernel against its
            peers and the roofline (copy bandwidth, matmul rate) measured in
-           the same run
+           the same run, and the winner table (`kernel_winners`: per case the
+           fastest candidate that matched its reference)
   engine   `gpu_engine.run_engine_bench`: the Engine at real widths with
            random weights
 
@@ -30,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from benchlib import gpu_engine, kernels
+from benchlib import gpu_engine, kernel_winners, kernels
 
 PARTS = ("tests", "kernels", "engine")
 SHARES = {"tests": 0.30, "kernels": 0.36, "engine": 0.34}  # of the budget, before carry-over
@@ -173,6 +174,8 @@ def run_kernels_part(record: dict, save, *, deadline: float, dry_run: bool,
   kernels.sweep(record, env, shapes=shapes, repeats=repeats, warmup=warmup, save=save,
                 deadline=deadline)
   record["table"] = kernels.format_table(record).splitlines()
+  # Per case, the fastest candidate that matched its reference (`kernel_winners`).
+  record["winners"] = kernel_winners.winner_table(record)
   record["status"] = "ok"
   save()
 

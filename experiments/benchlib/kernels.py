@@ -61,6 +61,7 @@ import zlib
 import jax
 import jax.numpy as jnp
 
+from benchlib import kernel_winners
 from benchlib.kernel_peers import BUILDERS, Env
 from benchlib.kernel_timing import (GiB, MiB, measure_roofline, nbytes, rel_err, short_error,
                                     time_calls)
@@ -372,7 +373,23 @@ def run_kernel_bench(*, kernels=KERNELS, shapes="default", dtype=None, interpret
   sweep(result, env, shapes=shapes, repeats=repeats, warmup=warmup, save=save)
   result["plot_path"], why_no_plot = plot(result, base + ".png")
   save()
+  winners = kernel_winners.winner_table(result)
+  winners_json = kernel_winners.winners_path(result["json_path"])
+  with open(winners_json, "w") as f:
+    json.dump(winners, f, indent=1)
   print("\n" + format_table(result))
-  print(f"\nwrote {result['json_path']}" + (
+  print("\n" + kernel_winners.format_winners(winners))
+  print(f"\nwrote {result['json_path']}, {winners_json}" + (
       f" and {result['plot_path']}" if result["plot_path"] else f" (no plot: {why_no_plot})"))
   return result
+
+
+def list_candidates(*, kernels=KERNELS, shapes="default", dtype=None, peers=True) -> dict:
+  """`kernel_bench --dry_run`: every case and its candidates on this
+  process's device, nothing compiled or timed (`kernel_winners.candidates`);
+  prints them and returns the listing."""
+  kernels = _check_args(kernels, shapes, 1, 0)
+  env, _ = bench_env(dtype=dtype, peers=peers)
+  listing = kernel_winners.candidates(kernels, shapes, env)
+  print(kernel_winners.format_candidates(listing))
+  return listing

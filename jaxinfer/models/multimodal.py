@@ -128,7 +128,7 @@ def encode_images(cfg: ModelConfig, params, pixel_values, grid_thw):
   bad = [g for g in grids if g[1] % vc.spatial_merge_size or g[2] % vc.spatial_merge_size]
   if bad:
     raise ValueError(f"grid_thw {bad}: h and w must be multiples of {vc.spatial_merge_size}")
-  return vision.encode(vc, params["vision"], pixel_values, grids)
+  return vision.encode(vc, params["vision"], pixel_values, grids, cfg.backend)
 
 
 def visual_inputs(cfg: ModelConfig, params, tokens, pixel_values=None, image_grid_thw=None,

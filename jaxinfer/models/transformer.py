@@ -98,14 +98,19 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
     cos, sin = mrope_cos_sin(cfg, visual.positions)
   new_caches, counts = [], []
   for seg, (is_moe, first, count) in enumerate(cfg.segments()):
-    windows = jnp.asarray([cfg.layer_window(i) for i in range(first, first + count)], jnp.int32)
+    wins = [cfg.layer_window(i) for i in range(first, first + count)]
+    windows = jnp.asarray(wins, jnp.int32)
+    # Static where it can be (an unrolled layer's, or a segment's one
+    # window): kernels and libraries that need a static window take it.
+    same = wins[0] if len(set(wins)) == 1 else None
     seg_cache = layer_caches[seg] if layer_caches is not None else None
 
     # The segment's stacked cache rides in the carry and is updated in place
     # at [layer]; scanning it as xs/ys would copy the whole cache every step.
-    def body(carry, xs, is_moe=is_moe, first=first):
+    def body(carry, xs, is_moe=is_moe, first=first, same=same):
       x, cache = carry
       p, window, layer = xs
+      window = window if same is None or not isinstance(window, jax.Array) else same
       x, cache, n = block(cfg, is_moe, p, x, cos, sin, ctx, window,
                           None if cache is None else (cache, layer), ep, count_experts)
       x = _deepstack(visual, x, first + layer)
@@ -115,7 +120,7 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
     if isinstance(seg_params, (list, tuple)):  # per-layer params (`step_layout`): unrolled
       seg_counts = []
       for layer, p in enumerate(seg_params):
-        (x, seg_cache), n = body((x, seg_cache), (p, windows[layer], layer))
+        (x, seg_cache), n = body((x, seg_cache), (p, wins[layer], layer))
         seg_counts.append(n)
       seg_counts = None if seg_counts[0] is None else jnp.stack(seg_counts)
     else:

@@ -25,6 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxinfer import ops
+from jaxinfer.backend import Backend
 from jaxinfer.config import VisionConfig
 from jaxinfer.models.layers import apply_rope
 
@@ -83,13 +85,19 @@ def layer_norm(x, w, b, eps: float = 1e-6):
   return ((xf - mean) * jax.lax.rsqrt(var + eps)).astype(x.dtype) * w + b
 
 
-def _attention(vc: VisionConfig, p, x, cos, sin, frames):
-  """Bidirectional attention within each frame (static (start, length) runs)."""
+def _attention(vc: VisionConfig, p, x, cos, sin, frames, backend: Backend):
+  """Bidirectional attention within each frame (static (start, length)
+  runs): XLA, or the Backend's `dense_attention` library
+  (`ops.full_attention`) where it asks for one."""
   qkv = jnp.einsum("NC,CkhH->NkhH", x, p["wqkv"]) + p["bqkv"]  # [N, 3, heads, H]
   q, k, v = (apply_rope(qkv[None, :, i], cos, sin)[0] if i < 2 else qkv[:, i] for i in range(3))
   outs = []
   for start, n in frames:
     sl = slice(start, start + n)
+    if backend.dense_attention is not None:
+      outs.append(ops.full_attention(q[None, sl], k[None, sl], v[None, sl],
+                                     scale=vc.head_dim ** -0.5, backend=backend)[0])
+      continue
     s = jnp.einsum("qhd,khd->hqk", q[sl], k[sl], preferred_element_type=jnp.float32)
     probs = jax.nn.softmax(s * vc.head_dim ** -0.5, axis=-1).astype(v.dtype)
     outs.append(jnp.einsum("hqk,khd->qhd", probs, v[sl]))
@@ -97,8 +105,9 @@ def _attention(vc: VisionConfig, p, x, cos, sin, frames):
   return jnp.einsum("NhH,hHC->NC", out, p["wo"]) + p["bo"]
 
 
-def _block(vc: VisionConfig, p, x, cos, sin, frames):
-  x = x + _attention(vc, p, layer_norm(x, p["norm1_w"], p["norm1_b"]), cos, sin, frames)
+def _block(vc: VisionConfig, p, x, cos, sin, frames, backend: Backend):
+  x = x + _attention(vc, p, layer_norm(x, p["norm1_w"], p["norm1_b"]), cos, sin, frames,
+                     backend)
   h = layer_norm(x, p["norm2_w"], p["norm2_b"])
   h = jax.nn.gelu(h @ p["fc1"] + p["b1"], approximate=True)  # gelu_pytorch_tanh
   return x + h @ p["fc2"] + p["b2"]
@@ -115,19 +124,22 @@ def merge(vc: VisionConfig, p, x, postshuffle: bool):
   return x @ p["fc2"] + p["b2"]
 
 
-def _blocks(vc: VisionConfig, blocks, x, cos, sin, frames, lo: int, hi: int):
+def _blocks(vc: VisionConfig, blocks, x, cos, sin, frames, lo: int, hi: int, backend: Backend):
   """Blocks lo..hi-1, scanned."""
   if hi <= lo:
     return x
   part = jax.tree.map(lambda w: w[lo:hi], blocks)
-  x, _ = jax.lax.scan(lambda x, p: (_block(vc, p, x, cos, sin, frames), None), x, part)
+  x, _ = jax.lax.scan(lambda x, p: (_block(vc, p, x, cos, sin, frames, backend), None), x,
+                      part)
   return x
 
 
-@functools.partial(jax.jit, static_argnums=(0, 3))
-def encode(vc: VisionConfig, params, pixel_values, grid_thw):
+@functools.partial(jax.jit, static_argnums=(0, 3, 4))
+def encode(vc: VisionConfig, params, pixel_values, grid_thw, backend: Backend = Backend()):
   """pixel_values [N, C*Tp*P*P], grid_thw a tuple of (t, h, w) ->
-  (visual tokens [M, D], DeepStack features [len(deepstack_indexes), M, D])."""
+  (visual tokens [M, D], DeepStack features [len(deepstack_indexes), M, D]).
+  backend: the model's (`ModelConfig.backend`); its `dense_attention`
+  library, where set, runs the blocks' attention."""
   dtype = params["patch_w"].dtype
   x = pixel_values.astype(dtype) @ params["patch_w"] + params["patch_b"]
   idx, w = position_taps(vc, grid_thw)
@@ -137,9 +149,9 @@ def encode(vc: VisionConfig, params, pixel_values, grid_thw):
   frames = tuple(zip(np.cumsum([0] + sizes[:-1]).tolist(), sizes))
   deep, lo = [], 0
   for j, tap in enumerate(vc.deepstack_indexes):
-    x = _blocks(vc, params["blocks"], x, cos, sin, frames, lo, tap + 1)
+    x = _blocks(vc, params["blocks"], x, cos, sin, frames, lo, tap + 1, backend)
     lo = tap + 1
     deep.append(merge(vc, jax.tree.map(lambda a, j=j: a[j], params["deepstack"]), x, True))
-  x = _blocks(vc, params["blocks"], x, cos, sin, frames, lo, vc.depth)
+  x = _blocks(vc, params["blocks"], x, cos, sin, frames, lo, vc.depth, backend)
   tokens = merge(vc, params["merger"], x, False)
   return tokens, (jnp.stack(deep) if deep else jnp.zeros((0, *tokens.shape), tokens.dtype))

@@ -48,6 +48,20 @@ def test_tiny_run_writes_json_with_every_kernel(tmp_path):
     assert flash[peer]["status"] == "skipped", (peer, flash[peer])
   qmm = data["results"]["qmatmul"][0]["impls"]
   assert qmm["xla_dequant_dot"]["numerics_ok"] and qmm["bf16_weight_dot"]["numerics_ok"]
+  # The winner table beside it: a row per case, each winner a candidate that
+  # ran and matched the reference; and the dry run lists exactly the
+  # candidates the run recorded, case by case.
+  winners = json.loads((tmp_path / path.name.replace("kernel_bench_", "kernel_winners_"))
+                       .read_text())
+  assert winners["meta"]["device_kind"] == data["meta"]["device_kind"]
+  assert len(winners["rows"]) == sum(map(len, data["results"].values()))
+  for row in winners["rows"]:
+    assert row["winner"] in row["matched"] and set(row["matched"]) <= set(row["ran"]), row
+  listing = kernels.list_candidates(kernels=KERNELS, shapes="tiny", dtype="float32")
+  for kernel in KERNELS:
+    assert ([(c["case"], [x["name"] for x in c["candidates"]]) for c in listing[kernel]]
+            == [(e["label"], list(e["impls"])) for e in data["results"][kernel]]), kernel
+  assert {c["name"]: c["skip"] for c in listing["flash"][0]["candidates"]}["cudnn"] == "GPU only"
 
 
 def test_deadline_skips_what_would_start_past_it():

@@ -41,6 +41,7 @@ def test_dry_run_writes_every_part(tmp_path):
     assert entries, name
     for e in entries:
       assert e["impls"]["ours"]["status"] == "ok" and e["impls"]["ours"]["numerics_ok"], e
+  assert len(kernels["winners"]["rows"]) == sum(map(len, kernels["results"].values()))
 
   assert run["engine"]["status"] == "ok"
   assert list(gpu_day.engine_points(run["engine"])), "no engine roofline fraction recorded"
