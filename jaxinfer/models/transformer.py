@@ -110,7 +110,7 @@ def trunk_with_counts(cfg: ModelConfig, params, tokens, ctx, layer_caches=None, 
     def body(carry, xs, is_moe=is_moe, first=first, same=same):
       x, cache = carry
       p, window, layer = xs
-      window = window if same is None or not isinstance(window, jax.Array) else same
+      window = window if same is None else same  # a segment's one window: static
       x, cache, n = block(cfg, is_moe, p, x, cos, sin, ctx, window,
                           None if cache is None else (cache, layer), ep, count_experts)
       x = _deepstack(visual, x, first + layer)
