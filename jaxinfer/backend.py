@@ -15,7 +15,9 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
   grouped_matmul
              the unquantized MoE expert matmul: "xla" (`lax.ragged_dot`),
              "mosaic" (jax's Hopper kernel `ragged_dot_mgpu`, where
-             `ops.mosaic_grouped_matmul` takes the shapes), or None: "mosaic"
+             `ops.mosaic_grouped_matmul` takes the shapes), "tokamax"
+             (`tokamax.ragged_dot`: its Mosaic GPU kernel on a GPU, its
+             XLA form elsewhere; the `tokamax` extra), or None: "mosaic"
              where attention None picks "mosaic", else "xla". Quantized
              experts take the Pallas quantized kernel on GPUs (the
              "fused_experts" trial: ours on Mosaic, but NVFP4 / int4).
@@ -47,17 +49,23 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              attention with no cached prefix from a kernel library,
              `jax.nn.dot_product_attention`: "cudnn" (its cuDNN flash
              kernel, GPU only: bfloat16 / float16, equal q / k and v head
-             dims up to 256) or "jax_nn" (its XLA form, any device), or
+             dims up to 256), "jax_nn" (its XLA form, any device),
+             "tokamax" (`tokamax.dot_product_attention`: the first of its
+             Mosaic GPU (FlashAttention-3 style), Triton and XLA kernels
+             that takes the case on this device; the `tokamax` extra), or
              None: our kernels as `attention` picks them. It serves full
              forwards (`ops.causal_attention`), WAN's DiT and VAE
-             (`ops.full_attention`) and, through a traced branch, an
-             Engine step whose every sequence is a fresh prompt chunk (GQA
-             pages without scales, `ops.ragged_paged_attention`). Cases the
-             library does not take (sinks, a traced window, MLA's latent
-             pages, the dtypes and head dims above) run as with None
-             (`ops.library_unfit` names why). cuDNN cannot be lowered
-             without the cuDNN library and a GPU, so the compile gate
-             cannot build it: a candidate until a GPU run matches it.
+             (`ops.full_attention`) and an Engine step whose every
+             sequence is a fresh prompt chunk, as the host marks it
+             (`steps.fresh_shapes`; GQA pages without scales,
+             `ops.ragged_paged_attention`). Cases the library does not
+             take (sinks, a traced window, MLA's latent pages, the dtypes
+             and head dims above) run as with None
+             (`library_attention.unfit` names why). cuDNN cannot be
+             lowered without the cuDNN library and a GPU, nor tokamax's
+             Mosaic kernel without a GPU device (its sm90 check reads the
+             device), so the compile gate cannot build them: candidates
+             until a GPU run matches them.
   target     the device the program is built for: "gpu" (Pallas kernels
              compiled through Triton, even when this process runs on CPU:
              programs lowered for compile-only GPUs, `jaxinfer.gpu_compile`),
@@ -76,14 +84,20 @@ gets what the H100 would. This module imports nothing from jaxinfer:
 from __future__ import annotations
 
 import dataclasses
+import importlib
+import importlib.util
 
 import jax
 
 from pallas_kernels import mosaic_paged_attention
 
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
-DENSE_ATTENTION = ("cudnn", "jax_nn")  # jax.nn.dot_product_attention: cuDNN, its XLA form
-GROUPED_MATMULS = ("xla", "mosaic")
+# jax.nn.dot_product_attention's cuDNN kernel and XLA form; tokamax's attention
+DENSE_ATTENTION = ("cudnn", "jax_nn", "tokamax")
+GROUPED_MATMULS = ("xla", "mosaic", "tokamax")
+# openxla's Pallas kernel library (the `tokamax` extra): its wheel asks for
+# Python >= 3.12 and jax >= 0.11.1 (tokamax 0.0.17's metadata).
+TOKAMAX_NEEDS = "pip install 'jaxinfer[tokamax]': Python >= 3.12, jax >= 0.11.1"
 TARGETS = ("gpu", "cpu")
 # Mosaic variants not yet run on a GPU
 TRIALS = ("mla_cluster", "wide_items", "cluster_items", "mla_items", "fused_experts")
@@ -134,6 +148,9 @@ class Backend:
     object.__setattr__(self, "trials", tuple(self.trials))  # a saved config's list
     if self.target is not None and self.target not in TARGETS:
       raise ValueError(f"Backend.target must be None or one of {TARGETS}, got {self.target!r}")
+    for name in ("dense_attention", "grouped_matmul"):
+      if getattr(self, name) == "tokamax" and importlib.util.find_spec("tokamax") is None:
+        raise ValueError(f"Backend.{name}='tokamax' needs the tokamax package ({TOKAMAX_NEEDS})")
 
   def resolved_target(self) -> str:
     """The kernel target: `target` itself, or for None this process's
@@ -164,3 +181,10 @@ class Backend:
     if self.grouped_matmul:
       return self.grouped_matmul
     return "mosaic" if self.on_gpu() and mosaic_default() else "xla"
+
+
+def tokamax():
+  """The tokamax package (imported on first use: its import takes seconds and
+  only Backends that name it need it); a `Backend` naming it has checked it
+  is installed."""
+  return importlib.import_module("tokamax")

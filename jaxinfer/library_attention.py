@@ -1,14 +1,15 @@
-"""Attention from a kernel library: `jax.nn.dot_product_attention`, as
-`Backend.dense_attention` picks it ("cudnn": its cuDNN flash kernel;
-"jax_nn": its XLA form, which runs anywhere and checks this module's
-argument mapping on a CPU).
+"""Attention from a kernel library, as `Backend.dense_attention` picks it:
+`jax.nn.dot_product_attention` ("cudnn": its cuDNN flash kernel; "jax_nn":
+its XLA form, which runs anywhere and checks this module's argument
+mapping on a CPU) or `tokamax.dot_product_attention` ("tokamax": the first
+of its Mosaic GPU, Triton and XLA kernels that takes the case on the
+device; its XLA form on a CPU).
 
   unfit         why the library does not take a case (None: it does)
   dense         causal or unmasked attention over [B, T] rows
   fresh_packed  an Engine step's fresh prompt chunks (token-flattened, each
                 from position 0, over its own keys), padded per sequence
                 for the library and flattened back
-  every_fresh   whether every sequence of a step is such a chunk (traced)
 
 `ops` calls these where the Backend asks and `unfit` finds nothing; our own
 kernels run otherwise.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import backend as backend_lib
 from pallas_kernels.paged_attention import to_padded
 
 CUDNN_DTYPES = ("bfloat16", "float16")
@@ -53,8 +55,13 @@ def dense(q, k, v, *, causal: bool, scale: float, impl: str, window: int = 0, q_
   [B, T, N, Hv] in q's dtype. causal: query t sees keys <= t (T == S);
   window (> 0): and only the last `window` of them (HF's rule: t - j <
   window). q_lens / kv_lens [B]: each row's real queries and keys (None:
-  all); rows past them are padding."""
-  local = (window - 1, 0) if window else None
+  all); rows past them are padding (values unspecified: tokamax's are not
+  zero)."""
+  local = (window - 1, 0) if window else None  # (left, right) keys, as both libraries take it
+  if impl == "tokamax":
+    return backend_lib.tokamax().dot_product_attention(
+        q, k, v, scale=scale, is_causal=causal, query_seq_lengths=q_lens,
+        key_value_seq_lengths=kv_lens, local_window_size=local).astype(q.dtype)
   return jax.nn.dot_product_attention(
       q, k, v, scale=scale, is_causal=causal, query_seq_lengths=q_lens,
       key_value_seq_lengths=kv_lens, local_window_size=local,
@@ -74,9 +81,3 @@ def fresh_packed(q, k, v, cu_q_lens, max_q: int, *, scale: float, impl: str, win
               q_lens=lens, kv_lens=lens)
   return jnp.where(valid[:, None, None], out[seq, row], 0).astype(q.dtype)
 
-
-def every_fresh(cu_q_lens, kv_lens):
-  """Whether every sequence of a step is a fresh chunk: its keys are
-  exactly its own queries (no cached prefix; padding sequences have
-  neither). A traced bool."""
-  return jnp.all(kv_lens == cu_q_lens[1:] - cu_q_lens[:-1])

@@ -39,6 +39,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxinfer import backend as backend_lib
 from jaxinfer import library_attention, xla_attention
 from jaxinfer.backend import Backend
 import pallas_kernels
@@ -116,8 +117,15 @@ def grouped_matmul(xs, w, group_sizes, *, backend: Backend = Backend()):
   are 0. Under grouped_matmul "mosaic" (`Backend.grouped_matmul_kernel`),
   jax's Hopper kernel `ragged_dot_mgpu` where `mosaic_grouped_matmul`
   takes the shapes (TMA + wgmma, persistent over the SMs) on a GPU target,
-  else XLA's (the Mosaic kernel has no interpreter: a CPU target runs XLA)."""
-  if backend.grouped_matmul_kernel() == "mosaic" and backend.on_gpu():
+  else XLA's (the Mosaic kernel has no interpreter: a CPU target runs XLA).
+  Under "tokamax", `tokamax.ragged_dot` (its Mosaic GPU kernel where it
+  takes the case, else its XLA form)."""
+  kernel = backend.grouped_matmul_kernel()
+  if kernel == "tokamax":
+    out = backend_lib.tokamax().ragged_dot(xs, w, group_sizes.astype(jnp.int32))
+    rows = jnp.arange(xs.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.where(rows < jnp.sum(group_sizes), out, 0).astype(out.dtype)
+  if kernel == "mosaic" and backend.on_gpu():
     tiling, _ = mosaic_grouped_matmul(xs.shape, w.shape, xs.dtype, w.dtype)
     if tiling is not None:
       R = xs.shape[0]
@@ -429,7 +437,10 @@ class PagedKV:
   sequences: kv_lens [B] (after the step), page_table [B, pages_per_seq],
   cu_q_lens [B + 1] (sequence b owns query rows cu_q_lens[b]:cu_q_lens[b + 1],
   its newest tokens, the last at position kv_lens[b] - 1); max_q (static):
-  at least every sequence's query count."""
+  at least every sequence's query count; fresh (static): the host knows
+  every sequence is a fresh chunk (from position 0, no cached prefix:
+  kv_lens equal the query counts), so `Backend.dense_attention` may take
+  the step (`ragged_paged_attention`)."""
 
   k_pages: jax.Array
   v_pages: jax.Array | None = None
@@ -441,6 +452,7 @@ class PagedKV:
   v_scale: jax.Array | None = None
   max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
   latent_dim: int | None = dataclasses.field(metadata=dict(static=True), default=None)
+  fresh: bool = dataclasses.field(metadata=dict(static=True), default=False)
 
 
 @jax.tree_util.register_dataclass
@@ -491,23 +503,21 @@ def ragged_paged_attention(call: AttentionCall, backend: Backend = Backend()):
   no page gather, no per-sequence padding) and the pages for the decode
   tokens only; any other step over the pages. (MLA's fresh chunks in the
   expanded form: `fresh_prompts`, the model's choice.)"""
-  kernel, interpret, tiling = _call_kernel(call, backend)
-  step = lambda: _paged_step(call, kernel, interpret, tiling)
-  if _fresh_library(call, backend):  # every sequence a fresh chunk: the library, else the pages
+  if _fresh_library(call, backend):  # every sequence a fresh chunk, known on the host
     kv, (k, v) = call.kv, call.new_kv
-    fresh = lambda: library_attention.fresh_packed(
-        call.q, k, v, kv.cu_q_lens, kv.max_q, scale=call.scale, impl=backend.dense_attention,
-        window=call.window)
-    return jax.lax.cond(library_attention.every_fresh(kv.cu_q_lens, kv.kv_lens), fresh, step)
-  return latent_values(step(), call.values)
+    return library_attention.fresh_packed(call.q, k, v, kv.cu_q_lens, kv.max_q, scale=call.scale,
+                                          impl=backend.dense_attention, window=call.window)
+  return latent_values(_paged_step(call, *_call_kernel(call, backend)), call.values)
 
 
 def _fresh_library(call: AttentionCall, backend: Backend) -> bool:
-  """Whether a paged step may attend its fresh chunks through
+  """Whether a paged step attends its chunks through
   `Backend.dense_attention`: a GQA step (its own K/V at hand, pages without
-  scales) of chunks (max_q > 1) the library takes (`_library`)."""
+  scales) of chunks (max_q > 1) the host marked fresh (`PagedKV.fresh`: the
+  choice is made once for the step, no traced branch in each layer) and
+  the library takes (`_library`)."""
   kv = call.kv
-  return (call.new_kv is not None and kv.max_q > 1 and kv.latent_dim is None
+  return (kv.fresh and call.new_kv is not None and kv.max_q > 1 and kv.latent_dim is None
           and call.values is None and kv.k_scale is None
           and _library(backend, call.q, call.new_kv[1], sinks=call.sinks, window=call.window))
 

@@ -263,19 +263,25 @@ def _plan(params, ep):
 
 
 def lower_step(cfg: ModelConfig, params, pool, mesh, layout: str, seqs, w: Workload, *,
-               ep=_FROM_PARAMS):
+               ep=_FROM_PARAMS, fresh: bool = False):
   """`steps.step` lowered as the Engine runs it (per head shard where the
   layout splits heads, whole per rank under attention DP, every rank
   running `seqs`) -> (Lowered, StepShapes). ep: the expert-parallel plan
   (default: the one stacked params' sharding implies; give it for params in
-  another layout, as the Engine computes it before `transformer.step_layout`)."""
+  another layout, as the Engine computes it before `transformer.step_layout`).
+  fresh: `seqs` are fresh prompt chunks (query rows == context each), lowered
+  as the Engine marks them for library attention (`steps.fresh_shapes`)."""
   batch, prev, where, shapes = _step_inputs(params, mesh, layout, seqs, w)
+  if fresh and any(q != kv for q, kv in seqs):
+    raise ValueError(f"lower_step: fresh chunks have as many query rows as keys, got {seqs}")
+  shapes = dataclasses.replace(shapes, fresh=fresh)
   ep = _plan(params, ep)
   with gpu_compile.lowering(mesh):
     lowered = steps.step.lower(_model(cfg, params, ep, where),
                                steps.StepState(pool, _load(cfg, mesh)),
                                steps.StepInputs(batch, prev),
-                               steps.Program(steps.Plain(), max_q=shapes.max_q, greedy=w.greedy))
+                               steps.Program(steps.Plain(), max_q=shapes.max_q, greedy=w.greedy,
+                                             fresh=fresh))
   return lowered, shapes
 
 

@@ -5,6 +5,7 @@ the attention / quantized-matmul cases (`kernels`) build on it."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Callable
 
 import jax
@@ -46,6 +47,22 @@ class Case:
 
 def normal(key, shape, dtype):
   return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+def short_error(e):
+  """An exception as one line: 'Type: first line of the message' (<= 300 chars)."""
+  text = f"{type(e).__name__}: {e}".strip().splitlines()
+  return (text[0] if text else type(e).__name__)[:300]
+
+
+def gpu_peer(env, module):
+  """-> (module, "") for a GPU-only peer that can run here, else (None, why not)."""
+  if not env.gpu:
+    return None, "GPU only"
+  try:
+    return importlib.import_module(module), ""
+  except Exception as e:  # noqa: BLE001  (any import failure means "not available")
+    return None, f"not importable: {short_error(e)}"
 
 
 def mosaic_skip(env, unsupported) -> str:

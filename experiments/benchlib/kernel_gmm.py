@@ -1,7 +1,8 @@
 """The kernel bench's MoE grouped-matmul cases ("gmm", `kernels`): jax's
 `ragged_dot_mgpu` through `ops.grouped_matmul`, our Mosaic expert kernel
 (`ops.mosaic_experts`: one weight, the fused gate-up, GPT-OSS's MXFP4
-gate-up against Triton's quantized grouped kernel), XLA's `ragged_dot`."""
+gate-up against Triton's quantized grouped kernel), XLA's `ragged_dot`,
+tokamax's `ragged_dot`."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchlib.kernel_case import (Case, Impl, mosaic_skip as _mosaic_skip, normal as _normal,
+from benchlib.kernel_case import (Case, Impl, gpu_peer, mosaic_skip as _mosaic_skip, normal as _normal,
                                   random_codes as _random_codes,
                                   random_scales as _random_scales)
 from jaxinfer import ops
@@ -44,6 +45,10 @@ def _gmm_case(env, *, name, M, E, In, Out):
       note="our Mosaic expert kernel (the fused_experts trial's) on one plain weight")
   if env.peers:
     impls["xla_ragged_dot"] = Impl(jax.lax.ragged_dot, note="XLA's ragged_dot")
+    tokamax, why = gpu_peer(env, "tokamax")
+    impls["tokamax_mosaic"] = Impl(
+        tokamax and (lambda x, w, g: tokamax.ragged_dot(x, w, g, implementation="mosaic")),
+        skip=why, note="tokamax's Mosaic GPU ragged_dot (Backend grouped_matmul 'tokamax')")
   reference = Impl(lambda x, w, g: jax.lax.ragged_dot(x, w, g), temp_bytes=4.0 * M * Out)
   return Case(kernel="gmm", label=f"{name}: M{M} E{E} {In}->{Out}", series=name, context=M,
               shape=dict(M=M, E=E, In=In, Out=Out), flops=2.0 * M * In * Out,

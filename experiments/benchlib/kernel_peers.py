@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import itertools
 import math
 from typing import Any
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchlib.kernel_case import (Case, Impl, mosaic_skip as _mosaic_skip, normal as _normal,
+from benchlib.kernel_case import (Case, Impl, gpu_peer, mosaic_skip as _mosaic_skip, normal as _normal,
                                   random_codes as _random_codes,
                                   random_scales as _random_scales)
 from benchlib.kernel_gmm import gmm_cases
@@ -29,7 +28,6 @@ from pallas_kernels import mosaic_mla_ragged as mmr
 from pallas_kernels import mosaic_paged_attention as mpa
 from pallas_kernels import mosaic_ragged_attention as mra
 from pallas_kernels import mosaic_wide_attention as mwa
-from benchlib.kernel_timing import short_error
 from jaxinfer.models import quant
 
 CONTEXTS = (512, 2048, 8192, 32768)
@@ -43,16 +41,6 @@ class Env:
   peers: bool
   budget: float  # bytes a peer or reference may allocate beyond its inputs
   sms: int  # programs are sized for this many cores
-
-
-def gpu_peer(env, module):
-  """-> (module, "") for a GPU-only peer that can run here, else (None, why not)."""
-  if not env.gpu:
-    return None, "GPU only"
-  try:
-    return importlib.import_module(module), ""
-  except Exception as e:  # noqa: BLE001  (any import failure means "not available")
-    return None, f"not importable: {short_error(e)}"
 
 
 def split_count(env, programs, pages_per_seq):

@@ -19,7 +19,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchlib.kernel_case import normal as _normal
+from benchlib.kernel_case import normal as _normal, short_error  # noqa: F401 (kernel_timing's own)
 
 MiB, GiB = 1 << 20, 1 << 30
 _TARGET_SAMPLE_S = 0.01  # one timing sample lasts about this long
@@ -90,11 +90,5 @@ def measure_roofline(*, gpu, dtype, warmup, repeats):
               method="copy: jit(x + 1) over a 1-D array, bytes = read + written; matmul: "
                      "jit(a @ b) of two random [M, M] arrays at default precision; medians "
                      "as for the kernels")
-
-
-def short_error(e):
-  """An exception as one line: 'Type: first line of the message' (<= 300 chars)."""
-  text = f"{type(e).__name__}: {e}".strip().splitlines()
-  return (text[0] if text else type(e).__name__)[:300]
 
 

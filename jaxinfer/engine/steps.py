@@ -184,10 +184,17 @@ class DraftRows:
 
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
+  """A step program's bucketed shapes: tokens, sequences and pages per
+  sequence, the most query tokens of one sequence (max_q), and fresh: every
+  sequence is a fresh prompt chunk (from position 0, no cached prefix), so
+  the model's `Backend.dense_attention` library may attend it (set only
+  for such a model: `fresh_shapes`)."""
+
   tokens: int
   seqs: int
   pages: int
   max_q: int
+  fresh: bool = False
 
 
 
@@ -327,7 +334,8 @@ class Plain:
     def body(params, pool, ranked, _, load):
       batch, prev, visual, targets, extras = ranked
       sampled, pool, load, lp = _step(cfg, params, pool, batch, prev, load, visual, targets,
-                                      extras=extras, max_q=program.max_q, **kw)
+                                      extras=extras, max_q=program.max_q, fresh=program.fresh,
+                                      **kw)
       return (sampled, lp), pool, None, load
 
     (sampled, lp), pool, _, load = per_rank(
@@ -391,14 +399,16 @@ class Program:
   """A step's static part, one hashable value: the decoder (`Plain()`,
   `MultiStep(n)`, `speculative.Mtp(k)`), the most query tokens of one
   sequence (max_q), greedy (every row has temperature 0), k_cap (the top-k
-  bound of the sampled rows, `sampling.top_k_cap`; 0: sort the vocabulary)
-  and logprobs (the sampled rows' logprobs are returned)."""
+  bound of the sampled rows, `sampling.top_k_cap`; 0: sort the vocabulary),
+  logprobs (the sampled rows' logprobs are returned) and fresh (every
+  sequence is a fresh prompt chunk: `StepShapes.fresh`)."""
 
   decoder: object
   max_q: int = 1
   greedy: bool = False
   k_cap: int = 0
   logprobs: bool = False
+  fresh: bool = False
 
 
 @jax.tree_util.register_dataclass
@@ -454,14 +464,15 @@ def _sampler_kw(model: "StepModel", program: Program) -> dict:
 
 
 def _step(cfg, params, pool, batch, prev_sampled, load, visual, targets=None, *, max_q, ep,
-          greedy, k_cap, mesh=None, head_axis=None, logprobs=False, extras=None):
-  """One rank's plain step (batch fields without the rank axis)."""
+          greedy, k_cap, mesh=None, head_axis=None, logprobs=False, extras=None, fresh=False):
+  """One rank's plain step (batch fields without the rank axis; fresh:
+  `Program.fresh`)."""
   tokens = jnp.where(batch.from_prev >= 0, prev_sampled[jnp.maximum(batch.from_prev, 0)],
                      batch.tokens)
   ctx = PagedContext(positions=batch.positions, token_seq=batch.token_seq, valid=batch.valid,
                      cu_q_lens=batch.cu_q_lens, kv_lens=batch.kv_lens,
                      page_table=batch.page_table, max_q=max_q, mesh=mesh,
-                     head_axis=head_axis, rope_positions=batch.rope_positions)
+                     head_axis=head_axis, fresh=fresh, rope_positions=batch.rope_positions)
   x, caches, counts = trunk_with_counts(cfg, params, tokens[None], ctx, pool.model, ep,
                                       None if load is None else ExpertCount.LOGICAL,
                                       _visual_inputs(cfg, params, tokens[None],
@@ -734,6 +745,19 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
       pages=pages, max_q=bucket(max(s.num_tokens for sch in busy for s in sch), max_q_cap))
 
 
+def fresh_shapes(cfg, shapes: StepShapes, busy, n: int = 1, K: int = 0) -> StepShapes:
+  """`shapes` marked fresh (`StepShapes.fresh`) where the model's Backend
+  asks for library attention (`Backend.dense_attention`) and every chunk of
+  the plain step (n == 1, K == 0: no multi-step decode or drafts) starts a
+  prompt at position 0: the choice is made here once for the step, not by a
+  traced branch in each layer."""
+  if (cfg.backend.dense_attention is None or n > 1 or K or shapes.max_q == 1
+      or not all(s.start == 0 and s.num_draft == 0 and not s.from_state
+                 for sch in busy for s in sch)):
+    return shapes
+  return dataclasses.replace(shapes, fresh=True)
+
+
 def rank_batch(scheduled: list[Scheduled], shapes: StepShapes):
   """One rank's chunks -> (padded `StepBatch`, real tokens). A token sampled
   by the step still in flight is taken on device from its row there."""
@@ -921,15 +945,16 @@ class Runner:
     say (`warm`'s empty ones)."""
     core = self.core
     busy = [sch for sch in per_rank if sch]
-    shapes, greedy, k_cap = program or (step_shapes(core, busy, core.chunk + K),
-                                        *sampler_mode(busy))
+    shapes, greedy, k_cap = program or (
+        fresh_shapes(model.cfg, step_shapes(core, busy, core.chunk + K), busy, n, K),
+        *sampler_mode(busy))
     inputs, decoder, tokens, want, extras_key = self._inputs(per_rank, shapes, n, K)
     key = ((shapes, K, greedy, want, k_cap) if self.drafts is not None else
            (shapes, n, greedy, want, extras_key, k_cap))
     self.guard.before(key)
     out, state, lp = step(model, state, inputs,
                           Program(decoder, max_q=1 if n > 1 else shapes.max_q, greedy=greedy,
-                                  k_cap=k_cap, logprobs=want[0]))
+                                  k_cap=k_cap, logprobs=want[0], fresh=shapes.fresh))
     if self.drafts is None:
       self._prev_sampled = out[-1] if n > 1 else out
       self._prev_out = out

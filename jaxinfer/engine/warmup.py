@@ -23,6 +23,8 @@ shapes also follow its draft counts.
 
 from __future__ import annotations
 
+import dataclasses
+
 from jaxinfer.engine import sampling, steps
 from jaxinfer.engine.core import prefill_chunk
 
@@ -36,9 +38,10 @@ def page_buckets(max_pages: int, fixed_prefill: bool) -> list[int]:
 
 def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   """The (StepShapes, decode steps, greedy, k_cap) of every plain program
-  traffic can reach (eng: an `Engine` or its `HostCore`, for their config
-  and max_pages_per_seq); ValueError when prompt steps are bucketed (too
-  many)."""
+  traffic can reach (eng: an `Engine`, for its configs and
+  max_pages_per_seq; with a Backend's `dense_attention`, each prompt shape
+  also as a fresh-chunk program, `steps.fresh_shapes`); ValueError when
+  prompt steps are bucketed (too many)."""
   c = eng.config
   chunk = prefill_chunk(c)
   if c.speculative is not None:
@@ -68,5 +71,8 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
                                 max_q=chunk), n) for p in pages for n in multi]
   # Shortest contexts first: where the warm-up stops early (`Engine.warmup`'s
   # memory-map share) it has compiled what most traffic runs.
-  shapes.sort(key=lambda sn: (sn[0].pages, sn[0].max_q == 1, sn[0].tokens, sn[0].seqs, sn[1]))
+  if eng.cfg.backend.dense_attention is not None:  # prompt steps of fresh chunks: the library's
+    shapes += [(dataclasses.replace(s, fresh=True), n) for s, n in shapes if s.max_q > 1]
+  shapes.sort(key=lambda sn: (sn[0].pages, sn[0].max_q == 1, sn[0].tokens, sn[0].seqs, sn[1],
+                              sn[0].fresh))
   return [(s, n, greedy, k_cap) for s, n in shapes for greedy, k_cap in samplers]

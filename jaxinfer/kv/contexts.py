@@ -124,6 +124,8 @@ class PagedContext:
   over `head_axis` (tp, tp_attn_ep), attention runs per device of that axis
   in `shard_map` (the kernel is a custom call GSPMD cannot split; outside
   shard_map XLA gathers the whole pool around it). None: one program.
+  fresh (static): every sequence of the step is a fresh chunk, from
+  position 0 (the host knows; `ops.PagedKV.fresh`).
   """
 
   positions: jax.Array  # [T] int32
@@ -135,6 +137,7 @@ class PagedContext:
   max_q: int = dataclasses.field(metadata=dict(static=True), default=1)
   mesh: object = dataclasses.field(metadata=dict(static=True), default=None)
   head_axis: object = dataclasses.field(metadata=dict(static=True), default=None)
+  fresh: bool = dataclasses.field(metadata=dict(static=True), default=False)
   rope_positions: jax.Array | None = None  # [T] int32 rotary positions; None: positions
   caches_latent = True
 
@@ -173,7 +176,8 @@ class PagedContext:
     k_scale, v_scale = (layout.layer_scales(stack, layer) + (None,))[:2]  # MLA: k_scale only
     return ops.PagedKV(k_pages=k_pages, v_pages=v_pages, kv_lens=self.kv_lens,
                        page_table=self.page_table, cu_q_lens=self.cu_q_lens, layer=layer,
-                       k_scale=k_scale, v_scale=v_scale, max_q=self.max_q, latent_dim=latent_dim)
+                       k_scale=k_scale, v_scale=v_scale, max_q=self.max_q, latent_dim=latent_dim,
+                       fresh=self.fresh)
 
   def write(self, new, cache, *, latent_dim=None):
     """The step's new entries written into its pages -> (`ops.PagedKV` over

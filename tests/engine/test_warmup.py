@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxinfer import Engine, EngineConfig, MTPConfig, SamplingParams, models, presets
+from jaxinfer import Backend, Engine, EngineConfig, MTPConfig, SamplingParams, models, presets
 from jaxinfer.engine import warmup
 
 CONFIG = dict(page_size=8, num_pages=64, max_num_seqs=2, max_num_batched_tokens=32,
@@ -21,13 +21,16 @@ def _model(**kw):
   return cfg, models.init_params(cfg, jax.random.key(0))
 
 
-def test_after_warmup_plain_traffic_compiles_nothing():
-  cfg, params = _model()
+@pytest.mark.parametrize("library", [False, True])
+def test_after_warmup_plain_traffic_compiles_nothing(library):
+  # With library attention, prompt steps of fresh chunks are programs of their own.
+  cfg, params = _model(**(dict(backend=Backend(dense_attention="jax_nn")) if library else {}))
   eng = Engine(cfg, params, EngineConfig(**CONFIG, fixed_prefill_shapes=True, decode_steps=2))
   report = eng.warmup()
   assert report["programs"] == len(warmup.programs(eng)) == eng.stats()["compiles"]
   # Prompt steps: every sequence, the budget or a smaller power of two of tokens.
   assert {(s.tokens, s.seqs) for s, *_ in warmup.programs(eng) if s.max_q > 1} == {(16, 2), (32, 2)}  # 32 // 4 -> 16 at least
+  assert any(s.fresh for s, *_ in warmup.programs(eng)) == library
   assert eng.stats()["steps"] == 0  # the warm-up's padding steps are not counted as traffic
   rng = np.random.default_rng(0)
   prompts, sampling = [], []

@@ -4,6 +4,7 @@ the Mosaic kernel choice `ops.mosaic_kernel` and the defaults a Hopper
 compile target gets."""
 
 import dataclasses
+import importlib.util
 import json
 
 import jax
@@ -25,6 +26,16 @@ def test_bad_values_raise_naming_the_field_and_the_value():
     Backend("pallas")  # keyword-only
   with pytest.raises(ValueError, match="backend must be a jaxinfer.Backend, got str"):
     presets.get("tiny_dense", backend="pallas")
+
+
+@pytest.mark.parametrize("field", ["dense_attention", "grouped_matmul"])
+def test_tokamax_without_the_package_is_named(monkeypatch, field):
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "tokamax" else find_spec(name, *a))
+  with pytest.raises(ValueError, match=rf"Backend.{field}='tokamax' needs the tokamax package "
+                                       r".*jaxinfer\[tokamax\].*Python >= 3.12"):
+    Backend(**{field: "tokamax"})
 
 
 def test_resolution_on_this_cpu_process():

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from benchlib import gpu_plan
 from vl_inputs import VL
 import jaxinfer
 from jaxinfer import (Backend, checkpoint, gpu_compile, library_attention, models, ops, presets,
                       xla_attention)
+from jaxinfer.engine import scheduler, steps
 from jaxinfer.models import multimodal
 import pallas_kernels
 
@@ -62,8 +64,21 @@ def test_fresh_chunks_padded_for_the_library_equal_the_packed_xla_form(window):
   want = xla_attention.packed_step(q, k, v, cu, window, None, 0.4)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   assert not np.any(np.asarray(got[13:]))
-  assert bool(library_attention.every_fresh(cu, jnp.asarray([5, 7, 1, 0])))
-  assert not bool(library_attention.every_fresh(cu, jnp.asarray([5, 9, 1, 0])))  # a prefix
+
+
+def test_the_host_marks_steps_of_fresh_chunks_only():
+  """`steps.fresh_shapes`: a step is the library's only when its model asks
+  and every chunk starts a prompt at position 0."""
+  lib_cfg = dataclasses.replace(presets.get("tiny_dense"), backend=LIB)
+  shapes = steps.StepShapes(tokens=32, seqs=4, pages=4, max_q=16)
+  chunk = lambda n, start, **kw: scheduler.Scheduled(None, n, start, True, **kw)
+  fresh = lambda cfg, *busy, **kw: steps.fresh_shapes(cfg, shapes, busy, **kw).fresh
+  assert fresh(lib_cfg, [chunk(7, 0), chunk(3, 0)], [chunk(5, 0)])  # two ranks
+  assert not fresh(lib_cfg, [chunk(7, 0), chunk(3, 4)])  # a later chunk: its prefix cached
+  assert not fresh(lib_cfg, [chunk(7, 0), chunk(1, 9)])  # beside a decode
+  assert not fresh(lib_cfg, [chunk(4, 0, num_draft=3)])  # drafts
+  assert not fresh(lib_cfg, [chunk(7, 0)], n=2) and not fresh(lib_cfg, [chunk(7, 0)], K=3)
+  assert not fresh(presets.get("tiny_dense"), [chunk(7, 0)])  # the model does not ask
 
 
 def test_what_the_library_does_not_take_is_named():
@@ -103,6 +118,27 @@ def test_the_library_form_compiles_for_an_h100():
   assert "custom-call" not in compiled.as_text() or "triton" not in compiled.as_text()
 
 
+def test_an_engine_step_of_fresh_chunks_compiles_for_an_h100_without_our_kernel():
+  """The Engine's prompt step marked fresh (`steps.fresh_shapes`), with the
+  library's XLA form, compiles for a compile-only H100 and holds none of
+  our attention kernels; unmarked, the same step runs them."""
+  cfg = dataclasses.replace(gpu_plan.gpu_config(presets.get("tiny_dense"), "bfloat16"),
+                            backend=Backend(dense_attention="jax_nn", target="gpu"))
+  w = gpu_plan.Workload(batch=2, context=32, prefill_tokens=32)
+  mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+  params = gpu_plan.abstract_params(cfg, mesh, "tp")
+  pool = gpu_plan.abstract_pool(cfg, mesh, "tp", w.pool_pages(), w.page_size)
+  kernels = {}
+  for fresh in (True, False):
+    lowered, shapes = gpu_plan.lower_step(cfg, params, pool, mesh, "tp", [(32, 32), (16, 16)], w,
+                                          fresh=fresh)
+    report = gpu_plan.compile_program(lowered, 80e9, pool)
+    kernels[fresh] = report["triton_kernels"] or report["mosaic_kernels"] > 0
+  assert shapes.max_q == 32 and kernels == {True: False, False: True}
+  with pytest.raises(ValueError, match="fresh chunks"):
+    gpu_plan.lower_step(cfg, params, pool, mesh, "tp", [(1, 32)], w, fresh=True)
+
+
 def _greedy(cfg, params, prompts):
   eng = jaxinfer.Engine(cfg, params, jaxinfer.EngineConfig(
       max_num_seqs=4, num_pages=64, page_size=8, max_num_batched_tokens=64,
@@ -114,7 +150,9 @@ def _greedy(cfg, params, prompts):
 def test_the_engine_takes_the_library_for_fresh_prompt_steps(monkeypatch):
   cfg = presets.get("tiny_dense")
   params = models.init_params(cfg, jax.random.key(0))
-  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(20, 33))]
+  # The last prompt takes two steps (budget 64): its second chunk, over its
+  # cached first one, is not the library's.
+  prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], list(range(20, 33)), list(range(40, 110))]
   lib_cfg = dataclasses.replace(cfg, backend=LIB)
   want = _greedy(cfg, params, prompts)
   assert _greedy(lib_cfg, params, prompts) == want
