@@ -89,11 +89,14 @@ import importlib.util
 
 import jax
 
+from jaxinfer import kernel_defaults
+from jaxinfer.kernel_defaults import HOPPER_KINDS
 from pallas_kernels import mosaic_paged_attention
 
 ATTENTION_KERNELS = ("xla", "pallas", "mosaic")
 # jax.nn.dot_product_attention's cuDNN kernel and XLA form; tokamax's attention
-DENSE_ATTENTION = ("cudnn", "jax_nn", "tokamax")
+# ("ours": our kernels, whatever a committed winner table says)
+DENSE_ATTENTION = ("cudnn", "jax_nn", "tokamax", "ours")
 GROUPED_MATMULS = ("xla", "mosaic", "tokamax")
 # openxla's Pallas kernel library (the `tokamax` extra): its wheel asks for
 # Python >= 3.12 and jax >= 0.11.1 (tokamax 0.0.17's metadata).
@@ -101,7 +104,6 @@ TOKAMAX_NEEDS = "pip install 'jaxinfer[tokamax]': Python >= 3.12, jax >= 0.11.1"
 TARGETS = ("gpu", "cpu")
 # Mosaic variants not yet run on a GPU
 TRIALS = ("mla_cluster", "wide_items", "cluster_items", "mla_items", "fused_experts")
-HOPPER_KINDS = ("H100", "H200", "H800", "H20", "GH200")  # sm90: wgmma, the Mosaic kernels'
 
 
 def hopper_target() -> bool:
@@ -176,11 +178,34 @@ class Backend:
     return ("mosaic" if mosaic_default() else "pallas"), False
 
   def grouped_matmul_kernel(self) -> str:
-    """The unquantized MoE matmul: `grouped_matmul`, or for None "mosaic"
-    on a GPU target where `mosaic_default()` holds, else "xla"."""
+    """The unquantized MoE matmul: `grouped_matmul`, or for None the
+    committed winner table's choice on a Hopper GPU target
+    (`kernel_defaults`), else "mosaic" on a GPU target where
+    `mosaic_default()` holds, else "xla"."""
     if self.grouped_matmul:
       return self.grouped_matmul
+    measured = self._measured("grouped_matmul")
+    if measured is not None:
+      return measured
     return "mosaic" if self.on_gpu() and mosaic_default() else "xla"
+
+  def attention_library(self) -> str | None:
+    """The library for attention with no cached prefix ("cudnn", "jax_nn",
+    "tokamax") or None (our kernels): `dense_attention`, or for None the
+    committed winner table's choice on a Hopper GPU target
+    (`kernel_defaults`); "ours" is None."""
+    choice = self.dense_attention or self._measured("dense_attention")
+    return None if choice in (None, "ours") else choice
+
+  def _measured(self, field: str) -> str | None:
+    """`field`'s default from the newest committed winner table for a
+    Hopper GPU target (`kernel_defaults.hopper_default`), or None: not a
+    Hopper target, no table, or its choice is tokamax and tokamax is not
+    installed (a default never asks for a missing package)."""
+    if not (self.on_gpu() and hopper_target()):
+      return None
+    choice = kernel_defaults.hopper_default(field)
+    return None if choice == "tokamax" and importlib.util.find_spec("tokamax") is None else choice
 
 
 def tokamax():

@@ -274,7 +274,7 @@ def causal_attention(q, k, v, *, window=0, window_choices=(0,), sinks=None, scal
   """
   if _library(backend, q, v, sinks=sinks, window=window):
     return library_attention.dense(q, k, v, causal=True, scale=scale,
-                                   impl=backend.dense_attention, window=window)
+                                   impl=backend.attention_library(), window=window)
   impl, interpret = backend.attention_kernel()
   small = min(q.shape[-1], v.shape[-1]) < 16
   if impl == "xla" or (not interpret and small and backend.attention is None):
@@ -316,7 +316,7 @@ def full_attention(q, k, v, *, scale, backend: Backend = Backend()):
   `Backend.dense_attention` where the library takes the case (`_library`)."""
   if _library(backend, q, v):
     return library_attention.dense(q, k, v, causal=False, scale=scale,
-                                   impl=backend.dense_attention)
+                                   impl=backend.attention_library())
   impl, interpret = backend.attention_kernel()
   small = min(q.shape[-1], v.shape[-1]) < 16
   if impl == "xla" or (not interpret and small and backend.attention is None):
@@ -331,8 +331,8 @@ def _library(backend: Backend, q, v, *, sinks=None, window=0) -> bool:
   """Whether `Backend.dense_attention` asks for the library and it takes
   attention of q [..., N, Hk] with values v [..., Hv]
   (`library_attention.unfit`)."""
-  return backend.dense_attention is not None and library_attention.unfit(
-      backend.dense_attention, q.shape, v.shape[-1], q.dtype, sinks=sinks, window=window,
+  return backend.attention_library() is not None and library_attention.unfit(
+      backend.attention_library(), q.shape, v.shape[-1], q.dtype, sinks=sinks, window=window,
       on_gpu=backend.on_gpu()) is None
 
 
@@ -506,7 +506,7 @@ def ragged_paged_attention(call: AttentionCall, backend: Backend = Backend()):
   if _fresh_library(call, backend):  # every sequence a fresh chunk, known on the host
     kv, (k, v) = call.kv, call.new_kv
     return library_attention.fresh_packed(call.q, k, v, kv.cu_q_lens, kv.max_q, scale=call.scale,
-                                          impl=backend.dense_attention, window=call.window)
+                                          impl=backend.attention_library(), window=call.window)
   return latent_values(_paged_step(call, *_call_kernel(call, backend)), call.values)
 
 

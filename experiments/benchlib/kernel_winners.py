@@ -9,7 +9,9 @@ ran and matched the float32 reference within the run's tolerance
 (`numerics_ok`): a fast wrong kernel, or one whose output was never checked,
 never becomes a default. The table keeps the device, jax version and date of
 the run it was read from, so a default taken from it says where it was
-measured.
+measured. Committed as jaxinfer/kernel_tables/kernel_winners_<device>_<date>.json,
+it sets `Backend`'s Hopper defaults for library kernels
+(`jaxinfer.kernel_defaults`).
 """
 
 from __future__ import annotations
@@ -53,7 +55,9 @@ def _ms(rec) -> float | None:
 def winner_row(kernel: str, entry: dict) -> dict:
   """One case of a `kernel_bench` result -> its winner-table row: the
   fastest candidate that ran and matched the reference (None where none
-  did), the runner-up by the same rule, ours' time and ours / winner."""
+  did), the runner-up by the same rule, ours' time and ours / winner, and
+  every candidate's time that ran (ms: what `jaxinfer.kernel_defaults`
+  weighs once the table is committed)."""
   impls = entry["impls"]
   ran = {n: r for n, r in impls.items() if r.get("status") == "ok"}
   matched = sorted((r["time_s"], n) for n, r in ran.items() if r.get("numerics_ok") is True)
@@ -65,7 +69,8 @@ def winner_row(kernel: str, entry: dict) -> dict:
       ours_over_winner=(ours["time_s"] / impls[winner]["time_s"]
                         if winner and ours is not None else None),
       runner_up=matched[1][1] if len(matched) > 1 else None,
-      ran=sorted(ran), matched=sorted(n for _, n in matched))
+      ran=sorted(ran), matched=sorted(n for _, n in matched),
+      ms={n: _ms(r) for n, r in sorted(ran.items()) if "time_s" in r})
 
 
 def winner_table(result: dict) -> dict:

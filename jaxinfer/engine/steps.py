@@ -751,7 +751,7 @@ def fresh_shapes(cfg, shapes: StepShapes, busy, n: int = 1, K: int = 0) -> StepS
   the plain step (n == 1, K == 0: no multi-step decode or drafts) starts a
   prompt at position 0: the choice is made here once for the step, not by a
   traced branch in each layer."""
-  if (cfg.backend.dense_attention is None or n > 1 or K or shapes.max_q == 1
+  if (cfg.backend.attention_library() is None or n > 1 or K or shapes.max_q == 1
       or not all(s.start == 0 and s.num_draft == 0 and not s.from_state
                  for sch in busy for s in sch)):
     return shapes

@@ -71,7 +71,7 @@ def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
                                 max_q=chunk), n) for p in pages for n in multi]
   # Shortest contexts first: where the warm-up stops early (`Engine.warmup`'s
   # memory-map share) it has compiled what most traffic runs.
-  if eng.cfg.backend.dense_attention is not None:  # prompt steps of fresh chunks: the library's
+  if eng.cfg.backend.attention_library() is not None:  # prompt steps of fresh chunks: the library's
     shapes += [(dataclasses.replace(s, fresh=True), n) for s, n in shapes if s.max_q > 1]
   shapes.sort(key=lambda sn: (sn[0].pages, sn[0].max_q == 1, sn[0].tokens, sn[0].seqs, sn[1],
                               sn[0].fresh))

@@ -94,7 +94,7 @@ def _attention(vc: VisionConfig, p, x, cos, sin, frames, backend: Backend):
   outs = []
   for start, n in frames:
     sl = slice(start, start + n)
-    if backend.dense_attention is not None:
+    if backend.attention_library() is not None:
       outs.append(ops.full_attention(q[None, sl], k[None, sl], v[None, sl],
                                      scale=vc.head_dim ** -0.5, backend=backend)[0])
       continue
