@@ -17,8 +17,10 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              "mosaic" (jax's Hopper kernel `ragged_dot_mgpu`, where
              `ops.mosaic_grouped_matmul` takes the shapes), "tokamax"
              (`tokamax.ragged_dot`: its Mosaic GPU kernel on a GPU, its
-             XLA form elsewhere; the `tokamax` extra), or None: "mosaic"
-             where attention None picks "mosaic", else "xla". Quantized
+             XLA form elsewhere; the `tokamax` extra), or None: on a
+             Hopper GPU target the newest committed winner table's choice
+             (`kernel_defaults`), else "mosaic" where attention None picks
+             "mosaic", else "xla". Quantized
              experts take the Pallas quantized kernel on GPUs (the
              "fused_experts" trial: ours on Mosaic, but NVFP4 / int4).
   trials     Mosaic kernel variants that compile for H100 and match their
@@ -52,10 +54,13 @@ jitted step) and handed unchanged to every `jaxinfer.ops` call:
              dims up to 256), "jax_nn" (its XLA form, any device),
              "tokamax" (`tokamax.dot_product_attention`: the first of its
              Mosaic GPU (FlashAttention-3 style), Triton and XLA kernels
-             that takes the case on this device; the `tokamax` extra), or
-             None: our kernels as `attention` picks them. It serves full
-             forwards (`ops.causal_attention`), WAN's DiT and VAE
-             (`ops.full_attention`) and an Engine step whose every
+             that takes the case on this device; the `tokamax` extra),
+             "ours" (our kernels as `attention` picks them), or None: on
+             a Hopper GPU target the newest committed winner table's
+             choice (`kernel_defaults`; with none committed, ours), else
+             ours. It serves full forwards (`ops.causal_attention`), WAN's
+             DiT (`ops.full_attention`; its VAE's one 384-wide head stays
+             on XLA) and an Engine step whose every
              sequence is a fresh prompt chunk, as the host marks it
              (`steps.fresh_shapes`; GQA pages without scales,
              `ops.ragged_paged_attention`). Cases the library does not

@@ -27,7 +27,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from benchlib.hlo_report import TRITON_CALL
 from jaxinfer import gpu_compile
-from jaxinfer.backend import Backend
 from jaxinfer.diffusion import wan_parallel, wan_pipeline, wan_weights
 from jaxinfer.diffusion.wan_config import WanConfig, a14b_expert
 from jaxinfer.models.specs import is_spec
@@ -55,9 +54,10 @@ def _abstract(cfg: WanConfig, mesh, latent, text_len: int):
 def wan_step_plan(*, seq: int = 4, cfg_parallel: int = 2, tensor: int = 1, frames: int = 81,
                   height: int = 720, width: int = 1280, text_len: int = 512, gpu: str = "h100",
                   cfg: WanConfig | None = None) -> dict:
-  """Compile one denoising step for cfg_parallel x seq x tensor GPUs (module docstring)."""
+  """Compile one denoising step for cfg_parallel x seq x tensor GPUs (module
+  docstring); cfg's Backend choices are kept, its target set to "gpu"."""
   cfg = cfg or a14b_expert()
-  cfg = dataclasses.replace(cfg, backend=Backend(target="gpu"))
+  cfg = dataclasses.replace(cfg, backend=dataclasses.replace(cfg.backend, target="gpu"))
   devices = gpu_compile.devices(gpu, devices_per_host=seq * cfg_parallel * tensor)
   mesh = wan_parallel.make_mesh(seq=seq, cfg=cfg_parallel, tensor=tensor, devices=devices)
   latent = latent_shape(frames, height, width, cfg.in_channels)

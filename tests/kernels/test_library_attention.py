@@ -9,19 +9,22 @@ prompt chunks only: a broken library path changes its tokens.
 """
 
 import dataclasses
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchlib import gpu_plan
+from benchlib import gpu_plan, wan_plan
 from vl_inputs import VL
 import jaxinfer
 from jaxinfer import (Backend, checkpoint, gpu_compile, library_attention, models, ops, presets,
                       xla_attention)
+from jaxinfer.config import ModelConfig
+from jaxinfer.diffusion.wan_config import a14b_expert
 from jaxinfer.engine import scheduler, steps
-from jaxinfer.models import multimodal
+from jaxinfer.models import multimodal, vision
 import pallas_kernels
 
 LIB = Backend(dense_attention="jax_nn")
@@ -137,6 +140,31 @@ def test_an_engine_step_of_fresh_chunks_compiles_for_an_h100_without_our_kernel(
   assert shapes.max_q == 32 and kernels == {True: False, False: True}
   with pytest.raises(ValueError, match="fresh chunks"):
     gpu_plan.lower_step(cfg, params, pool, mesh, "tp", [(1, 32)], w, fresh=True)
+
+
+def test_wan_dit_and_the_vision_encoder_through_the_library_compile_for_an_h100():
+  """A WAN denoising step (one small DiT layer, heads of 64) and the Qwen3-VL
+  vision tower compile for compile-only H100s with the library's XLA form:
+  the DiT then holds none of our flash kernel, which it runs without it."""
+  dit = a14b_expert(num_layers=1, num_heads=2, head_dim=64, ffn_dim=256, text_dim=64,
+                    freq_dim=32)
+  triton = {}
+  for name, backend in (("ours", Backend()), ("library", Backend(dense_attention="jax_nn"))):
+    plan = wan_plan.wan_step_plan(seq=1, cfg_parallel=1, frames=5, height=64, width=64,
+                                  text_len=8, cfg=dataclasses.replace(dit, backend=backend))
+    triton[name] = plan["triton"]
+    assert plan["fits"]
+  assert triton == dict(ours=True, library=False)
+  hf = json.loads((VL / "qwen3_vl" / "config.json").read_text())
+  cfg = gpu_plan.gpu_config(ModelConfig.from_hf(hf), "bfloat16")
+  mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
+  params = gpu_plan.abstract_params(cfg, mesh, "tp")
+  vc, rep = cfg.vision, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  with gpu_compile.lowering(mesh):
+    encoder = vision.encode.lower(
+        vc, params["vision"], jax.ShapeDtypeStruct((24, vc.patch_dim), jnp.float32, sharding=rep),
+        ((1, 4, 6),), Backend(dense_attention="jax_nn", target="gpu")).compile()
+  assert [o.shape for o in jax.tree.leaves(encoder.out_info)][0] == (6, cfg.d_model)
 
 
 def _greedy(cfg, params, prompts):
