@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from benchlib.kernel_case import (Case, Impl, gpu_peer, mosaic_skip as _mosaic_skip, normal as _normal,
+from benchlib.kernel_case import (Case, Impl, gpu_peer, mosaic_skip as _mosaic_skip,
+                                  normal as _normal,
                                   random_codes as _random_codes,
                                   random_scales as _random_scales)
 from benchlib.kernel_gmm import gmm_cases

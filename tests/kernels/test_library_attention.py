@@ -151,7 +151,8 @@ def test_wan_dit_and_the_vision_encoder_through_the_library_compile_for_an_h100(
                     freq_dim=32, backend=Backend(dense_attention="jax_nn"))
   plan = wan_plan.wan_step_plan(seq=1, cfg_parallel=1, frames=5, height=64, width=64,
                                 text_len=8, cfg=dit)
-  assert plan["fits"] and not plan["triton"] and plan["tokens"] == 2 * 4 * 4  # 2 latent frames of 8 x 8, 2 x 2 patches
+  # Two latent frames of 8 x 8 in 2 x 2 patches.
+  assert plan["fits"] and not plan["triton"] and plan["tokens"] == 2 * 4 * 4
   hf = json.loads((VL / "qwen3_vl" / "config.json").read_text())
   cfg = gpu_plan.gpu_config(ModelConfig.from_hf(hf), "bfloat16")
   mesh = gpu_compile.mesh({"data": 1}, gpu="h100")
