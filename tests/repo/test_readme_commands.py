@@ -122,6 +122,8 @@ COMMANDS = {
         "needs vLLM's CPU build in a venv of its own (3.5 GB with its torch; CI installs none); "
         "tests/experiments/test_bench_vs_vllm.py runs its streaming client against our server, "
         "its summary and its peer protocol"),
+    "python experiments/simulate_cluster.py --mode=mlperf": Run(
+        ("--out={tmp}/mlperf_sim",), ("ablation, DeepSeek-R1 Server", "mlperf_sim.json")),
     "python experiments/simulate_cluster.py --mode=calibrate_check": NotHere(
         "6 minutes at its shortest (--check_rounds=1, measured on the 2-core machine): its check "
         "workloads replay real time (multi-turn think time); tests/sim/test_sim.py tests the "
