@@ -82,8 +82,9 @@ program's kernels must match the devices it is compiled for, and a CPU
 process can build GPU programs. Bad values raise ValueError on construction.
 The default resolution happens when a program is traced (`attention_kernel`),
 so a CPU process building for a compile-only H100 (`jaxinfer.gpu_compile`)
-gets what the H100 would. This module imports nothing from jaxinfer:
-`config` and `ops` both hold it.
+gets what the H100 would. This module imports nothing from jaxinfer but
+`kernel_defaults` (which imports nothing from it): `config` and `ops` both
+hold it.
 """
 
 from __future__ import annotations

@@ -187,8 +187,8 @@ class StepShapes:
   """A step program's bucketed shapes: tokens, sequences and pages per
   sequence, the most query tokens of one sequence (max_q), and fresh: every
   sequence is a fresh prompt chunk (from position 0, no cached prefix), so
-  the model's `Backend.dense_attention` library may attend it (set only
-  for such a model: `fresh_shapes`)."""
+  the model's attention library (`Backend.attention_library`) may attend
+  it (set only for such a model: `fresh_shapes`)."""
 
   tokens: int
   seqs: int
@@ -747,11 +747,11 @@ def step_shapes(core: HostCore, busy, max_q_cap: int) -> StepShapes:
 
 def fresh_shapes(cfg, shapes: StepShapes, busy, n: int = 1, K: int = 0) -> StepShapes:
   """`shapes` marked fresh (`StepShapes.fresh`) where the model's Backend
-  asks for library attention (`Backend.dense_attention`) and every chunk of
+  takes library attention (`Backend.attention_library`) and every chunk of
   the plain step (n == 1, K == 0: no multi-step decode or drafts) starts a
   prompt at position 0: the choice is made here once for the step, not by a
   traced branch in each layer."""
-  if (cfg.backend.attention_library() is None or n > 1 or K or shapes.max_q == 1
+  if (n > 1 or K or shapes.max_q == 1 or cfg.backend.attention_library() is None
       or not all(s.start == 0 and s.num_draft == 0 and not s.from_state
                  for sch in busy for s in sch)):
     return shapes

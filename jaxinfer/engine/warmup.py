@@ -39,9 +39,9 @@ def page_buckets(max_pages: int, fixed_prefill: bool) -> list[int]:
 def programs(eng, *, sampled: bool = True, top_k: bool = False) -> list[tuple]:
   """The (StepShapes, decode steps, greedy, k_cap) of every plain program
   traffic can reach (eng: an `Engine`, for its configs and
-  max_pages_per_seq; with a Backend's `dense_attention`, each prompt shape
-  also as a fresh-chunk program, `steps.fresh_shapes`); ValueError when
-  prompt steps are bucketed (too many)."""
+  max_pages_per_seq; with an attention library, `Backend.attention_library`,
+  each prompt shape also as a fresh-chunk program, `steps.fresh_shapes`);
+  ValueError when prompt steps are bucketed (too many)."""
   c = eng.config
   chunk = prefill_chunk(c)
   if c.speculative is not None:

@@ -24,7 +24,13 @@ import pallas_kernels
 
 pytestmark = pytest.mark.newest_jax
 
-TOKAMAX = Backend(dense_attention="tokamax", grouped_matmul="tokamax")
+
+@pytest.fixture(name="tokamax")
+def _tokamax():
+  """The Backend of both tokamax choices (built in the test: on a jax line
+  without tokamax the module is collected, then deselected, and building it
+  would raise)."""
+  return Backend(dense_attention="tokamax", grouped_matmul="tokamax")
 
 
 def _qkv(key, B, T, N, K, H, S=None):
@@ -35,14 +41,14 @@ def _qkv(key, B, T, N, K, H, S=None):
 
 
 @pytest.mark.parametrize("window", [0, 5])
-def test_causal_and_full_attention_equal_the_reference(window):
+def test_causal_and_full_attention_equal_the_reference(window, tokamax):
   q, k, v = _qkv(jax.random.key(0), 2, 24, 8, 2, 32)
-  got = ops.causal_attention(q, k, v, window=window, scale=0.3, backend=TOKAMAX)
+  got = ops.causal_attention(q, k, v, window=window, scale=0.3, backend=tokamax)
   want = pallas_kernels.flash_attention_reference(q, k, v, causal=True, sm_scale=0.3,
                                                   window=window)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
   q, k, v = _qkv(jax.random.key(1), 2, 12, 4, 4, 16, S=20)
-  got = ops.full_attention(q, k, v, scale=0.25, backend=TOKAMAX)
+  got = ops.full_attention(q, k, v, scale=0.25, backend=tokamax)
   want = pallas_kernels.flash_attention_reference(q, k, v, causal=False, sm_scale=0.25)
   np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
@@ -59,24 +65,24 @@ def test_fresh_chunks_equal_the_packed_xla_form_with_padding_rows_zero():
   assert not np.any(np.asarray(got[13:]))
 
 
-def test_grouped_matmul_equals_ragged_dot_and_zeroes_rows_past_the_groups():
+def test_grouped_matmul_equals_ragged_dot_and_zeroes_rows_past_the_groups(tokamax):
   kx, kw = jax.random.split(jax.random.key(3))
   xs = jax.random.normal(kx, (70, 32))
   w = jax.random.normal(kw, (4, 32, 16))
   sizes = jnp.asarray([10, 20, 4, 30], jnp.int32)  # 64 rows: 6 past the groups
-  got = ops.grouped_matmul(xs, w, sizes, backend=TOKAMAX)
+  got = ops.grouped_matmul(xs, w, sizes, backend=tokamax)
   np.testing.assert_allclose(got, jax.lax.ragged_dot(xs, w, sizes), atol=1e-5, rtol=1e-5)
   assert not np.any(np.asarray(got[64:]))
 
 
-def test_a_moe_model_and_the_engine_on_tokamax_equal_their_defaults():
+def test_a_moe_model_and_the_engine_on_tokamax_equal_their_defaults(tokamax):
   """tiny_moe's full forward with tokamax's experts, and the Engine's greedy
   tokens (tiny_dense: its fresh prompt steps on tokamax's attention)."""
   cfg = dataclasses.replace(presets.get("tiny_moe"), dtype="float32")
   params = models.init_params(cfg, jax.random.key(0))
   tokens = jnp.asarray([[3, 1, 4, 1, 5, 9, 2, 6]])
   want = models.logits(cfg, params, tokens)
-  got = models.logits(dataclasses.replace(cfg, backend=TOKAMAX), params, tokens)
+  got = models.logits(dataclasses.replace(cfg, backend=tokamax), params, tokens)
   np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
   cfg = presets.get("tiny_dense")
@@ -90,4 +96,4 @@ def test_a_moe_model_and_the_engine_on_tokamax_equal_their_defaults():
     return [o.token_ids for o in eng.generate(
         prompts, jaxinfer.SamplingParams(max_tokens=6, temperature=0.0))]
 
-  assert greedy(dataclasses.replace(cfg, backend=TOKAMAX)) == greedy(cfg)
+  assert greedy(dataclasses.replace(cfg, backend=tokamax)) == greedy(cfg)
