@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from test_library_attention import _qkv
 import jaxinfer
 from jaxinfer import Backend, library_attention, models, ops, presets, xla_attention
 import pallas_kernels
@@ -31,13 +32,6 @@ def _tokamax():
   without tokamax the module is collected, then deselected, and building it
   would raise)."""
   return Backend(dense_attention="tokamax", grouped_matmul="tokamax")
-
-
-def _qkv(key, B, T, N, K, H, S=None):
-  kq, kk, kv = jax.random.split(key, 3)
-  S = S or T
-  return (jax.random.normal(kq, (B, T, N, H)), jax.random.normal(kk, (B, S, K, H)),
-          jax.random.normal(kv, (B, S, K, H)))
 
 
 @pytest.mark.parametrize("window", [0, 5])
