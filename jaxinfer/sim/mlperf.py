@@ -60,6 +60,16 @@ class Workload:
   template_tokens: int  # tokens every prompt shares (what KV-aware routing can reuse)
   weight_dtype: str
   kv_dtype: str
+  # The input lengths as (share of samples, their mean length) bins, shortest
+  # first: deciles, then 90-95, 95-98, 98-99, 99-99.5 and 99.5-100%.
+  isl_bins: tuple = ()
+
+
+ISL_BIN_SHARES = (0.1,) * 9 + (0.05, 0.03, 0.01, 0.005, 0.005)
+
+
+def _bins(*lengths: float) -> tuple:
+  return tuple(zip(ISL_BIN_SHARES, lengths, strict=True))
 
 
 # Token-length statistics: computed here from openshift-psap/performance-
@@ -71,6 +81,8 @@ class Workload:
 # mlcommons/inference: the 405B file's mean output 684.7 equals the README's
 # tokens_per_sample 684.68; the R1 file's outputs capped at 20,000 (the
 # README's max-OSL 20K) average 3886.2, the README's mean-output-tok-len.
+# isl_bins: the same files' tok_input_len sorted and cut at the shares named
+# in `Workload` (each bin's mean length; the bins' mean is the input mean).
 WORKLOADS = {
     # mlcommons/inference language/deepseek-r1: 4388 samples (loadgen/mlperf.conf
     # performance_sample_count_override); mean output 3886.2 tokens (README,
@@ -82,7 +94,9 @@ WORKLOADS = {
     # kv_cache_dtype 'fp8').
     "deepseek-r1": Workload(benchmark="deepseek-r1", preset="deepseek_v3", isl_mean=803.8,
                             isl_p99=1432.0, osl_mean=3886.2, osl_age_mean=4354.0,
-                            template_tokens=4, weight_dtype="fp4", kv_dtype="fp8"),
+                            template_tokens=4, weight_dtype="fp4", kv_dtype="fp8",
+                            isl_bins=_bins(98, 162, 497, 837, 883, 924, 992, 1088, 1215, 1295,
+                                           1329, 1391, 1453, 1665)),
     # mlcommons/inference language/llama3.1-405b: 8313 samples (mlperf.conf);
     # mean output 684.68 tokens (README, reference "tokens_per_sample"). From
     # the dataset CSV: input mean 9428.6, p99 18956, max 19988; output
@@ -90,7 +104,9 @@ WORKLOADS = {
     "llama3.1-405b": Workload(benchmark="llama3.1-405b", preset="llama3_1_405b",
                               isl_mean=9428.6, isl_p99=18956.0, osl_mean=684.68,
                               osl_age_mean=392.0, template_tokens=0, weight_dtype="fp4",
-                              kv_dtype="fp8"),
+                              kv_dtype="fp8",
+                              isl_bins=_bins(2646, 4389, 6016, 7925, 9472, 10548, 11374, 12262,
+                                             13373, 14898, 16803, 18454, 19199, 19709)),
 }
 
 
@@ -422,7 +438,15 @@ class _Ctx:
 
   @property
   def new_prompt(self) -> float:  # prompt tokens a request must prefill
-    return self.w.isl_mean - (self.w.template_tokens if self.tech.kv_routing else 0)
+    return self.w.isl_mean - self._reused
+
+  @property
+  def prompt_bins(self) -> tuple:  # isl_bins less what the prefix cache holds
+    return tuple((m, length - self._reused) for m, length in self.w.isl_bins)
+
+  @property
+  def _reused(self) -> int:
+    return self.w.template_tokens if self.tech.kv_routing else 0
 
 
 def max_batch(cost: RooflineCost, ctx: _Ctx) -> int:
@@ -434,10 +458,46 @@ def max_batch(cost: RooflineCost, ctx: _Ctx) -> int:
   return int(cap // ctx.context)
 
 
-def _queue_p99_s(rho: float, service_s: float) -> float:
-  """99th percentile wait of an M/D/1 queue, approximated as ln(100) times
-  its mean wait rho / (2 (1 - rho)) service (ASSUMED exponential tail)."""
-  return math.log(100) * rho / (2 * (1 - rho)) * service_s
+def _wait_tail(x: list, rho: float) -> tuple[float, float]:
+  """(C, theta) of an M/G/1 queue's waiting-time tail P(W > w) ~ C exp(-theta
+  w) (Cramer-Lundberg: theta solves lam (E[exp(theta X)] - 1) = theta, C =
+  (1 - rho) / (lam E[X exp(theta X)] - 1)); service X as (share, seconds)
+  pairs, lam = rho / E[X]."""
+  lam = rho / sum(m * v for m, v in x)
+  f = lambda th: lam * (sum(m * math.exp(th * v) for m, v in x) - 1) - th
+  hi = 1.0 / max(v for _, v in x)
+  while f(hi) < 0:
+    hi *= 2
+  lo = 0.0
+  for _ in range(60):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if f(mid) < 0 or mid == 0 else (lo, mid)
+  theta = hi
+  return (1 - rho) / (lam * sum(m * v * math.exp(theta * v) for m, v in x) - 1), theta
+
+
+def prefill_ttft_p99(bins: tuple, chunk: int, chunk_step_s: float, rho: float) -> float:
+  """99th percentile of a co-located prompt's time to its first token: its
+  wait W for the rank's chunk budget plus its own ceil(L / chunk) chunk
+  steps, over the input-length `bins` ((share, length) pairs).
+
+  The queue is M/G/1 over chunk-step time: a prompt of L tokens brings
+  L / chunk chunk steps of work (`rho`: the share of time in chunk steps).
+  W's tail is the Cramer-Lundberg asymptote (`_wait_tail`), capped at rho.
+  The p99 of the sum, not a sum of p99s."""
+  own = [(m, math.ceil(length / chunk) * chunk_step_s) for m, length in bins]
+  c, theta = (_wait_tail([(m, n / chunk * chunk_step_s) for m, n in bins], rho)
+              if rho > 0 else (0.0, 1.0))
+
+  def tail(t: float) -> float:  # P(TTFT > t)
+    return sum(m * (1.0 if t < s else min(rho, c * math.exp(-theta * (t - s))))
+               for m, s in own)
+
+  lo, hi = 0.0, max(s for _, s in own) + max(0.0, math.log(max(c, 1e-12) / 0.01)) / theta
+  for _ in range(50):
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if tail(mid) > 0.01 else (lo, mid)
+  return hi
 
 
 def _colocated_step(ctx: _Ctx, cost: RooflineCost, c: Config, batch: float):
@@ -529,9 +589,11 @@ def colocated(ctx: _Ctx, c: Config) -> dict | None:
                                       ctx.w.isl_mean / 2)]).seconds
   # A rank's prompts queue for its chunk budget (M/D/1): the service is one
   # mean prompt, ceil(isl / chunk) chunk steps (one step when a chunk holds it).
-  rho = min(full[1] / c.chunk, 0.999)
-  service = math.ceil(ctx.new_prompt / c.chunk) * chunk_step
-  ttft0 = _queue_p99_s(rho, service) + math.ceil(ctx.w.isl_p99 / c.chunk) * chunk_step
+  # Busy, the queue moves a chunk per chunk step (chunk / chunk_step tokens a
+  # second); prompts arrive at p tokens per mean step: its utilization is the
+  # fraction of time spent in chunk steps, not of the chunk budget per step.
+  rho = min(full[1] / c.chunk * chunk_step / full[0], 0.999)
+  ttft0 = prefill_ttft_p99(ctx.prompt_bins, c.chunk, chunk_step, rho)
   instances = ctx.system_gpus // (c.tp * c.ranks)  # whole instances; GPUs left over idle
   served = _served(ctx, c, instances * c.ranks, full[0], ttft0)
   if served is None:
