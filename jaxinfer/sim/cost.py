@@ -273,8 +273,10 @@ class RooflineCost:
   # Fraction of communication hidden under compute (two-batch overlap);
   # 0 is conservative.
   comm_overlap: float = 0.0
-  # MoE load imbalance (max - mean) / mean over EP ranks: DeepSeek's EPLB
-  # brought EP32 from 1.56 to ~0.11 with redundant experts (serving_facts.md).
+  # MoE load imbalance (max - mean) / mean over EP ranks, charged to the
+  # busiest GPU's expert FLOPs and to the tokens it receives: DeepSeek's
+  # EPLB brought EP32 from 1.56 to ~0.11 with redundant experts
+  # (serving_facts.md).
   moe_imbalance: float = 0.11
   # Given fewer rank shapes than par.dp (ranks neither simulated nor
   # bootstrapped, as in analytic tables): the missing ranks' attention is
@@ -477,7 +479,9 @@ class RooflineCost:
       size = c.mtp_expert if kind == "mtp" else c.expert
       experts = max(touched * size * self._bytes("expert") / bw,
                     2 * per_gpu * k * size * (1 + self.moe_imbalance) / F)
-      comm += self._a2a_s(max(rows) / tp)
+      # The all-to-all waits for its busiest GPU: the one sending the most
+      # rows, or the one whose experts receive moe_imbalance over the mean.
+      comm += self._a2a_s(max(max(rows), mean_rows * (1 + self.moe_imbalance)) / tp)
     comm += self._allreduce_s(max(rows))
     comm *= (1 - self.comm_overlap) * self._slow("comm")
     worst_attn, worst_dense, experts = (worst_attn * self._slow("attention"),

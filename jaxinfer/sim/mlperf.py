@@ -20,7 +20,9 @@ hold the scenario's limits. Server and Interactive: a rank holds at most
 `batch` sequences and a Poisson-arriving request waits for a free slot
 (an M/M/c queue over the pooled slots, `served_load`); the prediction is
 the mean batch at the highest load whose p99 TTFT (prefill plus slot wait)
-holds, and TPOT is judged with every slot busy. Offline fills every slot.
+holds, and TPOT is judged with every slot busy. A co-located rank's
+prompts also queue for its chunk budget (M/G/1 over the datasets'
+input-length bins, `prefill_ttft_p99`). Offline fills every slot.
 What a round's software could do (`Techniques`, `ROUND_TECHNIQUES`) and
 its batch caps and system (`Record`) are all the rounds differ in;
 `ablation` changes them one at a time.
@@ -35,6 +37,7 @@ import dataclasses
 import functools
 import itertools
 import math
+from statistics import NormalDist
 
 from jaxinfer import presets
 from jaxinfer.sim.cost import Parallelism, RooflineCost, StepShape, device
@@ -340,10 +343,23 @@ class Efficiency:
   # GB200, DeepSeek-V3, DP8 + EP8); charged to every decode step's attention
   # as max / mean = 1 / 0.88.
   attn_balance: float = 0.88
+  # MEASURED (published): expert load imbalance (max - mean) / mean over the
+  # GPUs of EP32 with no redundant experts, DeepSeek-V3 / R1 traffic: 1.56
+  # (0.11 with EPLB's 32 redundant slots; serving_facts.md). The records run
+  # no EPLB (no redundant slots in any moe_config). ASSUMED: the experts'
+  # loads independent, so a GPU's load over E / ep experts varies as
+  # sqrt(ep / E) and the busiest of ep GPUs sits z(ep) (the expected maximum
+  # of ep standard normals) above the mean: `expert_imbalance`.
+  expert_imbalance_ep32: float = 1.56
   # ASSUMED: Server-type scenarios queue a request for a decode slot (a
   # rank's batch is capped) with a router that pools the slots of every rank
   # of the system ("system"), or only of one instance's ranks ("instance").
   slot_pool: str = "system"
+
+  def expert_imbalance(self, ep: int) -> float:
+    """(max - mean) / mean expert load over `ep` GPUs without EPLB."""
+    z = lambda n: NormalDist().inv_cdf((n - 0.375) / (n + 0.25))  # Blom's approximation
+    return self.expert_imbalance_ep32 * z(ep) / z(32) * math.sqrt(ep / 32) if ep > 1 else 0.0
 
   def parts(self, fused: bool) -> tuple:
     """(part, slowdown) pairs for `RooflineCost.part_slowdown`."""
@@ -381,7 +397,8 @@ ROUND_TECHNIQUES = {"v5.1": Techniques(adp_balance=True),
 
 @functools.lru_cache(maxsize=None)
 def _cost(preset: str, dev: str, tp: int, ranks: int, ep: int, weight_dtype: str,
-          kv_dtype: str, parts: tuple, attn_balance: float) -> RooflineCost:
+          kv_dtype: str, parts: tuple, attn_balance: float,
+          moe_imbalance: float) -> RooflineCost:
   """The step-cost model of one instance. Attention at the matmul fraction
   (see `Efficiency`). ASSUMED: RooflineCost's per-layer latency
   (layer_floor_s, 100 us, itself ASSUMED from the batch-1 B200 anchor, which
@@ -397,7 +414,7 @@ def _cost(preset: str, dev: str, tp: int, ranks: int, ep: int, weight_dtype: str
   return RooflineCost(cfg=presets.get(preset), device=dataclasses.replace(
       d, attn_flop_eff=d.flop_eff), par=Parallelism(tp=tp, dp=ranks, ep=ep),
       weight_dtype=weight_dtype, kv_dtype=kv_dtype, part_slowdown=parts,
-      attn_imbalance=1.0 / attn_balance, floor_adds=True)
+      attn_imbalance=1.0 / attn_balance, moe_imbalance=moe_imbalance, floor_adds=True)
 
 
 def _shape(batch: float, context: float, k: int, prefill: float, prefill_start: float) -> StepShape:
@@ -430,7 +447,8 @@ class _Ctx:
 
   def cost(self, tp: int, ranks: int, ep: int) -> RooflineCost:
     return _cost(self.w.preset, self.dev, tp, ranks, ep, self.w.weight_dtype, self.w.kv_dtype,
-                 self.eff.parts(self.tech.fused_kernels), self.eff.attn_balance)
+                 self.eff.parts(self.tech.fused_kernels), self.eff.attn_balance,
+                 self.eff.expert_imbalance(ep))
 
   @property
   def context(self) -> float:  # mean context an in-flight decode token attends
@@ -587,8 +605,7 @@ def colocated(ctx: _Ctx, c: Config) -> dict | None:
   tpr = tokens_per_row(c.mtp_k)
   chunk_step = cost.step_time([_shape(c.batch, ctx.context, c.mtp_k, c.chunk,
                                       ctx.w.isl_mean / 2)]).seconds
-  # A rank's prompts queue for its chunk budget (M/D/1): the service is one
-  # mean prompt, ceil(isl / chunk) chunk steps (one step when a chunk holds it).
+  # A rank's prompts queue for its chunk budget (M/G/1, `prefill_ttft_p99`).
   # Busy, the queue moves a chunk per chunk step (chunk / chunk_step tokens a
   # second); prompts arrive at p tokens per mean step: its utilization is the
   # fraction of time spent in chunk steps, not of the chunk budget per step.
