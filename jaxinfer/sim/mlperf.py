@@ -65,7 +65,7 @@ class Workload:
   kv_dtype: str
   # The input lengths as (share of samples, their mean length) bins, shortest
   # first: deciles, then 90-95, 95-98, 98-99, 99-99.5 and 99.5-100%.
-  isl_bins: tuple = ()
+  isl_bins: tuple
 
 
 ISL_BIN_SHARES = (0.1,) * 9 + (0.05, 0.03, 0.01, 0.005, 0.005)
@@ -489,7 +489,7 @@ def _wait_tail(x: list, rho: float) -> tuple[float, float]:
   lo = 0.0
   for _ in range(60):
     mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if f(mid) < 0 or mid == 0 else (lo, mid)
+    lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
   theta = hi
   return (1 - rho) / (lam * sum(m * v * math.exp(theta * v) for m, v in x) - 1), theta
 
