@@ -487,7 +487,7 @@ def _wait_tail(x: list, rho: float) -> tuple[float, float]:
   while f(hi) < 0:
     hi *= 2
   lo = 0.0
-  for _ in range(60):
+  while hi - lo > 1e-9 * hi:
     mid = (lo + hi) / 2
     lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
   theta = hi
@@ -512,7 +512,7 @@ def prefill_ttft_p99(bins: tuple, chunk: int, chunk_step_s: float, rho: float) -
                for m, s in own)
 
   lo, hi = 0.0, max(s for _, s in own) + max(0.0, math.log(max(c, 1e-12) / 0.01)) / theta
-  for _ in range(50):
+  while hi - lo > 1e-6 * hi:
     mid = (lo + hi) / 2
     lo, hi = (mid, hi) if tail(mid) > 0.01 else (lo, mid)
   return hi
