@@ -476,6 +476,16 @@ def max_batch(cost: RooflineCost, ctx: _Ctx) -> int:
   return int(cap // ctx.context)
 
 
+def _bisect(below, lo: float, hi: float, rel: float) -> tuple[float, float]:
+  """Halve [lo, hi] around where `below` turns False (True at lo, False at
+  hi) until it is narrower than `rel` times its first width."""
+  tol = rel * (hi - lo)
+  while hi - lo > tol:
+    mid = (lo + hi) / 2
+    lo, hi = (mid, hi) if below(mid) else (lo, mid)
+  return lo, hi
+
+
 def _wait_tail(x: list, rho: float) -> tuple[float, float]:
   """(C, theta) of an M/G/1 queue's waiting-time tail P(W > w) ~ C exp(-theta
   w) (Cramer-Lundberg: theta solves lam (E[exp(theta X)] - 1) = theta, C =
@@ -486,11 +496,7 @@ def _wait_tail(x: list, rho: float) -> tuple[float, float]:
   hi = 1.0 / max(v for _, v in x)
   while f(hi) < 0:
     hi *= 2
-  lo = 0.0
-  while hi - lo > 1e-9 * hi:
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if f(mid) < 0 else (lo, mid)
-  theta = hi
+  theta = _bisect(lambda th: f(th) < 0, 0.0, hi, 1e-9)[1]
   return (1 - rho) / (lam * sum(m * v * math.exp(theta * v) for m, v in x) - 1), theta
 
 
@@ -512,10 +518,7 @@ def prefill_ttft_p99(bins: tuple, chunk: int, chunk_step_s: float, rho: float) -
                for m, s in own)
 
   lo, hi = 0.0, max(s for _, s in own) + max(0.0, math.log(max(c, 1e-12) / 0.01)) / theta
-  while hi - lo > 1e-6 * hi:
-    mid = (lo + hi) / 2
-    lo, hi = (mid, hi) if tail(mid) > 0.01 else (lo, mid)
-  return hi
+  return _bisect(lambda t: tail(t) > 0.01, 0.0, hi, 1e-6)[1]
 
 
 def _colocated_step(ctx: _Ctx, cost: RooflineCost, c: Config, batch: float):
@@ -564,14 +567,8 @@ def _slot_wait_p99(slots: int, load: float, life_s: float) -> float:
 def served_load(slots: int, life_s: float, budget_s: float) -> float:
   """The most busy slots on average (Poisson arrivals, exponential holding
   times of mean `life_s`) whose p99 wait for a slot stays within `budget_s`."""
-  lo, hi = 0.0, float(slots)
-  for _ in range(40):
-    mid = (lo + hi) / 2
-    if _slot_wait_p99(slots, mid, life_s) <= budget_s:
-      lo = mid
-    else:
-      hi = mid
-  return lo
+  return _bisect(lambda a: _slot_wait_p99(slots, a, life_s) <= budget_s, 0.0, float(slots),
+                 1e-12)[0]
 
 
 def _served(ctx: _Ctx, c: Config, ranks: int, full_step_s: float, ttft0_s: float):
