@@ -22,7 +22,9 @@ hold the scenario's limits. Server and Interactive: a rank holds at most
 the mean batch at the highest load whose p99 TTFT (prefill plus slot wait)
 holds, and TPOT is judged with every slot busy. A co-located rank's
 prompts also queue for its chunk budget (M/G/1 over the datasets'
-input-length bins, `prefill_ttft_p99`). Offline fills every slot.
+input-length bins, `prefill_ttft_p99`); a disaggregated one for a prefill
+instance (M/M/c), then its own steps and K/V transfer (`_p99_of_sum`).
+Offline fills every slot.
 What a round's software could do (`Techniques`, `ROUND_TECHNIQUES`) and
 its batch caps and system (`Record`) are all the rounds differ in;
 `ablation` changes them one at a time.
@@ -500,6 +502,17 @@ def _wait_tail(x: list, rho: float) -> tuple[float, float]:
   return (1 - rho) / (lam * sum(m * v * math.exp(theta * v) for m, v in x) - 1), theta
 
 
+def _p99_of_sum(own: list, waits: float, c: float, theta: float) -> float:
+  """99th percentile of W + S: S as (share, seconds) pairs, W independent of
+  it with tail P(W > w) = min(waits, c exp(-theta w)) (waits: P(W > 0))."""
+  def tail(t: float) -> float:  # P(W + S > t)
+    return sum(m * (1.0 if t < s else min(waits, c * math.exp(-theta * (t - s))))
+               for m, s in own)
+
+  hi = max(s for _, s in own) + max(0.0, math.log(max(c, 1e-12) / 0.01)) / theta
+  return _bisect(lambda t: tail(t) > 0.01, 0.0, hi, 1e-6)[1]
+
+
 def prefill_ttft_p99(bins: tuple, chunk: int, chunk_step_s: float, rho: float) -> float:
   """99th percentile of a co-located prompt's time to its first token: its
   wait W for the rank's chunk budget plus its own ceil(L / chunk) chunk
@@ -510,15 +523,10 @@ def prefill_ttft_p99(bins: tuple, chunk: int, chunk_step_s: float, rho: float) -
   W's tail is the Cramer-Lundberg asymptote (`_wait_tail`), capped at rho.
   The p99 of the sum, not a sum of p99s."""
   own = [(m, math.ceil(length / chunk) * chunk_step_s) for m, length in bins]
-  c, theta = (_wait_tail([(m, n / chunk * chunk_step_s) for m, n in bins], rho)
-              if rho > 0 else (0.0, 1.0))
-
-  def tail(t: float) -> float:  # P(TTFT > t)
-    return sum(m * (1.0 if t < s else min(rho, c * math.exp(-theta * (t - s))))
-               for m, s in own)
-
-  lo, hi = 0.0, max(s for _, s in own) + max(0.0, math.log(max(c, 1e-12) / 0.01)) / theta
-  return _bisect(lambda t: tail(t) > 0.01, 0.0, hi, 1e-6)[1]
+  if rho <= 0:
+    return _p99_of_sum(own, 0.0, 0.0, 1.0)
+  c, theta = _wait_tail([(m, n / chunk * chunk_step_s) for m, n in bins], rho)
+  return _p99_of_sum(own, rho, c, theta)
 
 
 def _colocated_step(ctx: _Ctx, cost: RooflineCost, c: Config, batch: float):
@@ -650,8 +658,14 @@ def disaggregated(ctx: _Ctx, c: Config) -> dict | None:
   servers = c.prefill_gpus // pgpus  # prefill instances, each serving n prompts a step
   if rho >= 1 or servers < 1:
     return None
-  wait = _slot_wait_p99(servers * n, rho * servers * n, pstep)  # M/M/c over the instances
-  ttft0 = wait + pstep * max(1.0, ctx.w.isl_p99 / 8192) + pcost.kv_transfer_s(int(ctx.w.isl_p99))
+  # A prompt waits for one of the instances' n prompt slots (M/M/c, each
+  # held a step), then takes its own steps and its K/V's transfer: the p99
+  # of the sum over the input-length bins.
+  slots, load = servers * n, rho * servers * n
+  waits = _erlang_c(slots, load)
+  own = [(m, pstep * max(1.0, length / 8192) + pcost.kv_transfer_s(int(length)))
+         for m, length in ctx.prompt_bins]
+  ttft0 = _p99_of_sum(own, waits, waits, (slots - load) / pstep)
   served = _served(ctx, c, decode_gpus // c.tp, full, ttft0)
   if served is None:
     return None

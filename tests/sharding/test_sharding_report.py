@@ -8,7 +8,6 @@ import pathlib
 import re
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
@@ -52,12 +51,11 @@ def test_bytes_equal_placed_shards(model, layout, axes):
 
 
 def test_deepseek_v3_on_288_devices_from_shapes():
-  live = len(jax.live_arrays())
-  start = time.perf_counter()
+  live = len(jax.live_arrays())  # from shapes: nothing of 671B parameters is allocated
   axes = {"data": 8, "expert": 36}
   r = sharding_report(model="deepseek_v3", mesh_axes=axes, layout="dp_attn_ep",
                       kv_tokens=1_000_000, redundant_experts=32)
-  assert time.perf_counter() - start < 10 and len(jax.live_arrays()) == live
+  assert len(jax.live_arrays()) == live
   assert r["num_devices"] == 288 and r["physical_experts"] == 288
   routed = r["params"]["groups"]["routed_experts"]
   cfg = presets.get("deepseek_v3")

@@ -146,6 +146,23 @@ def test_prefill_ttft_p99_of_the_sum():
   assert p99[1] < idle + math.log(c / 0.01) / theta
 
 
+def test_disaggregated_ttft_is_the_p99_of_wait_plus_prompt():
+  # S: 90% 1 s, 10% 3 s; W: P(W > w) = 0.5 exp(-w).
+  own = [(0.9, 1.0), (0.1, 3.0)]
+  assert mlperf._p99_of_sum(own, 0.0, 0.0, 1.0) == pytest.approx(3.0, rel=1e-5)
+  p99 = mlperf._p99_of_sum(own, 0.5, 0.5, 1.0)
+  # P(W + S > t) = 0.9 * 0.5 exp(-(t - 1)) + 0.1 * 0.5 exp(-(t - 3)) at t >= 3.
+  assert 0.45 * math.exp(1 - p99) + 0.05 * math.exp(3 - p99) == pytest.approx(0.01, rel=1e-4)
+  assert 3.0 < p99 < 3.0 + math.log(0.5 / 0.01)  # under the sum of the two p99s
+  # The record's 405B deployment: its TTFT holds the p99 prompt's own prefill.
+  pub = _pub("llama3.1-405b", "Server", "v6.0")
+  r = mlperf.search_row(pub, at_record=True)
+  ctx = mlperf._Ctx(mlperf.WORKLOADS["llama3.1-405b"], mlperf.SCENARIOS[("llama3.1-405b", "Server")],
+                    V60, mlperf.Efficiency(), "gb300", 72, 256)
+  _, pstep, _, _, _ = mlperf._prefill_rank(ctx)
+  assert r["ttft_ms"] / 1e3 > pstep * 18454 / 8192
+
+
 def test_expert_imbalance_without_eplb():
   eff = mlperf.Efficiency()
   assert eff.expert_imbalance(1) == 0.0
