@@ -24,10 +24,10 @@ alone: the speculative soak 125 s optimised, 74 s at level 0, 92 s of it
 XLA compiling 59 programs when optimised; the multi-step soak 33 s at level
 0; the MTP tests 34 + 30 + 12 s against 18 + 17 + 3 s), so they run at 0.
 The speculative tests on the default model are compile-bound (22-38 s each
-at level 0; 28-51 s optimised), so they stay at 0. The notebooks
-(tests/repo/test_notebooks.py), benchmarks (experiments/) and users keep
-XLA's default (colab/sharding.ipynb: 54 s at the default, 100 s at level 0). Test subprocesses get TEST_ENV
-(`subprocess_env`).
+at level 0; 28-51 s optimised), so they stay at 0. The notebooks run at
+level 0 too, but for colab/sharding.ipynb (54 s at the default, 100 s at
+level 0; tests/repo/test_notebooks.py); benchmarks (experiments/) and users
+keep XLA's default. Test subprocesses get TEST_ENV (`subprocess_env`).
 
 On jax 0.10, XLA:CPU also compiles with its older loop fusion emitters
 (TEST_ENV's XLA_FLAGS, `--xla_cpu_use_fusion_emitters=false`; jax 0.11
