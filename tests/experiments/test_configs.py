@@ -3,9 +3,10 @@
 configs/ that changes none of the flags' defaults, so a script behaves the
 same with and without it), every config in configs/ loads and names its
 script, and that script's own flag parsing consumes every field (`--config=` +
-`benchlib.flag_config`, run in a subprocess per script without the
-experiment). A default is written once, in its flag: no config field restates
-it, and every flag is a field all the same (`--config.<field>=`)."""
+`benchlib.flag_config`, without the experiment: the scripts parsed in one
+subprocess, each script's flags removed before the next defines its own). A
+default is written once, in its flag: no config field restates it, and every
+flag is a field all the same (`--config.<field>=`)."""
 
 import importlib.util
 import json
@@ -34,25 +35,48 @@ ARGS = {"bench_decode.py": ["", "bench_moe"], "serving_topologies.py": ["", "tp2
 # prints the result. `--config.<field>=` overrides are defined from sys.argv
 # when the script defines --config, so they may appear in one argv only.
 _PARSE = """
-import importlib.util, json, sys
+import importlib.util, json, sys, traceback
 from absl import flags
 from benchlib import flag_config
-path, argvs = sys.argv[1], json.loads(sys.argv[2])
-sys.argv = [path, *argvs[0]]
-spec = importlib.util.spec_from_file_location("script_under_test", path)
-sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # absl: flags' module
-spec.loader.exec_module(module)
 FLAGS = flags.FLAGS
-names = [f.name for f in FLAGS.get_flags_for_module("script_under_test") if f.name != "config"]
-out = []
-for argv in argvs:
+
+def parse(path, argvs):
+  sys.argv = [path, *argvs[0]]
+  spec = importlib.util.spec_from_file_location("script_under_test", path)
+  sys.modules[spec.name] = module = importlib.util.module_from_spec(spec)  # absl: flags' module
+  spec.loader.exec_module(module)
+  names = [f.name for f in FLAGS.get_flags_for_module("script_under_test") if f.name != "config"]
+  out = []
+  for argv in argvs:
+    FLAGS.unparse_flags()
+    FLAGS([path, *argv])
+    applied = flag_config.apply_config(FLAGS["config"].value, FLAGS, path)
+    out.append(dict(applied=applied, values={n: FLAGS[n].value for n in names},
+                    defaults={n: FLAGS[n].default for n in names}))
+  return dict(rounds=out, config_default=FLAGS["config"].default_as_str,
+              config_module=FLAGS.find_module_defining_flag("config"))
+
+def forget():
+  # The script's flags (and any --config.<field> overrides) leave FLAGS, so
+  # the next script in this process defines its own flags of the same names.
   FLAGS.unparse_flags()
-  FLAGS([path, *argv])
-  applied = flag_config.apply_config(FLAGS["config"].value, FLAGS, path)
-  out.append(dict(applied=applied, values={n: FLAGS[n].value for n in names},
-                  defaults={n: FLAGS[n].default for n in names}))
-print(json.dumps(dict(rounds=out, config_default=FLAGS["config"].default_as_str,
-                      config_module=FLAGS.find_module_defining_flag("config")), default=str))
+  for name in [f.name for f in FLAGS.get_flags_for_module("script_under_test")]:
+    delattr(FLAGS, name)
+  for name in [n for n in FLAGS if n.startswith("config.")]:
+    delattr(FLAGS, name)
+  sys.modules.pop("script_under_test", None)
+
+if sys.argv[1] == "--each":  # {script: argvs} -> {script: result or the error's traceback}
+  results = {}
+  for path, argvs in json.loads(sys.argv[2]).items():
+    try:
+      results[path] = parse(path, argvs)
+    except BaseException:  # noqa: BLE001 (a script's SystemExit too: its test reports it)
+      results[path] = dict(error=traceback.format_exc())
+    forget()
+  print(json.dumps(results, default=str))
+else:
+  print(json.dumps(parse(sys.argv[1], json.loads(sys.argv[2])), default=str))
 """
 
 
@@ -77,6 +101,17 @@ def _parse(script, *argv):
   return _parse_rounds(script, list(argv))["rounds"][0]
 
 
+def _parse_each(argvs: dict) -> dict:
+  """{script: [argv, ...]} -> {script: `_PARSE`'s result}, every script in one subprocess."""
+  proc = subprocess.run([sys.executable, "-c", _PARSE, "--each",
+                         json.dumps({str(ROOT / k): v for k, v in argvs.items()})],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600,
+                        env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  return {script: results[str(ROOT / script)] for script in argvs}
+
+
 def _configs_of(script):
   """(spec, ConfigDict) of every config in configs/ whose `script` is `script`."""
   for name in CONFIGS:
@@ -99,11 +134,21 @@ def test_every_script_has_a_config():
   assert set(SCRIPTS) <= named, sorted(set(SCRIPTS) - named)
 
 
+@pytest.fixture(scope="module")
+def every_script_parsed():
+  """Each script's `_PARSE` result for no --config and for each of its configs,
+  all parsed in one subprocess (one import of jax for the 30-odd scripts;
+  each script's flags are removed before the next one defines its own)."""
+  return _parse_each({script: [[], *([f"--config={spec}"] for spec, _ in _configs_of(script))]
+                      for script in SCRIPTS})
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_script_takes_its_configs(script):
+def test_script_takes_its_configs(script, every_script_parsed):
   configs = list(_configs_of(script))
   assert configs, f"{script}: no config in configs/"
-  out = _parse_rounds(script, [], *([f"--config={spec}"] for spec, _ in configs))
+  out = every_script_parsed[script]
+  assert "error" not in out, out.get("error")
   # --config is the script's flag, by default a config of configs/ for this script.
   assert out["config_module"] == "script_under_test", out["config_module"]
   default = pathlib.Path(out["config_default"].strip("'\""))
@@ -123,6 +168,14 @@ def test_script_takes_its_configs(script):
     for k, v in fields.items():  # the flag holds the field (list flags: strings)
       want = [str(x) for x in v] if isinstance(v, tuple) else v
       assert got["values"][k] == want, (spec, k)
+
+
+def test_one_process_parses_each_script_as_its_own_process_would(every_script_parsed):
+  # The last script parsed after all the others: the same flags, values and
+  # defaults as a process of its own (no flag of an earlier script left over).
+  script = SCRIPTS[-1]
+  alone = _parse_rounds(script, [], *([f"--config={spec}"] for spec, _ in _configs_of(script)))
+  assert every_script_parsed[script] == alone
 
 
 def _same(field, default) -> bool:
@@ -178,24 +231,28 @@ def test_mlperf_configs_run_the_bundled_model():
 
 
 def test_overrides_and_precedence():
-  out = _parse("experiments/mlperf_harness.py",
-               "--config=configs/mlperf_default_model_gpt_oss_limits.py",
-               "--config.scenarios=Server", "--config.server_qps=2", "--max_tokens=4")
-  v = out["values"]
+  out = {k: v["rounds"][0] for k, v in _parse_each({
+      "experiments/mlperf_harness.py": [["--config=configs/mlperf_default_model_gpt_oss_limits.py",
+                                         "--config.scenarios=Server", "--config.server_qps=2",
+                                         "--max_tokens=4"]],
+      "experiments/bench_decode.py": [["--config=configs/bench_decode.py:bench_moe",
+                                       "--config.batches=1,8", "--config.threads=2"]],
+      "experiments/gpu_day.py": [["--config.budget_s=300", "--config.out_dir=/tmp/g"]],
+      "experiments/repeat_tests.py": [["--config.tests=tests/a.py,tests/b.py"]],
+      "experiments/generate.py": [["--config.prompt=def f(a, b):"]]}).items()}
+  v, applied = (out["experiments/mlperf_harness.py"][k] for k in ("values", "applied"))
   assert v["scenarios"] == ["Server"] and v["server_qps"] == 2.0 and v["limits"] == "gpt-oss-120b"
-  assert v["max_tokens"] == 4 and "max_tokens" not in out["applied"]  # the command line wins
-  out = _parse("experiments/bench_decode.py", "--config=configs/bench_decode.py:bench_moe",
-               "--config.batches=1,8", "--config.threads=2")
-  assert out["values"]["model"] == "bench_moe"
-  assert out["values"]["batches"] == ["1", "8"] and out["values"]["threads"] == 2
+  # The command line wins.
+  assert v["max_tokens"] == 4 and "max_tokens" not in applied
+  v = out["experiments/bench_decode.py"]["values"]
+  assert v["model"] == "bench_moe" and v["batches"] == ["1", "8"] and v["threads"] == 2
   # A default config: overridden without naming it; a None field set from the command line.
-  out = _parse("experiments/gpu_day.py", "--config.budget_s=300", "--config.out_dir=/tmp/g")
-  assert out["values"]["budget_s"] == 300.0 and out["values"]["out_dir"] == "/tmp/g"
+  v = out["experiments/gpu_day.py"]["values"]
+  assert v["budget_s"] == 300.0 and v["out_dir"] == "/tmp/g"
   # A None field of a list flag takes a comma-separated string, as the flag does.
-  out = _parse("experiments/repeat_tests.py", "--config.tests=tests/a.py,tests/b.py")
-  assert out["values"]["tests"] == ["tests/a.py", "tests/b.py"]
-  out = _parse("experiments/generate.py", "--config.prompt=def f(a, b):")  # a multi flag
-  assert out["values"]["prompt"] == ["def f(a, b):"]
+  assert out["experiments/repeat_tests.py"]["values"]["tests"] == ["tests/a.py", "tests/b.py"]
+  # a multi flag
+  assert out["experiments/generate.py"]["values"]["prompt"] == ["def f(a, b):"]
 
 
 def test_a_field_no_flag_consumes_is_an_error():

@@ -155,8 +155,9 @@ def test_scales_from_params_are_used_and_kept_out_of_the_forward(name):
     assert eng2.kv_scales_source == "calibrated"
 
 
-@pytest.mark.parametrize("name,kind", [("tiny_dense", "fp8"), ("tiny_moe", "fp8"),
-                                       ("tiny_dense", "int8")])
+# Each kind once, on GQA and on MLA (CI time: the per-tile dequantization is
+# the kind's, the same for both attention forms).
+@pytest.mark.parametrize("name,kind", [("tiny_moe", "fp8"), ("tiny_dense", "int8")])
 def test_engine_quantized_kv_pallas_interpret_equals_xla(name, kind):
   # The kernel reads the quantized pages and dequantizes per tile; the XLA
   # path dequantizes after its gather: the same greedy tokens.
