@@ -316,12 +316,11 @@ def test_unrolled_step_layout_matches_scanned(name):
     eng = Engine(cfg, params, EngineConfig(num_pages=64, max_num_batched_tokens=32,
                                            unroll_layers=unroll, cpu_weight_layout=layout))
     outs.append([o.token_ids for o in eng.generate(prompts, SamplingParams(max_tokens=9))])
-    loads.append(eng.expert_load() if cfg.is_moe else None)
+    loads.append(eng.expert_load())
     _no_leak(eng)
   assert outs[0] == outs[1] == outs[2]
-  if cfg.is_moe:
-    for load in loads[1:]:
-      np.testing.assert_array_equal(loads[0], load)
+  for load in loads[1:]:
+    np.testing.assert_array_equal(loads[0], load)
 
 
 @pytest.mark.parametrize("name", ["gpt_oss"])  # (CI time: one model; its layers are MoE)

@@ -88,13 +88,20 @@ def _load(name, arg=""):
   return module.get_config(*([arg] if arg else []))
 
 
-def _parse_rounds(script, *argvs, prelude=""):
-  proc = subprocess.run([sys.executable, "-c", prelude + _PARSE, str(ROOT / script),
-                         json.dumps(argvs)],
-                        cwd=ROOT, capture_output=True, text=True, timeout=300,
+def _run_parse(*args, prelude="") -> subprocess.CompletedProcess:
+  """`_PARSE` in a subprocess (after `prelude`) with `args` as its argv."""
+  return subprocess.run([sys.executable, "-c", prelude + _PARSE, *args],
+                        cwd=ROOT, capture_output=True, text=True, timeout=600,
                         env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
+
+
+def _last_json(proc: subprocess.CompletedProcess):
   assert proc.returncode == 0, proc.stderr[-3000:]
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _parse_rounds(script, *argvs, prelude=""):
+  return _last_json(_run_parse(str(ROOT / script), json.dumps(argvs), prelude=prelude))
 
 
 def _parse(script, *argv):
@@ -103,12 +110,8 @@ def _parse(script, *argv):
 
 def _parse_each(argvs: dict) -> dict:
   """{script: [argv, ...]} -> {script: `_PARSE`'s result}, every script in one subprocess."""
-  proc = subprocess.run([sys.executable, "-c", _PARSE, "--each",
-                         json.dumps({str(ROOT / k): v for k, v in argvs.items()})],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600,
-                        env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
-  assert proc.returncode == 0, proc.stderr[-3000:]
-  results = json.loads(proc.stdout.strip().splitlines()[-1])
+  results = _last_json(_run_parse("--each", json.dumps({str(ROOT / k): v
+                                                        for k, v in argvs.items()})))
   return {script: results[str(ROOT / script)] for script in argvs}
 
 
@@ -209,10 +212,7 @@ def test_every_flag_is_a_field_but_internal_deprecated_and_secret_ones():
   assert out["applied"] == {"max_tokens": 8, "teacher": False}
   for script, field in [("experiments/gpu_day.py", "part"), ("experiments/serve.py", "api_key"),
                         ("experiments/kv_quant.py", "model_dir")]:
-    proc = subprocess.run([sys.executable, "-c", _PARSE, str(ROOT / script),
-                           json.dumps([[f"--config.{field}=x"]])],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={"JAX_PLATFORMS": "cpu", **os.environ, "PYTHONPATH": _PYTHONPATH})
+    proc = _run_parse(str(ROOT / script), json.dumps([[f"--config.{field}=x"]]))
     assert proc.returncode != 0, (script, field)
 
 

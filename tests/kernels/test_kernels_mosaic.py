@@ -200,9 +200,9 @@ if mpa.available() is None:
     """MTP speculation under MLA with Backend(attention="mosaic") (CPU:
     interpreted): verify steps (up to 3 tokens a sequence, in max_q's bucket
     of 4) reach the Mosaic MLA kernel, with 64 heads as one cluster of 4
-    row blocks (8, at 128 heads, starves
-    the interpreter's threads inside the Engine's step); every emitted
-    token is the argmax of a float32 full forward up to bfloat16 rounding."""
+    row blocks (8, at 128 heads, starves the interpreter's threads inside
+    the Engine's step); every emitted token is the argmax of a float32 full
+    forward up to bfloat16 rounding."""
     calls = []
     real = ops._ragged_mosaic_mla
     monkeypatch.setattr(ops, "_ragged_mosaic_mla", lambda *a: calls.append(a) or real(*a))
